@@ -1,0 +1,55 @@
+"""KV caches for the eager paths: a contiguous per-batch cache where all rows share one offset.
+
+Used by the reference generator (one request) and by the code predictor, whose 16-position
+sequence restarts every frame. The batched engine's slot cache lives in stages/talker/.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ContiguousKV:
+    """Preallocated [B, n_kv, max_len, D] per layer; every row is at the same position `length`.
+
+    Call `advance(s)` after each forward of `s` new positions. The first forward (length 0) is causal
+    among its own rows; later ones attend to everything cached so far (one new row at a time, or a
+    block that is causal within itself via an explicit mask).
+    """
+
+    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0
+        self._pending = 0
+        self.mask: torch.Tensor | None = None
+        self.is_causal = True
+
+    def begin(self, s: int) -> None:
+        """Prepare for a forward of `s` new positions."""
+        if self.length + s > self.max_len:
+            raise RuntimeError(f"KV cache full: {self.length} + {s} > {self.max_len}")
+        self._pending = s
+        self.is_causal = self.length == 0
+        if self.is_causal or s == 1:
+            self.mask = None
+        else:  # a block appended to a non-empty cache: causal within the block
+            total = self.length + s
+            q_pos = torch.arange(self.length, total, device=self.k[0].device)[:, None]
+            self.mask = (torch.arange(total, device=self.k[0].device)[None, :] <= q_pos)[None, None]
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        self.k[layer_idx][:, :, self.length:end] = k
+        self.v[layer_idx][:, :, self.length:end] = v
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def advance(self) -> None:
+        self.length += self._pending
+        self._pending = 0
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,59 @@
+"""One codec frame, batched: the code-predictor loop for codebooks 1..15 and the next talker input.
+
+Shared by the reference generator and the engine (eager and CUDA-graph paths), so there is exactly
+one implementation of the per-frame math. Shape-static, no host sync: graph-capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stages.kv_cache import ContiguousKV
+from stages.sampling import SamplingTensors, select_tokens
+from stages.talker.model import Talker
+
+CODEBOOKS = 16
+
+
+def new_code_predictor_cache(talker: Talker, batch: int) -> ContiguousKV:
+    cp = talker.config.code_predictor.transformer
+    w = talker.codec_head.weight
+    return ContiguousKV(cp.num_hidden_layers, batch, cp.num_key_value_heads, cp.head_dim, CODEBOOKS,
+                        dtype=w.dtype, device=w.device)
+
+
+def predict_frame_codes(
+    talker: Talker,
+    hidden: torch.Tensor,  # [B, H] talker post-norm hidden state of the step that produced c0
+    c0: torch.Tensor,  # [B] codebook-0 codes
+    cache: ContiguousKV,  # [B]-row cache with 16 positions, reset here
+    params: SamplingTensors,  # sub-talker sampling parameters
+    seeds: torch.Tensor,  # [B] int64
+    frame_index: torch.Tensor,  # [B] int64, index of this frame in its request (RNG counter)
+) -> torch.Tensor:
+    """-> codes [B, 16] of the frame (c0 first)."""
+    cp = talker.code_predictor
+    b = hidden.shape[0]
+    cache.reset()
+    inputs = torch.stack((hidden, talker.embed_codec(c0)), dim=1)  # [B, 2, H]
+    positions = torch.arange(2, device=hidden.device).expand(b, 2)
+    codes = [c0]
+    for group in range(CODEBOOKS - 1):
+        cache.begin(inputs.shape[1])
+        logits = cp.forward_step(inputs, positions, cache, group).float()
+        cache.advance()
+        code = select_tokens(logits, params, seeds, frame_index * CODEBOOKS + group + 1)
+        codes.append(code)
+        if group < CODEBOOKS - 2:
+            inputs = cp.model.codec_embedding[group](code)[:, None]  # [B, 1, H]
+            positions = torch.full((b, 1), group + 2, device=hidden.device, dtype=torch.long)
+    return torch.stack(codes, dim=1)
+
+
+def next_talker_input(
+    talker: Talker,
+    codes: torch.Tensor,  # [B, 16]
+    text_rows: torch.Tensor,  # [B, H] trailing text row of this frame (or tts_pad)
+) -> torch.Tensor:
+    """-> [B, 1, H]: sum of the frame's 16 codebook embeddings plus the text-track row."""
+    return (talker.embed_frame_codes(codes) + text_rows)[:, None]

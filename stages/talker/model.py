@@ -1,0 +1,110 @@
+"""The talker LM (codebook 0) and the code predictor (codebooks 1..15): modules and their math.
+
+State-dict names equal the official checkpoint's under the `talker.` prefix. These modules only
+compute; caching, batching and sampling are decided by their callers (reference generator, engine).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stages.config import TalkerConfig
+from stages.layers import AttentionContext, DecoderStack
+
+
+class TextProjection(nn.Module):
+    """Maps text-embedding space into the talker's hidden size: fc2(silu(fc1(x)))."""
+
+    def __init__(self, in_dim: int, hidden: int, out_dim: int):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(in_dim, hidden, bias=True)
+        self.linear_fc2 = nn.Linear(hidden, out_dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class TalkerBackbone(DecoderStack):
+    """`talker.model`: the decoder stack plus the codec and text embedding tables."""
+
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__(cfg.transformer)
+        self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)
+
+
+class CodePredictorBackbone(DecoderStack):
+    """`talker.code_predictor.model`: 15 embedding tables (talker width) feeding a small stack."""
+
+    def __init__(self, cfg: TalkerConfig):
+        cp = cfg.code_predictor
+        super().__init__(cp.transformer)
+        self.codec_embedding = nn.ModuleList(
+            nn.Embedding(cp.vocab_size, cfg.hidden_size) for _ in range(cp.num_code_groups - 1)
+        )
+
+
+class CodePredictor(nn.Module):
+    """Predicts codebooks 1..15 of a frame from the talker's hidden state and codebook 0.
+
+    Sequence per frame (positions 0..15, fresh cache every frame):
+    prefill rows [h, C(c0)] -> lm_head[0] -> c1; then row E_{j-1}(c_{j-1}) -> lm_head[j-1] -> c_j.
+    """
+
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        cp = cfg.code_predictor
+        self.model = CodePredictorBackbone(cfg)
+        self.lm_head = nn.ModuleList(
+            nn.Linear(cp.transformer.hidden_size, cp.vocab_size, bias=False) for _ in range(cp.num_code_groups - 1)
+        )
+        if cp.transformer.hidden_size != cfg.hidden_size:
+            self.small_to_mtp_projection: nn.Module = nn.Linear(cfg.hidden_size, cp.transformer.hidden_size, bias=True)
+        else:
+            self.small_to_mtp_projection = nn.Identity()
+
+    def forward_step(
+        self, inputs: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, group: int
+    ) -> torch.Tensor:
+        """inputs [B, S, H_talker] -> logits [B, vocab] of codebook `group + 1` (last row only)."""
+        h = self.model(self.small_to_mtp_projection(inputs), positions, ctx)
+        return self.lm_head[group](h[:, -1])
+
+
+class Talker(nn.Module):
+    """`talker`: backbone + text projection + codec head + code predictor."""
+
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = TalkerBackbone(cfg)
+        self.text_projection = TextProjection(cfg.text_hidden_size, cfg.text_hidden_size, cfg.hidden_size)
+        self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.code_predictor = CodePredictor(cfg)
+
+    def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """P(ids): text tokens [...] -> [..., H]."""
+        return self.text_projection(self.model.text_embedding(ids))
+
+    def embed_codec(self, ids: torch.Tensor) -> torch.Tensor:
+        """C(ids): codebook-0 codes and control ids [...] -> [..., H]."""
+        return self.model.codec_embedding(ids)
+
+    def embed_frame_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """Sum of all 16 codebook embeddings of frames: codes [..., 16] -> [..., H].
+
+        Stacked then summed over the codebook axis, in the same order as the official model, so the
+        fp32 result is bit-identical.
+        """
+        tables = [self.model.codec_embedding, *self.code_predictor.model.codec_embedding]
+        parts = [table(codes[..., q]) for q, table in enumerate(tables)]
+        return torch.stack(parts, dim=-2).sum(-2)
+
+    def forward_hidden(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """embeds [B, S, H], positions [B, S] -> post-norm hidden states [B, S, H]."""
+        return self.model(embeds, positions, ctx)
+
+    def codec_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.codec_head(hidden)

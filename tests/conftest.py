@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random checkpoints written by our own writer, once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny_checkpoints")
+
+
+def _write(root: Path, name: str, size: str, kind: str, dtype: str) -> Path:
+    from stages.random_checkpoint import write_random_checkpoint
+
+    out = root / name
+    if not (out / "config.json").exists():
+        write_random_checkpoint(out, size, kind, tiny=True, dtype=dtype, seed=1234, log=lambda _m: None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_custom_voice(tiny_ckpt_dir) -> Path:
+    """1.7B-style CustomVoice (accepts instructions), tiny shapes, fp32 for exact parity."""
+    return _write(tiny_ckpt_dir, "cv17", "1.7b", "custom_voice", "float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_custom_voice_06(tiny_ckpt_dir) -> Path:
+    return _write(tiny_ckpt_dir, "cv06", "0.6b", "custom_voice", "float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_voice_design(tiny_ckpt_dir) -> Path:
+    return _write(tiny_ckpt_dir, "vd17", "1.7b", "voice_design", "float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tiny_ckpt_dir) -> Path:
+    return _write(tiny_ckpt_dir, "base17", "1.7b", "base", "float32")
+
+
+def reference_clip(seconds: float = 2.5, sr: int = 24000, seed: int = 0) -> np.ndarray:
+    """A deterministic test clip: a chirp with harmonics and a little noise, float32 in [-1, 1]."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sr)) / sr
+    f = 120 + 200 * t / seconds
+    wav = 0.4 * np.sin(2 * np.pi * f * t) + 0.2 * np.sin(4 * np.pi * f * t) + 0.02 * rng.standard_normal(t.size)
+    return (wav * np.hanning(t.size) ** 0.1).astype(np.float32)
