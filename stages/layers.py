@@ -100,6 +100,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k, v = ctx.update(self.layer_idx, k, v)  # [B, n_kv, L, D]
+        if s == 1 and not ctx.is_causal:
+            # decode: the query heads sharing a KV head become rows of one [group, D] query block, so
+            # GQA needs no expanded K/V copy and the mask backend of SDPA stays usable
+            group = self.num_heads // self.num_kv_heads
+            qg = q.reshape(b, self.num_kv_heads, group, self.head_dim)
+            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=ctx.mask)  # [B, n_kv, group, D]
+            return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
         out = F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=None if ctx.is_causal else ctx.mask,

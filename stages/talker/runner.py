@@ -1,0 +1,237 @@
+"""The talker engine's device side: slot-indexed GPU state, batched prefill, the decode step, graphs.
+
+All per-request state lives in preallocated tensors indexed by slot (positions, frame counters,
+sampling parameters, seeds, repetition-penalty masks, trailing text rows, last hidden state and
+codebook-0 token), so nothing per request can be evicted mid-stream and a decode step allocates
+nothing. A decode step for batch bucket b runs slots [0, b) and writes its results into one
+output buffer [slots, 17] (16 codes of the frame + the next codebook-0 token); the host reads that
+with a single copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from stages.contract import SamplingParams
+from stages.model import Qwen3TTS
+from stages.reference import suppressed_ids_mask
+from stages.sampling import SamplingTensors, mask_talker_logits, select_tokens
+from stages.talker.frame import CODEBOOKS, new_code_predictor_cache, next_talker_input, predict_frame_codes
+from stages.talker.kv_slots import DecodeContext, PrefillContext, SlotKVCache
+from stages.talker.prefill import PrefillEmbeds
+
+_TOP_K_OFF = 1 << 30
+
+
+@dataclass
+class SlotParams:
+    """Sampling parameters of every slot, [slots]-shaped device tensors."""
+
+    talker: SamplingTensors
+    sub: SamplingTensors
+    penalty: torch.Tensor
+    min_frames: torch.Tensor
+    suppress_eos: torch.Tensor
+    seeds: torch.Tensor
+
+    @classmethod
+    def empty(cls, n: int, device: torch.device) -> SlotParams:
+        def sampling() -> SamplingTensors:
+            return SamplingTensors(torch.zeros(n, dtype=torch.bool, device=device),
+                                   torch.ones(n, device=device), torch.full((n,), _TOP_K_OFF, device=device),
+                                   torch.ones(n, device=device))
+
+        return cls(sampling(), sampling(), torch.ones(n, device=device),
+                   torch.zeros(n, dtype=torch.long, device=device), torch.zeros(n, dtype=torch.bool, device=device),
+                   torch.zeros(n, dtype=torch.long, device=device))
+
+    def tensors(self) -> list[torch.Tensor]:
+        t, s = self.talker, self.sub
+        return [t.do_sample, t.temperature, t.top_k, t.top_p, s.do_sample, s.temperature, s.top_k, s.top_p,
+                self.penalty, self.min_frames, self.suppress_eos, self.seeds]
+
+    def rows(self, b: int) -> SlotParams:
+        t, s = self.talker, self.sub
+        return SlotParams(
+            SamplingTensors(t.do_sample[:b], t.temperature[:b], t.top_k[:b], t.top_p[:b]),
+            SamplingTensors(s.do_sample[:b], s.temperature[:b], s.top_k[:b], s.top_p[:b]),
+            self.penalty[:b], self.min_frames[:b], self.suppress_eos[:b], self.seeds[:b],
+        )
+
+    def set(self, slot: int, p: SamplingParams, seed: int) -> None:
+        values = [p.do_sample, p.temperature, p.top_k or _TOP_K_OFF, p.top_p, p.subtalker_do_sample,
+                  p.subtalker_temperature, p.subtalker_top_k or _TOP_K_OFF, p.subtalker_top_p,
+                  p.repetition_penalty, p.min_frames, p.suppress_eos, seed]
+        for tensor, value in zip(self.tensors(), values, strict=True):
+            tensor[slot] = value
+
+
+class TalkerRunner:
+    """Sole owner of the talker's device state. Not thread-safe: one engine thread calls it."""
+
+    def __init__(self, model: Qwen3TTS, num_slots: int, max_seq_len: int, max_text_rows: int,
+                 length_buckets: tuple[int, ...]):
+        assert model.talker is not None
+        self.model, self.talker = model, model.talker
+        self.device, self.dtype = model.device, model.dtype
+        cfg = self.talker.config
+        tcfg = cfg.transformer
+        self.num_slots, self.max_seq_len, self.max_text_rows = num_slots, max_seq_len, max_text_rows
+        self.length_buckets = tuple(sorted({min(b, max_seq_len) for b in length_buckets} | {max_seq_len}))
+        dev = self.device
+        self.kv = SlotKVCache(tcfg.num_hidden_layers, num_slots, tcfg.num_key_value_heads, max_seq_len,
+                              tcfg.head_dim, self.dtype, dev)
+        self.params = SlotParams.empty(num_slots, dev)
+        self.positions = torch.zeros(num_slots, dtype=torch.long, device=dev)  # next talker position
+        self.frame_index = torch.zeros(num_slots, dtype=torch.long, device=dev)  # frames produced so far
+        self.hidden = torch.zeros(num_slots, cfg.hidden_size, dtype=self.dtype, device=dev)
+        self.c0 = torch.zeros(num_slots, dtype=torch.long, device=dev)
+        self.seen = torch.zeros(num_slots, cfg.vocab_size, dtype=torch.bool, device=dev)
+        self.trailing = torch.zeros(num_slots, max_text_rows, cfg.hidden_size, dtype=self.dtype, device=dev)
+        self.trailing_len = torch.zeros(num_slots, dtype=torch.long, device=dev)
+        self.tts_pad = torch.zeros(cfg.hidden_size, dtype=self.dtype, device=dev)
+        self.out = torch.zeros(num_slots, CODEBOOKS + 1, dtype=torch.long, device=dev)
+        self.out_host = torch.zeros(num_slots, CODEBOOKS + 1, dtype=torch.long,
+                                    pin_memory=dev.type == "cuda")
+        self.cp_caches = {}  # batch bucket -> ContiguousKV (fixed addresses for graphs)
+        self.suppress = suppressed_ids_mask(cfg.vocab_size, cfg.codebook_size, cfg.codec.eos, dev)
+        self.eos = cfg.codec.eos
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+
+    # ---------------------------------------------------------------- per-slot bookkeeping
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        return [self.positions, self.frame_index, self.hidden, self.c0, self.seen, self.trailing,
+                self.trailing_len, *self.params.tensors()]
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Compaction: the request in `src` continues in `dst` (a freed slot below it)."""
+        for t in self._slot_tensors():
+            t[dst] = t[src]
+        self.kv.move(src, dst, length)
+
+    def attn_bucket(self, max_position: int) -> int:
+        for b in self.length_buckets:
+            if max_position < b:
+                return b
+        raise ValueError(f"position {max_position} exceeds max_seq_len {self.max_seq_len}")
+
+    # ---------------------------------------------------------------- prefill
+    @torch.no_grad()
+    def prefill(self, start: int, embeds: list[PrefillEmbeds], params: list[SamplingParams],
+                seeds: list[int]) -> None:
+        """Admit len(embeds) requests into slots [start, start+n): batched prompt forward, first c0."""
+        n = len(embeds)
+        dev = self.device
+        lengths = [e.prefill.shape[0] for e in embeds]
+        width = max(lengths)
+        x = torch.zeros(n, width, self.hidden.shape[1], dtype=self.dtype, device=dev)
+        for i, e in enumerate(embeds):
+            x[i, :lengths[i]] = e.prefill
+        positions = torch.arange(width, device=dev).expand(n, width)
+        hidden = self.talker.forward_hidden(x, positions, PrefillContext(self.kv, start, n))
+        last = torch.tensor(lengths, device=dev) - 1
+        rows = slice(start, start + n)
+        self.hidden[rows] = hidden[torch.arange(n, device=dev), last]
+        self.positions[rows] = last + 1
+        self.frame_index[rows] = 0
+        self.seen[rows] = False
+        self.trailing_len[rows] = torch.tensor([e.trailing.shape[0] for e in embeds], device=dev)
+        for i, e in enumerate(embeds):
+            self.trailing[start + i, :e.trailing.shape[0]] = e.trailing
+            self.params.set(start + i, params[i], seeds[i])
+        self.tts_pad.copy_(embeds[0].tts_pad)
+        p = self.params
+        logits = mask_talker_logits(
+            self.talker.codec_logits(self.hidden[rows]).float(), self.seen[rows], p.penalty[rows],
+            self.frame_index[rows], p.min_frames[rows], self.suppress, self.eos, p.suppress_eos[rows],
+        )
+        talker_params = SamplingTensors(p.talker.do_sample[rows], p.talker.temperature[rows],
+                                        p.talker.top_k[rows], p.talker.top_p[rows])
+        self.c0[rows] = select_tokens(logits, talker_params, p.seeds[rows], self.frame_index[rows] * CODEBOOKS)
+
+    def first_tokens(self, start: int, n: int) -> list[int]:
+        """Codebook-0 tokens sampled at prefill (host sync; once per admission, not per step)."""
+        return self.c0[start:start + n].tolist()
+
+    # ---------------------------------------------------------------- decode
+    def _decode_step(self, b: int, attn_len: int) -> None:
+        """One frame for slots [0, b): code predictor, next talker input, talker step, next c0."""
+        p = self.params.rows(b)
+        frame_index = self.frame_index[:b]
+        c0 = self.c0[:b]
+        codes = predict_frame_codes(self.talker, self.hidden[:b], c0, self.cp_cache(b), p.sub, p.seeds, frame_index)
+        self.seen[:b].scatter_(1, c0[:, None], True)
+        has_text = frame_index < self.trailing_len[:b]
+        text_idx = torch.minimum(frame_index, (self.trailing_len[:b] - 1).clamp(min=0))
+        text_rows = self.trailing[torch.arange(b, device=self.device), text_idx]
+        text_rows = torch.where(has_text[:, None], text_rows, self.tts_pad[None, :])
+        x = next_talker_input(self.talker, codes, text_rows)
+        positions = self.positions[:b]
+        hidden = self.talker.forward_hidden(x, positions[:, None], DecodeContext(self.kv, positions, attn_len))[:, -1]
+        self.hidden[:b] = hidden
+        self.positions[:b] += 1
+        self.frame_index[:b] += 1
+        logits = mask_talker_logits(self.talker.codec_logits(hidden).float(), self.seen[:b], p.penalty,
+                                    self.frame_index[:b], p.min_frames, self.suppress, self.eos, p.suppress_eos)
+        next_c0 = select_tokens(logits, p.talker, p.seeds, self.frame_index[:b] * CODEBOOKS)
+        self.c0[:b] = next_c0
+        self.out[:b, :CODEBOOKS] = codes
+        self.out[:b, CODEBOOKS] = next_c0
+
+    def cp_cache(self, b: int):
+        if b not in self.cp_caches:
+            self.cp_caches[b] = new_code_predictor_cache(self.talker, b)
+        return self.cp_caches[b]
+
+    @torch.no_grad()
+    def decode(self, b: int, attn_len: int) -> torch.Tensor:
+        """Run one step for slots [0, b) (b a batch bucket) and return the host copy of `out[:b]`.
+
+        Rows past the real batch are padding: they compute garbage in free slots, never read.
+        """
+        graph = self.graphs.get((b, attn_len))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._decode_step(b, attn_len)
+        host = self.out_host[:b]
+        host.copy_(self.out[:b], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return host
+
+    # ---------------------------------------------------------------- CUDA graphs
+    @torch.no_grad()
+    def capture_graphs(self, batch_buckets: tuple[int, ...], log: Callable[[str], None] = print) -> float:
+        """Capture the decode step for every (batch bucket, length bucket). Returns seconds taken.
+
+        Capture runs on scratch state: slot contents are saved and restored around it.
+        """
+        if self.device.type != "cuda":
+            return 0.0
+        t0 = time.perf_counter()
+        saved = [t.clone() for t in self._slot_tensors()]
+        pool = torch.cuda.graph_pool_handle()
+        keys = [(b, L) for b in sorted(batch_buckets, reverse=True) for L in self.length_buckets]
+        stream = torch.cuda.Stream(self.device)
+        for i, (b, attn_len) in enumerate(keys):
+            self.positions[:b] = 0
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up kernels/allocator outside the capture
+                    self._decode_step(b, attn_len)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._decode_step(b, attn_len)
+            self.graphs[(b, attn_len)] = graph
+            if (i + 1) % max(1, len(keys) // 10) == 0 or i + 1 == len(keys):
+                log(f"[talker] captured {i + 1}/{len(keys)} decode graphs ({time.perf_counter() - t0:.1f} s)")
+        for t, s in zip(self._slot_tensors(), saved, strict=True):
+            t.copy_(s)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
