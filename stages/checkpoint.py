@@ -89,7 +89,8 @@ def load_module_strict(
     expected = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     persistent = set(module.state_dict(keep_vars=True).keys())
     expected = {k: v for k, v in expected.items() if k in persistent}
-    module.to_empty(device=device)
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        module.to_empty(device=device)  # allocation only; every persistent tensor is overwritten below
     targets = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     with open_safetensors(file, device) as f:
         available = {k[len(prefix):] for k in f.keys() if k.startswith(prefix)}

@@ -18,9 +18,10 @@ class TextTokenizer:
     """The checkpoint's own Qwen2 BPE tokenizer (vocab.json, merges.txt, tokenizer_config.json)."""
 
     def __init__(self, checkpoint_dir: str | Path):
-        from transformers import AutoTokenizer  # heavy import, only where a tokenizer is needed
+        from transformers import Qwen2TokenizerFast  # heavy import, only where a tokenizer is needed
 
-        self._tok = AutoTokenizer.from_pretrained(str(checkpoint_dir))
+        # the class is named explicitly: AutoTokenizer would read config.json (model_type qwen3_tts) and warn
+        self._tok = Qwen2TokenizerFast.from_pretrained(str(checkpoint_dir))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])

@@ -124,4 +124,4 @@ class ReferenceGenerator:
             return np.zeros(0, dtype=np.float32)
         x = torch.as_tensor(full, dtype=torch.long, device=self.model.device).T[None]  # [1, 16, T]
         wav = decoder(x)[0, 0].float().cpu().numpy()
-        return wav[context * decoder.config.samples_per_frame:]
+        return wav[context * decoder.samples_per_frame:]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from types import MappingProxyType
 from typing import Any
 
 from transformers import MimiConfig
@@ -76,7 +75,7 @@ class ReferenceEncoderConfig:
     sample_rate: int = 24000  # `input_sample_rate`
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "encoder", MappingProxyType(dict(self.encoder)))
+        object.__setattr__(self, "encoder", dict(self.encoder))  # a private copy (MappingProxyType cannot pickle)
         total = int(self.encoder.get("num_quantizers", 32))
         if not 1 <= self.num_quantizers <= total:
             raise ValueError(f"encoder_valid_num_quantizers={self.num_quantizers} not in [1, {total}]")

@@ -20,6 +20,10 @@ def _encoder_parts(mimi: MimiModel) -> tuple[nn.Module, nn.Module, nn.Module, nn
     return mimi.encoder, mimi.encoder_transformer, mimi.downsample, mimi.quantizer  # 4.x: flat attributes
 
 
+def _drop_codebook_cache(module: ReferenceAudioEncoder, _incompatible_keys) -> None:
+    module.reset_codebook_cache()
+
+
 class ReferenceAudioEncoder(nn.Module):
     """Mimi SEANet -> causal transformer -> stride-2 downsample -> split RVQ, first `num_quantizers` codebooks.
 
@@ -38,7 +42,7 @@ class ReferenceAudioEncoder(nn.Module):
             mimi_config.decoder_config = None  # transformers >= 5 then builds no decoder at all
         mimi = MimiModel(mimi_config)
         self.encoder, self.encoder_transformer, self.downsample, self.quantizer = _encoder_parts(mimi)
-        self.register_load_state_dict_post_hook(lambda module, _keys: module.reset_codebook_cache())
+        self.register_load_state_dict_post_hook(_drop_codebook_cache)  # a named function keeps it picklable
 
     def reset_codebook_cache(self) -> None:
         """Mimi caches embed_sum / cluster_usage in a plain attribute on first use; drop it when buffers change."""
@@ -69,18 +73,22 @@ class ReferenceAudioEncoder(nn.Module):
 
 
 @torch.no_grad()
-def randomize_codebooks_(encoder: ReferenceAudioEncoder, generator: torch.Generator, layer_scale: float = 0.1) -> None:
+def randomize_codebooks_(
+    encoder: ReferenceAudioEncoder, generator: torch.Generator, std: float = 1.0, layer_scale: float = 0.1
+) -> None:
     """Random-checkpoint helper: make every Mimi codebook non-degenerate.
 
     Default init leaves `embed_sum` at zero (all 2048 codewords equal, so every frame encodes to code 0) and
-    `cluster_usage` at one. Draws embed_sum ~ N(0, 1) and cluster_usage ~ U(0.5, 1.5) (codeword = embed_sum /
-    usage, so the division is exercised), sets `initialized` to 1, and raises the transformer LayerScale from
-    0.01 to `layer_scale` so that the attention/MLP branches matter numerically.
+    `cluster_usage` at one. Draws embed_sum ~ N(0, std^2) and cluster_usage ~ U(0.5, 1.5) (codeword = embed_sum /
+    usage, so the division is exercised), sets `initialized` to 1, and sets the transformer LayerScale (default
+    0.01) to `layer_scale` so that the attention/MLP branches matter numerically. Randomly initialized SEANets
+    give latents far larger than N(0, 1) (std ~20 at the tiny test shapes); a `std` near the latents' scale spreads
+    the codes, otherwise a few extreme codewords win every frame. Draws happen on `generator.device`.
     """
     for m in encoder.modules():
         if isinstance(m, MimiEuclideanCodebook):
-            m.embed_sum.copy_(torch.randn(m.embed_sum.shape, generator=generator))
-            m.cluster_usage.copy_(torch.rand(m.cluster_usage.shape, generator=generator) + 0.5)
+            m.embed_sum.copy_(torch.randn(m.embed_sum.shape, generator=generator, device=generator.device) * std)
+            m.cluster_usage.copy_(torch.rand(m.cluster_usage.shape, generator=generator, device=generator.device) + 0.5)
             m.initialized.fill_(1.0)
         elif isinstance(m, MimiLayerScale):
             m.scale.fill_(layer_scale)

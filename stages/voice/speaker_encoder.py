@@ -143,4 +143,4 @@ def randomize_speaker_encoder_(encoder: SpeakerEncoder, generator: torch.Generat
     for conv in (m for m in encoder.modules() if isinstance(m, nn.Conv1d)):
         bound = 1.0 / math.sqrt(conv.in_channels * conv.kernel_size[0])
         for p in (conv.weight, conv.bias):
-            p.copy_(torch.rand(p.shape, generator=generator) * (2 * bound) - bound)
+            p.copy_(torch.rand(p.shape, generator=generator, device=generator.device) * (2 * bound) - bound)

@@ -2,16 +2,17 @@
 
 Usage: python official_codec.py OUT_DIR SPEC_JSON
 
-SPEC_JSON holds {"codec_config": {...}, "seed": int, "codes": {name: [B][16][T] ints}, "bf16": [names]};
--1 marks padding frames (official `decode` convention; `forward` sees them clamped to 0).
+SPEC_JSON holds {"codec_config": {...}, "seed": int, "codes": {name: [B][16][T] ints},
+                 "forward": [names], "decode": [names], "bf16": [names]}   (each list defaults to all names
+but "bf16" to none); -1 marks padding frames (official `decode` convention; `forward` sees them as 0).
 
 Writes:
   OUT_DIR/speech_tokenizer/{model.safetensors, config.json, preprocessor_config.json}
-  OUT_DIR/official_decode.safetensors with, per name,
-    "forward.<name>"   = model.decoder(codes.clamp(min=0))      [B, 1, T * 1920]
-    "decode.<name>.<i>" = model.decode(codes.transpose(1, 2))[i] [n_valid_frames_i * 1920]
-                          (the official API: -1 padding, chunked_decode with 300-frame chunks / 25 context)
-    "forward_bf16.<name>" = decoder of from_pretrained(dtype=bfloat16), for names in "bf16"  [B, 1, T * 1920]
+  OUT_DIR/official_decode.safetensors with
+    "forward.<name>"      = model.decoder(codes.clamp(min=0))                    [B, 1, T * 1920]
+    "decode.<name>.<i>"   = model.decode(codes.transpose(1, 2))[i]               [n_valid_frames_i * 1920]
+                            (the official API: -1 padding, chunked_decode, 300-frame chunks, 25 context)
+    "forward_bf16.<name>" = decoder of from_pretrained(dtype=bfloat16)(codes)    [B, 1, T * 1920] bf16
 Prints a JSON summary on stdout.
 """
 
@@ -69,20 +70,21 @@ def main(out_dir: str, spec_path: str) -> None:
     with open(os.path.join(st_dir, "preprocessor_config.json"), "w") as f:
         json.dump(PREPROCESSOR, f, indent=1)
 
+    codes = {name: torch.tensor(nested, dtype=torch.long) for name, nested in spec["codes"].items()}  # [B, 16, T]
     outputs = {}
     with torch.no_grad():
-        for name, nested in spec["codes"].items():
-            codes = torch.tensor(nested, dtype=torch.long)  # [B, 16, T]
-            outputs[f"forward.{name}"] = model.decoder(codes.clamp(min=0)).contiguous()
-            (wavs,) = model.decode(codes.transpose(1, 2), return_dict=False)
+        for name in spec.get("forward", list(codes)):
+            outputs[f"forward.{name}"] = model.decoder(codes[name].clamp(min=0)).contiguous()
+        for name in spec.get("decode", list(codes)):
+            (wavs,) = model.decode(codes[name].transpose(1, 2), return_dict=False)
             for i, wav in enumerate(wavs):
                 outputs[f"decode.{name}.{i}"] = wav.contiguous()
         # The official serving path: from_pretrained(dtype=bf16). (A plain `.to(bf16)` would also round the
         # RoPE `inv_freq` buffer, which from_pretrained keeps in fp32.)
-        decoder_bf16 = Qwen3TTSTokenizerV2Model.from_pretrained(st_dir, dtype=torch.bfloat16).decoder.eval()
-        for name in spec.get("bf16", []):
-            codes = torch.tensor(spec["codes"][name], dtype=torch.long)
-            outputs[f"forward_bf16.{name}"] = decoder_bf16(codes.clamp(min=0)).contiguous()
+        if spec.get("bf16"):
+            decoder_bf16 = Qwen3TTSTokenizerV2Model.from_pretrained(st_dir, dtype=torch.bfloat16).decoder.eval()
+            for name in spec["bf16"]:
+                outputs[f"forward_bf16.{name}"] = decoder_bf16(codes[name].clamp(min=0)).contiguous()
     save_file(outputs, os.path.join(out_dir, "official_decode.safetensors"))
     print(json.dumps({
         "attn_implementation": model.decoder.config._attn_implementation,

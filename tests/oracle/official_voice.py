@@ -18,9 +18,9 @@ import json
 import os
 import sys
 
-import official_import  # noqa: F401  (must come first: stubs torchaudio, imports qwen_tts)
 import librosa
 import numpy as np
+import official_import  # noqa: F401  (before any qwen_tts import: stubs torchaudio)
 import torch
 from official_import import Qwen3TTSForConditionalGeneration, Qwen3TTSModel, Qwen3TTSTokenizer
 from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
@@ -56,6 +56,10 @@ CODEC = dict(
 # Random SEANet weights give projected latents with std ~20 (tiny shapes), so N(0, 1) codewords would all sit
 # near the origin and a few extreme ones would win every frame; codewords at the latents' scale spread the codes.
 CODEBOOK_STD = 16.0
+# At LayerScale 0.01 (default) or even 1.0 the transformer branch is negligible next to the large SEANet residual
+# stream; at 10 it moves codes: honouring the 16-frame window (as transformers 5 would) changes 11 of c24's and
+# 24 of c16's 16 x ~40 codes, so the code-parity test catches it.
+LAYER_SCALE = 10.0
 PREPROCESSOR = dict(
     feature_extractor_type="EncodecFeatureExtractor", feature_size=1, sampling_rate=24000, padding_side="right",
     padding_value=0.0, return_attention_mask=True, chunk_length_s=None, overlap=None,
@@ -93,7 +97,7 @@ def build_weights(weights_dir: str) -> None:
             buf.fill_(1.0)
     for name, p in tok.encoder.named_parameters():
         if name.endswith("layer_scale.scale"):
-            p.fill_(0.1)
+            p.fill_(LAYER_SCALE)
     tok.save_pretrained(f"{weights_dir}/speech_tokenizer", safe_serialization=True)
     json.dump(CODEC, open(f"{weights_dir}/speech_tokenizer/config.json", "w"), indent=1)
     json.dump(PREPROCESSOR, open(f"{weights_dir}/speech_tokenizer/preprocessor_config.json", "w"), indent=1)

@@ -77,8 +77,8 @@ def official(tmp_path_factory) -> dict:
     padded[1, :, 18:] = -1  # item 1 has 18 real frames (official batch convention)
     codes["padded"] = padded
     spec = {
-        "codec_config": tiny_codec_config(), "seed": 0, "bf16": ["t100"],
-        "codes": {k: v.tolist() for k, v in codes.items()},
+        "codec_config": tiny_codec_config(), "seed": 0, "codes": {k: v.tolist() for k, v in codes.items()},
+        "forward": ["t1", "t7", "t40", "t100"], "decode": ["t7", "t330", "padded"], "bf16": ["t7"],
     }
     (out / "spec.json").write_text(json.dumps(spec))
     summary = json.loads(run_oracle("official_codec.py", str(out), str(out / "spec.json")).strip().splitlines()[-1])
@@ -116,19 +116,20 @@ def test_forward_matches_official(official, decoder, name):
     assert ours.shape == (SHAPES[name][0], 1, SHAPES[name][1] * SPF)
     assert ref.abs().max() > 1e-2  # the checkpoint is not degenerate
     assert diff <= TOL
-    # The official `.decode` API (single chunk for <= 300 frames) must agree with its own forward.
+    # The official `.decode` API (a single chunk for <= 300 frames) agrees with its own forward.
     for i in range(SHAPES[name][0]):
-        assert max_abs(ours[i, 0], official["wav"][f"decode.{name}.{i}"]) <= TOL
+        if f"decode.{name}.{i}" in official["wav"]:
+            assert max_abs(ours[i, 0], official["wav"][f"decode.{name}.{i}"]) <= TOL
 
 
 @pytest.mark.oracle
 def test_bf16_forward_matches_official_bf16(official, decoder):
     """The serving dtype: same op order as the official code, so bf16 rounding matches too."""
     with torch.no_grad():
-        ours = copy.deepcopy(decoder).to(torch.bfloat16)(official["codes"]["t100"])
-    ref = official["wav"]["forward_bf16.t100"]
+        ours = copy.deepcopy(decoder).to(torch.bfloat16)(official["codes"]["t7"])
+    ref = official["wav"]["forward_bf16.t7"]
     diff = max_abs(ours.float(), ref.float())
-    print(f"\nt100 bf16: max|ours - official| = {diff:.3e}")
+    print(f"\nt7 bf16: max|ours - official| = {diff:.3e}")
     assert diff <= 1e-2  # measured 0 on CPU; bf16 kernels on other devices may round differently
 
 
@@ -161,7 +162,7 @@ def test_padded_batch_matches_official_decode(official, decoder):
 
 
 def test_prefix_decode_is_prefix_of_full_decode(random_decoder):
-    codes = random_codes(1, 90, seed=1)
+    codes = random_codes(1, 80, seed=1)
     with torch.no_grad():
         full = random_decoder(codes)
         for prefix in (1, 17, 73):

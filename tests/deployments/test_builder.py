@@ -1,0 +1,139 @@
+"""Builder inspection: build the application from each shipped config and assert the Serve options (no cluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from deployments import constants as C
+from deployments.builder import build_app
+from deployments.config import TTSServingArgs
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _app_args(name: str) -> dict:
+    with open(CONFIGS / name, encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    (application,) = config["applications"]
+    assert application["import_path"] == "deployments.builder:build_app"
+    return application["args"]
+
+
+def _deployments(app) -> dict:
+    """name -> bound deployment, for the ingress and everything bound into it."""
+    ingress = app._bound_deployment
+    talkers, code2wav, _args = ingress.init_args
+    out = {ingress.name: ingress, code2wav._bound_deployment.name: code2wav._bound_deployment}
+    out.update({t._bound_deployment.name: t._bound_deployment for t in talkers.values()})
+    return out
+
+
+@pytest.mark.parametrize("config", ["local.yaml", "high_concurrency.yaml", "split.yaml", "multi_model.yaml"])
+def test_every_shipped_config_builds(config):
+    args = TTSServingArgs.model_validate(_app_args(config))
+    deployments = _deployments(build_app(args))
+    names = {C.INGRESS_DEPLOYMENT_NAME, C.CODE2WAV_DEPLOYMENT_NAME, *(m.deployment_name for m in args.models)}
+    assert set(deployments) == names
+    for d in deployments.values():  # admission limits are always explicit (Serve's defaults: 5 and unbounded)
+        assert d._deployment_config.max_queued_requests > 0
+        assert d._deployment_config.max_ongoing_requests >= 1
+
+
+def test_local_config_is_cpu_embedded_and_fits_two_cores():
+    args = TTSServingArgs.model_validate(_app_args("local.yaml"))
+    assert all(m.model is None and m.device == "cpu" for m in args.models)
+    assert args.codec_source == args.models[0].source  # the codec of the embedded checkpoint
+    deployments = _deployments(build_app(args))
+    cpus = sum(d.ray_actor_options.get("num_cpus", 1) for d in deployments.values())
+    assert cpus <= 2
+    assert not any(d.ray_actor_options.get("num_gpus") for d in deployments.values())
+
+
+def test_high_concurrency_colocates_fractional_gpus():
+    deployments = _deployments(build_app(_app_args("high_concurrency.yaml")))
+    talker, code2wav = deployments["Talker:qwen3-tts"], deployments["Code2Wav"]
+    assert talker.ray_actor_options["num_gpus"] == code2wav.ray_actor_options["num_gpus"] == 0.5
+    assert talker._deployment_config.max_ongoing_requests == 96
+    assert talker._deployment_config.max_queued_requests == 64
+    assert talker._deployment_config.graceful_shutdown_timeout_s == 180
+    talker_config, streaming = talker.init_args
+    assert talker_config.engine_config_kwargs()["max_batch_size"] == 64
+    assert talker_config.gpu_memory_fraction + code2wav.init_args[0].gpu_memory_fraction <= 1.0
+    ingress = deployments["TTSIngress"]
+    backpressure = ingress._deployment_config.backpressure_config
+    assert (backpressure.status_code, backpressure.retry_after_s) == (429, 1)
+    assert ingress._deployment_config.autoscaling_config.max_replicas == 4
+
+
+def test_split_pins_each_stage_to_its_gpu_and_uses_queue_depth_policies():
+    deployments = _deployments(build_app(_app_args("split.yaml")))
+    talker, code2wav = deployments["Talker:qwen3-tts"], deployments["Code2Wav"]
+    assert talker.ray_actor_options["resources"] == {"gpu_0": 1}
+    assert code2wav.ray_actor_options["resources"] == {"gpu_1": 1}
+    assert talker.ray_actor_options["num_gpus"] == code2wav.ray_actor_options["num_gpus"] == 1
+    t_auto = talker._deployment_config.autoscaling_config
+    c_auto = code2wav._deployment_config.autoscaling_config
+    assert t_auto.policy.policy_function == "deployments.autoscaling:talker_policy"
+    assert c_auto.policy.policy_function == "deployments.autoscaling:code2wav_policy"
+    assert (t_auto.target_ongoing_requests, t_auto.upscale_delay_s) == (96, 10)
+
+
+def test_multi_model_has_one_talker_per_checkpoint_and_one_code2wav():
+    args = TTSServingArgs.model_validate(_app_args("multi_model.yaml"))
+    app = build_app(args)
+    talkers, code2wav, ingress_args = app._bound_deployment.init_args
+    assert list(talkers) == ["qwen3-tts-customvoice", "qwen3-tts-base", "qwen3-tts-voicedesign"]
+    assert code2wav._bound_deployment.init_args[1].model == "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"
+    assert ingress_args.ingress.ref_audio_url_allowlist == ["https://voices.example.com/"]
+    base = talkers["qwen3-tts-base"]._bound_deployment
+    assert base.name == "Talker:qwen3-tts-base"
+    # autoscaling without a target gets 0.75 x engine slots, and our policy
+    auto = base._deployment_config.autoscaling_config
+    assert auto.target_ongoing_requests == 36 and auto.max_replicas == 2
+    assert auto.policy.policy_function == "deployments.autoscaling:talker_policy"
+
+
+def test_defaults_derive_admission_from_engine_slots():
+    app = build_app({"models": [{"name": "m", "engine_kwargs": {"max_batch_size": 10}}],
+                     "code2wav": {"max_batch_size": 4}})
+    d = _deployments(app)
+    talker = d["Talker:m"]._deployment_config
+    assert (talker.max_ongoing_requests, talker.max_queued_requests) == (15, 10)
+    assert talker.autoscaling_config is None
+    assert d["Code2Wav"]._deployment_config.max_ongoing_requests == 4 * C.CODE2WAV_ONGOING_PER_BATCH_SLOT
+    assert d["TTSIngress"]._deployment_config.backpressure_config.status_code == 429
+
+
+def test_yaml_deployment_config_overrides_defaults_deeply():
+    app = build_app({"models": [{"name": "m", "deployment_config": {
+        "ray_actor_options": {"num_gpus": 0.25, "resources": {"gpu_3": 0.25}},
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 5, "target_ongoing_requests": 7,
+                               "policy": {"policy_function": "deployments.autoscaling:code2wav_policy"}}}}]})
+    talker = _deployments(app)["Talker:m"]
+    assert talker.ray_actor_options == {"num_cpus": 1, "num_gpus": 0.25, "resources": {"gpu_3": 0.25}}
+    auto = talker._deployment_config.autoscaling_config
+    assert (auto.target_ongoing_requests, auto.policy.policy_function) == (7, "deployments.autoscaling:code2wav_policy")
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"models": []}, "at least 1"),
+    ({"models": [{"name": "a", "typo": 1}]}, "Extra inputs"),
+    ({"models": [{"name": "a"}, {"name": "b", "aliases": ["A"]}]}, "used twice"),
+    ({"models": [{"name": "a", "deployment_config": {"max_ongoing": 3}}]}, "unknown Serve deployment options"),
+    ({"models": [{"name": "bad name"}]}, "pattern"),
+    ({"models": [{"name": "a"}], "ingress": {"ref_audio_url_allowlist": ["file:///etc/"]}}, "URL prefix"),
+    ({"models": [{"name": "a"}], "ingress": {"backpressure": {"status_code": 500}}}, "429"),
+    ({"models": [{"name": "a", "embedded_kind": "tts"}]}, "custom_voice"),
+])
+def test_invalid_args_fail_validation(args, message):
+    with pytest.raises(ValidationError, match=message):
+        TTSServingArgs.model_validate(args)
+
+
+def test_inconsistent_chunk_schedule_fails_at_build_time():
+    with pytest.raises(ValueError, match="ramp"):
+        build_app({"models": [{"name": "a"}], "streaming": {"ramp": [0]}})

@@ -1,0 +1,163 @@
+"""Request planning (model routing, voice choice, prompt, sampling, limits) against tiny checkpoints' configs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deployments.config import TTSServingArgs
+from deployments.errors import APIError
+from deployments.planning import build_request, choose_voice, infer_model, resolve_model_name
+from deployments.protocol import ModelInfo
+from deployments.schemas import SpeechRequest
+from deployments.voices import VoiceRecord
+from stages.config import GenerationDefaults, ModelConfig
+from stages.contract import TaskType, VoiceClonePrompt
+from stages.prompts import TextTokenizer
+
+UPLOADED = VoiceRecord("myvoice", "uid", 0, "hello there", False, 10, "audio/wav")
+
+
+def _info(name: str, path, aliases=()) -> ModelInfo:
+    return ModelInfo(name=name, aliases=tuple(aliases), config=ModelConfig.from_file(path / "config.json"),
+                     generation=GenerationDefaults.from_file(path / "generation_config.json"),
+                     tokenizer=TextTokenizer(path), max_seq_len=512, fingerprint=name, default_max_new_tokens=300)
+
+
+@pytest.fixture(scope="module")
+def infos(tiny_custom_voice, tiny_base, tiny_voice_design) -> dict[str, ModelInfo]:
+    return {"cv": _info("cv", tiny_custom_voice, ["tts-1"]), "base": _info("base", tiny_base),
+            "vd": _info("vd", tiny_voice_design)}
+
+
+@pytest.fixture(scope="module")
+def args() -> TTSServingArgs:
+    return TTSServingArgs.model_validate({
+        "models": [{"name": "cv", "aliases": ["tts-1"]}, {"name": "base"}, {"name": "vd"}],
+        "streaming": {"first_chunk_frames": 2, "steady_chunk_frames": 10},
+        "ingress": {"max_input_chars": 50, "max_instructions_chars": 20},
+    })
+
+
+def _find(name):
+    return UPLOADED if name.lower() == "myvoice" else None
+
+
+def _req(**fields) -> SpeechRequest:
+    return SpeechRequest.model_validate({"input": "Hello there.", **fields})
+
+
+def _status(fn, *a) -> tuple[int, str | None, str]:
+    with pytest.raises(APIError) as e:
+        fn(*a)
+    return e.value.status, e.value.param, e.value.message
+
+
+def test_model_names_and_aliases_resolve_case_insensitively():
+    names = {"cv": "cv", "tts-1": "cv", "base": "base"}
+    assert resolve_model_name("TTS-1", names) == "cv"
+    status, param, message = _status(resolve_model_name, "gpt-4o", names)
+    assert (status, param) == (404, "model") and "['base', 'cv']" in message
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"voice": "vivian"}, "cv"),
+    ({}, "cv"),  # only CustomVoice has a default voice
+    ({"voice": "myvoice"}, "base"),
+    ({"ref_audio": "AAAA", "ref_text": "hi"}, "base"),
+    ({"instructions": "a deep voice"}, "vd"),
+    ({"task_type": "VoiceDesign", "instructions": "x"}, "vd"),
+])
+def test_model_is_inferred_when_unambiguous(infos, fields, expected):
+    assert infer_model(_req(**fields), infos, _find) == expected
+
+
+def test_ambiguous_or_unfit_request_needs_a_model(infos):
+    # CustomVoice (default speaker + instruction) and VoiceDesign both fit
+    status, param, message = _status(infer_model, _req(voice="default", instructions="calm"), infos, _find)
+    assert (status, param) == (400, "model") and "2 served models fit" in message
+    status, param, message = _status(infer_model, _req(voice="alloy"), infos, _find)
+    assert (status, param) == (400, "model") and "no served models fit" in message
+
+
+@pytest.mark.parametrize("model, fields, param, fragment", [
+    ("cv", {"voice": "alloy"}, "voice", "unknown voice 'alloy'"),
+    ("cv", {"voice": "myvoice"}, "voice", "needs a Base model"),
+    ("cv", {"task_type": "Base"}, "task_type", "cannot do task_type Base"),
+    ("cv", {"ref_audio": "AAAA"}, "ref_audio", "only valid for Base"),
+    ("cv", {"ref_text": "hi"}, "ref_text", "only valid for Base"),
+    ("vd", {"voice": "vivian"}, "voice", "no preset voices"),
+    ("vd", {}, "instructions", "needs `instructions`"),
+    ("base", {}, "voice", "needs a voice"),
+    ("base", {"voice": "nobody"}, "voice", "unknown voice"),
+    ("base", {"ref_audio": "AAAA"}, "ref_text", "needs `ref_text`"),
+    ("base", {"ref_audio": "AAAA", "ref_text": "x", "voice": "myvoice"}, "voice", "not both"),
+])
+def test_voice_choice_errors_name_the_problem(infos, model, fields, param, fragment):
+    status, got_param, message = _status(choose_voice, _req(**fields), infos[model], _find)
+    assert (status, got_param) == (400, param)
+    assert fragment in message
+
+
+def test_voice_choices(infos):
+    assert choose_voice(_req(), infos["cv"], _find).speaker == "vivian"
+    assert choose_voice(_req(voice="Ryan"), infos["cv"], _find).speaker == "ryan"
+    assert choose_voice(_req(voice="default", instructions="x"), infos["vd"], _find).speaker is None
+    assert choose_voice(_req(voice="MyVoice"), infos["base"], _find).uploaded is UPLOADED
+    assert choose_voice(_req(ref_audio="AAAA", x_vector_only_mode=True), infos["base"], _find).inline
+
+
+def test_build_request_uses_checkpoint_sampling_defaults_and_overrides(infos, args):
+    body = _req(voice="vivian", language="English", seed=7, temperature=0.5, suppress_eos=True, max_new_tokens=40,
+                initial_codec_chunk_frames=3)
+    info = infos["cv"]
+    request, options = build_request(body, info, choose_voice(body, info, _find), None, args, "rid")
+    assert request.request_id == "rid" and request.seed == 7 and request.max_frames == 40
+    assert request.sampling.temperature == 0.5 and request.sampling.suppress_eos
+    assert request.sampling.top_k == info.generation.top_k
+    assert request.prompt.speaker_id == info.config.talker.speakers["vivian"]
+    assert request.prompt.language_id == info.config.talker.languages["english"]
+    assert options.first_chunk_frames == 3 and not options.fit_max_frames
+    default = build_request(_req(), info, choose_voice(_req(), info, _find), None, args, "r2")
+    assert default[0].max_frames == 300 and default[1].fit_max_frames
+
+
+def test_base_request_carries_the_voice_and_x_vector_only_drops_reference_codes(infos, args):
+    info = infos["base"]
+    voice = VoiceClonePrompt(np.zeros(info.config.talker.hidden_size, np.float32),
+                             ref_codes=np.zeros((5, 16), np.int64), ref_text_ids=(1, 2))
+    body = _req(voice="myvoice")
+    request, _ = build_request(body, info, choose_voice(body, info, _find), voice, args, "r")
+    assert request.prompt.voice is voice and request.prompt.voice.icl
+    xvec = _req(voice="myvoice", x_vector_only_mode=True)
+    request, _ = build_request(xvec, info, choose_voice(xvec, info, _find), voice, args, "r")
+    assert not request.prompt.voice.icl
+
+
+@pytest.mark.parametrize("fields, param, fragment", [
+    ({"input": "x" * 51}, "input", "limit is 50"),
+    ({"input": "   "}, None, "empty"),
+    ({"instructions": "y" * 21}, "instructions", "limit is 20"),
+    ({"language": "klingon"}, None, "unsupported language"),
+    ({"max_new_tokens": 513}, "max_new_tokens", "limit 512"),
+    ({"initial_codec_chunk_frames": 11}, "initial_codec_chunk_frames", "<= 10"),
+    ({"temperature": 0.0}, None, "temperature"),
+])
+def test_build_request_rejects(infos, args, fields, param, fragment):
+    body = _req(voice="vivian", **fields)
+    info = infos["cv"]
+    status, got_param, message = _status(build_request, body, info, choose_voice(body, info, _find), None, args, "r")
+    assert (status, got_param) == (400, param)
+    assert fragment in message
+
+
+def test_suppress_eos_can_be_disabled(infos):
+    strict = TTSServingArgs.model_validate({"models": [{"name": "cv"}], "ingress": {"allow_suppress_eos": False}})
+    body = _req(suppress_eos=True)
+    info = infos["cv"]
+    status, param, _ = _status(build_request, body, info, choose_voice(body, info, _find), None, strict, "r")
+    assert (status, param) == (400, "suppress_eos")
+
+
+def test_task_of_models(infos):
+    assert [i.task for i in infos.values()] == [TaskType.CUSTOM_VOICE, TaskType.BASE, TaskType.VOICE_DESIGN]

@@ -1,0 +1,131 @@
+"""The deployment classes without Serve (`sync_init` + `start`), on the real engines and a tiny checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from ray import serve
+
+from deployments.code2wav import Code2WavServer
+from deployments.config import CheckpointSource, Code2WavConfig, StreamingConfig, TalkerConfig
+from deployments.protocol import GenerateOptions
+from stages.contract import SAMPLES_PER_FRAME, FinishReason, SamplingParams, SynthesisRequest
+from stages.prompts import build_prompt
+
+STREAMING = StreamingConfig(first_chunk_frames=2, steady_chunk_frames=5, left_context_frames=3)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def talker(loop, tiny_custom_voice):
+    from deployments.talker import TalkerServer
+
+    config = TalkerConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
+                          engine_kwargs={"max_batch_size": 4, "max_seq_len": 64})
+    server = TalkerServer.sync_init(config, STREAMING)
+    loop.run_until_complete(server.start())
+    yield server
+    server.__del__()
+
+
+@pytest.fixture(scope="module")
+def code2wav(loop, tiny_custom_voice):
+    # @serve.batch reads the replica's deployment config; outside Serve, stand in for it
+    replica = SimpleNamespace(_deployment_config=SimpleNamespace(max_ongoing_requests=64))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(serve, "get_replica_context", lambda: replica)
+        asyncio.set_event_loop(loop)  # the batch queue binds to the current loop when first used
+        server = Code2WavServer.sync_init(Code2WavConfig(device="cpu", max_batch_size=8, batch_wait_timeout_s=0.05),
+                                          CheckpointSource(model=str(tiny_custom_voice)), STREAMING)
+        loop.run_until_complete(server.start())
+        yield server
+
+
+def _request(talker, frames: int, rid: str = "r1", seed: int = 3) -> SynthesisRequest:
+    info = talker._info
+    prompt = build_prompt(info.config, info.tokenizer, "Hello there.", speaker="vivian")
+    return SynthesisRequest(rid, prompt, SamplingParams(suppress_eos=True), max_frames=frames, seed=seed)
+
+
+async def _collect(agen):
+    return [c async for c in agen]
+
+
+def test_talker_streams_scheduled_chunks_with_left_context(loop, talker):
+    chunks = loop.run_until_complete(_collect(talker.generate(_request(talker, 13))))
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert [c.num_new for c in chunks] == [2, 4, 5, 2]  # first, ramp (x2), steady, final partial
+    assert [c.context for c in chunks] == [0, 2, 3, 3]
+    assert chunks[-1].final and chunks[-1].finish_reason is FinishReason.LENGTH
+    assert not any(c.final for c in chunks[:-1])
+    for prev, cur in zip(chunks, chunks[1:], strict=False):  # context = the last frames already sent
+        np.testing.assert_array_equal(cur.codes[:cur.context], prev.codes[-cur.context:])
+
+
+def test_talker_options_first_chunk_and_fit_max_frames(loop, talker):
+    request = _request(talker, 10_000)
+    chunks = loop.run_until_complete(_collect(talker.generate(request, GenerateOptions(1, fit_max_frames=True))))
+    assert chunks[0].num_new == 1
+    total = sum(c.num_new for c in chunks)
+    from stages.talker.prefill import prefill_length
+
+    assert total == 64 - prefill_length(request.prompt) - 1  # what fits the engine's max_seq_len
+    info = loop.run_until_complete(talker.info())
+    assert info.max_seq_len == 64 and info.speakers[0] == "aiden"
+
+
+def test_closing_the_stream_aborts_the_request_and_frees_the_slot(loop, talker):
+    async def first_then_close():
+        agen = talker.generate(_request(talker, 10_000, rid="gone"), GenerateOptions(fit_max_frames=True))
+        first = await anext(agen)
+        assert talker.record_autoscaling_stats()["running"] == 1
+        await agen.aclose()
+        for _ in range(200):  # the engine frees the slot at its next step
+            if talker.record_autoscaling_stats()["running"] == 0:
+                return first
+            await asyncio.sleep(0.01)
+        raise AssertionError("slot not freed")
+
+    first = loop.run_until_complete(first_then_close())
+    assert first.seq == 0
+    stats = loop.run_until_complete(talker.engine_stats())
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert set(talker.record_autoscaling_stats()) == {"waiting", "running", "slots"}
+
+
+def test_code2wav_batches_concurrent_chunks_and_matches_single_decodes(loop, talker, code2wav):
+    streams = [loop.run_until_complete(_collect(talker.generate(_request(talker, 9, rid=f"s{i}", seed=i))))
+               for i in range(3)]
+    chunks = [c for s in streams for c in s]
+
+    async def decode_all():
+        return await asyncio.gather(*(code2wav.decode(c) for c in chunks))
+
+    batched = loop.run_until_complete(decode_all())
+    assert code2wav.record_autoscaling_stats()["inflight_chunks"] == 0
+    for chunk, out in zip(chunks, batched, strict=True):
+        assert (out.request_id, out.seq, out.final) == (chunk.request_id, chunk.seq, chunk.final)
+        assert out.pcm.dtype == np.int16 and out.pcm.size == chunk.num_new * SAMPLES_PER_FRAME
+        single = loop.run_until_complete(code2wav.decode(chunk))
+        np.testing.assert_allclose(single.pcm, out.pcm, atol=2)  # batch padding is exact up to float noise
+
+
+def test_code2wav_rejects_a_malformed_chunk_alone(loop, code2wav):
+    from stages.contract import CodecChunk
+
+    bad = CodecChunk("bad", 0, np.full((3, 16), 5000, dtype=np.int64), 0)
+    with pytest.raises(ValueError, match="codes outside"):
+        loop.run_until_complete(code2wav.decode(bad))

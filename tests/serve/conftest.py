@@ -1,0 +1,169 @@
+"""One in-process Ray Serve cluster per test session, serving the tiny checkpoints through the real app.
+
+Logical resources are oversubscribed (`num_cpus=8`, replicas ask for 0 CPUs) so that the whole app
+schedules on a 2-core machine. Token auth is off and set through the environment, so the cluster is
+self-contained (Ray >= 2.59 would otherwise write ~/.ray/auth_token and turn auth on for later clusters).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import threading
+import time
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+os.environ["RAY_AUTH_MODE"] = "disabled"
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# custom autoscaling metrics reach the controller fast enough for a test
+os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
+os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from tests.conftest import reference_clip  # noqa: E402
+
+APP = "tts"
+ZERO_CPU = {"ray_actor_options": {"num_cpus": 0}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1, message: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {message}")
+
+
+def wav_bytes(seconds: float = 2.0, seed: int = 0) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, reference_clip(seconds, seed=seed), 24000, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=8, include_dashboard=False, configure_logging=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def file_server(tmp_path_factory):
+    """A local http server: `/allowed/...` is on the app's ref_audio allowlist, `/other/...` is not."""
+    root = tmp_path_factory.mktemp("files")
+    for sub in ("allowed", "other"):
+        (root / sub).mkdir()
+        (root / sub / "clip.wav").write_bytes(wav_bytes(1.5, seed=3))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_QuietHandler, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowed_prefix) -> dict:
+    def model(name, path, slots, **extra):
+        return {"name": name, "model": str(path), "device": "cpu", "cpu_threads": 1,
+                "engine_kwargs": {"max_batch_size": slots, "max_seq_len": 512},
+                "deployment_config": {**ZERO_CPU, **extra.pop("deployment", {})}, **extra}
+
+    return {
+        "models": [
+            model("cv", tiny_custom_voice, 20, aliases=["tts-1"]),
+            model("base", tiny_base, 4),
+            # one slot, one queued request: the admission tests fill it
+            model("vd", tiny_voice_design, 1, deployment={"max_ongoing_requests": 1, "max_queued_requests": 1}),
+            # the autoscaling test's model: one slot per replica, scales 1 -> 2 -> 1 on queue depth
+            model("cv-scale", tiny_custom_voice, 1, deployment={
+                "max_ongoing_requests": 2, "max_queued_requests": 8,
+                "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
+                                       "upscale_delay_s": 0.5, "downscale_delay_s": 2, "look_back_period_s": 1}}),
+        ],
+        "code2wav": {"device": "cpu", "cpu_threads": 1, "max_batch_size": 16, "deployment_config": ZERO_CPU},
+        "streaming": {"first_chunk_frames": 2, "steady_chunk_frames": 8, "left_context_frames": 4},
+        "ingress": {
+            "voices_dir": str(voices_dir), "max_input_chars": 300, "max_ref_audio_bytes": 300_000,
+            "max_ref_audio_seconds": 5.0, "request_timeout_s": 120, "max_request_bytes": 1_000_000,
+            "ref_audio_url_allowlist": [allowed_prefix], "deployment_config": ZERO_CPU,
+        },
+    }
+
+
+@pytest.fixture(scope="session")
+def serve_app(ray_cluster, file_server, tiny_custom_voice, tiny_base, tiny_voice_design, tmp_path_factory):
+    """The app deployed once; -> (base URL, args dict)."""
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    args = app_args(tiny_custom_voice, tiny_base, tiny_voice_design, tmp_path_factory.mktemp("voices"),
+                    f"{file_server}/allowed/")
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    import httpx
+
+    wait_for(lambda: httpx.get(f"{ray_cluster}/ready", timeout=10).status_code == 200, 120, 0.5, "/ready")
+    return ray_cluster, args
+
+
+@pytest.fixture(scope="session")
+def base_url(serve_app) -> str:
+    return serve_app[0]
+
+
+@pytest.fixture
+def http(base_url):
+    import httpx
+
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture
+def openai_client(base_url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def talker_handle(model: str):
+    from ray import serve
+
+    return serve.get_deployment_handle(f"Talker:{model}", app_name=APP)
+
+
+def engine_stats(model: str) -> dict:
+    return talker_handle(model).engine_stats.remote().result(timeout_s=30)
+
+
+def speech(**fields) -> dict:
+    """A request body that always terminates on random weights: fixed length, no EOS."""
+    return {"model": "cv", "input": "Hello from the tests.", "voice": "vivian", "max_new_tokens": 6,
+            "suppress_eos": True, "seed": 1234, **fields}
+
+
+def pcm_of(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2")

@@ -1,0 +1,152 @@
+"""/v1/audio/speech through a real Serve cluster: formats, streaming (raw, SSE), the openai client, routing."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
+from tests.serve.conftest import engine_stats, pcm_of, speech
+
+pytestmark = pytest.mark.serve
+
+
+def test_health_ready_and_models(http):
+    assert http.get("/health").json() == {"status": "ok"}
+    ready = http.get("/ready")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+    assert set(ready.json()["deployments"]) == {"cv", "base", "vd", "cv-scale", "Code2Wav"}
+    models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert set(models) == {"cv", "base", "vd", "cv-scale"}
+    assert models["cv"]["task_type"] == "CustomVoice" and models["cv"]["aliases"] == ["tts-1"]
+    assert "vivian" in models["cv"]["speakers"] and models["base"]["task_type"] == "Base"
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "mp3", "opus"])
+def test_every_format_decodes_to_the_right_rate_and_length(openai_client, fmt):
+    response = openai_client.audio.speech.create(
+        model="cv", voice="vivian", input="Every format.", response_format=fmt,
+        extra_body={"max_new_tokens": 6, "suppress_eos": True, "seed": 7},
+    )
+    data = response.content
+    if fmt == "pcm":
+        audio, sr = pcm_of(data), SAMPLE_RATE
+    else:
+        audio, sr = sf.read(io.BytesIO(data), dtype="int16")
+    assert sr == SAMPLE_RATE
+    assert audio.shape == (6 * SAMPLES_PER_FRAME,)
+    assert np.abs(audio).max() > 0
+
+
+def test_speed_stretches_the_clip(http):
+    normal = http.post("/v1/audio/speech", json=speech(response_format="pcm", max_new_tokens=10))
+    fast = http.post("/v1/audio/speech", json=speech(response_format="pcm", max_new_tokens=10, speed=2.0))
+    assert len(pcm_of(fast.content)) == len(pcm_of(normal.content)) // 2
+    assert fast.headers["x-usage-output-tokens"] == "10"
+
+
+def test_streamed_audio_equals_non_streamed_audio(http, openai_client):
+    body = speech(max_new_tokens=21, seed=99)  # 2 + 4 + 8 + 7: first chunk, ramp, steady, final
+    whole = pcm_of(http.post("/v1/audio/speech", json={**body, "response_format": "pcm"}).content)
+    assert whole.size == 21 * SAMPLES_PER_FRAME
+
+    raw = []
+    with http.stream("POST", "/v1/audio/speech", json={**body, "response_format": "pcm", "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/pcm"
+        for piece in r.iter_bytes():
+            raw.append(piece)
+    np.testing.assert_array_equal(pcm_of(b"".join(raw)), whole)
+
+    # streaming WAV: header with unknown sizes, then the same samples; soundfile reads it
+    with http.stream("POST", "/v1/audio/speech", json={**body, "stream": True}) as r:
+        wav = b"".join(r.iter_bytes())
+    assert wav[:4] == b"RIFF" and wav[4:8] == b"\xff\xff\xff\xff"
+    audio, sr = sf.read(io.BytesIO(wav), dtype="int16")
+    assert sr == SAMPLE_RATE
+    np.testing.assert_array_equal(audio, whole)
+
+    # openai client, stream_format="audio" (raw chunked bytes) and "sse" (base64 deltas + done with usage)
+    extra = {k: body[k] for k in ("max_new_tokens", "suppress_eos", "seed")}
+    with openai_client.audio.speech.with_streaming_response.create(
+        model="cv", voice="vivian", input=body["input"], response_format="pcm", stream_format="audio",
+        extra_body=extra,
+    ) as response:
+        np.testing.assert_array_equal(pcm_of(b"".join(response.iter_bytes())), whole)
+    with openai_client.audio.speech.with_streaming_response.create(
+        model="cv", voice="vivian", input=body["input"], response_format="pcm", stream_format="sse",
+        extra_body=extra,
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert len(deltas) == 4 and events[-1]["type"] == "speech.audio.done"
+    assert events[-1]["usage"]["output_tokens"] == 21 and events[-1]["usage"]["input_tokens"] > 0
+    np.testing.assert_array_equal(pcm_of(b"".join(base64.b64decode(e["audio"]) for e in deltas)), whole)
+
+
+def test_first_chunk_size_is_per_request(http):
+    with http.stream("POST", "/v1/audio/speech", json=speech(
+            response_format="pcm", stream_format="sse", max_new_tokens=9, initial_codec_chunk_frames=1)) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    sizes = [len(base64.b64decode(e["audio"])) // 2 // SAMPLES_PER_FRAME for e in events[:-1]]
+    assert sizes == [1, 2, 4, 2]
+
+
+def test_sixteen_concurrent_streams_all_complete(base_url):
+    async def one(client, i):
+        body = speech(response_format="pcm", stream=True, max_new_tokens=12, seed=i, input=f"Stream number {i}.")
+        received = 0
+        async with client.stream("POST", "/v1/audio/speech", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for piece in r.aiter_bytes():
+                received += len(piece)
+        return received
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, timeout=180) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    sizes = asyncio.run(run())
+    assert sizes == [12 * SAMPLES_PER_FRAME * 2] * 16
+    assert engine_stats("cv")["running"] == 0
+
+
+def test_requests_are_routed_by_model(http, openai_client):
+    before = {m: engine_stats(m)["frames"] for m in ("cv", "vd")}
+    vd = http.post("/v1/audio/speech", json=speech(model="vd", voice=None, instructions="A bright, young voice.",
+                                                   response_format="pcm", max_new_tokens=5))
+    assert vd.status_code == 200, vd.text
+    assert engine_stats("vd")["frames"] - before["vd"] >= 5
+    assert engine_stats("cv")["frames"] == before["cv"]
+    # an alias, and the default voice of a CustomVoice model
+    alias = openai_client.audio.speech.create(model="tts-1", voice="default", input="Alias.", response_format="pcm",
+                                              extra_body={"max_new_tokens": 4, "suppress_eos": True})
+    assert len(alias.content) == 4 * SAMPLES_PER_FRAME * 2
+    assert engine_stats("cv")["frames"] - before["cv"] >= 4
+    # no `model`: a preset speaker only CustomVoice models have
+    inferred = http.post("/v1/audio/speech", json={k: v for k, v in speech(response_format="pcm").items()
+                                                   if k != "model"})
+    assert inferred.status_code == 400 and inferred.json()["error"]["param"] == "model"  # cv and cv-scale both fit
+
+
+def test_base_model_clones_inline_reference_audio(http, file_server):
+    from tests.serve.conftest import wav_bytes
+
+    clip = base64.b64encode(wav_bytes(1.5)).decode()
+    body = speech(model="base", voice=None, response_format="pcm", max_new_tokens=5)
+    icl = http.post("/v1/audio/speech", json={**body, "ref_audio": f"data:audio/wav;base64,{clip}",
+                                              "ref_text": "A reference sentence."})
+    assert icl.status_code == 200, icl.text
+    assert len(pcm_of(icl.content)) == 5 * SAMPLES_PER_FRAME
+    xvec = http.post("/v1/audio/speech", json={**body, "ref_audio": clip, "x_vector_only_mode": True})
+    assert xvec.status_code == 200, xvec.text
+    fetched = http.post("/v1/audio/speech", json={**body, "ref_audio": f"{file_server}/allowed/clip.wav",
+                                                  "x_vector_only_mode": True})
+    assert fetched.status_code == 200, fetched.text
