@@ -173,7 +173,8 @@ class TalkerRunner:
         positions = self.positions[:b]
         hidden = self.talker.forward_hidden(x, positions[:, None], DecodeContext(self.kv, positions, attn_len))[:, -1]
         self.hidden[:b] = hidden
-        self.positions[:b] += 1
+        # padding rows (free slots) also advance; saturating keeps their writes inside the slot
+        self.positions[:b] = (self.positions[:b] + 1).clamp_(max=self.max_seq_len - 1)
         self.frame_index[:b] += 1
         logits = mask_talker_logits(self.talker.codec_logits(hidden).float(), self.seen[:b], p.penalty,
                                     self.frame_index[:b], p.min_frames, self.suppress, self.eos, p.suppress_eos)

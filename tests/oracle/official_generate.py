@@ -27,7 +27,10 @@ def main() -> None:
     out = Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    tts = Qwen3TTSModel.from_pretrained(spec["checkpoint"], device_map="cpu", dtype=torch.float32,
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity on a GPU: no TF32 anywhere
+    torch.backends.cudnn.allow_tf32 = False
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    tts = Qwen3TTSModel.from_pretrained(spec["checkpoint"], device_map=spec.get("device", "cpu"), dtype=dtype,
                                         attn_implementation="sdpa")
     model = tts.model
     talker_logits, cp_logits = [], []
@@ -74,14 +77,15 @@ def main() -> None:
             extra["x_vector"] = items[0].ref_spk_embedding.float()
             if items[0].ref_code is not None:
                 extra["ref_codes"] = items[0].ref_code.long()
-        torch.save({
+        result = {
             "codes": captured["codes"][0].long(),
             "wav": torch.from_numpy(wavs[0]).float(),
             "sample_rate": sr,
             "talker_logits": torch.cat(talker_logits).float(),  # [steps, 3072]
             "cp_logits": torch.cat(cp_logits).float().view(-1, 15, cp_logits[0].shape[-1]),  # [frames, 15, 2048]
             **extra,
-        }, out / f"{job['name']}.pt")
+        }
+        torch.save({k: v.cpu() if torch.is_tensor(v) else v for k, v in result.items()}, out / f"{job['name']}.pt")
         print(f"{job['name']}: {tuple(captured['codes'][0].shape)}", flush=True)
 
 

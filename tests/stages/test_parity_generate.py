@@ -123,16 +123,17 @@ def _teacher_forced_logits(model: Qwen3TTS, prompt: TalkerPrompt, codes: torch.T
     emb = build_prefill(talker, model.config, prompt)
     length, cfg = emb.prefill.shape[0], talker.config.transformer
     kv = ContiguousKV(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim, length + len(codes) + 1,
-                      torch.float32, "cpu")
+                      torch.float32, model.device)
+    dev = model.device
     cp_kv = new_code_predictor_cache(talker, 1)
     kv.begin(length)
-    hidden = talker.forward_hidden(emb.prefill[None], torch.arange(length)[None], kv)[:, -1]
+    hidden = talker.forward_hidden(emb.prefill[None], torch.arange(length, device=dev)[None], kv)[:, -1]
     kv.advance()
     talker_logits, cp_logits = [talker.codec_logits(hidden)], []
     for f, frame in enumerate(codes):
         cp_kv.reset()
         inputs = torch.stack((hidden, talker.embed_codec(frame[:1])), dim=1)
-        positions = torch.arange(2)[None]
+        positions = torch.arange(2, device=dev)[None]
         row = []
         for g in range(15):
             cp_kv.begin(inputs.shape[1])
@@ -140,12 +141,12 @@ def _teacher_forced_logits(model: Qwen3TTS, prompt: TalkerPrompt, codes: torch.T
             cp_kv.advance()
             if g < 14:
                 inputs = talker.code_predictor.model.codec_embedding[g](frame[g + 1: g + 2])[None]
-                positions = torch.tensor([[g + 2]])
+                positions = torch.tensor([[g + 2]], device=dev)
         cp_logits.append(torch.stack(row))
         text_row = emb.trailing[f] if f < emb.trailing.shape[0] else emb.tts_pad
         kv.begin(1)
         hidden = talker.forward_hidden(next_talker_input(talker, frame[None], text_row[None]),
-                                       torch.tensor([[length + f]]), kv)[:, -1]
+                                       torch.tensor([[length + f]], device=dev), kv)[:, -1]
         kv.advance()
         talker_logits.append(talker.codec_logits(hidden))
     return torch.cat(talker_logits), torch.stack(cp_logits)
