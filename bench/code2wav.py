@@ -102,8 +102,9 @@ def main() -> None:
     ap.add_argument("--utterance-frames", type=int, default=125, help="stream length for the mixed batches (10 s)")
     ap.add_argument("--seconds", type=float, default=None, help="minimum timing per point (default 2; --tiny 0)")
     ap.add_argument("--no-graphs", action="store_true", help="eager only")
-    ap.add_argument("--max-frames-per-forward", type=int, default=None,
-                    help="engine limit (default: max batch x (context + steady), one forward per batch)")
+    ap.add_argument("--no-fast-kernels", action="store_true", help="the eager modules (no fused Triton kernels)")
+    ap.add_argument("--max-frames-per-forward", type=int, default=8192,
+                    help="engine limit on padded batch x length per forward (activation memory)")
     ap.add_argument("--target", type=float, default=1000.0, help="audio-s/s to keep up with")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
@@ -123,17 +124,19 @@ def main() -> None:
     decoder = build_decoder(args.tiny, str(device), dtype)
     L, steady = args.left_context, args.steady
     schedule = ChunkSchedule(first_chunk_frames=args.first, steady_chunk_frames=steady, left_context_frames=L)
-    fpf = flops_per_frame(decoder, L + steady)
+    fpf = flops_per_frame(decoder, L + steady)  # before the engine switches kernels (FLOPs are the same)
     max_b = max(batch_sizes)
     lengths = sorted({*schedule.decode_lengths(ref_frames=(L,)), steady})  # + no-context steady chunks
     engine = Code2WavEngine(decoder, Code2WavEngineConfig(
         max_batch_size=max_b, batch_buckets=tuple(batch_sizes), length_buckets=tuple(lengths),
-        cuda_graphs=not args.no_graphs, max_frames_per_forward=args.max_frames_per_forward or max_b * (L + steady),
+        cuda_graphs=not args.no_graphs, fast_kernels=not args.no_fast_kernels, max_frames_per_forward=args.max_frames_per_forward,
     ))
     print(f"decoder built, {fpf / 1e9:.2f} GFLOP per decoded frame (FlopCounterMode, T={L + steady}); "
           f"schedule {[schedule.chunk_frames(i) for i in range(6)]}..., left context {L}", flush=True)
     warmup_s = engine.warmup(log=lambda m: print(m, flush=True))
+    meta_mem = None
     if device.type == "cuda":
+        meta_mem = torch.cuda.memory_reserved(device) / 2**30
         print(f"GPU memory after warm-up: {torch.cuda.memory_reserved(device) / 2**30:.2f} GiB reserved", flush=True)
 
     rng = np.random.default_rng(0)
@@ -194,9 +197,10 @@ def main() -> None:
     print(verdict)
     stats = engine.stats()
     meta = dict(command=command, device=device_name, torch=torch.__version__, dtype=str(dtype), date=date,
-                tiny=args.tiny, schedule=dict(first=args.first, steady=steady, left_context=L),
+                tiny=args.tiny, fast_kernels=engine.fast_kernels, schedule=dict(first=args.first, steady=steady, left_context=L),
                 utterance_frames=args.utterance_frames, flops_per_frame=fpf, warmup_s=warmup_s,
-                graphs=stats.graphs, context_overhead_utterance=mix_overhead, total_s=time.perf_counter() - t_start)
+                graphs=stats.graphs, gpu_reserved_gib=meta_mem, max_frames_per_forward=args.max_frames_per_forward,
+                context_overhead_utterance=mix_overhead, total_s=time.perf_counter() - t_start)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -204,7 +208,8 @@ def main() -> None:
         json.dumps(dict(meta=meta, rows=rows, latency=latency, verdict=verdict), indent=1))
     lines = [f"command: `{command}`  ", f"device: {device_name}, torch {torch.__version__}, {dtype}, {date}  ",
              f"schedule: first {args.first} -> doubling -> steady {steady}, left context {L}; "
-             f"{fpf / 1e9:.2f} GFLOP/frame; {stats.graphs} CUDA graphs captured in {warmup_s:.1f} s", "",
+             f"{fpf / 1e9:.2f} GFLOP/frame; fused kernels {engine.fast_kernels}; {stats.graphs} CUDA graphs captured in "
+             f"{warmup_s:.1f} s", "",
              "| batch | steady audio-s/s | steady ms | steady TFLOP/s | no-context audio-s/s | mixed audio-s/s "
              "| mixed ms | mixed padded/new | mixed TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

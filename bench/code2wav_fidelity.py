@@ -13,6 +13,7 @@ decode's own 300/25 chunking for comparison, and the bf16 noise floor (bf16 vs f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import platform
@@ -126,12 +127,17 @@ def main() -> None:
     ap.add_argument("--first", type=int, default=ChunkSchedule.first_chunk_frames)
     ap.add_argument("--steady", type=int, default=ChunkSchedule.steady_chunk_frames)
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 rows")
+    ap.add_argument("--max-frames", type=int, default=1024, help="frames per forward (batches of chunks)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/out", help="folder for the JSON and markdown results")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here
     torch.backends.cudnn.allow_tf32 = False
+    if hasattr(torch.backends, "fp32_precision"):  # torch >= 2.9 API, set as well
+        torch.backends.fp32_precision = "ieee"
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     device_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor() or "cpu"
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -143,8 +149,10 @@ def main() -> None:
     rf = receptive_field_frames(decoder.cfg)
     rng = np.random.default_rng(args.seed)
     streams = rng.integers(0, 2048, (args.streams, args.frames, 16), dtype=np.int64)
-    engine = Code2WavEngine(decoder, Code2WavEngineConfig(cuda_graphs=False, max_batch_size=512,
-                                                          max_frames_per_forward=4096))
+    # fp32 rows: the eager modules (the chunking error alone); bf16 rows: the serving kernels
+    fp32_config = Code2WavEngineConfig(cuda_graphs=False, fast_kernels=False, max_batch_size=512,
+                                       max_frames_per_forward=args.max_frames)
+    engine = Code2WavEngine(decoder, fp32_config)
     ref = whole(decoder, streams)
     print(f"decoder: {'tiny' if args.tiny else 'released shapes'}, receptive field {rf} frames; "
           f"{args.streams} x {args.frames} frames; reference decoded in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -166,15 +174,19 @@ def main() -> None:
     add("official chunked_decode 300/25, fp32", 25, 1 + 25 * (len(spans[0]) - 1) / args.frames,
         compare(ref, out, spans))
     if not args.no_bf16:
-        bf16 = Code2WavEngine(decoder.to(torch.bfloat16), engine.config)
+        decoder.to(torch.bfloat16)
+        add("whole utterance, bf16 (eager modules)", "-", 1.0,
+            compare(ref, whole(decoder, streams), [[(0, args.frames)]] * args.streams))
+        bf16 = Code2WavEngine(decoder, dataclasses.replace(fp32_config, fast_kernels=True))
         whole_bf16 = whole(bf16.decoder, streams)
-        add("whole utterance, bf16", "-", 1.0, compare(ref, whole_bf16, [[(0, args.frames)]] * args.streams))
+        kernels = " (fused kernels)" if bf16.fast_kernels else ""
+        add(f"whole utterance, bf16{kernels}", "-", 1.0, compare(ref, whole_bf16, [[(0, args.frames)]] * args.streams))
         for ctx in (25, ChunkSchedule.left_context_frames, 72):
             schedule = ChunkSchedule(first_chunk_frames=args.first, steady_chunk_frames=args.steady,
                                      left_context_frames=ctx)
             out, spans, cost = chunked(bf16, streams, schedule)
-            add("default schedule, bf16 (vs fp32 whole)", ctx, cost, compare(ref, out, spans))
-            add("default schedule, bf16 (vs bf16 whole)", ctx, cost, compare(whole_bf16, out, spans))
+            add(f"default schedule, bf16{kernels} vs fp32 whole", ctx, cost, compare(ref, out, spans))
+            add(f"default schedule, bf16{kernels} vs bf16 whole", ctx, cost, compare(whole_bf16, out, spans))
     print(f"done in {time.perf_counter() - t0:.1f} s")
 
     out_dir = Path(args.out)

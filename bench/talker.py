@@ -26,6 +26,7 @@ from stages.contract import SamplingParams  # noqa: E402
 from stages.model import Qwen3TTS  # noqa: E402
 from stages.prompts import build_prompt  # noqa: E402
 from stages.random_checkpoint import write_random_checkpoint  # noqa: E402
+from stages.sampling import mask_talker_logits, select_tokens  # noqa: E402
 from stages.talker.prefill import build_prefill  # noqa: E402
 from stages.talker.runner import TalkerRunner  # noqa: E402
 
@@ -71,6 +72,7 @@ def main() -> None:
     ap.add_argument("--greedy", action="store_true", help="greedy instead of the default sampling parameters")
     ap.add_argument("--check-graphs", action="store_true", help="compare graph replay with eager steps")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the layer math and sampling")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--out", default=None, help="JSON results path")
     args = ap.parse_args()
@@ -85,7 +87,7 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     sampling = (SamplingParams(do_sample=False, subtalker_do_sample=False, suppress_eos=True) if args.greedy
                 else SamplingParams(suppress_eos=True))
-    runner = TalkerRunner(model, max(batches), args.max_seq_len, 64, (128, 256, 512, 1024))
+    runner = TalkerRunner(model, max(batches), args.max_seq_len, 64, (128, 256, 512, 1024), compile=args.compile)
     capture_s = 0.0
     if device == "cuda" and not args.no_graphs:
         capture_s = runner.capture_graphs(tuple(batches), log=print)
@@ -103,20 +105,30 @@ def main() -> None:
         if args.check_graphs and runner.graphs:
             for t, s in zip(runner._slot_tensors(), saved, strict=True):
                 t.copy_(s)
+            # the reference: plain eager PyTorch (no graph, no compiled kernels)
             graphs, runner.graphs = runner.graphs, {}
+            kernels, select, mask = runner.talker.model.kernels, runner._select, runner._mask
+            runner.talker.model.kernels = runner.talker.code_predictor.model.kernels = None
+            runner._select, runner._mask = select_tokens, mask_talker_logits
             _, eager = time_steps(runner, b, attn_len, args.steps)
             runner.graphs = graphs
+            runner.talker.model.kernels = runner.talker.code_predictor.model.kernels = kernels
+            runner._select, runner._mask = select, mask
             same = sum(bool(torch.equal(g, e)) for g, e in zip(outs, eager, strict=True))
             row["graph_equals_eager_steps"] = f"{same}/{args.steps}"
+            diff = [i for i, (g, e) in enumerate(zip(outs, eager, strict=True)) if not torch.equal(g, e)]
+            row["first_differing_step"] = diff[0] if diff else None
         results.append(row)
         print(json.dumps(row), flush=True)
     report = {
         "device": device_name(), "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
         "size": args.size, "kind": args.kind, "dtype": args.dtype, "graphs": bool(runner.graphs),
+        "compile": args.compile,
         "graph_capture_s": round(capture_s, 1), "bandwidth_floor_ms_b1": FLOOR_MS.get(args.size),
         "torch": torch.__version__, "results": results,
     }
     print(f"\n{report['device']}  {args.size} {args.kind} {args.dtype}  graphs={report['graphs']}  "
+          f"compile={args.compile}  "
           f"capture {capture_s:.1f} s  ({report['date']})")
     print("| batch | ms/step | frames/s | audio-s/s | x real time per stream |")
     print("|---:|---:|---:|---:|---:|")

@@ -8,6 +8,8 @@ the eager reference path and the batched engine share every module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -75,6 +77,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos) + (_rotate_half(x) * sin)
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def attention_inputs(
+    x: torch.Tensor, norm_w: torch.Tensor, eps: float, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor,
+    q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input RMSNorm -> q/k/v projections -> per-head q/k RMSNorm -> RoPE. x [B, S, H] -> q, k, v [B, h, S, D]."""
+    b, s, _ = x.shape
+    h = _rms(x, norm_w, eps)
+    q = _rms(F.linear(h, q_w).view(b, s, num_heads, head_dim), q_norm_w, eps).transpose(1, 2)
+    k = _rms(F.linear(h, k_w).view(b, s, num_kv_heads, head_dim), k_norm_w, eps).transpose(1, 2)
+    v = F.linear(h, v_w).view(b, s, num_kv_heads, head_dim).transpose(1, 2)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def attention_output_and_mlp(
+    x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
+    gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
+) -> torch.Tensor:
+    """o_proj + residual, post-attention RMSNorm, SwiGLU MLP + residual. attn [B, S, h*D] -> [B, S, H]."""
+    x = x + F.linear(attn, o_w)
+    h = _rms(x, norm_w, eps)
+    return x + F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
+
+
 class Attention(nn.Module):
     """GQA attention with per-head RMSNorm on q and k before RoPE (Qwen3)."""
 
@@ -91,14 +122,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
-    ) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """q [B, h, S, D], new k/v [B, n_kv, S, D] -> attention output [B, S, h*D] (cache updated by ctx)."""
+        b, _, s, _ = q.shape
         k, v = ctx.update(self.layer_idx, k, v)  # [B, n_kv, L, D]
         if s == 1 and not ctx.is_causal:
             # decode: the query heads sharing a KV head become rows of one [group, D] query block, so
@@ -106,14 +132,14 @@ class Attention(nn.Module):
             group = self.num_heads // self.num_kv_heads
             qg = q.reshape(b, self.num_kv_heads, group, self.head_dim)
             out = F.scaled_dot_product_attention(qg, k, v, attn_mask=ctx.mask)  # [B, n_kv, group, D]
-            return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
+            return out.reshape(b, 1, self.num_heads * self.head_dim)
         out = F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=None if ctx.is_causal else ctx.mask,
             is_causal=ctx.is_causal and s > 1,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, H, S, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -137,9 +163,29 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
+                kernels: LayerKernels | None = None) -> torch.Tensor:
+        a, m = self.self_attn, self.mlp
+        pre, post = (kernels.pre, kernels.post) if kernels is not None else (attention_inputs, attention_output_and_mlp)
+        q, k, v = pre(x, self.input_layernorm.weight, self.input_layernorm.eps, a.q_proj.weight, a.k_proj.weight,
+                      a.v_proj.weight, a.q_norm.weight, a.k_norm.weight, cos, sin, a.num_heads, a.num_kv_heads,
+                      a.head_dim)
+        attn = a.attend(q, k, v, ctx)
+        return post(x, attn, a.o_proj.weight, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+                    m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """The two per-layer functions, possibly `torch.compile`d (fused kernels for the CUDA-graph engine)."""
+
+    pre: Callable
+    post: Callable
+
+    @classmethod
+    def compiled(cls) -> LayerKernels:
+        return cls(pre=torch.compile(attention_inputs, dynamic=True, fullgraph=True),
+                   post=torch.compile(attention_output_and_mlp, dynamic=True, fullgraph=True))
 
 
 class DecoderStack(nn.Module):
@@ -151,10 +197,11 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.kernels: LayerKernels | None = None  # None: eager; set by an engine that compiles
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x [B, S, H], positions [B, S] -> [B, S, H] after the final norm."""
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
+            x = layer(x, cos, sin, ctx, self.kernels)
         return self.norm(x)

@@ -19,9 +19,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from stages.code2wav import fast
 from stages.code2wav.chunking import CODEBOOK_SIZE, ChunkSchedule
 from stages.code2wav.model import Code2WavDecoder
-from stages.contract import NUM_CODEBOOKS, CodecChunk
+from stages.contract import CodecChunk
 
 DEFAULT_LENGTH_BUCKETS = tuple(ChunkSchedule().decode_lengths())  # (2, 6, 14, 30, 55, 75)
 
@@ -34,14 +35,15 @@ class Code2WavEngineConfig:
     schedule (`for_schedule`); longer chunks run eagerly at their own length. Graphs exist for every
     batch bucket (capped at `max_batch_size`) x length bucket whose `batch * length` fits in
     `max_frames_per_forward`, which also bounds the activation memory of one forward (about 0.8 MB per
-    frame in bf16, docs/code2wav.md).
+    frame in bf16 with the fused kernels, 2.3 MB without; docs/code2wav.md).
     """
 
     max_batch_size: int = 64  # chunks in one forward at most
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     length_buckets: tuple[int, ...] = DEFAULT_LENGTH_BUCKETS
     cuda_graphs: bool = True
-    max_frames_per_forward: int = 8192  # padded batch x padded length of one forward
+    fast_kernels: bool = True  # fused Triton SnakeBeta etc. on CUDA (stages/code2wav/fast.py); False: eager modules
+    max_frames_per_forward: int = 4096  # padded batch x padded length of one forward
     forward_overhead_frames: int = 128  # cost of one forward in frames of work (batching plan)
 
     def __post_init__(self) -> None:
@@ -83,7 +85,11 @@ class _Graph:
 
 
 class Code2WavEngine:
-    """Thread-safe: a lock serializes `decode`/`warmup`; call them from one thread (graphs replay on it)."""
+    """Thread-safe: a lock serializes `decode`/`warmup`; call them from one thread (graphs replay on it).
+
+    The engine owns the decoder: with `fast_kernels` on a CUDA device it switches the instance to the
+    fused kernels of `stages.code2wav.fast` (off: back to the eager modules).
+    """
 
     def __init__(self, decoder: Code2WavDecoder, config: Code2WavEngineConfig = Code2WavEngineConfig()):
         self.decoder, self.config = decoder.eval(), config
@@ -91,6 +97,11 @@ class Code2WavEngine:
         self.device, self.dtype = p.device, p.dtype
         self.samples_per_frame = decoder.samples_per_frame
         self.num_codebooks = decoder.cfg.num_quantizers
+        if config.fast_kernels:
+            self.fast_kernels = fast.enable_fast_kernels(decoder)
+        else:
+            fast.disable_fast_kernels(decoder)
+            self.fast_kernels = False
         self.batch_buckets = tuple(sorted({b for b in config.batch_buckets if b < config.max_batch_size}
                                           | {config.max_batch_size}))
         self.length_buckets = tuple(sorted(set(config.length_buckets)))
@@ -111,7 +122,8 @@ class Code2WavEngine:
             else:
                 with torch.inference_mode():
                     self.decoder(torch.zeros(1, self.num_codebooks, 2, dtype=torch.long, device=self.device))
-                log(f"[code2wav] eager warm-up on {self.device} ({self.dtype}) in {time.perf_counter() - t0:.2f} s")
+                log(f"[code2wav] eager warm-up on {self.device} ({self.dtype}, fast kernels {self.fast_kernels}) "
+                    f"in {time.perf_counter() - t0:.2f} s")
             return time.perf_counter() - t0
 
     def graph_shapes(self) -> list[tuple[int, int]]:
@@ -123,7 +135,7 @@ class Code2WavEngine:
     def _capture(self, log: Callable[[str], None]) -> None:
         t0 = time.perf_counter()
         shapes = sorted(self.graph_shapes(), key=lambda s: (s[0] * s[1], s), reverse=True)  # largest first
-        log(f"[code2wav] capturing {len(shapes)} CUDA graphs: batch {self.batch_buckets} x length "
+        log(f"[code2wav] {self.dtype}, fast kernels {self.fast_kernels}; capturing {len(shapes)} CUDA graphs: batch {self.batch_buckets} x length "
             f"{self.length_buckets} frames (<= {self.config.max_frames_per_forward} frames per forward)")
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
@@ -136,6 +148,7 @@ class Code2WavEngine:
                 for _ in range(2):  # kernels, cuDNN plans, allocator, outside the capture
                     self.decoder(codes)
             current.wait_stream(side)
+            torch.cuda.empty_cache()  # the warm-up's activations must not sit beside the graph pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 wav = self.decoder(codes)

@@ -46,6 +46,7 @@ class TalkerEngineConfig:
     max_prefill_batch: int = 16  # requests admitted in one batched prefill
     max_waiting: int = 4096  # queued requests at most; more are refused (overload)
     cuda_graphs: bool = True
+    compile: bool = True  # torch.compile the per-layer math and sampling (CUDA only)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_seq_len < 16:
@@ -193,7 +194,11 @@ class TalkerEngine:
         self.num_slots = max(1, min(cfg.max_batch_size, budget_tokens // cfg.max_seq_len))
         log(f"[talker] KV cache: {self.num_slots} slots x {cfg.max_seq_len} positions "
             f"({self.num_slots * cfg.max_seq_len * per_token / 2**30:.2f} GiB)")
-        self.runner = TalkerRunner(model, self.num_slots, cfg.max_seq_len, cfg.max_text_rows, cfg.length_buckets)
+        use_compile = cfg.compile and model.device.type == "cuda"
+        if use_compile:
+            log("[talker] compiling fused kernels (first start compiles, later starts reuse the cache)")
+        self.runner = TalkerRunner(model, self.num_slots, cfg.max_seq_len, cfg.max_text_rows, cfg.length_buckets,
+                                   compile=use_compile)
         self._buckets = tuple(sorted({min(b, self.num_slots) for b in cfg.batch_buckets} | {self.num_slots}))
         if cfg.cuda_graphs and model.device.type == "cuda":
             log(f"[talker] capturing CUDA graphs for batch buckets {self._buckets} x "

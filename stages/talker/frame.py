@@ -30,6 +30,7 @@ def predict_frame_codes(
     params: SamplingTensors,  # sub-talker sampling parameters
     seeds: torch.Tensor,  # [B] int64
     frame_index: torch.Tensor,  # [B] int64, index of this frame in its request (RNG counter)
+    select=select_tokens,  # token selection (the engine may pass a compiled version)
 ) -> torch.Tensor:
     """-> codes [B, 16] of the frame (c0 first)."""
     cp = talker.code_predictor
@@ -42,7 +43,7 @@ def predict_frame_codes(
         cache.begin(inputs.shape[1])
         logits = cp.forward_step(inputs, positions, cache, group).float()
         cache.advance()
-        code = select_tokens(logits, params, seeds, frame_index * CODEBOOKS + group + 1)
+        code = select(logits, params, seeds, frame_index * CODEBOOKS + group + 1)
         codes.append(code)
         if group < CODEBOOKS - 2:
             inputs = cp.model.codec_embedding[group](code)[:, None]  # [B, 1, H]

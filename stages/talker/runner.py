@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from stages.contract import SamplingParams
+from stages.layers import LayerKernels
 from stages.model import Qwen3TTS
 from stages.reference import suppressed_ids_mask
 from stages.sampling import SamplingTensors, mask_talker_logits, select_tokens
@@ -74,7 +75,7 @@ class TalkerRunner:
     """Sole owner of the talker's device state. Not thread-safe: one engine thread calls it."""
 
     def __init__(self, model: Qwen3TTS, num_slots: int, max_seq_len: int, max_text_rows: int,
-                 length_buckets: tuple[int, ...]):
+                 length_buckets: tuple[int, ...], compile: bool = False):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
@@ -101,6 +102,26 @@ class TalkerRunner:
         self.suppress = suppressed_ids_mask(cfg.vocab_size, cfg.codebook_size, cfg.codec.eos, dev)
         self.eos = cfg.codec.eos
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._select, self._mask = select_tokens, mask_talker_logits
+        if compile:
+            self._enable_compile()
+
+    def _enable_compile(self) -> None:
+        """Fuse the elementwise work of every layer and of sampling with torch.compile.
+
+        A decode step is ~16 sequential transformer passes of small kernels; at small batch the
+        GPU waits on kernel boundaries, so fewer, fused kernels (replayed inside the CUDA graph)
+        are what makes batch-1 latency approach the weight-bandwidth floor.
+        """
+        import torch._dynamo
+
+        # shapes seen: talker/code predictor x prefill/decode x batch 1/many; each a compiled variant
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        kernels = LayerKernels.compiled()
+        self.talker.model.kernels = kernels
+        self.talker.code_predictor.model.kernels = kernels
+        self._select = torch.compile(select_tokens, dynamic=True, fullgraph=True)
+        self._mask = torch.compile(mask_talker_logits, dynamic=True, fullgraph=True)
 
     # ---------------------------------------------------------------- per-slot bookkeeping
     def _slot_tensors(self) -> list[torch.Tensor]:
@@ -163,7 +184,8 @@ class TalkerRunner:
         p = self.params.rows(b)
         frame_index = self.frame_index[:b]
         c0 = self.c0[:b]
-        codes = predict_frame_codes(self.talker, self.hidden[:b], c0, self.cp_cache(b), p.sub, p.seeds, frame_index)
+        codes = predict_frame_codes(self.talker, self.hidden[:b], c0, self.cp_cache(b), p.sub, p.seeds, frame_index,
+                                    self._select)
         self.seen[:b].scatter_(1, c0[:, None], True)
         has_text = frame_index < self.trailing_len[:b]
         text_idx = torch.minimum(frame_index, (self.trailing_len[:b] - 1).clamp(min=0))
@@ -176,9 +198,9 @@ class TalkerRunner:
         # padding rows (free slots) also advance; saturating keeps their writes inside the slot
         self.positions[:b] = (self.positions[:b] + 1).clamp_(max=self.max_seq_len - 1)
         self.frame_index[:b] += 1
-        logits = mask_talker_logits(self.talker.codec_logits(hidden).float(), self.seen[:b], p.penalty,
-                                    self.frame_index[:b], p.min_frames, self.suppress, self.eos, p.suppress_eos)
-        next_c0 = select_tokens(logits, p.talker, p.seeds, self.frame_index[:b] * CODEBOOKS)
+        logits = self._mask(self.talker.codec_logits(hidden).float(), self.seen[:b], p.penalty,
+                            self.frame_index[:b], p.min_frames, self.suppress, self.eos, p.suppress_eos)
+        next_c0 = self._select(logits, p.talker, p.seeds, self.frame_index[:b] * CODEBOOKS)
         self.c0[:b] = next_c0
         self.out[:b, :CODEBOOKS] = codes
         self.out[:b, CODEBOOKS] = next_c0
