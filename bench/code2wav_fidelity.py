@@ -121,6 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny decoder (CPU smoke test), not the released shapes")
+    ap.add_argument("--checkpoint", default=None, help="a real checkpoint dir: its trained decoder instead of random")
     ap.add_argument("--frames", type=int, default=500, help="frames per utterance (80 ms each)")
     ap.add_argument("--streams", type=int, default=4, help="random utterances")
     ap.add_argument("--contexts", default="0,25,50,72,100,150,250", help="left contexts (frames) to measure")
@@ -145,7 +146,13 @@ def main() -> None:
           f"date: {date}", flush=True)
 
     t0 = time.perf_counter()
-    decoder = build_decoder(args.tiny, args.device, args.seed)
+    if args.checkpoint:
+        from stages.model import Qwen3TTS
+
+        decoder = Qwen3TTS.load(args.checkpoint, args.device, "float32", talker=False, decoder=True,
+                                voice=False).decoder.eval()
+    else:
+        decoder = build_decoder(args.tiny, args.device, args.seed)
     rf = receptive_field_frames(decoder.cfg)
     rng = np.random.default_rng(args.seed)
     streams = rng.integers(0, 2048, (args.streams, args.frames, 16), dtype=np.int64)
@@ -154,7 +161,8 @@ def main() -> None:
                                        max_frames_per_forward=args.max_frames)
     engine = Code2WavEngine(decoder, fp32_config)
     ref = whole(decoder, streams)
-    print(f"decoder: {'tiny' if args.tiny else 'released shapes'}, receptive field {rf} frames; "
+    kind = args.checkpoint or ("tiny random" if args.tiny else "released shapes, random weights")
+    print(f"decoder: {kind}, receptive field {rf} frames; "
           f"{args.streams} x {args.frames} frames; reference decoded in {time.perf_counter() - t0:.1f} s", flush=True)
 
     rows = []
@@ -181,7 +189,7 @@ def main() -> None:
         whole_bf16 = whole(bf16.decoder, streams)
         kernels = " (fused kernels)" if bf16.fast_kernels else ""
         add(f"whole utterance, bf16{kernels}", "-", 1.0, compare(ref, whole_bf16, [[(0, args.frames)]] * args.streams))
-        for ctx in (25, ChunkSchedule.left_context_frames, 72):
+        for ctx in (25, 50, 72):
             schedule = ChunkSchedule(first_chunk_frames=args.first, steady_chunk_frames=args.steady,
                                      left_context_frames=ctx)
             out, spans, cost = chunked(bf16, streams, schedule)
@@ -192,12 +200,12 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    meta = dict(command=command, device=device_name, torch=torch.__version__, date=date, tiny=args.tiny,
+    meta = dict(command=command, device=device_name, torch=torch.__version__, date=date, decoder=kind,
                 frames=args.frames, streams=args.streams, first=args.first, steady=args.steady, seed=args.seed,
                 receptive_field_frames=rf)
     (out_dir / f"code2wav_fidelity_{stamp}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"command: `{command}`  ", f"device: {device_name}, torch {torch.__version__}, {date}  ",
-             f"{args.streams} random utterances x {args.frames} frames, schedule first {args.first} -> doubling -> "
+             f"decoder: {kind}; {args.streams} random code streams x {args.frames} frames, schedule first {args.first} -> doubling -> "
              f"steady {args.steady}; receptive field {rf} frames", "",
              "| decode | left ctx | cost (decoded/new) | max abs err | SNR dB | worst chunk SNR dB | chunk 0 max err |",
              "|---|---|---|---|---|---|---|"]

@@ -38,7 +38,7 @@ def uniform_from_counter(seeds: torch.Tensor, counters: torch.Tensor, width: int
     """Uniform(0, 1) floats [B, width] from per-row seeds [B] and counters [B] (int64)."""
     idx = torch.arange(width, device=seeds.device, dtype=torch.int64)
     row = _mix32(_mix32(seeds) ^ ((counters * 0x61C88647) & _MASK32))  # [B]
-    bits = _mix32(row[:, None] ^ _mix32(idx + 0x9E3779B9)[None, :])  # [B, width]
+    bits = _mix32(row[:, None] ^ _mix32(idx + 0x1E3779B9)[None, :])  # [B, width]; constants < 2**31 (Triton int32)
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # strictly inside (0, 1)
 
 

@@ -23,7 +23,7 @@ from stages.code2wav.model import Code2WavDecoder
 from stages.contract import NUM_CODEBOOKS, CodecChunk, FinishReason
 
 CODEBOOK_SIZE = 2048
-DEFAULT_LEFT_CONTEXT_FRAMES = 50  # see docs/code2wav.md (fidelity vs cost study)
+DEFAULT_LEFT_CONTEXT_FRAMES = 25  # see docs/code2wav.md (fidelity vs cost study)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from stages.code2wav.chunking import CODEBOOK_SIZE, ChunkSchedule
 from stages.code2wav.model import Code2WavDecoder
 from stages.contract import CodecChunk
 
-DEFAULT_LENGTH_BUCKETS = tuple(ChunkSchedule().decode_lengths())  # (2, 6, 14, 30, 55, 75)
+DEFAULT_LENGTH_BUCKETS = tuple(ChunkSchedule().decode_lengths())  # (2, 6, 14, 30, 50)
 
 
 @dataclass(frozen=True)

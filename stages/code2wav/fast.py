@@ -1,14 +1,18 @@
 """Fused CUDA kernels for the code2wav vocoder, switched on per decoder instance by the engine (serving path).
 
-Eager SnakeBeta is five broadcast elementwise kernels with four temporaries, and every causal conv first
-copies its input into a left-padded tensor; together they were ~60% of the decoder's GPU time at large
-batch (H100, bf16; docs/code2wav.md). `enable_fast_kernels(decoder)` re-routes, on that instance only:
-- every SnakeBeta to one Triton kernel (fp32 math, one read and one write),
-- each ResidualUnit to snake -> conv (the snake kernel writes the conv's zero left padding itself) -> snake -> conv,
-- the last SnakeBeta + 1-channel conv to the same padded snake + a conv padded to 16 output channels
-  (cuDNN has no tensor-core kernel for 1 output channel; that conv alone was ~15% of the time).
-Parameters and module names are untouched. The result equals the eager decoder up to rounding (the snake
-math is done in fp32 and rounded once instead of after each step): use the eager module for bit parity.
+Profiled on an H100 (bf16, batch 64 x 75 frames, docs/code2wav.md), the eager vocoder spent most of its
+time outside the convolutions' arithmetic: SnakeBeta as five broadcast kernels with four temporaries,
+the conv biases added by separate non-vectorized broadcast kernels, a left-padded copy of every causal
+conv input, and one cuDNN fallback kernel (no tensor cores) for the dilation-9 conv at 384 channels.
+`enable_fast_kernels(decoder)` re-routes each VocoderBlock and the final SnakeBeta + conv of that
+instance to:
+- one Triton SnakeBeta kernel (fp32 math, one read, one write) that also adds the previous conv's bias
+  and writes the next conv's zero padding, so no padded copy is made;
+- dilated convs as 2-D convs over a (time / dilation, dilation) view (same arithmetic, tensor-core
+  kernels), convs without bias;
+- one Triton kernel for `x + bias + conv(h) + bias` at the end of each residual unit.
+Parameters and module names are untouched. The output equals the eager decoder up to rounding (fp32
+inside the kernels, rounded once); use the eager modules (`disable_fast_kernels`) for bit parity.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from stages.code2wav.layers import CausalConv1d, ResidualUnit, SnakeBeta
+from stages.code2wav.layers import CausalConv1d, ResidualUnit, SnakeBeta, VocoderBlock
 from stages.code2wav.model import Code2WavDecoder
 
 try:
@@ -33,35 +37,82 @@ _BLOCK = 1024
 if triton is not None:
 
     @triton.jit
-    def _snake_kernel(x_ptr, y_ptr, alpha_ptr, inv_beta_ptr, C, T, stride_xb, stride_xc, T_out, PAD,
-                      BLOCK: tl.constexpr):
+    def _snake_kernel(x_ptr, y_ptr, alpha_ptr, inv_beta_ptr, bias_ptr, C, T, stride_xb, stride_xc, T_out, PAD,
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)  # b * C + c
         b, c = row // C, row % C
-        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # output position, [0, PAD + T)
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # output position in [0, T_out)
         src = t - PAD
         inside = (src >= 0) & (src < T)
         x = tl.load(x_ptr + b.to(tl.int64) * stride_xb + c * stride_xc + src, mask=inside, other=0.0).to(tl.float32)
-        a = tl.load(alpha_ptr + c)
-        ib = tl.load(inv_beta_ptr + c)
-        s = tl.sin(x * a)
-        y = tl.where(inside, x + ib * (s * s), 0.0)
+        if HAS_BIAS:
+            x = x + tl.load(bias_ptr + c).to(tl.float32)
+        s = tl.sin(x * tl.load(alpha_ptr + c))
+        y = tl.where(inside, x + tl.load(inv_beta_ptr + c) * (s * s), 0.0)
         tl.store(y_ptr + row.to(tl.int64) * T_out + t, y.to(y_ptr.dtype.element_ty), mask=t < T_out)
+
+    @triton.jit
+    def _residual_kernel(x_ptr, h_ptr, y_ptr, xb_ptr, hb_ptr, C, T, sxb, sxc, shb, shc,
+                         HAS_XB: tl.constexpr, HAS_HB: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        b, c = row // C, row % C
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = t < T
+        x = tl.load(x_ptr + b.to(tl.int64) * sxb + c * sxc + t, mask=m).to(tl.float32)
+        h = tl.load(h_ptr + b.to(tl.int64) * shb + c * shc + t, mask=m).to(tl.float32)
+        if HAS_XB:
+            x = x + tl.load(xb_ptr + c).to(tl.float32)
+        if HAS_HB:
+            h = h + tl.load(hb_ptr + c).to(tl.float32)
+        tl.store(y_ptr + row.to(tl.int64) * T + t, (x + h).to(y_ptr.dtype.element_ty), mask=m)
 
 
 def available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-def snake(x: torch.Tensor, act: SnakeBeta, left_pad: int = 0) -> torch.Tensor:  # [B, C, T] -> [B, C, pad + T]
-    """SnakeBeta in one kernel; the output starts with `left_pad` zero columns (a causal conv's padding)."""
+def snake(x: torch.Tensor, act: SnakeBeta, left_pad: int = 0, right_pad: int = 0,
+          bias: torch.Tensor | None = None) -> torch.Tensor:  # [B, C, T] -> [B, C, left + T + right]
+    """SnakeBeta(x + bias) in one kernel, with `left_pad` / `right_pad` zero columns around the result."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     B, C, T = x.shape
     alpha, inv_beta = _params(act)
-    y = torch.empty(B, C, left_pad + T, dtype=x.dtype, device=x.device)
-    grid = (B * C, triton.cdiv(left_pad + T, _BLOCK))
-    _snake_kernel[grid](x, y, alpha, inv_beta, C, T, x.stride(0), x.stride(1), left_pad + T, left_pad, BLOCK=_BLOCK)
+    t_out = left_pad + T + right_pad
+    y = torch.empty(B, C, t_out, dtype=x.dtype, device=x.device)
+    grid = (B * C, triton.cdiv(t_out, _BLOCK))
+    _snake_kernel[grid](x, y, alpha, inv_beta, bias if bias is not None else alpha, C, T, x.stride(0), x.stride(1),
+                        t_out, left_pad, HAS_BIAS=bias is not None, BLOCK=_BLOCK)
     return y
+
+
+def residual(x: torch.Tensor, h: torch.Tensor, x_bias: torch.Tensor | None,
+             h_bias: torch.Tensor | None) -> torch.Tensor:  # (x + x_bias) + (h + h_bias), [B, C, T]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if h.stride(-1) != 1:
+        h = h.contiguous()
+    B, C, T = x.shape
+    y = torch.empty(B, C, T, dtype=x.dtype, device=x.device)
+    dummy = x_bias if x_bias is not None else (h_bias if h_bias is not None else y)
+    _residual_kernel[(B * C, triton.cdiv(T, _BLOCK))](
+        x, h, y, x_bias if x_bias is not None else dummy, h_bias if h_bias is not None else dummy, C, T,
+        x.stride(0), x.stride(1), h.stride(0), h.stride(1), HAS_XB=x_bias is not None, HAS_HB=h_bias is not None,
+        BLOCK=_BLOCK)
+    return y
+
+
+def dilated_conv(h: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.Tensor:
+    """Conv1d (no padding, no bias) with `dilation`, as a 2-D conv over the (time / d, d) view of `h`.
+
+    out[t] = sum_k w[k] h[t + k d]; with t = i d + j that is a conv along i for every column j. Needs
+    `h.shape[-1] % dilation == 0` and contiguous `h`.
+    """
+    if dilation == 1:
+        return F.conv1d(h, weight)
+    B, C, T = h.shape
+    y = F.conv2d(h.view(B, C, T // dilation, dilation), weight.unsqueeze(-1))  # [B, C_out, T/d - (k-1), d]
+    return y.view(B, y.shape[1], -1)
 
 
 def _params(act: SnakeBeta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,23 +127,34 @@ def _params(act: SnakeBeta) -> tuple[torch.Tensor, torch.Tensor]:
     return cached
 
 
-def _snake_forward(self: SnakeBeta, x: torch.Tensor) -> torch.Tensor:
-    return snake(x, self)
+def _residual_unit(unit: ResidualUnit, x: torch.Tensor, x_bias: torch.Tensor | None) -> torch.Tensor:
+    """unit(x + x_bias) with fused kernels (x_bias: the bias of the conv that produced x, not yet added)."""
+    conv1, conv2 = unit.conv1.conv, unit.conv2.conv
+    d, T = conv1.dilation[0], x.shape[-1]
+    h = snake(x, unit.act1, unit.conv1.left_pad, (-T) % d, bias=x_bias)
+    h = dilated_conv(h, conv1.weight, d)[..., :T]
+    h = snake(h, unit.act2, bias=conv1.bias)  # conv2 is k=1: no padding
+    return residual(x, F.conv1d(h, conv2.weight), x_bias, conv2.bias)
 
 
-def _residual_forward(self: ResidualUnit, x: torch.Tensor) -> torch.Tensor:
-    h = self.conv1.conv(snake(x, self.act1, self.conv1.left_pad))
-    h = snake(h, self.act2, self.conv2.left_pad)
-    return x + self.conv2.conv(h)
+def _vocoder_block_forward(self: VocoderBlock, x: torch.Tensor) -> torch.Tensor:
+    act, up, *units = self.block
+    h = F.conv_transpose1d(snake(x, act), up.conv.weight, None, stride=up.conv.stride)
+    if up.trim:
+        h = h[..., : h.shape[-1] - up.trim]
+    bias = up.conv.bias
+    for unit in units:
+        h = _residual_unit(unit, h, bias)
+        bias = None
+    return h
 
 
 def _padded_snake_forward(self: SnakeBeta, x: torch.Tensor) -> torch.Tensor:
     return snake(x, self, self._fast_left_pad)
 
 
-def _narrow_conv_forward(self: CausalConv1d, x: torch.Tensor) -> torch.Tensor:  # x already left-padded
-    w, b = self._fast_weight
-    return F.conv1d(x, w, b)[:, : self.conv.out_channels]
+def _prepadded_conv_forward(self: CausalConv1d, x: torch.Tensor) -> torch.Tensor:  # x already left-padded
+    return self.conv(x)
 
 
 def enable_fast_kernels(decoder: Code2WavDecoder) -> bool:
@@ -100,24 +162,16 @@ def enable_fast_kernels(decoder: Code2WavDecoder) -> bool:
     if not available(next(decoder.parameters()).device):
         return False
     for module in decoder.modules():
-        if isinstance(module, ResidualUnit):
-            module.forward = types.MethodType(_residual_forward, module)
-        elif isinstance(module, SnakeBeta):
-            module.forward = types.MethodType(_snake_forward, module)
+        if isinstance(module, VocoderBlock):
+            act, up, *units = module.block
+            if not all(u.conv2.left_pad == 0 and u.conv1.conv.padding == (0,) for u in units):
+                raise ValueError("unexpected residual unit layout")
+            module.forward = types.MethodType(_vocoder_block_forward, module)
     act, conv = decoder.decoder[-2], decoder.decoder[-1]
-    if isinstance(act, SnakeBeta) and isinstance(conv, CausalConv1d) and conv.conv.out_channels < 16:
-        w, b = conv.conv.weight, conv.conv.bias
-        with torch.no_grad():
-            wide = torch.zeros(16, *w.shape[1:], dtype=w.dtype, device=w.device)
-            wide[: w.shape[0]] = w
-            bias = None
-            if b is not None:
-                bias = torch.zeros(16, dtype=b.dtype, device=b.device)
-                bias[: b.shape[0]] = b
-        conv._fast_weight = (wide, bias)
+    if isinstance(act, SnakeBeta) and isinstance(conv, CausalConv1d):
         act._fast_left_pad = conv.left_pad
         act.forward = types.MethodType(_padded_snake_forward, act)
-        conv.forward = types.MethodType(_narrow_conv_forward, conv)
+        conv.forward = types.MethodType(_prepadded_conv_forward, conv)
     decoder._fast_kernels = True
     return True
 
