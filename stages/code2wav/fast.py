@@ -32,6 +32,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 _BLOCK = 1024
+CONV2D_MIN_CHANNELS = 256  # dilated convs with at least this many input channels run as 2-D convs
 
 
 if triton is not None:
@@ -106,10 +107,12 @@ def dilated_conv(h: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.
     """Conv1d (no padding, no bias) with `dilation`, as a 2-D conv over the (time / d, d) view of `h`.
 
     out[t] = sum_k w[k] h[t + k d]; with t = i d + j that is a conv along i for every column j. Needs
-    `h.shape[-1] % dilation == 0` and contiguous `h`.
+    `h.shape[-1] % dilation == 0` and contiguous `h`. Used from CONV2D_MIN_CHANNELS input channels up,
+    where it was faster on the H100 (384 ch, d=9: 53.7 -> 3.2 ms; 768 ch: 2.9 -> 2.1 ms); below, cuDNN's
+    dilated conv1d was faster (192 ch: 6.7 vs 7.3 ms; 96 ch: 7.3 vs 8.8 ms), batch 64 x 75 frames, bf16.
     """
-    if dilation == 1:
-        return F.conv1d(h, weight)
+    if dilation == 1 or h.shape[1] < CONV2D_MIN_CHANNELS:
+        return F.conv1d(h, weight, dilation=dilation)
     B, C, T = h.shape
     y = F.conv2d(h.view(B, C, T // dilation, dilation), weight.unsqueeze(-1))  # [B, C_out, T/d - (k-1), d]
     return y.view(B, y.shape[1], -1)

@@ -134,6 +134,12 @@ def test_invalid_args_fail_validation(args, message):
         TTSServingArgs.model_validate(args)
 
 
-def test_inconsistent_chunk_schedule_fails_at_build_time():
-    with pytest.raises(ValueError, match="ramp"):
-        build_app({"models": [{"name": "a"}], "streaming": {"ramp": [0]}})
+@pytest.mark.parametrize("args, message", [
+    ({"models": [{"name": "a"}], "streaming": {"ramp": [0]}}, "ramp"),
+    ({"models": [{"name": "a", "engine_kwargs": {"max_batchsize": 4}}]}, "max_batchsize"),
+    ({"models": [{"name": "a", "engine_kwargs": {"max_seq_len": 8}}]}, "max_seq_len >= 16"),
+    ({"models": [{"name": "a"}], "code2wav": {"engine_kwargs": {"cuda_graph": True}}}, "cuda_graph"),
+])
+def test_inconsistent_engine_options_fail_at_build_time(args, message):
+    with pytest.raises(ValueError, match=message):
+        build_app(args)

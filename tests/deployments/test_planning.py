@@ -7,7 +7,7 @@ import pytest
 
 from deployments.config import TTSServingArgs
 from deployments.errors import APIError
-from deployments.planning import build_request, choose_voice, infer_model, resolve_model_name
+from deployments.planning import build_request, check_limits, choose_voice, infer_model, resolve_model_name
 from deployments.protocol import ModelInfo
 from deployments.schemas import SpeechRequest
 from deployments.voices import VoiceRecord
@@ -135,9 +135,7 @@ def test_base_request_carries_the_voice_and_x_vector_only_drops_reference_codes(
 
 
 @pytest.mark.parametrize("fields, param, fragment", [
-    ({"input": "x" * 51}, "input", "limit is 50"),
     ({"input": "   "}, None, "empty"),
-    ({"instructions": "y" * 21}, "instructions", "limit is 20"),
     ({"language": "klingon"}, None, "unsupported language"),
     ({"max_new_tokens": 513}, "max_new_tokens", "limit 512"),
     ({"initial_codec_chunk_frames": 11}, "initial_codec_chunk_frames", "<= 10"),
@@ -151,12 +149,19 @@ def test_build_request_rejects(infos, args, fields, param, fragment):
     assert fragment in message
 
 
-def test_suppress_eos_can_be_disabled(infos):
-    strict = TTSServingArgs.model_validate({"models": [{"name": "cv"}], "ingress": {"allow_suppress_eos": False}})
-    body = _req(suppress_eos=True)
-    info = infos["cv"]
-    status, param, _ = _status(build_request, body, info, choose_voice(body, info, _find), None, strict, "r")
-    assert (status, param) == (400, "suppress_eos")
+@pytest.mark.parametrize("fields, param, fragment", [
+    ({"input": "x" * 51}, "input", "limit is 50"),
+    ({"instructions": "y" * 21}, "instructions", "limit is 20"),
+    ({"ref_text": "z" * 31}, "ref_text", "limit is 30"),
+    ({"suppress_eos": True}, "suppress_eos", "disabled"),
+])
+def test_limits_are_checked_first(fields, param, fragment):
+    limits = TTSServingArgs.model_validate({"models": [{"name": "cv"}], "ingress": {
+        "max_input_chars": 50, "max_instructions_chars": 20, "max_ref_text_chars": 30,
+        "allow_suppress_eos": False}}).ingress
+    status, got_param, message = _status(check_limits, _req(**fields), limits)
+    assert (status, got_param) == (400, param) and fragment in message
+    check_limits(_req(input="x" * 50, instructions="y" * 20), limits)
 
 
 def test_task_of_models(infos):

@@ -59,9 +59,13 @@ def ray_cluster():
     import ray
     from ray import serve
 
-    ray.init(num_cpus=8, include_dashboard=False, configure_logging=False)
+    # replica logs are noisy; QWEN3_TTS_TEST_RAY_LOGS=1 shows them (they are always in /tmp/ray/session_latest/logs)
+    metrics_port = free_port()
+    ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port,
+             log_to_driver=os.environ.get("QWEN3_TTS_TEST_RAY_LOGS") == "1")
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    os.environ["QWEN3_TTS_TEST_METRICS_URL"] = f"http://127.0.0.1:{metrics_port}/metrics"
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()

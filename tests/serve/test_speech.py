@@ -49,7 +49,7 @@ def test_speed_stretches_the_clip(http):
     normal = http.post("/v1/audio/speech", json=speech(response_format="pcm", max_new_tokens=10))
     fast = http.post("/v1/audio/speech", json=speech(response_format="pcm", max_new_tokens=10, speed=2.0))
     assert len(pcm_of(fast.content)) == len(pcm_of(normal.content)) // 2
-    assert fast.headers["x-usage-output-tokens"] == "10"
+    assert fast.headers["x-usage-output-tokens"] == "10" and fast.headers["x-finish-reason"] == "length"
 
 
 def test_streamed_audio_equals_non_streamed_audio(http, openai_client):
@@ -87,6 +87,7 @@ def test_streamed_audio_equals_non_streamed_audio(http, openai_client):
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
     deltas = [e for e in events if e["type"] == "speech.audio.delta"]
     assert len(deltas) == 4 and events[-1]["type"] == "speech.audio.done"
+    assert events[-1]["finish_reason"] == "length"
     assert events[-1]["usage"]["output_tokens"] == 21 and events[-1]["usage"]["input_tokens"] > 0
     np.testing.assert_array_equal(pcm_of(b"".join(base64.b64decode(e["audio"]) for e in deltas)), whole)
 

@@ -21,10 +21,11 @@ SPF = 1920
 TOL = 1e-5
 STREAM_FRAMES = 180
 
-# Measured on the released decoder shapes with random weights (docs/code2wav.md, fp32, default schedule,
-# left context 50): SNR 61.0 dB overall, worst chunk 56.7 dB, max |err| 2.0e-4. Bounds with margin.
-DEFAULT_CONTEXT_MIN_SNR_DB = 50.0
-DEFAULT_CONTEXT_MAX_ABS = 1e-3
+# The study (docs/code2wav.md; released decoder shapes, random weights, fp32, default schedule, left context
+# 25, 4 x 500 frames on an H100) measured SNR 64.0 dB overall, 61.8 dB in the worst chunk, max |err| 1.4e-4
+# (peak 0.1). The tiny decoder here measures 84.7 dB / 1.6e-4 (peak ~0.6). Pinned: the study's bound.
+DEFAULT_CONTEXT_MIN_SNR_DB = 60.0
+DEFAULT_CONTEXT_MAX_ABS = 3e-4
 
 
 def snr_db(ref: np.ndarray, out: np.ndarray) -> float:
@@ -80,13 +81,15 @@ def stream_chunks(schedule: ChunkSchedule, frames: np.ndarray, ref=None, pushes=
 def test_default_schedule_sizes_and_plan():
     s = ChunkSchedule()
     assert [s.chunk_frames(i) for i in range(7)] == [2, 4, 8, 16, 25, 25, 25]
-    assert s.plan(125) == [(0, 2), (2, 4), (6, 8), (14, 16), (30, 25), (50, 25), (50, 25), (50, 20)]
-    assert s.decode_lengths() == [2, 6, 14, 30, 55, 75]
-    assert ChunkSchedule(ramp=()).plan(30) == [(0, 2), (2, 25), (27, 3)]
+    assert s.left_context_frames == 25
+    assert s.plan(125) == [(0, 2), (2, 4), (6, 8), (14, 16), (25, 25), (25, 25), (25, 25), (25, 20)]
+    assert s.decode_lengths() == [2, 6, 14, 30, 50]
+    assert ChunkSchedule(left_context_frames=50).decode_lengths() == [2, 6, 14, 30, 55, 75]
+    assert ChunkSchedule(ramp=()).plan(30) == [(0, 2), (2, 25), (25, 3)]
     assert ChunkSchedule(ramp=[4, 8], left_context_frames=5).plan(40) == [(0, 2), (2, 4), (5, 8), (5, 25), (5, 1)]
     assert ChunkSchedule(ramp_factor=1.5, first_chunk_frames=4).plan(20)[:4] == [(0, 4), (4, 6), (10, 9), (19, 1)]
     assert ChunkSchedule(left_context_frames=0).context_overhead(1000) == 1.0
-    assert ChunkSchedule(left_context_frames=50).context_overhead(10**4) == pytest.approx(3.0, abs=0.01)
+    assert ChunkSchedule().context_overhead(10**4) == pytest.approx(2.0, abs=0.01)
     assert ChunkSchedule(left_context_frames=25).plan(6, ref_frames=100) == [(25, 2), (25, 4), (0, 0)]
     assert ChunkSchedule(left_context_frames=25, ref_context_frames=0).plan(6, ref_frames=100) == [(0, 2), (25, 4), (0, 0)]
     assert ChunkSchedule().plan(0) == [(0, 0)]
@@ -150,7 +153,7 @@ def test_chunker_edge_cases():
 
 def test_replace_keeps_validation():
     s = dataclasses.replace(ChunkSchedule(), first_chunk_frames=40)  # the talker's per-request override
-    assert s.plan(60) == [(0, 40), (40, 20)]
+    assert s.plan(60) == [(0, 40), (25, 20)]
     with pytest.raises(ValueError):
         dataclasses.replace(ChunkSchedule(), first_chunk_frames=0)
 
@@ -274,7 +277,8 @@ def test_stats_and_validation(decoder):
 def test_config_from_lists_and_schedule():
     cfg = Code2WavEngineConfig(batch_buckets=[1, 4], length_buckets=[2, 75])
     assert cfg.batch_buckets == (1, 4) and cfg.length_buckets == (2, 75)
-    assert Code2WavEngineConfig.for_schedule(ChunkSchedule(left_context_frames=25)).length_buckets == (2, 6, 14, 30, 50)
+    assert Code2WavEngineConfig().length_buckets == (2, 6, 14, 30, 50)
+    assert Code2WavEngineConfig.for_schedule(ChunkSchedule(left_context_frames=50)).length_buckets == (2, 6, 14, 30, 55, 75)
     with pytest.raises(ValueError):
         Code2WavEngineConfig(max_batch_size=0)
 
@@ -284,18 +288,25 @@ def test_config_from_lists_and_schedule():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fast_kernels", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graphs_match_eager(decoder, dtype):
+def test_cuda_graphs_and_fast_kernels_match_eager(decoder, dtype, fast_kernels, monkeypatch):
     import copy
 
+    from stages.code2wav import fast
+
+    monkeypatch.setattr(fast, "CONV2D_MIN_CHANNELS", 0)  # the tiny decoder's channels: cover the 2-D path too
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    gpu = copy.deepcopy(decoder).to("cuda", dtype)
-    cfg = Code2WavEngineConfig(max_batch_size=8, batch_buckets=(1, 2, 4, 8), max_frames_per_forward=300)
-    graphed = Code2WavEngine(gpu, cfg)
+    cfg = Code2WavEngineConfig.for_schedule(ChunkSchedule(left_context_frames=50), max_batch_size=8,
+                                            batch_buckets=(1, 2, 4, 8), max_frames_per_forward=300,
+                                            fast_kernels=fast_kernels)
+    graphed = Code2WavEngine(copy.deepcopy(decoder).to("cuda", dtype), cfg)
+    assert graphed.fast_kernels == fast_kernels
     graphed.warmup(log=print)
     assert graphed.stats().graphs == len(graphed.graph_shapes()) > 0
-    eager = Code2WavEngine(gpu, Code2WavEngineConfig(cuda_graphs=False, max_batch_size=8))
+    eager = Code2WavEngine(copy.deepcopy(decoder).to("cuda", dtype),
+                           Code2WavEngineConfig(cuda_graphs=False, fast_kernels=False, max_batch_size=8))
     rng = np.random.default_rng(1)
     shapes = [(0, 2), (2, 4), (50, 25), (0, 1), (30, 25), (50, 25), (50, 25), (50, 25), (50, 25), (50, 13), (90, 10)]
     chunks = [CodecChunk(f"s{i}", 0, rng.integers(0, 2048, (c + n, 16)), c) for i, (c, n) in enumerate(shapes)]
@@ -304,6 +315,7 @@ def test_cuda_graphs_match_eager(decoder, dtype):
         e = eager.decode(chunks)
         for a, b in zip(g, e, strict=True):
             diff = float(np.abs(a - b).max())
+            print(f"{dtype} fast={fast_kernels}: max diff {diff:.2e}, SNR {snr_db(b, a):.1f} dB")
             assert diff <= (1e-4 if dtype == torch.float32 else 3e-2), diff
             assert snr_db(b, a) > (80 if dtype == torch.float32 else 30)
     s = graphed.stats()

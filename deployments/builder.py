@@ -1,0 +1,116 @@
+"""Builders: validated `TTSServingArgs` -> the Serve application (the `import_path` target).
+
+    import_path: deployments.builder:build_app        # args: validated into TTSServingArgs
+
+One `Talker:<model>` deployment per served checkpoint, one shared `Code2Wav`, one `TTSIngress`.
+Every Serve option is the builder's default deep-merged with the config's `deployment_config`
+(YAML `deployments:` overrides still apply on top, by these names). The final options are logged.
+"""
+
+# no `from __future__ import annotations`: Serve reads build_app's annotation to validate `args`
+import copy
+import logging
+import math
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from deployments import constants as C
+from deployments.code2wav import DEFAULT_ENGINE_CLS as CODE2WAV_ENGINE
+from deployments.code2wav import Code2WavServer
+from deployments.config import CheckpointSource, Code2WavConfig, StreamingConfig, TalkerConfig, TTSServingArgs
+from deployments.ingress import TTSIngress
+from deployments.loading import engine_config
+from deployments.talker import DEFAULT_ENGINE_CLS as TALKER_ENGINE
+from deployments.talker import TalkerServer
+
+logger = logging.getLogger("ray.serve")
+
+TALKER_POLICY = "deployments.autoscaling:talker_policy"
+CODE2WAV_POLICY = "deployments.autoscaling:code2wav_policy"
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _with_policy(options: dict[str, Any], policy: str, target: float) -> dict[str, Any]:
+    """Autoscaling, when configured, defaults to our queue-depth policy and a target from engine capacity."""
+    autoscaling = options.get("autoscaling_config")
+    if isinstance(autoscaling, dict):
+        autoscaling.setdefault("policy", {"policy_function": policy})
+        autoscaling.setdefault("target_ongoing_requests", target)
+    return options
+
+
+def talker_deployment_options(config: TalkerConfig) -> dict[str, Any]:
+    slots = config.max_batch_size
+    defaults = {
+        "name": config.deployment_name,
+        "max_ongoing_requests": max(1, math.ceil(slots * C.TALKER_ONGOING_PER_SLOT)),
+        "max_queued_requests": max(1, math.ceil(slots * C.TALKER_QUEUED_PER_SLOT)),
+        "graceful_shutdown_timeout_s": C.TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        "health_check_period_s": 10,
+        "health_check_timeout_s": 30,
+        "ray_actor_options": {"num_cpus": 1},
+    }
+    return _with_policy(deep_merge(defaults, config.deployment_config), TALKER_POLICY, max(1.0, 0.75 * slots))
+
+
+def code2wav_deployment_options(config: Code2WavConfig) -> dict[str, Any]:
+    defaults = {
+        "name": C.CODE2WAV_DEPLOYMENT_NAME,
+        "max_ongoing_requests": config.max_batch_size * C.CODE2WAV_ONGOING_PER_BATCH_SLOT,
+        "max_queued_requests": C.DEFAULT_CODE2WAV_MAX_QUEUED_REQUESTS,
+        "health_check_period_s": 10,
+        "ray_actor_options": {"num_cpus": 1},
+    }
+    return _with_policy(deep_merge(defaults, config.deployment_config), CODE2WAV_POLICY, float(config.max_batch_size))
+
+
+def ingress_deployment_options(args: TTSServingArgs) -> dict[str, Any]:
+    backpressure = args.ingress.backpressure
+    defaults = {
+        "name": C.INGRESS_DEPLOYMENT_NAME,
+        "max_ongoing_requests": C.DEFAULT_INGRESS_MAX_ONGOING_REQUESTS,
+        "max_queued_requests": C.DEFAULT_INGRESS_MAX_QUEUED_REQUESTS,
+        "backpressure_config": {"status_code": backpressure.status_code, "retry_after_s": backpressure.retry_after_s},
+        "ray_actor_options": {"num_cpus": 1},
+    }
+    return deep_merge(defaults, args.ingress.deployment_config)
+
+
+def build_talker_deployment(config: TalkerConfig, streaming: StreamingConfig) -> Application:
+    options = talker_deployment_options(config)
+    logger.info(f"{options['name']} deployment options: {options}")
+    return serve.deployment(TalkerServer, **options).bind(config, streaming)
+
+
+def build_code2wav_deployment(config: Code2WavConfig, source: CheckpointSource, streaming: StreamingConfig) -> Application:
+    options = code2wav_deployment_options(config)
+    logger.info(f"{options['name']} deployment options: {options}")
+    return serve.deployment(Code2WavServer, **options).bind(config, source, streaming)
+
+
+def build_app(args: TTSServingArgs) -> Application:
+    """The application: ingress -> {Talker:<model>} and the shared Code2Wav."""
+    if not isinstance(args, TTSServingArgs):
+        args = TTSServingArgs.model_validate(args)
+    # inconsistent schedules and unknown engine options fail here, not in crash-looping replicas
+    args.streaming.schedule()
+    for m in args.models:
+        engine_config(m.engine_cls or TALKER_ENGINE, m.engine_config_kwargs())
+    engine_config(args.code2wav.engine_cls or CODE2WAV_ENGINE,
+                  {"max_batch_size": args.code2wav.max_batch_size, **args.code2wav.engine_kwargs})
+    talkers = {m.name: build_talker_deployment(m, args.streaming) for m in args.models}
+    code2wav = build_code2wav_deployment(args.code2wav, args.codec_source, args.streaming)
+    options = ingress_deployment_options(args)
+    logger.info(f"{options['name']} deployment options: {options}")
+    return serve.deployment(TTSIngress, **options).bind(talkers, code2wav, args)

@@ -1,0 +1,122 @@
+"""Code2WavServer: the shared `Code2Wav` deployment. Stateless: any replica decodes any chunk of any stream.
+
+`decode(chunk)` calls from many streams are gathered by `@serve.batch` and decoded in one forward by
+the Code2Wav engine, on one thread that owns all of this replica's decoder work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from ray import serve
+
+from deployments import constants as C
+from deployments.audio_formats import float_to_pcm16
+from deployments.config import CheckpointSource, Code2WavConfig, StreamingConfig
+from deployments.loading import (
+    build_engine,
+    configure_torch,
+    replica_log,
+    resolve_checkpoint,
+    resolve_device_dtype,
+)
+from deployments.metrics import Code2WavMetrics
+from deployments.protocol import DecodedChunk
+from stages.contract import NUM_CODEBOOKS, CodecChunk
+
+DEFAULT_ENGINE_CLS = "stages.code2wav.engine:Code2WavEngine"
+
+
+class Code2WavServer:
+    async def __init__(self, config: Code2WavConfig, source: CheckpointSource, streaming: StreamingConfig):
+        self._setup(config, source, streaming)
+        await self.start()
+
+    @classmethod
+    def sync_init(cls, config: Code2WavConfig, source: CheckpointSource, streaming: StreamingConfig) -> Code2WavServer:
+        server = cls.__new__(cls)
+        server._setup(config, source, streaming)
+        return server
+
+    def _setup(self, config: Code2WavConfig, source: CheckpointSource, streaming: StreamingConfig) -> None:
+        self._config, self._source, self._streaming = config, source, streaming
+        self._engine = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="code2wav")  # the decoder's only thread
+        self._inflight = 0  # decode() calls in this replica
+        self._decoding = 0  # of which in the batch being decoded
+        self._metrics: Code2WavMetrics | None = None
+        self._decode_batch.set_max_batch_size(config.max_batch_size)
+        self._decode_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+
+    async def start(self) -> None:
+        from stages.model import Qwen3TTS
+
+        cfg = self._config
+        log = replica_log(C.CODE2WAV_DEPLOYMENT_NAME)
+        path = await asyncio.to_thread(resolve_checkpoint, self._source, log)
+        device, dtype = resolve_device_dtype(cfg)
+        configure_torch(cfg, device)
+        model = await asyncio.to_thread(
+            Qwen3TTS.load, path, device, dtype, talker=False, decoder=True, voice=False, log=log
+        )
+        lengths = self._streaming.schedule().decode_lengths()  # the chunk shapes worth a CUDA graph
+        engine_kwargs = {"max_batch_size": cfg.max_batch_size, "length_buckets": lengths, **cfg.engine_kwargs}
+        self._engine = await self._on_thread(build_engine, cfg.engine_cls or DEFAULT_ENGINE_CLS, model.decoder,
+                                             engine_kwargs)
+        if cfg.warmup:  # graph capture (CUDA), then one real batch of every chunk length of the schedule
+            await self._on_thread(self._engine.warmup, log)
+            t0 = time.perf_counter()
+            chunks = [CodecChunk("warmup", i, np.zeros((n, NUM_CODEBOOKS), dtype=np.int64), 0)
+                      for i, n in enumerate(lengths)]
+            await self._on_thread(self._engine.decode, chunks)
+            log(f"warm-up decode of lengths {lengths} done in {time.perf_counter() - t0:.2f} s")
+        self._metrics = Code2WavMetrics()
+        log(f"ready on {device} ({dtype}), batches of up to {cfg.max_batch_size} chunks")
+
+    async def decode(self, chunk: CodecChunk) -> DecodedChunk:
+        """PCM (int16) of the chunk's new frames; chunks of concurrent calls are decoded together."""
+        self._engine.check_chunk(chunk)  # a malformed chunk fails its own call, not the whole batch
+        t0 = time.perf_counter()
+        self._inflight += 1
+        self._metrics.queued_chunks.set(self._inflight - self._decoding)
+        try:
+            return await self._decode_batch(chunk)
+        finally:
+            self._inflight -= 1
+            self._metrics.queued_chunks.set(self._inflight - self._decoding)
+            self._metrics.chunk_latency_ms.observe((time.perf_counter() - t0) * 1000)
+
+    @serve.batch(max_batch_size=C.DEFAULT_CODE2WAV_MAX_BATCH_SIZE,
+                 batch_wait_timeout_s=C.DEFAULT_CODE2WAV_BATCH_WAIT_TIMEOUT_S)
+    async def _decode_batch(self, chunks: list[CodecChunk]) -> list[DecodedChunk]:
+        self._decoding += len(chunks)
+        t0 = time.perf_counter()
+        try:
+            waves = await self._on_thread(self._engine.decode, chunks)
+        finally:
+            self._decoding -= len(chunks)
+        self._metrics.batch_decode_ms.observe((time.perf_counter() - t0) * 1000)
+        self._metrics.batch_size.observe(len(chunks))
+        return [
+            DecodedChunk(c.request_id, c.seq, float_to_pcm16(w), c.final, c.finish_reason)
+            for c, w in zip(chunks, waves, strict=True)
+        ]
+
+    async def ready(self) -> bool:
+        return self._engine is not None
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return {
+            "queued_chunks": float(self._inflight - self._decoding),
+            "inflight_chunks": float(self._inflight),
+            "max_batch_size": float(self._config.max_batch_size),
+        }
+
+    def __del__(self) -> None:
+        self._executor.shutdown(wait=False)
+
+    async def _on_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -1,0 +1,216 @@
+"""Validated configuration of the application: what the YAML `args:` of `deployments.builder:build_app` holds.
+
+Pydantic, `extra="forbid"` everywhere (a typo fails at `serve run`, not at the first request). Engine
+knobs travel as `engine_kwargs` into the stages' frozen dataclasses; Serve options travel as
+`deployment_config` (the keyword arguments of `serve.deployment`), merged over the builder's defaults.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from deployments import constants as C
+
+ModelKind = Literal["custom_voice", "base", "voice_design"]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$"
+
+
+def _serve_deployment_options() -> frozenset[str]:
+    from ray import serve
+
+    return frozenset(inspect.signature(serve.deployment).parameters) - {"_func_or_class", "name", "version"}
+
+
+class BaseConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    @classmethod
+    def from_file(cls, path: str | Path):
+        with open(path, encoding="utf-8") as f:
+            return cls.model_validate(yaml.safe_load(f) or {})
+
+
+class _DeploymentOptions(BaseConfig):
+    deployment_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of serve.deployment (ray_actor_options, autoscaling_config, "
+        "max_ongoing_requests, ...), merged over the builder's defaults.",
+    )
+
+    @field_validator("deployment_config")
+    @classmethod
+    def _known_serve_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(value) - _serve_deployment_options()
+        if unknown:
+            raise ValueError(f"unknown Serve deployment options {sorted(unknown)}")
+        return value
+
+
+class CheckpointSource(BaseConfig):
+    """A checkpoint directory or Hugging Face id; None = the embedded tiny random checkpoint of `kind`."""
+
+    model: str | None = None
+    embedded_kind: ModelKind = "custom_voice"
+    embedded_size: Literal["0.6b", "1.7b"] = "1.7b"
+
+    @property
+    def embedded(self) -> bool:
+        return self.model is None
+
+
+class _RuntimeOptions(_DeploymentOptions):
+    device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
+    dtype: str = Field("auto", description="'auto' (bfloat16 on cuda, float32 on cpu) or a torch dtype name")
+    engine_cls: str | None = Field(None, description="import path 'module:Class' of the engine (tests inject fakes)")
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="fields of the engine's config dataclass")
+    cpu_threads: int | None = Field(None, ge=1, description="torch.set_num_threads in the replica")
+    gpu_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="torch.cuda.set_per_process_memory_fraction: Ray does not isolate GPU memory"
+    )
+    warmup: bool = Field(True, description="run one real request before reporting ready")
+
+
+class TalkerConfig(_RuntimeOptions):
+    """One served checkpoint: its own `Talker:<name>` deployment, routed to by the request's `model`."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="the `model` clients ask for")
+    aliases: list[str] = Field(default_factory=list, description="other `model` values routed here")
+    model: str | None = Field(None, description="checkpoint directory or Hugging Face id; None = embedded tiny")
+    embedded_kind: ModelKind = "custom_voice"
+    embedded_size: Literal["0.6b", "1.7b"] = "1.7b"
+    default_max_new_tokens: int = Field(C.DEFAULT_MAX_NEW_TOKENS, ge=1, description="frames when a request sets none")
+
+    @field_validator("aliases")
+    @classmethod
+    def _alias_names(cls, value: list[str]) -> list[str]:
+        for alias in value:
+            if not re.match(NAME_PATTERN, alias):
+                raise ValueError(f"alias {alias!r} must match {NAME_PATTERN}")
+        return value
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _slots_positive(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if int(value.get("max_batch_size", 1)) < 1:
+            raise ValueError("engine_kwargs.max_batch_size must be >= 1")
+        return value
+
+    @property
+    def source(self) -> CheckpointSource:
+        return CheckpointSource(model=self.model, embedded_kind=self.embedded_kind, embedded_size=self.embedded_size)
+
+    @property
+    def max_batch_size(self) -> int:
+        """Engine slots: what `max_ongoing_requests` and the autoscaling target are derived from."""
+        return int(self.engine_kwargs.get("max_batch_size", C.DEFAULT_TALKER_MAX_BATCH_SIZE))
+
+    @property
+    def deployment_name(self) -> str:
+        return C.TALKER_DEPLOYMENT_PREFIX + self.name
+
+    def engine_config_kwargs(self) -> dict[str, Any]:
+        return {**self.engine_kwargs, "max_batch_size": self.max_batch_size}
+
+
+class Code2WavConfig(_RuntimeOptions):
+    """The shared codec decoder: one deployment decodes chunks of every model (same 12 Hz codec)."""
+
+    model: str | None = Field(None, description="checkpoint whose speech_tokenizer/ to load; None = the first model's")
+    max_batch_size: int = Field(C.DEFAULT_CODE2WAV_MAX_BATCH_SIZE, ge=1, description="chunks decoded in one forward")
+    batch_wait_timeout_s: float = Field(C.DEFAULT_CODE2WAV_BATCH_WAIT_TIMEOUT_S, ge=0)
+
+
+class StreamingConfig(BaseConfig):
+    """How a stream of frames is cut into chunks for Code2Wav: `stages.code2wav.chunking.ChunkSchedule`.
+
+    Unset fields take the schedule's defaults (a small first chunk, a geometric ramp, steady chunks).
+    """
+
+    first_chunk_frames: int | None = Field(None, ge=1, description="new frames of the first chunk (80 ms each)")
+    steady_chunk_frames: int | None = Field(None, ge=1, description="new frames of chunks after the ramp")
+    left_context_frames: int | None = Field(None, ge=0, description="played frames decoded again as context")
+    ramp_factor: float | None = Field(None, gt=1, description="geometric growth of chunks after the first")
+    ramp: list[int] | None = Field(None, description="explicit sizes of chunks 1, 2, ... (then steady)")
+    ref_context_frames: int | None = Field(None, ge=0, description="reference frames (Base ICL) as chunk 0 context")
+    max_pending_decodes: int = Field(C.DEFAULT_MAX_PENDING_DECODES, ge=1, description="decodes in flight per stream")
+
+    def schedule(self):
+        """-> stages.code2wav.chunking.ChunkSchedule (raises ValueError on an inconsistent schedule)."""
+        from stages.code2wav.chunking import ChunkSchedule
+
+        fields = self.model_dump(exclude={"max_pending_decodes"}, exclude_none=True)
+        if "ramp" in fields:
+            fields["ramp"] = tuple(fields["ramp"])
+        return ChunkSchedule(**fields)
+
+
+class BackpressureSettings(BaseConfig):
+    """The answer when a deployment's queue is full: the ingress's own (Serve's backpressure_config)
+    and the one the ingress gives when a Talker/Code2Wav handle refuses a request."""
+
+    status_code: Literal[429, 503] = 429
+    retry_after_s: float = Field(C.DEFAULT_RETRY_AFTER_S, ge=0)
+
+
+class IngressConfig(_DeploymentOptions):
+    max_input_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1)
+    max_instructions_chars: int = Field(C.DEFAULT_MAX_INSTRUCTIONS_CHARS, ge=1)
+    max_ref_text_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1)
+    max_ref_audio_bytes: int = Field(C.DEFAULT_MAX_REF_AUDIO_BYTES, ge=1, description="decoded bytes of a reference clip")
+    max_ref_audio_seconds: float = Field(C.DEFAULT_MAX_REF_AUDIO_SECONDS, gt=0)
+    max_request_bytes: int = Field(C.DEFAULT_MAX_REQUEST_BYTES, ge=1, description="HTTP body limit (413 above)")
+    max_new_tokens_limit: int | None = Field(None, ge=1, description="cap on a request's max_new_tokens")
+    request_timeout_s: float = Field(C.DEFAULT_REQUEST_TIMEOUT_S, gt=0, description="per-request deadline")
+    ref_audio_url_allowlist: list[str] = Field(
+        default_factory=list,
+        description="http(s) URL prefixes ref_audio may be fetched from (e.g. 'https://cdn.example.com/voices/'); "
+        "empty = no URLs. Local files are never read.",
+    )
+    voices_dir: str | None = Field(None, description="uploaded voices (shared storage when there are several nodes)")
+    max_uploaded_voices: int = Field(C.DEFAULT_MAX_UPLOADED_VOICES, ge=0)
+    allow_suppress_eos: bool = Field(True, description="accept `suppress_eos` (benchmarks, random-weight tests)")
+    backpressure: BackpressureSettings = Field(default_factory=BackpressureSettings)
+
+    @field_validator("ref_audio_url_allowlist")
+    @classmethod
+    def _http_prefixes(cls, value: list[str]) -> list[str]:
+        for prefix in value:
+            if not re.match(r"^https?://[^/]+/", prefix):
+                raise ValueError(f"allowlist entry {prefix!r} must be an http(s) URL prefix ending its host with '/'")
+        return value
+
+    @property
+    def voices_path(self) -> Path:
+        return Path(self.voices_dir).expanduser() if self.voices_dir else C.DEFAULT_VOICES_DIR
+
+
+class TTSServingArgs(BaseConfig):
+    """Everything `build_app` needs: the served models, the shared codec, streaming and ingress settings."""
+
+    models: list[TalkerConfig] = Field(min_length=1)
+    code2wav: Code2WavConfig = Field(default_factory=Code2WavConfig)
+    streaming: StreamingConfig = Field(default_factory=StreamingConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+    @model_validator(mode="after")
+    def _unique_model_names(self) -> TTSServingArgs:
+        seen: set[str] = set()
+        for m in self.models:
+            for name in (m.name, *m.aliases):
+                if name.lower() in seen:
+                    raise ValueError(f"model name or alias {name!r} is used twice")
+                seen.add(name.lower())
+        return self
+
+    @property
+    def codec_source(self) -> CheckpointSource:
+        """Where Code2Wav loads the codec decoder from: its own `model`, else the first model's checkpoint."""
+        if self.code2wav.model is not None:
+            return CheckpointSource(model=self.code2wav.model)
+        return self.models[0].source

@@ -1,0 +1,72 @@
+"""Defaults of the Serve layer, each overridable through an environment variable of the same name."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+def _env_path(name: str, default: Path) -> Path:
+    return Path(os.environ.get(name, str(default))).expanduser()
+
+
+# where the embedded tiny checkpoints and uploaded voices live by default
+QWEN3_TTS_SERVE_HOME = _env_path("QWEN3_TTS_SERVE_HOME", Path.home() / ".cache" / "qwen3-tts-serve")
+EMBEDDED_CHECKPOINT_DIR = QWEN3_TTS_SERVE_HOME / "embedded"
+DEFAULT_VOICES_DIR = QWEN3_TTS_SERVE_HOME / "voices"
+
+# deployment names (YAML `deployments:` overrides must use these)
+INGRESS_DEPLOYMENT_NAME = "TTSIngress"
+TALKER_DEPLOYMENT_PREFIX = "Talker:"
+CODE2WAV_DEPLOYMENT_NAME = "Code2Wav"
+
+# Talker: engine slots and Serve admission
+DEFAULT_TALKER_MAX_BATCH_SIZE = _env_int("QWEN3_TTS_TALKER_MAX_BATCH_SIZE", 32)
+# open streams a replica accepts per engine slot (the excess waits inside the engine, ready to be admitted
+# the step a slot frees) and requests queued at the caller per slot before a fast 429/503
+TALKER_ONGOING_PER_SLOT = _env_float("QWEN3_TTS_TALKER_ONGOING_PER_SLOT", 1.5)
+TALKER_QUEUED_PER_SLOT = _env_float("QWEN3_TTS_TALKER_QUEUED_PER_SLOT", 1.0)
+TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S = _env_float("QWEN3_TTS_TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S", 120.0)
+TALKER_ENGINE_START_TIMEOUT_S = _env_float("QWEN3_TTS_TALKER_ENGINE_START_TIMEOUT_S", 1800.0)
+WARMUP_FRAMES = _env_int("QWEN3_TTS_WARMUP_FRAMES", 4)
+
+# Code2Wav: dynamic batching of chunks from many streams
+DEFAULT_CODE2WAV_MAX_BATCH_SIZE = _env_int("QWEN3_TTS_CODE2WAV_MAX_BATCH_SIZE", 16)
+DEFAULT_CODE2WAV_BATCH_WAIT_TIMEOUT_S = _env_float("QWEN3_TTS_CODE2WAV_BATCH_WAIT_TIMEOUT_S", 0.004)
+CODE2WAV_ONGOING_PER_BATCH_SLOT = _env_int("QWEN3_TTS_CODE2WAV_ONGOING_PER_BATCH_SLOT", 4)
+DEFAULT_CODE2WAV_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_CODE2WAV_MAX_QUEUED_REQUESTS", 1024)
+
+# Ingress: one ongoing request per open stream
+DEFAULT_INGRESS_MAX_ONGOING_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_ONGOING_REQUESTS", 256)
+DEFAULT_INGRESS_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_QUEUED_REQUESTS", 128)
+
+# request limits
+DEFAULT_MAX_INPUT_CHARS = _env_int("QWEN3_TTS_MAX_INPUT_CHARS", 4096)
+DEFAULT_MAX_INSTRUCTIONS_CHARS = _env_int("QWEN3_TTS_MAX_INSTRUCTIONS_CHARS", 1000)
+DEFAULT_MAX_REF_AUDIO_BYTES = _env_int("QWEN3_TTS_MAX_REF_AUDIO_BYTES", 10 * 1024 * 1024)
+DEFAULT_MAX_REF_AUDIO_SECONDS = _env_float("QWEN3_TTS_MAX_REF_AUDIO_SECONDS", 60.0)
+DEFAULT_MAX_REQUEST_BYTES = _env_int("QWEN3_TTS_MAX_REQUEST_BYTES", 16 * 1024 * 1024)
+DEFAULT_MAX_NEW_TOKENS = _env_int("QWEN3_TTS_DEFAULT_MAX_NEW_TOKENS", 2048)
+DEFAULT_REQUEST_TIMEOUT_S = _env_float("QWEN3_TTS_REQUEST_TIMEOUT_S", 600.0)
+DEFAULT_RETRY_AFTER_S = _env_float("QWEN3_TTS_RETRY_AFTER_S", 1.0)
+DEFAULT_MAX_UPLOADED_VOICES = _env_int("QWEN3_TTS_MAX_UPLOADED_VOICES", 1000)
+INLINE_VOICE_CACHE_SIZE = _env_int("QWEN3_TTS_INLINE_VOICE_CACHE_SIZE", 64)
+REF_AUDIO_FETCH_TIMEOUT_S = _env_float("QWEN3_TTS_REF_AUDIO_FETCH_TIMEOUT_S", 10.0)
+READY_PROBE_TIMEOUT_S = _env_float("QWEN3_TTS_READY_PROBE_TIMEOUT_S", 2.0)
+
+# decoded chunks in flight per stream: decodes overlap generation, audio still leaves in order
+DEFAULT_MAX_PENDING_DECODES = _env_int("QWEN3_TTS_MAX_PENDING_DECODES", 4)
+
+# how often replicas refresh their queue/KV gauges
+METRICS_REFRESH_INTERVAL_S = _env_float("QWEN3_TTS_METRICS_REFRESH_INTERVAL_S", 2.0)
+
+# the voice name a request may give when the model takes no preset voice (openai's client requires one)
+DEFAULT_VOICE_NAME = "default"

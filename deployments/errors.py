@@ -1,0 +1,84 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
+
+Only the ingress turns exceptions into HTTP; everything below it raises typed errors
+(`stages.contract.InvalidRequestError` = the request's fault, anything else = ours).
+"""
+
+from __future__ import annotations
+
+import math
+
+from fastapi.responses import JSONResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_overloaded",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The user exception inside Ray's wrappers (a failed task, or a task whose argument failed)."""
+    from ray.exceptions import RayTaskError
+
+    seen = 0
+    while isinstance(exc, RayTaskError) and seen < 8:
+        cause = getattr(exc, "cause", None)
+        if cause is None or cause is exc:
+            break
+        exc, seen = cause, seen + 1
+    return exc
+
+
+def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_s: float = 1.0) -> APIError:
+    """Map whatever a handle call raised to the answer the client gets."""
+    from ray.exceptions import TaskCancelledError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    from stages.contract import InvalidRequestError
+
+    exc = unwrap(exc)
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return bad_request(str(exc))
+    if isinstance(exc, BackPressureError) or type(exc).__name__ == "EngineOverloadedError":
+        return APIError(overload_status, "the server is at capacity; retry later", code="overloaded",
+                        retry_after_s=retry_after_s)
+    if isinstance(exc, DeploymentUnavailableError):
+        return APIError(503, "the model is not available right now", code="unavailable", retry_after_s=retry_after_s)
+    if isinstance(exc, TimeoutError):
+        return APIError(504, "the request did not finish before its deadline", code="timeout")
+    if isinstance(exc, TaskCancelledError):
+        return APIError(503, "the request was cancelled by the server", code="cancelled", retry_after_s=retry_after_s)
+    return APIError(500, f"speech generation failed: {type(exc).__name__}: {exc}", code="internal_error")

@@ -1,0 +1,111 @@
+"""Getting a checkpoint onto a replica: the embedded tiny checkpoint, device/dtype choice, engine classes.
+
+The embedded default (`model: null`) writes a tiny random checkpoint once into
+`~/.cache/qwen3-tts-serve/embedded/<kind>-<size>-tiny` (under a file lock, so the Talker and Code2Wav
+replicas starting together write it once) and serves it: `serve run configs/local.yaml` works on a
+fresh machine with nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from deployments import constants as C
+from deployments.config import CheckpointSource, _RuntimeOptions
+
+Log = Callable[[str], None]
+logger = logging.getLogger("ray.serve")
+
+
+def replica_log(prefix: str) -> Log:
+    """A `log` callable for the stages' loaders: replica logs reach the `serve run` console."""
+
+    def log(message: str) -> None:
+        logger.info(f"[{prefix}] {message}")
+
+    return log
+
+
+def resolve_checkpoint(source: CheckpointSource, log: Log = print) -> str:
+    """A path or Hugging Face id that `Qwen3TTS.load` accepts; writes the embedded checkpoint if needed.
+
+    `${VAR}` and `~` in `model` are expanded here, in the replica (its runtime_env sets the variables).
+    """
+    if not source.embedded:
+        return os.path.expanduser(os.path.expandvars(str(source.model)))
+    return str(ensure_embedded_checkpoint(source.embedded_kind, source.embedded_size, log=log))
+
+
+def ensure_embedded_checkpoint(kind: str, size: str = "1.7b", root: Path | None = None, log: Log = print) -> Path:
+    root = Path(root) if root is not None else C.EMBEDDED_CHECKPOINT_DIR
+    out = root / f"{kind}-{size.replace('.', '')}-tiny"
+    if (out / "config.json").exists():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another replica may be writing it right now
+        if (out / "config.json").exists():
+            return out
+        from stages.random_checkpoint import write_random_checkpoint
+
+        log(f"[embedded] no checkpoint configured: writing a tiny random {kind} checkpoint to {out} "
+            "(random weights: the audio is noise; set `model:` to serve a real checkpoint)")
+        t0 = time.perf_counter()
+        tmp = root / f".{out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_random_checkpoint(tmp, size, kind, tiny=True, dtype="float32", seed=0, log=log)
+        os.replace(tmp, out)  # config.json appears only with a complete checkpoint
+        log(f"[embedded] checkpoint ready in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def resolve_device_dtype(options: _RuntimeOptions) -> tuple[str, str]:
+    import torch
+
+    device = options.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = options.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype
+
+
+def configure_torch(options: _RuntimeOptions, device: str) -> None:
+    """Per-process torch settings: CPU threads, and a GPU memory cap (fractional GPUs share memory)."""
+    import torch
+
+    if options.cpu_threads is not None:
+        torch.set_num_threads(options.cpu_threads)
+    if options.gpu_memory_fraction is not None and device.startswith("cuda"):
+        torch.cuda.set_per_process_memory_fraction(options.gpu_memory_fraction, torch.device(device))
+
+
+def engine_config(engine_path: str, engine_kwargs: dict[str, Any]) -> tuple[type, Any]:
+    """-> (engine class, its config). `engine_path` names the class; the config dataclass is `<Class>Config`
+    in the same module. Unknown or invalid `engine_kwargs` raise ValueError."""
+    engine_cls = import_object(engine_path)
+    config_cls = getattr(importlib.import_module(engine_cls.__module__), f"{engine_cls.__name__}Config")
+    try:
+        return engine_cls, config_cls(**engine_kwargs)
+    except TypeError as e:
+        raise ValueError(f"engine_kwargs for {engine_path}: {e}") from None
+
+
+def build_engine(engine_path: str, model: Any, engine_kwargs: dict[str, Any]) -> Any:
+    engine_cls, config = engine_config(engine_path, engine_kwargs)
+    return engine_cls(model, config)
+
+
+def import_object(path: str) -> Any:
+    """'package.module:Name' (or 'package.module.Name') -> the object."""
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,75 @@
+"""Every metric the application exports, defined once (Prometheus names get a `ray_` prefix).
+
+`ray.serve.metrics` adds the deployment/replica/application tags. Metric objects are built in the
+replica that records them (`IngressMetrics()` in the ingress constructor, etc.).
+"""
+
+from __future__ import annotations
+
+from ray.serve import metrics
+
+LATENCY_MS_BUCKETS = [5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800]
+RTF_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+REQUEST_STATUSES = ("ok", "bad_request", "not_found", "rejected", "cancelled", "timeout", "error")
+
+
+class IngressMetrics:
+    def __init__(self) -> None:
+        self.requests = metrics.Counter(
+            "tts_requests", description="Speech requests by final status (ok, bad_request, not_found, rejected, "
+            "cancelled, timeout, error).", tag_keys=("model", "status", "stream"),
+        )
+        self.time_to_first_audio_ms = metrics.Histogram(
+            "tts_time_to_first_audio_ms", description="Request arrival to the first audio byte handed to the client.",
+            boundaries=LATENCY_MS_BUCKETS, tag_keys=("model", "stream"),
+        )
+        self.real_time_factor = metrics.Histogram(
+            "tts_real_time_factor", description="Wall time of a request divided by the duration of its audio.",
+            boundaries=RTF_BUCKETS, tag_keys=("model",),
+        )
+        self.audio_seconds = metrics.Counter(
+            "tts_audio_seconds", description="Seconds of audio produced.", tag_keys=("model",),
+        )
+        self.open_streams = metrics.Gauge(
+            "tts_open_streams", description="Requests being generated right now in this ingress replica.",
+            tag_keys=("model",),
+        )
+
+
+class TalkerMetrics:
+    def __init__(self, model: str) -> None:
+        tags = ("model",)
+        self.waiting = metrics.Gauge("tts_talker_waiting", description="Requests waiting for an engine slot.",
+                                     tag_keys=tags)
+        self.running = metrics.Gauge("tts_talker_running", description="Requests in engine slots.", tag_keys=tags)
+        self.slots = metrics.Gauge("tts_talker_slots", description="Engine slots (max running requests).",
+                                   tag_keys=tags)
+        self.kv_usage = metrics.Gauge("tts_talker_kv_usage", description="Fraction of KV-cache positions reserved.",
+                                      tag_keys=tags)
+        self.frames = metrics.Counter("tts_talker_frames", description="Codec frames generated (80 ms each).",
+                                      tag_keys=tags)
+        self.engine_batch_size = metrics.Histogram(
+            "tts_talker_batch_size", description="Mean running requests per decode step, per refresh interval.",
+            boundaries=BATCH_BUCKETS, tag_keys=tags,
+        )
+        for metric in (self.waiting, self.running, self.slots, self.kv_usage, self.frames, self.engine_batch_size):
+            metric.set_default_tags({"model": model})
+
+
+class Code2WavMetrics:
+    def __init__(self) -> None:
+        self.chunk_latency_ms = metrics.Histogram(
+            "tts_code2wav_chunk_latency_ms", description="Arrival of a chunk at Code2Wav to its PCM (queue + decode).",
+            boundaries=LATENCY_MS_BUCKETS,
+        )
+        self.batch_decode_ms = metrics.Histogram(
+            "tts_code2wav_batch_decode_ms", description="Decode time of one batch of chunks.",
+            boundaries=LATENCY_MS_BUCKETS,
+        )
+        self.batch_size = metrics.Histogram(
+            "tts_code2wav_batch_size", description="Chunks decoded together.", boundaries=BATCH_BUCKETS,
+        )
+        self.queued_chunks = metrics.Gauge(
+            "tts_code2wav_queued_chunks", description="Chunks waiting for a decode batch in this replica.",
+        )

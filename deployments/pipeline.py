@@ -1,0 +1,55 @@
+"""The per-request pipeline: Talker stream -> chunk refs -> Code2Wav decodes, pipelined, audio in order.
+
+Chunks never deserialize in the ingress: the Talker's stream is turned into an `ObjectRefGenerator`
+and each ref is handed to `Code2Wav.decode` as a top-level argument, so Ray moves the chunk from the
+Talker's process to whichever Code2Wav replica decodes it. Up to `depth` decodes are in flight per
+stream (overlapping generation); results are awaited in submission order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
+
+from deployments.protocol import DecodedChunk, GenerateOptions
+from stages.contract import SynthesisRequest
+
+_END = object()
+
+
+async def stream_audio(
+    talker: DeploymentHandle, code2wav: DeploymentHandle, request: SynthesisRequest, options: GenerateOptions,
+    depth: int,
+) -> AsyncIterator[DecodedChunk]:
+    """Decoded chunks of one request, in stream order. Closing the iterator cancels the whole pipeline.
+
+    Errors of either stage (e.g. the Talker rejecting the request) surface when the affected chunk is
+    awaited; the first chunk therefore tells whether the request was accepted.
+    """
+    generator = talker.options(stream=True).generate.remote(request, options)
+    pending: asyncio.Queue = asyncio.Queue(maxsize=depth)
+
+    async def submit() -> None:
+        try:
+            refs = await generator._to_object_ref_gen()
+            async for ref in refs:
+                await pending.put(code2wav.decode.remote(ref))
+        except Exception as e:  # refusal (backpressure) or a failed stream: the consumer raises it in order
+            await pending.put(e)
+        await pending.put(_END)
+
+    producer = asyncio.get_running_loop().create_task(submit())
+    try:
+        while (item := await pending.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield await item
+    finally:
+        producer.cancel()
+        generator.cancel()  # stops the Talker (Serve also cascades the ingress request's cancellation)
+        while not pending.empty():  # decodes nobody will read
+            item = pending.get_nowait()
+            if isinstance(item, DeploymentResponse):
+                item.cancel()

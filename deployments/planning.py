@@ -1,0 +1,177 @@
+"""From a `SpeechRequest` to a `SynthesisRequest`: which model, which voice, prompt, sampling, length.
+
+Pure functions over `ModelInfo` (no Ray, no I/O): every 4xx about the request's content is raised
+here or by `stages.prompts.build_prompt` (InvalidRequestError), before any engine slot is taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from deployments import constants as C
+from deployments.config import IngressConfig, TTSServingArgs
+from deployments.errors import APIError, bad_request
+from deployments.protocol import GenerateOptions, ModelInfo
+from deployments.schemas import SpeechRequest
+from deployments.voices import VoiceRecord
+from stages.contract import InvalidRequestError, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
+
+
+@dataclass(frozen=True)
+class VoiceChoice:
+    """What voice a request uses: a preset speaker, an uploaded voice, the request's own clip, or none."""
+
+    speaker: str | None = None
+    uploaded: VoiceRecord | None = None
+    inline: bool = False
+
+
+def resolve_model_name(requested: str, names: dict[str, str]) -> str:
+    """`model` of a request -> served model name; `names` maps lower-cased names and aliases to names."""
+    name = names.get(requested.lower())
+    if name is None:
+        served = sorted(set(names.values()))
+        raise APIError(404, f"model {requested!r} is not served here; served models: {served}", param="model",
+                       code="model_not_found")
+    return name
+
+
+def infer_model(body: SpeechRequest, infos: dict[str, ModelInfo], find_voice) -> str:
+    """The one served model that fits a request without `model`; 400 when none or several fit.
+
+    `find_voice(name) -> VoiceRecord | None` looks up uploaded voices.
+    """
+    if len(infos) == 1:
+        return next(iter(infos))
+    task = _requested_task(body, infos, find_voice)
+    fits = [n for n, i in infos.items() if (task is None or i.task is task) and _voice_fits(body, i, find_voice)]
+    if len(fits) == 1:
+        return fits[0]
+    raise bad_request(f"`model` is required: {len(fits) or 'no'} served models fit this request "
+                      f"(served: {sorted(infos)})", "model", code="model_required")
+
+
+def _requested_task(body: SpeechRequest, infos: dict[str, ModelInfo], find_voice) -> TaskType | None:
+    if body.task_type:
+        return TaskType(body.task_type)
+    if body.ref_audio or body.ref_text or (body.voice and find_voice(body.voice)):
+        return TaskType.BASE
+    if body.voice and any(body.voice.lower() in i.speakers for i in infos.values()):
+        return TaskType.CUSTOM_VOICE
+    if body.instructions and not body.voice:
+        return TaskType.VOICE_DESIGN
+    return None
+
+
+def _voice_fits(body: SpeechRequest, info: ModelInfo, find_voice) -> bool:
+    try:
+        choose_voice(body, info, find_voice)
+    except APIError:
+        return False
+    return True
+
+
+def choose_voice(body: SpeechRequest, info: ModelInfo, find_voice) -> VoiceChoice:
+    task = info.task
+    if body.task_type and body.task_type != task.value:
+        raise bad_request(f"model {info.name!r} is a {task.value} checkpoint and cannot do task_type "
+                          f"{body.task_type}", "task_type", code="unsupported_task")
+    voice = (body.voice or "").strip()
+    is_default = voice.lower() in ("", C.DEFAULT_VOICE_NAME)
+    if task is not TaskType.BASE:
+        if body.ref_audio:
+            raise bad_request(f"ref_audio is only valid for Base (voice clone) models; {info.name!r} is "
+                              f"{task.value}", "ref_audio", code="unsupported_task")
+        if body.ref_text:
+            raise bad_request("ref_text is only valid for Base (voice clone) models", "ref_text",
+                              code="unsupported_task")
+    if task is TaskType.CUSTOM_VOICE:
+        if is_default:
+            return VoiceChoice(speaker="vivian" if "vivian" in info.speakers else info.speakers[0])
+        if voice.lower() in info.speakers:
+            return VoiceChoice(speaker=voice.lower())
+        if find_voice(voice) is not None:
+            raise bad_request(f"voice {voice!r} is an uploaded clone voice; it needs a Base model, and "
+                              f"{info.name!r} is CustomVoice", "voice", code="unsupported_task")
+        raise bad_request(f"unknown voice {voice!r} for {info.name!r}; supported: {info.speakers}", "voice",
+                          code="voice_not_found")
+    if task is TaskType.VOICE_DESIGN:
+        if not is_default:
+            raise bad_request(f"VoiceDesign models have no preset voices (got {voice!r}); describe the voice in "
+                              f"`instructions` and omit voice or use {C.DEFAULT_VOICE_NAME!r}", "voice",
+                              code="voice_not_found")
+        if not (body.instructions or "").strip():
+            raise bad_request("VoiceDesign needs `instructions` describing the voice", "instructions")
+        return VoiceChoice()
+    # Base: the request's own clip, or an uploaded voice
+    if body.ref_audio:
+        if not is_default:
+            raise bad_request("give either `voice` (an uploaded voice) or `ref_audio`, not both", "voice")
+        if not body.x_vector_only_mode and not (body.ref_text or "").strip():
+            raise bad_request("voice cloning from ref_audio needs `ref_text` (its transcript) unless "
+                              "x_vector_only_mode is true", "ref_text")
+        return VoiceChoice(inline=True)
+    if is_default:
+        raise bad_request(f"Base model {info.name!r} needs a voice: `ref_audio` (+ `ref_text`) or the name of an "
+                          "uploaded voice (POST /v1/audio/voices)", "voice")
+    record = find_voice(voice)
+    if record is None:
+        raise bad_request(f"unknown voice {voice!r}: no uploaded voice has this name", "voice", code="voice_not_found")
+    if body.ref_text:
+        raise bad_request("ref_text applies to ref_audio; an uploaded voice has its own transcript", "ref_text")
+    return VoiceChoice(uploaded=record)
+
+
+def check_limits(body: SpeechRequest, limits: IngressConfig) -> None:
+    """Size limits and server switches, checked before anything costly happens."""
+    for field, limit in (("input", limits.max_input_chars), ("instructions", limits.max_instructions_chars),
+                         ("ref_text", limits.max_ref_text_chars)):
+        value = getattr(body, field) or ""
+        if len(value) > limit:
+            raise bad_request(f"{field} is {len(value)} characters; the limit is {limit}", field,
+                              code="input_too_long")
+    if body.suppress_eos and not limits.allow_suppress_eos:
+        raise bad_request("suppress_eos is disabled on this server", "suppress_eos")
+
+
+def build_request(
+    body: SpeechRequest, info: ModelInfo, choice: VoiceChoice, voice: VoiceClonePrompt | None,
+    args: TTSServingArgs, request_id: str,
+) -> tuple[SynthesisRequest, GenerateOptions]:
+    from stages.prompts import build_prompt
+
+    limits = args.ingress
+    if voice is not None and body.x_vector_only_mode and voice.icl:
+        voice = VoiceClonePrompt(x_vector=voice.x_vector)
+    try:
+        prompt = build_prompt(
+            info.config, info.tokenizer, body.input, task=info.task, speaker=choice.speaker,
+            language=body.language, instruct=body.instructions, voice=voice,
+        )
+    except InvalidRequestError as e:
+        raise bad_request(str(e)) from None
+
+    limit = min(limits.max_new_tokens_limit or info.max_seq_len, info.max_seq_len)
+    if body.max_new_tokens is not None and body.max_new_tokens > limit:
+        raise bad_request(f"max_new_tokens {body.max_new_tokens} is above this model's limit {limit}",
+                          "max_new_tokens", code="max_new_tokens_too_large")
+    max_frames = body.max_new_tokens or min(info.default_max_new_tokens, limit)
+
+    steady = args.streaming.schedule().steady_chunk_frames
+    if body.initial_codec_chunk_frames is not None and body.initial_codec_chunk_frames > steady:
+        raise bad_request(f"initial_codec_chunk_frames must be <= {steady} (the steady chunk size)",
+                          "initial_codec_chunk_frames")
+
+    defaults = {f.name: getattr(info.generation, f.name) for f in dataclasses.fields(SamplingParams)
+                if hasattr(info.generation, f.name)}
+    sampling = SamplingParams(**{**defaults, **body.sampling_overrides()})
+    try:
+        sampling.validate()
+    except InvalidRequestError as e:
+        raise bad_request(str(e)) from None
+    request = SynthesisRequest(request_id=request_id, prompt=prompt, sampling=sampling, max_frames=max_frames,
+                               seed=body.seed)
+    options = GenerateOptions(first_chunk_frames=body.initial_codec_chunk_frames,
+                              fit_max_frames=body.max_new_tokens is None)
+    return request, options

@@ -1,0 +1,69 @@
+"""Types that travel between the deployments (besides stages.contract's): frozen, picklable, numpy only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from stages.contract import FinishReason, TaskType
+
+if TYPE_CHECKING:
+    from stages.config import GenerationDefaults, ModelConfig
+    from stages.prompts import TextTokenizer
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ingress needs of a served checkpoint to validate and tokenize requests itself.
+
+    Sent once by each Talker deployment; the tokenizer travels pickled, so the ingress never reads
+    checkpoint files (it may run on a node without them).
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    config: ModelConfig
+    generation: GenerationDefaults
+    tokenizer: TextTokenizer
+    max_seq_len: int  # prompt positions + frames of one request
+    fingerprint: str  # identifies the weights: cached voice-clone prompts are keyed by it
+    default_max_new_tokens: int
+
+    @property
+    def task(self) -> TaskType:
+        return self.config.task
+
+    @property
+    def speakers(self) -> list[str]:
+        return sorted(self.config.talker.speakers)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "task_type": self.task.value,
+            "model_size": self.config.model_size,
+            "speakers": self.speakers,
+            "languages": self.config.public_languages,
+            "accepts_instructions": self.config.accepts_instruction,
+            "max_seq_len": self.max_seq_len,
+        }
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """Per-request knobs of the Talker's chunking and length, beside the SynthesisRequest."""
+
+    first_chunk_frames: int | None = None  # None: the configured schedule
+    fit_max_frames: bool = False  # True: shorten max_frames to what fits the engine's max_seq_len
+
+
+@dataclass(frozen=True)
+class DecodedChunk:
+    """Code2Wav's answer for one CodecChunk: int16 PCM of its new frames, and the chunk's stream position."""
+
+    request_id: str
+    seq: int
+    pcm: np.ndarray  # [new_frames * 1920] int16
+    final: bool
+    finish_reason: FinishReason | None

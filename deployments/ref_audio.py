@@ -1,0 +1,135 @@
+"""Reference clips from requests and voice uploads: base64 / data: URIs, or http(s) URLs from the allowlist.
+
+Local files are never read (no `file://`, no paths). Sizes are checked before decoding, and the clip
+is probed (format, duration) here so that bad audio is a fast 4xx; the waveform itself is decoded by
+the Base model's Talker replica, which computes the clone prompt.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from typing import NamedTuple
+
+import soundfile as sf
+from fastapi import Request
+
+from deployments import constants as C
+from deployments.config import IngressConfig
+from deployments.errors import APIError, bad_request
+from deployments.schemas import VoiceUploadJSON
+
+
+class VoiceUpload(NamedTuple):
+    name: str
+    audio: bytes
+    mime_type: str | None
+    ref_text: str | None
+    x_vector_only: bool
+
+
+_DATA_URI = re.compile(r"^data:(?P<mime>[\w.+\-]+/[\w.+\-]+)?(?P<params>(;[\w\-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
+
+
+async def load_ref_audio(value: str, limits: IngressConfig, param: str = "ref_audio") -> tuple[bytes, str | None]:
+    """-> (encoded audio bytes, mime type if known). Raises APIError 400/413."""
+    value = value.strip()
+    lowered = value[:16].lower()
+    if lowered.startswith(("http://", "https://")):
+        return await _fetch(value, limits, param)
+    if lowered.startswith("data:"):
+        match = _DATA_URI.match(value)
+        if match is None or not match.group("b64"):
+            raise bad_request("ref_audio data: URI must be base64 encoded (data:<mime>;base64,...)", param)
+        data = decode_base64(value[match.end():], limits.max_ref_audio_bytes, param)
+        return data, match.group("mime")
+    if re.match(r"^[a-z][a-z0-9+.\-]*:", lowered) or value.startswith(("/", "./", "../", "~")):
+        raise bad_request("ref_audio must be base64 audio, a data: URI or an allowlisted http(s) URL; "
+                          "local files and other schemes are not accepted", param, code="unsupported_source")
+    return decode_base64(value, limits.max_ref_audio_bytes, param), None
+
+
+def decode_base64(text: str, max_bytes: int, param: str) -> bytes:
+    if len(text) * 3 // 4 > max_bytes + 3:
+        raise _too_large(max_bytes, param)
+    try:
+        data = base64.b64decode(re.sub(r"\s+", "", text), validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"{param} is not valid base64", param) from None
+    if len(data) > max_bytes:
+        raise _too_large(max_bytes, param)
+    if not data:
+        raise bad_request(f"{param} is empty", param)
+    return data
+
+
+def probe_audio(data: bytes, max_seconds: float, param: str = "ref_audio") -> float:
+    """Duration in seconds of an encoded clip; 400 if it cannot be decoded, is empty or is too long."""
+    try:
+        info = sf.info(io.BytesIO(data))
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
+        raise bad_request(f"{param} could not be decoded as audio: {e}", param, code="invalid_audio") from None
+    if info.frames <= 0 or info.samplerate <= 0:
+        raise bad_request(f"{param} contains no audio", param, code="invalid_audio")
+    seconds = info.frames / info.samplerate
+    if seconds > max_seconds:
+        raise bad_request(f"{param} is {seconds:.1f} s long; the limit is {max_seconds:g} s", param,
+                          code="audio_too_long")
+    return seconds
+
+
+async def _fetch(url: str, limits: IngressConfig, param: str) -> tuple[bytes, str | None]:
+    if not any(url.startswith(prefix) for prefix in limits.ref_audio_url_allowlist):
+        raise bad_request("ref_audio URL is not on this server's allowlist (ingress.ref_audio_url_allowlist)", param,
+                          code="url_not_allowed")
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=C.REF_AUDIO_FETCH_TIMEOUT_S, follow_redirects=False) as client:
+            async with client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise bad_request(f"fetching ref_audio failed: HTTP {response.status_code}", param,
+                                      code="fetch_failed")
+                chunks, size = [], 0
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > limits.max_ref_audio_bytes:
+                        raise _too_large(limits.max_ref_audio_bytes, param)
+                    chunks.append(chunk)
+                return b"".join(chunks), response.headers.get("content-type")
+    except httpx.HTTPError as e:
+        raise bad_request(f"fetching ref_audio failed: {type(e).__name__}", param, code="fetch_failed") from None
+
+
+def _too_large(max_bytes: int, param: str) -> APIError:
+    return APIError(413, f"{param} is larger than {max_bytes} bytes", param=param, code="audio_too_large")
+
+
+async def read_voice_upload(request: Request, limits: IngressConfig) -> VoiceUpload:
+    """`POST /v1/audio/voices` body: multipart (`audio_sample` file) or JSON (`audio_sample` base64/data URI)."""
+    limit = limits.max_ref_audio_bytes
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        form = await request.form()
+        upload = form.get("audio_sample")
+        if upload is None or isinstance(upload, str):
+            raise bad_request("multipart field `audio_sample` (a file) is required", "audio_sample")
+        audio = await upload.read(limit + 1)
+        if len(audio) > limit:
+            raise _too_large(limit, "audio_sample")
+        if not audio:
+            raise bad_request("audio_sample is empty", "audio_sample")
+        x_vector_only = str(form.get("x_vector_only_mode") or "false").lower() in ("1", "true", "yes")
+        return VoiceUpload(str(form.get("name") or ""), audio, upload.content_type,
+                           str(form.get("ref_text") or "").strip() or None, x_vector_only)
+    try:
+        body = VoiceUploadJSON.model_validate_json(await request.body())
+    except ValueError as e:
+        raise bad_request(f"voice upload must be multipart/form-data or JSON {list(VoiceUploadJSON.model_fields)}: "
+                          f"{str(e).splitlines()[0]}") from None
+    if body.audio_sample.startswith("data:"):
+        audio, mime = await load_ref_audio(body.audio_sample, limits, "audio_sample")
+    else:
+        audio, mime = decode_base64(body.audio_sample, limit, "audio_sample"), None
+    return VoiceUpload(body.name, audio, mime, (body.ref_text or "").strip() or None, body.x_vector_only_mode)

@@ -1,0 +1,89 @@
+"""HTTP request bodies: OpenAI's `/v1/audio/speech` fields plus the Qwen3-TTS extensions."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus"]
+SAMPLING_FIELDS = (
+    "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_do_sample",
+    "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "min_frames", "suppress_eos",
+)
+
+
+class SpeechRequest(BaseModel):
+    """`POST /v1/audio/speech`. Unknown fields are rejected (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # OpenAI
+    model: str | None = Field(None, description="served model name; may be omitted when the request is unambiguous")
+    input: str = Field(description="text to speak")
+    voice: str | None = Field(None, description="preset speaker (CustomVoice) or uploaded voice (Base)")
+    response_format: ResponseFormat = "wav"
+    speed: float = Field(1.0, ge=0.25, le=4.0, description="tempo, pitch preserved; non-streaming only")
+    instructions: str | None = Field(None, description="style instruction (CustomVoice 1.7B) or voice description "
+                                     "(VoiceDesign)")
+    stream: bool | None = Field(None, description="stream the audio as it is generated")
+    stream_format: Literal["audio", "sse"] | None = Field(None, description="audio = raw chunked bytes, "
+                                                          "sse = base64 `speech.audio.delta` events")
+    # Qwen3-TTS
+    task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None
+    language: str | None = Field(None, description="'auto' (default) or a language of the checkpoint")
+    ref_audio: str | None = Field(None, description="reference clip: base64, a data: URI, or an allowlisted URL")
+    ref_text: str | None = Field(None, description="transcript of ref_audio (in-context cloning)")
+    x_vector_only_mode: bool = Field(False, description="clone from the speaker embedding only (no transcript)")
+    max_new_tokens: int | None = Field(None, ge=1, description="codec frames at most (80 ms each)")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    initial_codec_chunk_frames: int | None = Field(None, ge=1, description="frames of the first streamed chunk")
+    timeout_s: float | None = Field(None, gt=0, description="deadline of this request (capped by the server's)")
+    # sampling (defaults: the checkpoint's generation_config.json)
+    do_sample: bool | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    subtalker_do_sample: bool | None = None
+    subtalker_temperature: float | None = Field(None, ge=0)
+    subtalker_top_k: int | None = Field(None, ge=0)
+    subtalker_top_p: float | None = Field(None, gt=0, le=1)
+    min_frames: int | None = Field(None, ge=0)
+    suppress_eos: bool | None = Field(None, description="never stop before max_new_tokens (benchmarks, tests)")
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_object(cls, value: Any) -> Any:
+        """OpenAI also accepts `{"id": "voice_1234"}`."""
+        if isinstance(value, dict):
+            if set(value) != {"id"} or not isinstance(value["id"], str):
+                raise ValueError("voice must be a string or an object {'id': str}")
+            return value["id"]
+        return value
+
+    @model_validator(mode="after")
+    def _streaming_mode(self) -> SpeechRequest:
+        if self.stream is False and self.stream_format == "sse":
+            raise ValueError("stream_format 'sse' streams; it cannot be combined with stream: false")
+        return self
+
+    @property
+    def streaming(self) -> bool:
+        """`stream: true`, or a `stream_format` without `stream: false` (what OpenAI's client sends)."""
+        return bool(self.stream) or (self.stream is None and self.stream_format is not None)
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
+
+
+class VoiceUploadJSON(BaseModel):
+    """`POST /v1/audio/voices` as JSON (the multipart form has the same fields, with `audio_sample` a file)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    audio_sample: str = Field(description="base64 or a data: URI")
+    ref_text: str | None = None
+    x_vector_only_mode: bool = False
+    consent: str | None = None

@@ -1,0 +1,198 @@
+"""TalkerServer: the `Talker:<model>` deployment, a thin shim over one talker engine per replica.
+
+It streams codec chunks (with left context) of one request: the engine yields frames as they are
+produced, a per-stream chunker cuts them into `CodecChunk`s and the chunks leave as the stream's items
+(Ray owns them; the ingress forwards their refs to Code2Wav without deserializing them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from deployments import constants as C
+from deployments.config import StreamingConfig, TalkerConfig
+from deployments.loading import (
+    build_engine,
+    configure_torch,
+    replica_log,
+    resolve_checkpoint,
+    resolve_device_dtype,
+)
+from deployments.metrics import TalkerMetrics
+from deployments.protocol import GenerateOptions, ModelInfo
+from stages.contract import CodecChunk, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
+
+DEFAULT_ENGINE_CLS = "stages.talker.engine:TalkerEngine"
+
+
+class TalkerServer:
+    """Owns a loaded checkpoint (talker, tokenizer, voice encoders for Base) and its engine."""
+
+    async def __init__(self, config: TalkerConfig, streaming: StreamingConfig):
+        self._setup(config, streaming)
+        await self.start()
+
+    @classmethod
+    def sync_init(cls, config: TalkerConfig, streaming: StreamingConfig) -> TalkerServer:
+        """Build without Serve (tests): `server = TalkerServer.sync_init(...); await server.start()`."""
+        server = cls.__new__(cls)
+        server._setup(config, streaming)
+        return server
+
+    def _setup(self, config: TalkerConfig, streaming: StreamingConfig) -> None:
+        self._config = config
+        self._streaming = streaming
+        self._engine = None
+        self._model = None
+        self._info: ModelInfo | None = None
+        self._voice_executor = ThreadPoolExecutor(1, thread_name_prefix="voice-encoder")
+        self._metrics_task: asyncio.Task | None = None
+        self._metrics: TalkerMetrics | None = None
+
+    async def start(self) -> None:
+        """Load the checkpoint, start the engine (KV sizing, graph capture), warm up with one real request."""
+        from stages.model import Qwen3TTS
+
+        cfg = self._config
+        log = replica_log(cfg.deployment_name)
+        path = await asyncio.to_thread(resolve_checkpoint, cfg.source, log)
+        device, dtype = resolve_device_dtype(cfg)
+        configure_torch(cfg, device)
+        self._model = model = await asyncio.to_thread(
+            Qwen3TTS.load, path, device, dtype, talker=True, decoder=False,
+            voice=True, log=log,
+        )
+        self._engine = build_engine(cfg.engine_cls or DEFAULT_ENGINE_CLS, model, cfg.engine_config_kwargs())
+        await asyncio.to_thread(self._engine.start, log, C.TALKER_ENGINE_START_TIMEOUT_S)
+        self._schedule = self._streaming.schedule()
+        self._info = ModelInfo(
+            name=cfg.name, aliases=tuple(cfg.aliases), config=model.config, generation=model.generation,
+            tokenizer=model.tokenizer, max_seq_len=int(self._engine.config.max_seq_len),
+            fingerprint=_fingerprint(model.path), default_max_new_tokens=cfg.default_max_new_tokens,
+        )
+        if cfg.warmup:
+            t0 = time.perf_counter()
+            await self._warmup()
+            log(f"[talker] warm-up request done in {time.perf_counter() - t0:.2f} s")
+        self._metrics = TalkerMetrics(cfg.name)
+        self._metrics_task = asyncio.get_running_loop().create_task(self._refresh_metrics())
+        log(f"[talker] {cfg.name} ready: {model.config.task.value} on {device} ({dtype})")
+
+    # ------------------------------------------------------------------ requests
+    async def info(self) -> ModelInfo:
+        return self._info
+
+    async def ready(self) -> bool:
+        return self._engine is not None and self._engine.ready
+
+    async def generate(
+        self, request: SynthesisRequest, options: GenerateOptions | None = None
+    ) -> AsyncGenerator[CodecChunk, None]:
+        """Stream the request's codec chunks in order; the last one has `final=True` and the finish reason.
+
+        Cancelling the consumer (client gone, deadline) aborts the request in the engine, which frees
+        its slot at the next step.
+        """
+        from stages.code2wav.chunking import StreamChunker
+        from stages.talker.prefill import prefill_length
+
+        options = options or GenerateOptions()
+        if options.fit_max_frames:
+            room = self._info.max_seq_len - prefill_length(request.prompt) - 1
+            request = dataclasses.replace(request, max_frames=max(1, min(request.max_frames, room)))
+        schedule = self._schedule
+        if options.first_chunk_frames is not None:
+            schedule = dataclasses.replace(schedule, first_chunk_frames=options.first_chunk_frames)
+        chunker = StreamChunker(schedule, request.request_id, ref_codes=request.prompt.ref_codes)
+        stream = self._engine.add_request(request)
+        try:
+            async for frames in stream:
+                for chunk in chunker.push(frames):
+                    yield chunk
+            last = chunker.flush(stream.finish_reason)
+            if last is not None:
+                yield last
+        finally:
+            await stream.aclose()  # no-op after a normal end; aborts the request otherwise
+
+    async def create_voice(self, audio: bytes, ref_text: str | None, x_vector_only: bool) -> VoiceClonePrompt:
+        """Reference clip (+ transcript) -> the Base model's voice-clone prompt (speaker + codec encoders).
+
+        Raises InvalidRequestError (a ValueError) for audio it cannot use or a model that is not Base.
+        """
+        from stages.voice.prompt import create_voice_clone_prompt
+
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._voice_executor, create_voice_clone_prompt, self._model, audio, ref_text, x_vector_only
+        )
+
+    async def engine_stats(self) -> dict[str, int]:
+        return dataclasses.asdict(self._engine.stats())
+
+    # ------------------------------------------------------------------ Serve hooks
+    def check_health(self) -> None:
+        if self._engine is None or not self._engine.ready:
+            raise RuntimeError(f"talker engine of {self._config.name} is not running")
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        s = self._engine.stats()
+        return {"waiting": float(s.waiting), "running": float(s.running), "slots": float(s.max_running)}
+
+    def __del__(self) -> None:
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+        if self._engine is not None:
+            self._engine.shutdown()
+        self._voice_executor.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ internals
+    async def _warmup(self) -> None:
+        from stages.prompts import build_prompt
+
+        cfg = self._model.config
+        speaker = instruct = voice = None
+        if cfg.task is TaskType.CUSTOM_VOICE:
+            speaker = sorted(cfg.talker.speakers)[0]
+        elif cfg.task is TaskType.VOICE_DESIGN:
+            instruct = "A calm voice."
+        else:
+            voice = VoiceClonePrompt(x_vector=np.zeros(cfg.talker.hidden_size, dtype=np.float32))
+        prompt = build_prompt(cfg, self._model.tokenizer, "Warm-up.", speaker=speaker, instruct=instruct, voice=voice)
+        request = SynthesisRequest(f"warmup-{uuid.uuid4().hex}", prompt, SamplingParams(suppress_eos=True),
+                                   max_frames=C.WARMUP_FRAMES, seed=0)
+        async for _chunk in self.generate(request):
+            pass
+
+    async def _refresh_metrics(self) -> None:
+        m, last_steps, last_frames = self._metrics, 0, 0
+        while True:
+            s = self._engine.stats()
+            m.waiting.set(s.waiting)
+            m.running.set(s.running)
+            m.slots.set(s.max_running)
+            m.kv_usage.set(s.kv_used_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0)
+            if s.frames > last_frames:
+                m.frames.inc(s.frames - last_frames)
+            if s.steps > last_steps:
+                m.engine_batch_size.observe((s.frames - last_frames) / (s.steps - last_steps))
+            last_steps, last_frames = s.steps, s.frames
+            await asyncio.sleep(C.METRICS_REFRESH_INTERVAL_S)
+
+
+def _fingerprint(path: Path) -> str:
+    """Identifies a checkpoint's weights (config + weight file identity), for caches keyed by model."""
+    h = hashlib.sha256(str(Path(path).resolve()).encode())
+    h.update((Path(path) / "config.json").read_bytes())
+    weights = (Path(path) / "model.safetensors").stat()
+    h.update(f"{weights.st_size}:{weights.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,132 @@
+"""Bad input -> a 4xx with an OpenAI-style error naming the problem; overload -> fast 429 + Retry-After."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import engine_stats, speech, wav_bytes
+
+pytestmark = pytest.mark.serve
+
+BAD_AUDIO = base64.b64encode(b"this is not audio at all" * 10).decode()
+
+
+def _check_error(response: httpx.Response, status: int, param: str | None, fragment: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert fragment.lower() in error["message"].lower(), error["message"]
+    return error
+
+
+@pytest.mark.parametrize("fields, status, param, fragment", [
+    ({"model": "gpt-9"}, 404, "model", "not served"),
+    ({"voice": "alloy"}, 400, "voice", "unknown voice 'alloy'"),
+    ({"language": "Klingon"}, 400, None, "unsupported language"),
+    ({"task_type": "Base"}, 400, "task_type", "cannot do task_type Base"),
+    ({"task_type": "Singing"}, 400, "task_type", "input should be"),
+    ({"input": ""}, 400, None, "empty"),
+    ({"input": "x" * 301}, 400, "input", "limit is 300"),
+    ({"response_format": "aac"}, 400, "response_format", "input should be"),
+    ({"speed": 5.0}, 400, "speed", "less than or equal to 4"),
+    ({"speed": 2.0, "stream": True}, 400, "speed", "not available when streaming"),
+    ({"response_format": "mp3", "stream": True}, 400, "response_format", "streaming supports"),
+    ({"max_new_tokens": 100000}, 400, "max_new_tokens", "above this model's limit"),
+    ({"max_new_tokens": 511}, 400, None, "exceeds the engine's max_seq_len"),  # raised by the Talker's engine
+    ({"temperature": -1}, 400, "temperature", "greater than or equal to 0"),
+    ({"stream": False, "stream_format": "sse"}, 400, None, "cannot be combined"),
+    ({"unknown_field": 1}, 400, "unknown_field", "extra inputs"),
+    ({"model": "vd", "voice": None}, 400, "instructions", "needs `instructions`"),
+    ({"model": "vd", "voice": None, "instructions": "x" * 1001}, 400, "instructions", "limit is 1000"),
+    ({"ref_audio": BAD_AUDIO, "ref_text": "x"}, 400, "ref_audio", "only valid for Base"),
+    ({"model": "base", "voice": None}, 400, "voice", "needs a voice"),
+    ({"model": "base", "voice": None, "ref_audio": BAD_AUDIO, "ref_text": "x"}, 400, "ref_audio", "could not be decoded"),
+    ({"model": "base", "voice": None, "ref_audio": "@@@not base64@@@", "ref_text": "x"}, 400, "ref_audio", "base64"),
+    ({"model": "base", "voice": None, "ref_audio": "file:///etc/passwd", "ref_text": "x"}, 400, "ref_audio",
+     "local files"),
+    ({"model": "base", "voice": None, "ref_audio": "/etc/passwd", "ref_text": "x"}, 400, "ref_audio", "local files"),
+    ({"model": "base", "voice": None, "ref_audio": "A" * 500_000, "ref_text": "x"}, 413, "ref_audio",
+     "larger than"),
+    ({"model": "base", "voice": None, "ref_audio": base64.b64encode(wav_bytes(6.0)).decode(), "ref_text": "x"}, 400,
+     "ref_audio", "limit is 5"),
+    ({"model": "base", "voice": None, "ref_audio": base64.b64encode(wav_bytes(1.0)).decode()}, 400, "ref_text",
+     "needs `ref_text`"),
+])
+def test_bad_input_is_a_named_4xx(http, fields, status, param, fragment):
+    _check_error(http.post("/v1/audio/speech", json=speech(**fields)), status, param, fragment)
+
+
+def test_urls_must_be_on_the_allowlist(http, file_server):
+    body = speech(model="base", voice=None, x_vector_only_mode=True)
+    _check_error(http.post("/v1/audio/speech", json={**body, "ref_audio": f"{file_server}/other/clip.wav"}),
+                 400, "ref_audio", "allowlist")
+    _check_error(http.post("/v1/audio/speech", json={**body, "ref_audio": f"{file_server}/allowed/missing.wav"}),
+                 400, "ref_audio", "HTTP 404")
+
+
+def test_malformed_and_oversized_bodies(http):
+    r = http.post("/v1/audio/speech", content=b'{"input": "hi", ', headers={"content-type": "application/json"})
+    _check_error(r, 400, None, "not valid JSON")
+    r = http.post("/v1/audio/speech", content=json.dumps(speech(input="x" * 1_100_000)),
+                  headers={"content-type": "application/json"})
+    _check_error(r, 413, None, "larger than")
+    _check_error(http.post("/v1/audio/speech", json=["a list"]), 400, None, "")
+    _check_error(http.get("/v1/nothing"), 404, None, "not found")
+
+
+def test_openai_client_raises_typed_errors(openai_client):
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_client.audio.speech.create(model="cv", voice="alloy", input="hi")
+    assert e.value.body["param"] == "voice"
+    with pytest.raises(openai.NotFoundError):
+        openai_client.audio.speech.create(model="tts-9", voice="vivian", input="hi")
+
+
+def test_deadline_ends_requests(http):
+    long = speech(max_new_tokens=400, timeout_s=0.5)
+    _check_error(http.post("/v1/audio/speech", json=long), 504, None, "deadline")
+    with http.stream("POST", "/v1/audio/speech", json={**long, "stream_format": "sse", "response_format": "pcm"}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.error" and events[-1]["error"]["code"] == "timeout"
+    assert engine_stats("cv")["running"] == 0  # the Talker was told to stop
+
+
+def test_full_model_answers_fast_429_with_retry_after(base_url):
+    """`vd` admits 1 stream and queues 1: the other concurrent requests are refused at once."""
+    body = speech(model="vd", voice=None, instructions="A calm voice.", response_format="pcm", max_new_tokens=60)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/audio/speech", json=body) for _ in range(5)))
+
+    responses = asyncio.run(run())
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) >= 1 and statuses.count(429) >= 2, statuses
+    refused = next(r for r in responses if r.status_code == 429)
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert refused.elapsed.total_seconds() < 5
+
+
+def test_voice_upload_errors(http):
+    clip = wav_bytes(1.0)
+    r = http.post("/v1/audio/voices", files={"audio_sample": ("a.wav", clip, "audio/wav")}, data={"name": "bad name"})
+    _check_error(r, 400, "name", "must match")
+    r = http.post("/v1/audio/voices", files={"audio_sample": ("a.wav", clip, "audio/wav")}, data={"name": "vivian"})
+    _check_error(r, 400, "name", "taken by a preset")
+    r = http.post("/v1/audio/voices", files={"audio_sample": ("a.wav", b"junk" * 100, "audio/wav")},
+                  data={"name": "junk"})
+    _check_error(r, 400, "audio_sample", "could not be decoded")
+    r = http.post("/v1/audio/voices", files={"audio_sample": ("a.wav", b"0" * 300_001, "audio/wav")},
+                  data={"name": "big"})
+    _check_error(r, 413, "audio_sample", "larger than")
+    r = http.post("/v1/audio/voices", json={"name": "x"})
+    _check_error(r, 400, None, "multipart/form-data or JSON")
+    _check_error(http.delete("/v1/audio/voices/nobody"), 404, "name", "no uploaded voice")
