@@ -65,14 +65,14 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
     from ray.exceptions import TaskCancelledError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
-    from stages.contract import InvalidRequestError
+    from stages.contract import EngineOverloadedError, InvalidRequestError
 
     exc = unwrap(exc)
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc))
-    if isinstance(exc, BackPressureError) or type(exc).__name__ == "EngineOverloadedError":
+    if isinstance(exc, (BackPressureError, EngineOverloadedError)):
         return APIError(overload_status, "the server is at capacity; retry later", code="overloaded",
                         retry_after_s=retry_after_s)
     if isinstance(exc, DeploymentUnavailableError):

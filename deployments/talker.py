@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import time
 import uuid
@@ -131,10 +132,11 @@ class TalkerServer:
         """
         from stages.voice.prompt import create_voice_clone_prompt
 
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._voice_executor, create_voice_clone_prompt, self._model, audio, ref_text, x_vector_only
-        )
+        work = functools.partial(create_voice_clone_prompt, self._model, audio, ref_text, x_vector_only)
+        run_on_device = getattr(self._engine, "run_on_device", None)
+        if run_on_device is not None:  # the engine's device thread: one thread owns all GPU work
+            return await asyncio.wrap_future(run_on_device(work))
+        return await asyncio.get_running_loop().run_in_executor(self._voice_executor, work)
 
     async def engine_stats(self) -> dict[str, int]:
         return dataclasses.asdict(self._engine.stats())

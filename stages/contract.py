@@ -23,6 +23,10 @@ class InvalidRequestError(ValueError):
     """
 
 
+class EngineOverloadedError(RuntimeError):
+    """An engine's waiting queue is full; the caller should shed load (HTTP 503 + Retry-After)."""
+
+
 class TaskType(str, enum.Enum):
     CUSTOM_VOICE = "CustomVoice"
     VOICE_DESIGN = "VoiceDesign"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -18,20 +19,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from stages.contract import FinishReason, InvalidRequestError, SynthesisRequest
+from stages.contract import EngineOverloadedError, FinishReason, InvalidRequestError, SynthesisRequest
 from stages.model import Qwen3TTS
 from stages.talker.frame import CODEBOOKS
 from stages.talker.kv_slots import SlotKVCache
 from stages.talker.prefill import build_prefill, prefill_length, trailing_length
 from stages.talker.runner import TalkerRunner
 from stages.talker.stream import FrameStream
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; the caller should shed load (HTTP 503 + Retry-After)."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +139,17 @@ class TalkerEngine:
         self._wake.set()
         return stream
 
+    def run_on_device(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        """Run `fn` on the engine's device thread between steps (e.g. voice-clone encoders).
+
+        Keeps one thread owning all device work of the replica; the caller awaits the future
+        (`asyncio.wrap_future`). Use for short work: running requests wait while it runs.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (fn, future)))
+        self._wake.set()
+        return future
+
     def abort(self, request_id: str) -> None:
         """Stop a request at the next step boundary and free its slot. Safe from any thread."""
         self._commands.put(("abort", request_id))
@@ -222,6 +229,13 @@ class TalkerEngine:
                 r = self._by_id.get(payload)
                 if r is not None:
                     r.aborted = True
+            elif kind == "call":
+                fn, future = payload
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # the caller's error, not the engine's
+                        future.set_exception(e)
         # aborted requests that never started leave the queue at once
         if any(r.aborted for r in self._waiting):
             for r in [r for r in self._waiting if r.aborted]:

@@ -67,7 +67,7 @@ def test_prefill_length_matches_layout(model, prompts):
 def test_engine_equals_reference_with_joins_and_leaves(model, prompts):
     """5 requests of different modes/lengths through 3 slots: they queue, join and leave mid-batch."""
     lengths = [30, 12, 25, 40, 7]
-    reference = [ReferenceGenerator(model).generate_codes(p, GREEDY, n) for p, n in zip(prompts, lengths)]
+    reference = [ReferenceGenerator(model).generate_codes(p, GREEDY, n) for p, n in zip(prompts, lengths, strict=False)]
     engine = _engine(model, max_batch_size=3)
     try:
         async def main():
@@ -186,3 +186,21 @@ def test_eos_finishes_request(model, prompts):
         engine.shutdown()
     np.testing.assert_array_equal(codes, reference)
     assert reason is (FinishReason.EOS if len(reference) < 60 else FinishReason.LENGTH)
+
+
+def test_run_on_device_runs_between_steps_and_propagates_errors(model, prompts):
+    import threading
+
+    engine = _engine(model, max_batch_size=1)
+    try:
+        async def main():
+            thread = await asyncio.wrap_future(engine.run_on_device(lambda: threading.current_thread().name))
+            with pytest.raises(ZeroDivisionError):
+                await asyncio.wrap_future(engine.run_on_device(lambda: 1 / 0))
+            codes, _ = await _collect(engine, SynthesisRequest("after", prompts[0], GREEDY, 5))
+            return thread, codes
+        thread, codes = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert thread == "talker-engine"  # the engine's device thread, not the caller's
+    assert len(codes) == 5  # the engine keeps serving after a failing call
