@@ -46,6 +46,7 @@ from deployments.planning import (
     infer_model,
     resolve_model_name,
 )
+from deployments.playback import PlaybackClock
 from deployments.protocol import DecodedChunk, ModelInfo
 from deployments.ref_audio import load_ref_audio, probe_audio, read_voice_upload
 from deployments.schemas import SpeechRequest
@@ -258,6 +259,7 @@ class TTSIngress:
     async def _stream(self, job: _Job) -> AsyncIterator[bytes]:
         sse, model = job.body.stream_format == "sse", job.model
         frames, status, finish, audio_sent = 0, "ok", None, False
+        playback = PlaybackClock()
         self._open_streams[model] += 1
         self._metrics.open_streams.set(self._open_streams[model], tags={"model": model})
 
@@ -272,6 +274,7 @@ class TTSIngress:
                 finish = chunk.finish_reason or finish
                 data, pending = pending + chunk.pcm.astype("<i2").tobytes(), b""
                 if data:  # a stream may end with an empty final chunk
+                    playback.sent(chunk.pcm.size / SAMPLE_RATE)
                     yield event("delta", audio=base64.b64encode(data).decode()) if sse else data
                     if not audio_sent:
                         audio_sent = True
@@ -295,6 +298,10 @@ class TTSIngress:
             await job.chunks.aclose()
             self._open_streams[model] -= 1
             self._metrics.open_streams.set(self._open_streams[model], tags={"model": model})
+            if playback.started is not None and playback.min_lead_s != float("inf"):
+                self._metrics.client_buffer_lead_s.observe(playback.min_lead_s, tags={"model": model})
+            if playback.underruns:
+                self._metrics.client_underruns.inc(playback.underruns, tags={"model": model})
             if status == "ok":
                 self._finish(job, True, frames)
             else:
