@@ -15,7 +15,7 @@ from deployments.errors import APIError, bad_request
 from deployments.protocol import GenerateOptions, ModelInfo
 from deployments.schemas import SpeechRequest
 from deployments.voices import VoiceRecord
-from stages.contract import InvalidRequestError, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
+from stages.contract import InvalidRequestError, SynthesisRequest, TaskType, VoiceClonePrompt
 
 
 @dataclass(frozen=True)
@@ -163,9 +163,7 @@ def build_request(
         raise bad_request(f"initial_codec_chunk_frames must be <= {steady} (the steady chunk size)",
                           "initial_codec_chunk_frames")
 
-    defaults = {f.name: getattr(info.generation, f.name) for f in dataclasses.fields(SamplingParams)
-                if hasattr(info.generation, f.name)}
-    sampling = SamplingParams(**{**defaults, **body.sampling_overrides()})
+    sampling = dataclasses.replace(info.generation.sampling, **body.sampling_overrides())
     try:
         sampling.validate()
     except InvalidRequestError as e:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.contract import TaskType
+from stages.contract import SamplingParams, TaskType
 
 _KIND_TO_TASK = {
     "custom_voice": TaskType.CUSTOM_VOICE,
@@ -193,17 +193,9 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class GenerationDefaults:
-    """`generation_config.json`: the checkpoint's default sampling parameters."""
+    """`generation_config.json`: the checkpoint's default sampling parameters and length limit."""
 
-    do_sample: bool = True
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.05
-    subtalker_do_sample: bool = True
-    subtalker_temperature: float = 0.9
-    subtalker_top_k: int = 50
-    subtalker_top_p: float = 1.0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 8192
 
     @classmethod
@@ -214,4 +206,6 @@ class GenerationDefaults:
         d = json.loads(p.read_text(encoding="utf-8"))
         rename = {"subtalker_dosample": "subtalker_do_sample"}
         d = {rename.get(k, k): v for k, v in d.items()}
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        known = {f for f in SamplingParams.__dataclass_fields__ if f not in ("min_frames", "suppress_eos")}
+        return cls(sampling=SamplingParams(**{k: d[k] for k in known if k in d}),
+                   max_new_tokens=int(d.get("max_new_tokens", 8192)))

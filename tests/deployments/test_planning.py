@@ -114,7 +114,7 @@ def test_build_request_uses_checkpoint_sampling_defaults_and_overrides(infos, ar
     request, options = build_request(body, info, choose_voice(body, info, _find), None, args, "rid")
     assert request.request_id == "rid" and request.seed == 7 and request.max_frames == 40
     assert request.sampling.temperature == 0.5 and request.sampling.suppress_eos
-    assert request.sampling.top_k == info.generation.top_k
+    assert request.sampling.top_k == info.generation.sampling.top_k == 50
     assert request.prompt.speaker_id == info.config.talker.speakers["vivian"]
     assert request.prompt.language_id == info.config.talker.languages["english"]
     assert options.first_chunk_frames == 3 and not options.fit_max_frames

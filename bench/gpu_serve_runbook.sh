@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# End-to-end serving benchmark on a bare GPU machine (no internet; packages carried in .gpubundle/ and .whl/).
+#
+#   bash bench/gpu_serve_runbook.sh [STAGE ...]        STAGE: setup closed open collect stop all (default: all)
+#
+#   setup   install the Ray bundle (+ soxr from .whl), write a full-size random checkpoint on the GPU, write
+#           the Serve config (1 GPU: configs/high_concurrency.yaml, co-located; 2+ GPUs: configs/split.yaml,
+#           one raylet per GPU), start `serve run` in its own session (it outlives this command while the
+#           machine stays warm) and wait for GET /ready. Every step is skipped when already done.
+#   closed  closed-loop sweep c = $CONCURRENCY (stops at the first level with failures)
+#   open    open-loop Poisson sweep r = $RATES (same stop rule)
+#   all     setup closed open, splitting the remaining budget between the two sweeps
+#   collect copy results into $OUT (also done after each sweep); stop: shut the server down
+#
+# Each device command may run 10 minutes: the script keeps to BUDGET_S (default 540 s) from its own start,
+# giving each sweep `--max-seconds` of what is left, and leaves at most 8 files in $OUT:
+#   runbook.log, serve_tail.log, results.tar.gz (every stage's results.json/.md/PNGs, gpu.csv, config),
+#   closed.md, open.md, and up to 3 PNGs. Results also stay under $W/results while the machine is warm.
+#
+# Knobs (environment): OUT, BUDGET_S, CONFIG (a config file; default by GPU count), SET (space-separated
+# `path=value` overrides of the config's args, e.g. "models.0.engine_kwargs.max_batch_size=128"), SIZE (1.7b),
+# KIND (custom_voice), MAX_NEW_TOKENS (75 = 6 s of audio), CONCURRENCY, RATES, CLOSED_MIN / CLOSED_PER_LEVEL
+# (requests per closed point: max(min, k x c)), OPEN_MIN / OPEN_SECONDS (per open point: max(min, s x r)),
+# READY_TIMEOUT_S (420), PORT (8000), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use
+# the current Python environment: the CPU dry run in docs/benchmarks.md).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled \
+       RAY_USAGE_STATS_ENABLED=0 OMP_NUM_THREADS=1
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+T0=$(date +%s)
+OUT=${OUT:-bench/out/serve}
+BUDGET_S=${BUDGET_S:-540}
+W=${W:-/tmp/qwen3-serve-bench}
+SIZE=${SIZE:-1.7b}
+KIND=${KIND:-custom_voice}
+PORT=${PORT:-8000}
+URL="http://127.0.0.1:$PORT"
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-75}
+CONCURRENCY=${CONCURRENCY:-1,4,16,64,128,256,512}
+RATES=${RATES:-1,10,20,40,80,160}
+CLOSED_MIN=${CLOSED_MIN:-8}
+CLOSED_PER_LEVEL=${CLOSED_PER_LEVEL:-2}
+OPEN_MIN=${OPEN_MIN:-10}
+OPEN_SECONDS=${OPEN_SECONDS:-20}
+READY_TIMEOUT_S=${READY_TIMEOUT_S:-420}
+CKPT=${CKPT:-$W/ckpt/$SIZE-$KIND}
+mkdir -p "$OUT" "$W/results"
+OUT="$(cd "$OUT" && pwd)"
+
+say() { echo "[runbook +$(( $(date +%s) - T0 ))s] $*"; }
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
+ready() { python3 - "$URL" <<'PY'
+import sys, urllib.request
+try:
+    sys.exit(0 if urllib.request.urlopen(sys.argv[1] + "/ready", timeout=5).status == 200 else 1)
+except Exception:
+    sys.exit(1)
+PY
+}
+
+env_setup() {
+  if [ -n "${SKIP_INSTALL:-}" ]; then export PYTHONPATH="$REPO:${PYTHONPATH:-}"; return 0; fi
+  if [ ! -f .gpubundle/install_bundle.sh ]; then say "missing .gpubundle/ (carry it: see docs/benchmarks.md)"; exit 3; fi
+  # shellcheck disable=SC1091
+  source .gpubundle/install_bundle.sh .gpubundle
+  if ! python3 -c 'import soxr' 2>/dev/null && [ ! -d /tmp/main_site/soxr ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/main_site .whl/soxr-*.whl \
+      || { say "soxr wheel missing from .whl/"; exit 3; }
+  fi
+  export PYTHONPATH="$REPO:/tmp/main_site:${PYTHONPATH:-}"
+}
+
+write_config() {
+  local base="${CONFIG:-}"
+  if [ -z "$base" ]; then
+    if [ "$(gpus)" -ge 2 ]; then base=configs/split.yaml; else base=configs/high_concurrency.yaml; fi
+  fi
+  local sets=()
+  for s in ${SET:-}; do sets+=(--set "$s"); done
+  python3 -m bench.loadgen.serve_config "$base" "$W/serve.next.yaml" --checkpoint "$CKPT" --port "$PORT" \
+    "${sets[@]}" > /dev/null || exit 3
+  echo "$base" > "$W/config_base"
+}
+
+stop_server() {
+  if [ -f "$W/serve.pid" ]; then
+    local pid; pid=$(cat "$W/serve.pid")
+    if kill -0 "$pid" 2>/dev/null; then
+      say "stopping serve run (pid $pid, its process group)"
+      kill -INT -- "-$pid" 2>/dev/null
+      for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+      kill -KILL -- "-$pid" 2>/dev/null
+    fi
+    rm -f "$W/serve.pid"
+  fi
+  if [ -f "$W/ray_started" ]; then ray stop --force > /dev/null 2>&1; rm -f "$W/ray_started"; fi
+}
+
+launch() {  # runs under setsid: everything it starts belongs to its own session
+  echo $$ > "$W/serve.pid"
+  if [ "$(gpus)" -ge 2 ] && grep -q 'gpu_0' "$W/serve.yaml"; then
+    touch "$W/ray_started"
+    ray start --head --port=6379 --num-gpus=0 --include-dashboard=false --disable-usage-stats
+    for k in $(seq 0 $(( $(gpus) - 1 ))); do
+      CUDA_VISIBLE_DEVICES=$k ray start --address=127.0.0.1:6379 --num-gpus=1 --resources="{\"gpu_$k\": 1}" \
+        --disable-usage-stats
+    done
+    exec serve run --address=127.0.0.1:6379 "$W/serve.yaml"
+  fi
+  exec serve run "$W/serve.yaml"
+}
+
+stage_setup() {
+  say "device:"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  env_setup
+  if [ ! -f "$CKPT/config.json" ]; then
+    say "writing a full-size random $SIZE $KIND checkpoint to $CKPT"
+    python3 -m stages.checkpoint random "$CKPT" --size "$SIZE" --kind "$KIND" --device cuda || exit 4
+  fi
+  write_config
+  if ready && cmp -s "$W/serve.next.yaml" "$W/serve.yaml"; then say "server already ready at $URL"; return 0; fi
+  stop_server
+  mv "$W/serve.next.yaml" "$W/serve.yaml"
+  say "starting serve run $(cat "$W/config_base") ($(gpus) GPU(s)), log $W/serve.log"
+  setsid bash "$REPO/bench/gpu_serve_runbook.sh" _launch > "$W/serve.log" 2>&1 < /dev/null &
+  for _ in $(seq 1 50); do [ -s "$W/serve.pid" ] && break; sleep 0.2; done
+  local t=$(( $(left) - 60 )); [ "$t" -gt "$READY_TIMEOUT_S" ] && t=$READY_TIMEOUT_S
+  python3 -m bench.loadgen.ready --url "$URL" --timeout "$t" --pid "$(cat "$W/serve.pid")"
+  local rc=$?
+  if [ $rc -ne 0 ]; then say "server not ready (rc $rc); serve.log tail:"; tail -n 60 "$W/serve.log"; collect; exit 5; fi
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+}
+
+label() {
+  echo "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$(gpus), $(basename "$(cat "$W/config_base")")${SET:+ [$SET]}, $SIZE $KIND random weights"
+}
+
+sweep() {  # sweep MODE LEVELS SECONDS
+  local mode=$1 levels=$2 secs=$3
+  if [ "$secs" -lt 30 ]; then say "skipping $mode: only ${secs}s of budget left"; return 0; fi
+  env_setup
+  ready || { say "server not ready: run the setup stage first"; return 1; }
+  local dir="$W/results/$mode"; rm -rf "$dir"; mkdir -p "$dir"
+  cp "$W/serve.yaml" "$dir/serve_config.yaml"
+  nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 2 > "$dir/gpu.csv" 2>/dev/null &
+  local smi=$!
+  local per=(--requests "$CLOSED_MIN" --requests-per-level "$CLOSED_PER_LEVEL" --concurrency "$levels")
+  [ "$mode" = open ] && per=(--requests "$OPEN_MIN" --requests-per-level "$OPEN_SECONDS" --rate "$levels")
+  say "$mode sweep ($levels), ${secs}s budget"
+  python3 -m bench.loadgen --url "$URL" --mode "$mode" "${per[@]}" --max-new-tokens "$MAX_NEW_TOKENS" \
+    --fixed-length --warmup 4 --timeout 300 --max-seconds "$secs" --progress plain --label "$(label)" --out "$dir"
+  kill "$smi" 2>/dev/null
+  cat "$dir/results.md"
+  collect
+}
+
+collect() {  # at most 8 files into $OUT
+  [ -f "$W/serve.log" ] && tail -n 3000 "$W/serve.log" | cut -c1-2000 > "$OUT/serve_tail.log"
+  tar -C "$W" -czf "$OUT/results.tar.gz.tmp" results 2>/dev/null && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+  local n=3  # runbook.log, serve_tail.log, results.tar.gz; then the .md files and PNGs
+  for m in closed open; do
+    [ -f "$W/results/$m/results.md" ] && cp "$W/results/$m/results.md" "$OUT/$m.md"
+  done
+  n=$(( n + $(ls "$OUT"/*.md 2>/dev/null | wc -l) ))
+  for png in closed/latency closed/continuity open/latency open/continuity; do
+    [ "$n" -ge 8 ] && break
+    if [ -f "$W/results/$png.png" ] && [ ! -f "$OUT/${png/\//_}.png" ]; then
+      cp "$W/results/$png.png" "$OUT/${png/\//_}.png"; n=$(( n + 1 ))
+    fi
+  done
+}
+
+[ $# -eq 0 ] && set -- all
+if [ "$1" = _launch ]; then launch; fi
+exec > >(tee -a "$OUT/runbook.log") 2>&1
+for stage in "$@"; do
+  case "$stage" in
+    setup) stage_setup ;;
+    closed) sweep closed "$CONCURRENCY" $(( $(left) - 30 )) ;;
+    open) sweep open "$RATES" $(( $(left) - 30 )) ;;
+    all)
+      stage_setup
+      sweep closed "$CONCURRENCY" $(( ($(left) - 60) / 2 ))
+      sweep open "$RATES" $(( $(left) - 30 )) ;;
+    collect) collect ;;
+    stop) env_setup; stop_server ;;
+    *) echo "unknown stage $stage (setup closed open all collect stop)"; exit 2 ;;
+  esac
+done
+say "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,71 @@
+"""Wait until `GET /ready` answers 200 (every deployment warmed up), or fail fast when the server died.
+
+    python -m bench.loadgen.ready --url http://127.0.0.1:8000 --timeout 420 --pid "$(cat serve.pid)"
+
+Exit status: 0 ready, 1 timed out, 2 the process `--pid` exited first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+POLL_S = 2.0
+REPORT_EVERY_S = 30.0
+
+
+def probe(url: str) -> tuple[int | None, str]:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/ready", timeout=10) as r:
+            return r.status, r.read(500).decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(500).decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as e:
+        return None, str(e)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_ready(url: str, timeout_s: float, pid: int | None = None) -> int:
+    start = last_report = time.monotonic()
+    while True:
+        status, body = probe(url)
+        elapsed = time.monotonic() - start
+        if status == 200:
+            print(f"ready after {elapsed:.0f} s: {body}", flush=True)
+            return 0
+        if pid is not None and not alive(pid):
+            print(f"server process {pid} exited after {elapsed:.0f} s without becoming ready", flush=True)
+            return 2
+        if elapsed > timeout_s:
+            print(f"not ready after {timeout_s:.0f} s: {status} {body}", flush=True)
+            return 1
+        if time.monotonic() - last_report >= REPORT_EVERY_S:
+            last_report = time.monotonic()
+            print(f"waiting for /ready ({elapsed:.0f} s): {status} {body[:300]}", flush=True)
+        time.sleep(POLL_S)  # polling a remote endpoint: nothing to await
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--timeout", type=float, default=420.0)
+    ap.add_argument("--pid", type=int, default=None, help="fail as soon as this process exits")
+    args = ap.parse_args(argv)
+    return wait_ready(args.url, args.timeout, args.pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
