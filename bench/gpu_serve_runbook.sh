@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_serve_runbook.sh [STAGE ...]        STAGE: setup closed open collect stop all (default: all)
 #
-#   setup   install the Ray bundle (+ soxr from .whl), write a full-size random checkpoint on the GPU, write
+#   setup   install the Ray bundle (+ soxr: .gpubundle/wheels/ or .whl/), write a full-size random checkpoint on the GPU, write
 #           the Serve config (1 GPU: configs/high_concurrency.yaml, co-located; 2+ GPUs: configs/split.yaml,
 #           one raylet per GPU), start `serve run` in its own session (it outlives this command while the
 #           machine stays warm) and wait for GET /ready. Every step is skipped when already done.
@@ -51,25 +51,30 @@ OUT="$(cd "$OUT" && pwd)"
 say() { echo "[runbook +$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
-ready() { python3 - "$URL" <<'PY'
-import sys, urllib.request
+answers() {  # answers PATH [any]: 200 (or, with "any", any HTTP status) from $URL/PATH
+  python3 - "$URL/$1" "${2:-}" <<'PY'
+import sys, urllib.error, urllib.request
 try:
-    sys.exit(0 if urllib.request.urlopen(sys.argv[1] + "/ready", timeout=5).status == 200 else 1)
+    sys.exit(0 if urllib.request.urlopen(sys.argv[1], timeout=5).status == 200 else 1)
+except urllib.error.HTTPError:
+    sys.exit(0 if sys.argv[2] == "any" else 1)
 except Exception:
     sys.exit(1)
 PY
 }
+ready() { answers ready; }
 
 env_setup() {
   if [ -n "${SKIP_INSTALL:-}" ]; then export PYTHONPATH="$REPO:${PYTHONPATH:-}"; return 0; fi
   if [ ! -f .gpubundle/install_bundle.sh ]; then say "missing .gpubundle/ (carry it: see docs/benchmarks.md)"; exit 3; fi
   # shellcheck disable=SC1091
   source .gpubundle/install_bundle.sh .gpubundle
-  if ! python3 -c 'import soxr' 2>/dev/null && [ ! -d /tmp/main_site/soxr ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/main_site .whl/soxr-*.whl \
-      || { say "soxr wheel missing from .whl/"; exit 3; }
-  fi
   export PYTHONPATH="$REPO:/tmp/main_site:${PYTHONPATH:-}"
+  if ! python3 -c 'import soxr' 2>/dev/null; then  # the app resamples reference audio with soxr
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/main_site \
+      "$(ls .gpubundle/wheels/soxr-*.whl .whl/soxr-*.whl 2>/dev/null | head -1)" \
+      || { say "no soxr wheel in .gpubundle/wheels/ or .whl/ (see docs/benchmarks.md)"; exit 3; }
+  fi
 }
 
 write_config() {
@@ -88,18 +93,20 @@ stop_server() {
   if [ -f "$W/serve.pid" ]; then
     local pid; pid=$(cat "$W/serve.pid")
     if kill -0 "$pid" 2>/dev/null; then
-      say "stopping serve run (pid $pid, its process group)"
-      kill -INT -- "-$pid" 2>/dev/null
-      for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-      kill -KILL -- "-$pid" 2>/dev/null
+      say "stopping serve run (pid $pid): SIGINT, then its process group"
+      kill -INT "$pid" 2>/dev/null
+      for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+      kill -TERM -- "-$pid" 2>/dev/null; sleep 2; kill -KILL -- "-$pid" 2>/dev/null
     fi
     rm -f "$W/serve.pid"
   fi
   if [ -f "$W/ray_started" ]; then ray stop --force > /dev/null 2>&1; rm -f "$W/ray_started"; fi
 }
 
-launch() {  # runs under setsid: everything it starts belongs to its own session
+launch() {  # runs under setsid: everything it starts belongs to its own session and process group
   echo $$ > "$W/serve.pid"
+  # a background job starts with SIGINT ignored; give `serve run` its Ctrl-C back (graceful shutdown)
+  local run=(python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' serve run)
   if [ "$(gpus)" -ge 2 ] && grep -q 'gpu_0' "$W/serve.yaml"; then
     touch "$W/ray_started"
     ray start --head --port=6379 --num-gpus=0 --include-dashboard=false --disable-usage-stats
@@ -107,9 +114,9 @@ launch() {  # runs under setsid: everything it starts belongs to its own session
       CUDA_VISIBLE_DEVICES=$k ray start --address=127.0.0.1:6379 --num-gpus=1 --resources="{\"gpu_$k\": 1}" \
         --disable-usage-stats
     done
-    exec serve run --address=127.0.0.1:6379 "$W/serve.yaml"
+    exec "${run[@]}" --address=127.0.0.1:6379 "$W/serve.yaml"
   fi
-  exec serve run "$W/serve.yaml"
+  exec "${run[@]}" "$W/serve.yaml"
 }
 
 stage_setup() {
@@ -122,12 +129,14 @@ stage_setup() {
   write_config
   if ready && cmp -s "$W/serve.next.yaml" "$W/serve.yaml"; then say "server already ready at $URL"; return 0; fi
   stop_server
+  if answers health any; then say "port $PORT is served by a process this runbook did not start: stop it or set PORT"; exit 6; fi
   mv "$W/serve.next.yaml" "$W/serve.yaml"
   say "starting serve run $(cat "$W/config_base") ($(gpus) GPU(s)), log $W/serve.log"
   setsid bash "$REPO/bench/gpu_serve_runbook.sh" _launch > "$W/serve.log" 2>&1 < /dev/null &
   for _ in $(seq 1 50); do [ -s "$W/serve.pid" ] && break; sleep 0.2; done
   local t=$(( $(left) - 60 )); [ "$t" -gt "$READY_TIMEOUT_S" ] && t=$READY_TIMEOUT_S
-  python3 -m bench.loadgen.ready --url "$URL" --timeout "$t" --pid "$(cat "$W/serve.pid")"
+  python3 -m bench.loadgen.ready --url "$URL" --timeout "$t" --pid "$(cat "$W/serve.pid")" --log "$W/serve.log" \
+    --fail-on "Failed to update the deployments" --fail-on "failed with exception"
   local rc=$?
   if [ $rc -ne 0 ]; then say "server not ready (rc $rc); serve.log tail:"; tail -n 60 "$W/serve.log"; collect; exit 5; fi
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
@@ -144,31 +153,30 @@ sweep() {  # sweep MODE LEVELS SECONDS
   ready || { say "server not ready: run the setup stage first"; return 1; }
   local dir="$W/results/$mode"; rm -rf "$dir"; mkdir -p "$dir"
   cp "$W/serve.yaml" "$dir/serve_config.yaml"
-  nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 2 > "$dir/gpu.csv" 2>/dev/null &
-  local smi=$!
+  local smi=""
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 2 > "$dir/gpu.csv" &
+    smi=$!
+  fi
   local per=(--requests "$CLOSED_MIN" --requests-per-level "$CLOSED_PER_LEVEL" --concurrency "$levels")
   [ "$mode" = open ] && per=(--requests "$OPEN_MIN" --requests-per-level "$OPEN_SECONDS" --rate "$levels")
   say "$mode sweep ($levels), ${secs}s budget"
   python3 -m bench.loadgen --url "$URL" --mode "$mode" "${per[@]}" --max-new-tokens "$MAX_NEW_TOKENS" \
     --fixed-length --warmup 4 --timeout 300 --max-seconds "$secs" --progress plain --label "$(label)" --out "$dir"
-  kill "$smi" 2>/dev/null
+  [ -n "$smi" ] && kill "$smi" 2>/dev/null
   cat "$dir/results.md"
   collect
 }
 
-collect() {  # at most 8 files into $OUT
+collect() {  # at most 8 files into $OUT: logs, the tarball, the tables, then PNGs while room is left
   [ -f "$W/serve.log" ] && tail -n 3000 "$W/serve.log" | cut -c1-2000 > "$OUT/serve_tail.log"
   tar -C "$W" -czf "$OUT/results.tar.gz.tmp" results 2>/dev/null && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
-  local n=3  # runbook.log, serve_tail.log, results.tar.gz; then the .md files and PNGs
   for m in closed open; do
     [ -f "$W/results/$m/results.md" ] && cp "$W/results/$m/results.md" "$OUT/$m.md"
   done
-  n=$(( n + $(ls "$OUT"/*.md 2>/dev/null | wc -l) ))
-  for png in closed/latency closed/continuity open/latency open/continuity; do
-    [ "$n" -ge 8 ] && break
-    if [ -f "$W/results/$png.png" ] && [ ! -f "$OUT/${png/\//_}.png" ]; then
-      cp "$W/results/$png.png" "$OUT/${png/\//_}.png"; n=$(( n + 1 ))
-    fi
+  for png in closed/latency open/latency closed/continuity open/continuity closed/throughput open/throughput; do
+    [ "$(ls "$OUT" | wc -l)" -ge 8 ] && break
+    [ -f "$W/results/$png.png" ] && cp "$W/results/$png.png" "$OUT/${png/\//_}.png"
   done
 }
 

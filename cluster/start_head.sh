@@ -26,7 +26,7 @@ Options:
   --dry-run                    print the commands, run nothing
   -h, --help                   this text
 
-Without --restart, a head already running on this host is left alone (exit 0).
+Without --restart, a head already serving PORT on this host is left alone (exit 0).
 
 Environment: RAY (the ray executable, default `ray`). RAY_GRAFANA_HOST, RAY_PROMETHEUS_HOST and
 RAY_GRAFANA_IFRAME_HOST are read when the head starts: export them first to get Grafana panels in
@@ -96,13 +96,9 @@ run() {
   if [[ $DRY_RUN -eq 0 ]]; then "$@"; fi
 }
 
-# is a process with this exact name running on this host (any user)?
-process_running() {
-  local comm
-  for comm in /proc/[0-9]*/comm; do
-    if [[ "$(cat "$comm" 2>/dev/null || true)" == "$1" ]]; then return 0; fi
-  done
-  return 1
+# does something on this host already accept connections on the GCS port?
+port_in_use() {
+  (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
 }
 
 if [[ $STOP -eq 1 ]]; then
@@ -112,8 +108,9 @@ fi
 
 if [[ $RESTART -eq 1 ]]; then
   run "$RAY_BIN" stop
-elif process_running gcs_server; then
-  echo "start_head.sh: a Ray head (gcs_server) already runs on this host; left as it is (--restart to restart it)"
+elif port_in_use "$PORT"; then
+  echo "start_head.sh: port $PORT is already taken on this host (a running head?); left as it is" \
+       "(--restart to restart Ray here)"
   exit 0
 fi
 

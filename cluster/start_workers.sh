@@ -32,7 +32,8 @@ Options:
   --dry-run                    print the commands, run nothing
   -h, --help                   this text
 
-A GPU whose raylet already runs on this host is skipped, so running the script twice is harmless.
+A GPU that already has a raylet of this cluster on this host is skipped: running the script twice
+is harmless.
 
 Environment: RAY (the ray executable, default `ray`).
 
@@ -161,27 +162,29 @@ fi
 PORT_SPAN=$(( (MAX_WORKER_PORT - MIN_WORKER_PORT + 1) / N ))
 (( PORT_SPAN >= 32 )) || die "--worker-ports $WORKER_PORTS is too narrow for $N raylets"
 
-# ---- idempotency: a raylet started for GPU k carries CUDA_VISIBLE_DEVICES=k in its environment
-raylet_running_for_gpu() {
-  local dir
-  for dir in /proc/[0-9]*; do
-    [[ "$(cat "$dir/comm" 2>/dev/null || true)" == raylet ]] || continue
-    if tr '\0' '\n' < "$dir/environ" 2>/dev/null | grep -qx "CUDA_VISIBLE_DEVICES=$1"; then
-      return 0
-    fi
-  done
-  return 1
-}
-
+# ---- idempotency: a raylet of this cluster (same GCS port) started for GPU k carries
+# CUDA_VISIBLE_DEVICES=k in its environment
+GCS_PORT="${ADDRESS##*:}"
+RUNNING_GPUS=" "
 if [[ $RESTART -eq 1 ]]; then
   run "$RAY_BIN" stop
+else
+  for dir in /proc/[0-9]*; do
+    comm=""
+    { read -r comm < "$dir/comm"; } 2>/dev/null || continue
+    [[ "$comm" == raylet ]] || continue
+    # grep -c reads all its input (no SIGPIPE for tr under pipefail); no match: another cluster
+    tr '\0' '\n' < "$dir/cmdline" 2>/dev/null | grep -c -- "^--gcs-address=.*:${GCS_PORT}\$" >/dev/null || continue
+    cvd="$(tr '\0' '\n' < "$dir/environ" 2>/dev/null | sed -n 's/^CUDA_VISIBLE_DEVICES=//p')" || true
+    [[ -z "$cvd" ]] || RUNNING_GPUS+="$cvd "
+  done
 fi
 
 started=0
 for i in "${!GPU_LIST[@]}"; do
   k="${GPU_LIST[$i]}"
   name="${NAME_LIST[$i]}"
-  if [[ $RESTART -eq 0 ]] && raylet_running_for_gpu "$k"; then
+  if [[ "$RUNNING_GPUS" == *" $k "* ]]; then
     echo "start_workers.sh: GPU $k already has a raylet on this host; skipped"
     continue
   fi

@@ -299,9 +299,10 @@ class TTSIngress:
             self._open_streams[model] -= 1
             self._metrics.open_streams.set(self._open_streams[model], tags={"model": model})
             if playback.started is not None and playback.min_lead_s != float("inf"):
-                self._metrics.client_buffer_lead_s.observe(playback.min_lead_s, tags={"model": model})
+                self._metrics.client_buffer_lead_s.observe(max(playback.min_lead_s, 0.0), tags={"model": model})
             if playback.underruns:
                 self._metrics.client_underruns.inc(playback.underruns, tags={"model": model})
+                self._metrics.client_underrun_seconds.inc(playback.underrun_s, tags={"model": model})
             if status == "ok":
                 self._finish(job, True, frames)
             else:

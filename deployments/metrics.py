@@ -33,12 +33,15 @@ class IngressMetrics:
         )
         self.client_buffer_lead_s = metrics.Histogram(
             "tts_client_buffer_lead_s", description="Per stream, the smallest lead of audio sent over real-time "
-            "playback from the first byte (negative: the listener heard a gap).",
-            boundaries=[-1.0, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0], tag_keys=("model",),
+            "playback from the first byte (0 when the listener heard a gap; see tts_client_underruns).",
+            boundaries=[0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0], tag_keys=("model",),
         )
         self.client_underruns = metrics.Counter(
             "tts_client_underruns", description="Gaps a real-time player starting at the first byte would hear.",
             tag_keys=("model",),
+        )
+        self.client_underrun_seconds = metrics.Counter(
+            "tts_client_underrun_seconds", description="Seconds of such gaps.", tag_keys=("model",),
         )
         self.open_streams = metrics.Gauge(
             "tts_open_streams", description="Requests being generated right now in this ingress replica.",

@@ -17,6 +17,7 @@ class PlaybackClock:
     audio_s: float = 0.0  # audio sent so far
     min_lead_s: float = float("inf")
     underruns: int = 0
+    underrun_s: float = 0.0  # total silence the player waited through
     _in_underrun: bool = field(default=False, repr=False)
 
     def sent(self, audio_seconds: float, now: float | None = None) -> None:
@@ -32,4 +33,5 @@ class PlaybackClock:
             self._in_underrun = lead < 0
             if lead < 0:  # the player waited: it restarts from this chunk
                 self.started -= lead
+                self.underrun_s -= lead
         self.audio_s += audio_seconds

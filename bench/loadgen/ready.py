@@ -1,8 +1,10 @@
 """Wait until `GET /ready` answers 200 (every deployment warmed up), or fail fast when the server died.
 
-    python -m bench.loadgen.ready --url http://127.0.0.1:8000 --timeout 420 --pid "$(cat serve.pid)"
+    python -m bench.loadgen.ready --url http://127.0.0.1:8000 --timeout 420 --pid "$(cat serve.pid)" \
+        --log serve.log --fail-on "Failed to update the deployments"
 
-Exit status: 0 ready, 1 timed out, 2 the process `--pid` exited first.
+Exit status: 0 ready, 1 timed out, 2 the process `--pid` exited first, 3 `--log` shows a `--fail-on` line
+(a replica constructor raised: Serve would retry it forever).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 POLL_S = 2.0
 REPORT_EVERY_S = 30.0
@@ -38,7 +41,17 @@ def alive(pid: int) -> bool:
     return True
 
 
-def wait_ready(url: str, timeout_s: float, pid: int | None = None) -> int:
+def failure_line(log: Path | None, patterns: list[str]) -> str | None:
+    if log is None or not patterns or not log.exists():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        if any(p in line for p in patterns):
+            return line
+    return None
+
+
+def wait_ready(url: str, timeout_s: float, pid: int | None = None, log: Path | None = None,
+               fail_on: list[str] = ()) -> int:
     start = last_report = time.monotonic()
     while True:
         status, body = probe(url)
@@ -49,6 +62,9 @@ def wait_ready(url: str, timeout_s: float, pid: int | None = None) -> int:
         if pid is not None and not alive(pid):
             print(f"server process {pid} exited after {elapsed:.0f} s without becoming ready", flush=True)
             return 2
+        if (line := failure_line(log, list(fail_on))) is not None:
+            print(f"deployment failed after {elapsed:.0f} s: {line[:500]}", flush=True)
+            return 3
         if elapsed > timeout_s:
             print(f"not ready after {timeout_s:.0f} s: {status} {body}", flush=True)
             return 1
@@ -63,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--timeout", type=float, default=420.0)
     ap.add_argument("--pid", type=int, default=None, help="fail as soon as this process exits")
+    ap.add_argument("--log", type=Path, default=None, help="the server's log, scanned for --fail-on")
+    ap.add_argument("--fail-on", action="append", default=[], help="a log substring that means failure")
     args = ap.parse_args(argv)
-    return wait_ready(args.url, args.timeout, args.pid)
+    return wait_ready(args.url, args.timeout, args.pid, args.log, args.fail_on)
 
 
 if __name__ == "__main__":

@@ -19,3 +19,4 @@ def test_underrun_counted_once_per_gap_and_player_restarts():
     assert clock.underruns == 1
     clock.sent(0.1, now=2.0)  # lead = 1.5 - 1.7 = -0.2: a second gap
     assert clock.underruns == 2
+    assert abs(clock.underrun_s - 0.5) < 1e-9

@@ -29,6 +29,7 @@ EXPECTED = (
     "ray_tts_code2wav_chunk_latency_ms_bucket{",
     "ray_tts_code2wav_batch_decode_ms_bucket{",
     "ray_tts_code2wav_queued_chunks{",
+    "ray_tts_client_buffer_lead_s_bucket{",
 )
 
 
