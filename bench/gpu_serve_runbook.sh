@@ -21,7 +21,7 @@
 # `path=value` overrides of the config's args, e.g. "models.0.engine_kwargs.max_batch_size=128"), SIZE (1.7b),
 # KIND (custom_voice), MAX_NEW_TOKENS (75 = 6 s of audio), CONCURRENCY, RATES, CLOSED_MIN / CLOSED_PER_LEVEL
 # (requests per closed point: max(min, k x c)), OPEN_MIN / OPEN_SECONDS (per open point: max(min, s x r)),
-# READY_TIMEOUT_S (420), PORT (8000), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use
+# READY_TIMEOUT_S (420), PORT (8000), RAY_PORT (6379, split placement), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use
 # the current Python environment: the CPU dry run in docs/benchmarks.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled \
@@ -36,6 +36,7 @@ SIZE=${SIZE:-1.7b}
 KIND=${KIND:-custom_voice}
 PORT=${PORT:-8000}
 URL="http://127.0.0.1:$PORT"
+RAY_PORT=${RAY_PORT:-6379}  # split placement: the head raylet's GCS port
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-75}
 CONCURRENCY=${CONCURRENCY:-1,4,16,64,128,256,512}
 RATES=${RATES:-1,10,20,40,80,160}
@@ -92,7 +93,7 @@ write_config() {
 stop_server() {
   if [ -f "$W/serve.pid" ]; then
     local pid; pid=$(cat "$W/serve.pid")
-    if kill -0 "$pid" 2>/dev/null; then
+    if kill -0 "$pid" 2>/dev/null; then  # its process group also holds the `ray start` daemons (split)
       say "stopping serve run (pid $pid): SIGINT, then its process group"
       kill -INT "$pid" 2>/dev/null
       for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
@@ -100,7 +101,6 @@ stop_server() {
     fi
     rm -f "$W/serve.pid"
   fi
-  if [ -f "$W/ray_started" ]; then ray stop --force > /dev/null 2>&1; rm -f "$W/ray_started"; fi
 }
 
 launch() {  # runs under setsid: everything it starts belongs to its own session and process group
@@ -108,13 +108,12 @@ launch() {  # runs under setsid: everything it starts belongs to its own session
   # a background job starts with SIGINT ignored; give `serve run` its Ctrl-C back (graceful shutdown)
   local run=(python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' serve run)
   if [ "$(gpus)" -ge 2 ] && grep -q 'gpu_0' "$W/serve.yaml"; then
-    touch "$W/ray_started"
-    ray start --head --port=6379 --num-gpus=0 --include-dashboard=false --disable-usage-stats
+    ray start --head --port="$RAY_PORT" --num-gpus=0 --include-dashboard=false --disable-usage-stats || exit 1
     for k in $(seq 0 $(( $(gpus) - 1 ))); do
-      CUDA_VISIBLE_DEVICES=$k ray start --address=127.0.0.1:6379 --num-gpus=1 --resources="{\"gpu_$k\": 1}" \
-        --disable-usage-stats
+      CUDA_VISIBLE_DEVICES=$k ray start --address="127.0.0.1:$RAY_PORT" --num-gpus=1 --resources="{\"gpu_$k\": 1}" \
+        --disable-usage-stats || exit 1
     done
-    exec "${run[@]}" --address=127.0.0.1:6379 "$W/serve.yaml"
+    exec "${run[@]}" --address="127.0.0.1:$RAY_PORT" "$W/serve.yaml"
   fi
   exec "${run[@]}" "$W/serve.yaml"
 }
@@ -174,6 +173,7 @@ collect() {  # at most 8 files into $OUT: logs, the tarball, the tables, then PN
   for m in closed open; do
     [ -f "$W/results/$m/results.md" ] && cp "$W/results/$m/results.md" "$OUT/$m.md"
   done
+  rm -f "$OUT"/closed_*.png "$OUT"/open_*.png  # re-chosen each time, in this order of priority
   for png in closed/latency open/latency closed/continuity open/continuity closed/throughput open/throughput; do
     [ "$(ls "$OUT" | wc -l)" -ge 8 ] && break
     [ -f "$W/results/$png.png" ] && cp "$W/results/$png.png" "$OUT/${png/\//_}.png"
