@@ -101,6 +101,8 @@ stop_server() {
     fi
     rm -f "$W/serve.pid"
   fi
+  # `ray start` records its address for later `ray.init()` calls: forget the one we just killed
+  if grep -qs ":$RAY_PORT\$" /tmp/ray/ray_current_cluster; then rm -f /tmp/ray/ray_current_cluster; fi
 }
 
 launch() {  # runs under setsid: everything it starts belongs to its own session and process group
@@ -115,7 +117,7 @@ launch() {  # runs under setsid: everything it starts belongs to its own session
     done
     exec "${run[@]}" --address="127.0.0.1:$RAY_PORT" "$W/serve.yaml"
   fi
-  exec "${run[@]}" "$W/serve.yaml"
+  exec "${run[@]}" --address=local "$W/serve.yaml"  # a fresh local cluster, never a stale `ray start` one
 }
 
 stage_setup() {
@@ -135,7 +137,7 @@ stage_setup() {
   for _ in $(seq 1 50); do [ -s "$W/serve.pid" ] && break; sleep 0.2; done
   local t=$(( $(left) - 60 )); [ "$t" -gt "$READY_TIMEOUT_S" ] && t=$READY_TIMEOUT_S
   python3 -m bench.loadgen.ready --url "$URL" --timeout "$t" --pid "$(cat "$W/serve.pid")" --log "$W/serve.log" \
-    --fail-on "Failed to update the deployments" --fail-on "failed with exception"
+    --fail-on "Failed to update the deployments" --fail-on "Deploying app 'tts' failed"
   local rc=$?
   if [ $rc -ne 0 ]; then say "server not ready (rc $rc); serve.log tail:"; tail -n 60 "$W/serve.log"; collect; exit 5; fi
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader

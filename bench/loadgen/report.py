@@ -84,9 +84,10 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {_f(p['audio_s_per_s'], 1)} | {_f(p['requests_per_s'], 2)} | {_pct(p['continuous_share'])} "
             f"| {_f(d['p95'], 3)} / {_f(d['p99'], 3)} | {_f(p['stalls_mean'], 2)}, {_f(p['stall_s']['p95'], 3)} | {p['peak_inflight']} |")
     lag = max((p["loop_lag_ms"]["max"] or 0.0 for p in points), default=0.0)
+    late = max((p["send_lag_ms"]["max"] or 0.0 for p in points), default=0.0)
     lines += ["", f"Stopped: {doc.get('stop_reason') or 'all levels ran'}. "
-              f"Load generator event-loop lag, worst: {lag:.0f} ms"
-              f"{' (high: the client may inflate latencies)' if lag > 50 else ''}.", ""]
+              f"Load generator event-loop lag, worst: {lag:.0f} ms; latest send after its due time: {late:.0f} ms"
+              f"{' (high: the client may inflate latencies)' if max(lag, late) > 50 else ''}.", ""]
     return "\n".join(lines)
 
 
@@ -145,6 +146,9 @@ def plot(doc: dict[str, Any], out: Path) -> list[Path]:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     a.plot(x, [p["audio_s_per_s"] for p in points], marker="o", label="audio-s/s")
     a.plot(x, [p["requests_per_s"] for p in points], marker="s", label="requests/s")
+    if mode == "open":  # what the arrivals ask for: rate x mean audio length
+        a.plot(x, [p["level"] * (p["audio_len_s"]["mean"] or 0.0) for p in points], ls="--", color="gray",
+               label="offered audio-s/s")
     a.set_title("throughput")
     axis(a, "per second of wall time")
     series(b, "rtf", ("p50", "p95", "p99"))
@@ -155,7 +159,7 @@ def plot(doc: dict[str, Any], out: Path) -> list[Path]:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     a.plot(x, [p["continuous_share"] for p in points], marker="o", label="max deficit <= 100 ms (no rebuffer)")
-    a.plot(x, [p["stall_ok_share"] for p in points], marker="s", label="stalled <= 100 ms in all (rebuffering)")
+    a.plot(x, [p.get("stall_ok_share") for p in points], marker="s", label="stalled <= 100 ms in all (rebuffering)")
     a.plot(x, [p["stall_free_share"] for p in points], marker="^", ls=":", label="no stall at all (rebuffering)")
     a.set_ylim(-0.02, 1.02)
     a.set_title("share of continuous streams")

@@ -41,7 +41,9 @@ def local_server(tmp_path_factory):
     env.update(QWEN3_TTS_SERVE_HOME=str(tmp / "home"), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     log_path = tmp / "serve_run.log"
     log = open(log_path, "wb")
-    process = subprocess.Popen([str(Path(sys.executable).with_name("serve")), "run", str(tmp / "local.yaml")],
+    # --address=local: a cluster of its own even if a `ray start` cluster is recorded on this machine
+    process = subprocess.Popen([str(Path(sys.executable).with_name("serve")), "run", "--address=local",
+                                str(tmp / "local.yaml")],
                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
