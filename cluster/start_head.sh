@@ -82,19 +82,8 @@ MIN_WORKER_PORT="${BASH_REMATCH[1]}"
 MAX_WORKER_PORT="${BASH_REMATCH[2]}"
 (( MIN_WORKER_PORT < MAX_WORKER_PORT )) || die "--worker-ports: MIN must be below MAX"
 
-# print a command the way a shell would read it back
-show() {
-  local out="" arg
-  for arg in "$@"; do
-    if [[ "$arg" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then out+="$arg "; else out+="'${arg//\'/\'\\\'\'}' "; fi
-  done
-  echo "+ ${out% }"
-}
-
-run() {
-  show "$@"
-  if [[ $DRY_RUN -eq 0 ]]; then "$@"; fi
-}
+# shellcheck source=cluster/_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 # does something on this host already accept connections on the GCS port?
 port_in_use() {

@@ -79,18 +79,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-show() {
-  local out="" arg
-  for arg in "$@"; do
-    if [[ "$arg" =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then out+="$arg "; else out+="'${arg//\'/\'\\\'\'}' "; fi
-  done
-  echo "+ ${out% }"
-}
-
-run() {
-  show "$@"
-  if [[ $DRY_RUN -eq 0 ]]; then "$@"; fi
-}
+# shellcheck source=cluster/_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 if [[ $STOP -eq 1 ]]; then
   run "$RAY_BIN" stop

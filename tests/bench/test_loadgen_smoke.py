@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import yaml
 
 from tests.bench import REPO
+from tests.procs import stop_process_group
 
 pytestmark = pytest.mark.serve
 
@@ -54,12 +54,7 @@ def local_server(tmp_path_factory):
         assert ready.returncode == 0, ready.stdout + log_path.read_text()[-5000:]
         yield url
     finally:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_process_group(process)
         log.close()
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import soundfile as sf
 import yaml
 
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
+from tests.procs import stop_process_group
 from tests.serve.conftest import free_port
 
 pytestmark = pytest.mark.serve
@@ -57,10 +57,5 @@ def test_serve_run_local_yaml_serves_the_embedded_checkpoint(tmp_path):
         assert (home / "embedded" / "custom_voice-17b-tiny" / "config.json").exists()
         assert b"[embedded]" in (tmp_path / "serve_run.log").read_bytes()  # progress was printed
     finally:
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_process_group(process)
         log.close()
