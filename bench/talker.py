@@ -91,6 +91,18 @@ def main() -> None:
     capture_s = 0.0
     if device == "cuda" and not args.no_graphs:
         capture_s = runner.capture_graphs(tuple(batches), log=print)
+    prefill_ms = {}
+    for n in (1, 16):  # eager batched prefill of n requests (+ first-token sampling), the admission cost
+        if n <= max(batches):
+            admit(runner, model, n, sampling)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                admit(runner, model, n, sampling)
+                runner.first_tokens(0, n)  # the engine's one host sync per admission
+            prefill_ms[n] = round((time.perf_counter() - t0) / 5 * 1e3, 2)
+    print(f"prefill (prompt of {int(runner.positions[0])} positions): {prefill_ms} ms for batches {list(prefill_ms)}")
     results = []
     for b in batches:
         admit(runner, model, b, sampling)
@@ -125,6 +137,7 @@ def main() -> None:
         "size": args.size, "kind": args.kind, "dtype": args.dtype, "graphs": bool(runner.graphs),
         "compile": args.compile,
         "graph_capture_s": round(capture_s, 1), "bandwidth_floor_ms_b1": FLOOR_MS.get(args.size),
+        "prefill_ms": prefill_ms,
         "torch": torch.__version__, "results": results,
     }
     print(f"\n{report['device']}  {args.size} {args.kind} {args.dtype}  graphs={report['graphs']}  "
