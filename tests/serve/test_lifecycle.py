@@ -18,6 +18,8 @@ pytestmark = pytest.mark.serve
 
 def test_client_disconnect_cancels_generation_and_frees_the_slot(base_url):
     max_frames = 450
+    # start from an idle engine: requests of earlier tests may still be finishing
+    wait_for(lambda: engine_stats("cv")["running"] == 0, 30, 0.05, "an idle engine")
     before = engine_stats("cv")
     with httpx.Client(base_url=base_url, timeout=60) as client:
         body = speech(response_format="pcm", stream=True, max_new_tokens=max_frames)
