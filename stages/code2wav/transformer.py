@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stages.code2wav.config import DecoderConfig
+from stages.layers import RMSNorm, apply_rotary  # the same math as the talker (fp32 norm, rotate-half)
 
 ACT_FNS = {"silu": F.silu, "gelu": F.gelu}
 
@@ -30,26 +31,6 @@ def rope_cos_sin(
     freqs = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)  # [T, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [B, H, T, D]
-    """Rotate-half RoPE (first half of the head pairs with the second half)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, then cast back before the weight multiply (official rounding order)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 class LayerScale(nn.Module):
@@ -82,7 +63,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.num_kv_heads != self.num_heads:  # GQA: query head h reads kv head h // group
             group = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
