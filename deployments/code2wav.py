@@ -16,13 +16,7 @@ from ray import serve
 from deployments import constants as C
 from deployments.audio_formats import float_to_pcm16
 from deployments.config import CheckpointSource, Code2WavConfig, StreamingConfig
-from deployments.loading import (
-    build_engine,
-    configure_torch,
-    replica_log,
-    resolve_checkpoint,
-    resolve_device_dtype,
-)
+from deployments.loading import build_engine, load_model, replica_log
 from deployments.metrics import Code2WavMetrics
 from deployments.protocol import DecodedChunk
 from stages.contract import NUM_CODEBOOKS, CodecChunk
@@ -52,16 +46,9 @@ class Code2WavServer:
         self._decode_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
 
     async def start(self) -> None:
-        from stages.model import Qwen3TTS
-
         cfg = self._config
         log = replica_log(C.CODE2WAV_DEPLOYMENT_NAME)
-        path = await asyncio.to_thread(resolve_checkpoint, self._source, log)
-        device, dtype = resolve_device_dtype(cfg)
-        configure_torch(cfg, device)
-        model = await asyncio.to_thread(
-            Qwen3TTS.load, path, device, dtype, talker=False, decoder=True, voice=False, log=log
-        )
+        model, device = await load_model(cfg, self._source, log, talker=False, decoder=True, voice=False)
         lengths = self._streaming.schedule().decode_lengths()  # the chunk shapes worth a CUDA graph
         engine_kwargs = {"max_batch_size": cfg.max_batch_size, "length_buckets": lengths, **cfg.engine_kwargs}
         self._engine = await self._on_thread(build_engine, cfg.engine_cls or DEFAULT_ENGINE_CLS, model.decoder,
@@ -74,7 +61,7 @@ class Code2WavServer:
             await self._on_thread(self._engine.decode, chunks)
             log(f"warm-up decode of lengths {lengths} done in {time.perf_counter() - t0:.2f} s")
         self._metrics = Code2WavMetrics()
-        log(f"ready on {device} ({dtype}), batches of up to {cfg.max_batch_size} chunks")
+        log(f"ready on {device} ({model.dtype}), batches of up to {cfg.max_batch_size} chunks")
 
     async def decode(self, chunk: CodecChunk) -> DecodedChunk:
         """PCM (int16) of the chunk's new frames; chunks of concurrent calls are decoded together."""

@@ -89,6 +89,22 @@ def configure_torch(options: _RuntimeOptions, device: str) -> None:
         torch.cuda.set_per_process_memory_fraction(options.gpu_memory_fraction, torch.device(device))
 
 
+async def load_model(options: _RuntimeOptions, source: CheckpointSource, log: Log, **parts: bool) -> tuple[Any, str]:
+    """Resolve the checkpoint, pick device/dtype, configure torch and load the asked-for parts off the loop.
+
+    Returns (the loaded `stages.model.Qwen3TTS`, device). `parts`: talker=, decoder=, voice=.
+    """
+    import asyncio
+
+    from stages.model import Qwen3TTS
+
+    path = await asyncio.to_thread(resolve_checkpoint, source, log)
+    device, dtype = resolve_device_dtype(options)
+    configure_torch(options, device)
+    model = await asyncio.to_thread(Qwen3TTS.load, path, device, dtype, log=log, **parts)
+    return model, device
+
+
 def engine_config(engine_path: str, engine_kwargs: dict[str, Any]) -> tuple[type, Any]:
     """-> (engine class, its config). `engine_path` names the class; the config dataclass is `<Class>Config`
     in the same module. Unknown or invalid `engine_kwargs` raise ValueError."""

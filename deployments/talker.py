@@ -21,13 +21,7 @@ import numpy as np
 
 from deployments import constants as C
 from deployments.config import StreamingConfig, TalkerConfig
-from deployments.loading import (
-    build_engine,
-    configure_torch,
-    replica_log,
-    resolve_checkpoint,
-    resolve_device_dtype,
-)
+from deployments.loading import build_engine, load_model, replica_log
 from deployments.metrics import TalkerMetrics
 from deployments.protocol import GenerateOptions, ModelInfo
 from stages.contract import CodecChunk, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
@@ -61,17 +55,10 @@ class TalkerServer:
 
     async def start(self) -> None:
         """Load the checkpoint, start the engine (KV sizing, graph capture), warm up with one real request."""
-        from stages.model import Qwen3TTS
-
         cfg = self._config
         log = replica_log(cfg.deployment_name)
-        path = await asyncio.to_thread(resolve_checkpoint, cfg.source, log)
-        device, dtype = resolve_device_dtype(cfg)
-        configure_torch(cfg, device)
-        self._model = model = await asyncio.to_thread(
-            Qwen3TTS.load, path, device, dtype, talker=True, decoder=False,
-            voice=True, log=log,
-        )
+        model, device = await load_model(cfg, cfg.source, log, talker=True, decoder=False, voice=True)
+        self._model = model
         self._engine = build_engine(cfg.engine_cls or DEFAULT_ENGINE_CLS, model, cfg.engine_config_kwargs())
         await asyncio.to_thread(self._engine.start, log, C.TALKER_ENGINE_START_TIMEOUT_S)
         self._schedule = self._streaming.schedule()
@@ -86,7 +73,7 @@ class TalkerServer:
             log(f"[talker] warm-up request done in {time.perf_counter() - t0:.2f} s")
         self._metrics = TalkerMetrics(cfg.name)
         self._metrics_task = asyncio.get_running_loop().create_task(self._refresh_metrics())
-        log(f"[talker] {cfg.name} ready: {model.config.task.value} on {device} ({dtype})")
+        log(f"[talker] {cfg.name} ready: {model.config.task.value} on {device} ({model.dtype})")
 
     # ------------------------------------------------------------------ requests
     async def info(self) -> ModelInfo:
