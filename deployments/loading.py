@@ -86,7 +86,10 @@ def configure_torch(options: _RuntimeOptions, device: str) -> None:
     if options.cpu_threads is not None:
         torch.set_num_threads(options.cpu_threads)
     if options.gpu_memory_fraction is not None and device.startswith("cuda"):
-        torch.cuda.set_per_process_memory_fraction(options.gpu_memory_fraction, torch.device(device))
+        index = torch.device(device).index  # "cuda" alone names no index; torch wants one here
+        torch.cuda.set_per_process_memory_fraction(
+            options.gpu_memory_fraction, torch.cuda.current_device() if index is None else index
+        )
 
 
 async def load_model(options: _RuntimeOptions, source: CheckpointSource, log: Log, **parts: bool) -> tuple[Any, str]:
