@@ -58,6 +58,9 @@ class EngineStats:
     kv_total_tokens: int
     steps: int
     frames: int
+    prefills: int = 0  # batched prefills run (admissions)
+    prefill_seconds: float = 0.0  # device-thread time spent in them (decode steps wait meanwhile)
+    step_seconds: float = 0.0  # device-thread time spent in decode steps (incl. handing frames out)
 
 
 @dataclass
@@ -89,7 +92,8 @@ class TalkerEngine:
         self._running: list[_Request] = []
         self._by_id: dict[str, _Request] = {}
         self._seed_counter = itertools.count(int(time.time_ns() % (1 << 31)))
-        self._steps = self._frames = 0
+        self._steps = self._frames = self._prefills = 0
+        self._prefill_seconds = self._step_seconds = 0.0
         self.num_slots = 0
         self.graph_capture_seconds = 0.0
         self._thread: threading.Thread | None = None
@@ -161,6 +165,7 @@ class TalkerEngine:
             waiting=len(self._waiting) + self._commands.qsize(), running=len(running), max_running=self.num_slots,
             kv_used_tokens=sum(r.worst_case_len for r in running),
             kv_total_tokens=self.num_slots * self.config.max_seq_len, steps=self._steps, frames=self._frames,
+            prefills=self._prefills, prefill_seconds=self._prefill_seconds, step_seconds=self._step_seconds,
         )
 
     # ------------------------------------------------------------------ device thread
@@ -177,7 +182,9 @@ class TalkerEngine:
                 self._drain_commands(block=not (self._running or self._waiting))
                 self._admit()
                 if self._running:
+                    t0 = time.perf_counter()
                     self._step()
+                    self._step_seconds += time.perf_counter() - t0
         except BaseException as e:  # fail every stream loudly rather than hang them
             self._error = e
             for r in [*self._running, *self._waiting]:
@@ -248,10 +255,13 @@ class TalkerEngine:
             room = min(self.num_slots - len(self._running), self.config.max_prefill_batch)
             batch = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
             start = len(self._running)
+            t0 = time.perf_counter()
             embeds = [build_prefill(runner.talker, self.model.config, r.request.prompt) for r in batch]
             runner.prefill(start, embeds, [r.request.sampling for r in batch], [r.seed for r in batch])
             self._running.extend(batch)
-            first = runner.first_tokens(start, len(batch))
+            first = runner.first_tokens(start, len(batch))  # syncs: the time below is the device's too
+            self._prefills += 1
+            self._prefill_seconds += time.perf_counter() - t0
             done = [r for r, c0 in zip(batch, first, strict=True) if c0 == runner.eos]
             self._release([(r, FinishReason.EOS) for r in done])
 
