@@ -175,7 +175,9 @@ async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
     await asyncio.to_thread(engine.start, print)
     print(f"talker engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     decoder = None
-    executor = ThreadPoolExecutor(1, thread_name_prefix="code2wav")
+    # the decoder thread gets its own CUDA stream (current streams are per thread): sharing the default stream
+    # would serialize talker steps behind decodes, which separate processes (the deployments) never do
+    executor = ThreadPoolExecutor(1, thread_name_prefix="code2wav", initializer=_own_stream if device == "cuda" else None)
     if not args.no_code2wav:
         loop = asyncio.get_running_loop()
         config = Code2WavEngineConfig.for_schedule(schedule, max_batch_size=args.decode_batch,
@@ -195,6 +197,10 @@ async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
     engine.shutdown()
     executor.shutdown(wait=True)
     return results
+
+
+def _own_stream() -> None:
+    torch.cuda.set_stream(torch.cuda.Stream())
 
 
 HEADER = ("| c | requests | TTFA p50 / p95 / max (ms) | E2E p50 / p95 (ms) | audio-s/s | mean batch | step ms | "

@@ -39,7 +39,8 @@ def uniform_from_counter(seeds: torch.Tensor, counters: torch.Tensor, width: int
     idx = torch.arange(width, device=seeds.device, dtype=torch.int64)
     row = _mix32(_mix32(seeds) ^ ((counters * 0x61C88647) & _MASK32))  # [B]
     bits = _mix32(row[:, None] ^ _mix32(idx + 0x1E3779B9)[None, :])  # [B, width]; constants < 2**31 (Triton int32)
-    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # strictly inside (0, 1)
+    # top 24 bits; the mask keeps the value in [0, 2**24) even if a backend wrapped the hash arithmetic
+    return (((bits >> 8) & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))  # strictly inside (0, 1)
 
 
 @dataclass
@@ -81,7 +82,8 @@ def select_tokens(
     scores = scores.masked_fill(scores < threshold, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     race = probs / -torch.log(uniform_from_counter(seeds, counters, vocab))
-    sampled = race.argmax(dim=-1)
+    # a dropped id (probability 0) can never win, not even against a NaN race value
+    sampled = torch.where(probs > 0, race, -1.0).argmax(dim=-1)
     return torch.where(params.do_sample, sampled, greedy)
 
 

@@ -295,8 +295,6 @@ class TalkerEngine:
         if not finished:
             return
         gone = {id(r) for r, _ in finished}
-        for r, reason in finished:
-            self._finish(r, reason)
         keep = [r for r in self._running if id(r) not in gone]
         # move survivors from the top into the holes below len(keep)
         holes = [i for i, r in enumerate(self._running[:len(keep)]) if id(r) in gone]
@@ -306,6 +304,9 @@ class TalkerEngine:
             self.runner.move_slot(src, hole, r.prompt_len + r.frames + 1)
             self._running[hole] = r
         self._running = self._running[:len(keep)]
+        # streams end only once the slots are free: a consumer that sees the end then reads stats sees them free
+        for r, reason in finished:
+            self._finish(r, reason)
 
     def _finish(self, r: _Request, reason: FinishReason) -> None:
         self._by_id.pop(r.request.request_id, None)

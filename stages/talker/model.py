@@ -102,9 +102,10 @@ class Talker(nn.Module):
         parts = [table(codes[..., q]) for q, table in enumerate(tables)]
         return torch.stack(parts, dim=-2).sum(-2)
 
-    def forward_hidden(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward_hidden(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                       eager: bool = False) -> torch.Tensor:
         """embeds [B, S, H], positions [B, S] -> post-norm hidden states [B, S, H]."""
-        return self.model(embeds, positions, ctx)
+        return self.model(embeds, positions, ctx, eager=eager)
 
     def codec_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.codec_head(hidden)

@@ -153,7 +153,9 @@ class TalkerRunner:
         for i, e in enumerate(embeds):
             x[i, :lengths[i]] = e.prefill
         positions = torch.arange(width, device=dev).expand(n, width)
-        hidden = self.talker.forward_hidden(x, positions, PrefillContext(self.kv, start, n))
+        # eager kernels: prompt shapes vary per admission, and compiled ones recompiled or ran dynamic-shape
+        # variants there (H100: ~100 ms per admission instead of a few ms; docs/benchmarks.md)
+        hidden = self.talker.forward_hidden(x, positions, PrefillContext(self.kv, start, n), eager=True)
         last = torch.tensor(lengths, device=dev) - 1
         rows = slice(start, start + n)
         self.hidden[rows] = hidden[torch.arange(n, device=dev), last]
