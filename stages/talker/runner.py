@@ -14,7 +14,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stages.contract import SamplingParams
 from stages.layers import LayerKernels
@@ -26,6 +29,7 @@ from stages.talker.kv_slots import DecodeContext, PrefillContext, SlotKVCache
 from stages.talker.prefill import PrefillEmbeds
 
 _TOP_K_OFF = 1 << 30
+_PREFILL_WIDTH_MULTIPLE = 16  # prompt widths are padded to this: fewer distinct shapes, each cached once
 
 
 @dataclass
@@ -73,6 +77,11 @@ class SlotParams:
 
 class TalkerRunner:
     """Sole owner of the talker's device state. Not thread-safe: one engine thread calls it."""
+
+    # Attention backends for prefill (None: torch's choice). Not cuDNN: it builds a plan per new shape,
+    # and prompts bring new (batch, width) shapes all the time (bench/prefill.py measures both).
+    prefill_sdpa_backends: tuple[SDPBackend, ...] | None = (
+        SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
     def __init__(self, model: Qwen3TTS, num_slots: int, max_seq_len: int, max_text_rows: int,
                  length_buckets: tuple[int, ...], compile: bool = False):
@@ -148,14 +157,16 @@ class TalkerRunner:
         n = len(embeds)
         dev = self.device
         lengths = [e.prefill.shape[0] for e in embeds]
-        width = max(lengths)
+        width = min(-(-max(lengths) // _PREFILL_WIDTH_MULTIPLE) * _PREFILL_WIDTH_MULTIPLE, self.max_seq_len)
         x = torch.zeros(n, width, self.hidden.shape[1], dtype=self.dtype, device=dev)
         for i, e in enumerate(embeds):
             x[i, :lengths[i]] = e.prefill
         positions = torch.arange(width, device=dev).expand(n, width)
         # eager kernels: prompt shapes vary per admission, and compiled ones recompiled or ran dynamic-shape
         # variants there (H100: ~100 ms per admission instead of a few ms; docs/benchmarks.md)
-        hidden = self.talker.forward_hidden(x, positions, PrefillContext(self.kv, start, n), eager=True)
+        backends = self.prefill_sdpa_backends
+        with sdpa_kernel(list(backends)) if backends else contextlib.nullcontext():
+            hidden = self.talker.forward_hidden(x, positions, PrefillContext(self.kv, start, n), eager=True)
         last = torch.tensor(lengths, device=dev) - 1
         rows = slice(start, start + n)
         self.hidden[rows] = hidden[torch.arange(n, device=dev), last]
