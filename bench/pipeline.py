@@ -36,12 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen.sentences import load_sentences  # noqa: E402
-from stages.random_checkpoint import write_random_checkpoint  # noqa: E402
 from stages.code2wav.chunking import CODEBOOK_SIZE, ChunkSchedule, StreamChunker  # noqa: E402
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig  # noqa: E402
 from stages.contract import CodecChunk, SamplingParams, SynthesisRequest  # noqa: E402
 from stages.model import Qwen3TTS  # noqa: E402
 from stages.prompts import build_prompt  # noqa: E402
+from stages.random_checkpoint import write_random_checkpoint  # noqa: E402
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig  # noqa: E402
 
 FRAME_S = 0.08

@@ -1,7 +1,8 @@
 """Code2WavServer: the shared `Code2Wav` deployment. Stateless: any replica decodes any chunk of any stream.
 
-`decode(chunk)` calls from many streams are gathered by `@serve.batch` and decoded in one forward by
-the Code2Wav engine, on one thread that owns all of this replica's decoder work.
+`decode_many(chunks)` takes the chunks of many streams at once (an ingress replica's DecodeBatcher
+gathers them) and decodes them with the Code2Wav engine, on one thread that owns all of this replica's
+decoder work; the engine plans the forwards (padding buckets, CUDA graphs).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from ray import serve
+from ray import ObjectRef
 
 from deployments import constants as C
 from deployments.audio_formats import float_to_pcm16
@@ -42,8 +43,6 @@ class Code2WavServer:
         self._inflight = 0  # decode() calls in this replica
         self._decoding = 0  # of which in the batch being decoded
         self._metrics: Code2WavMetrics | None = None
-        self._decode_batch.set_max_batch_size(config.max_batch_size)
-        self._decode_batch.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
 
     async def start(self) -> None:
         cfg = self._config
@@ -63,34 +62,59 @@ class Code2WavServer:
         self._metrics = Code2WavMetrics()
         log(f"ready on {device} ({model.dtype}), batches of up to {cfg.max_batch_size} chunks")
 
-    async def decode(self, chunk: CodecChunk) -> DecodedChunk:
-        """PCM (int16) of the chunk's new frames; chunks of concurrent calls are decoded together."""
-        self._engine.check_chunk(chunk)  # a malformed chunk fails its own call, not the whole batch
+    async def decode_many(self, chunks: list) -> list[DecodedChunk | Exception]:
+        """PCM (int16) of each chunk's new frames, decoded together; one answer per chunk, in order.
+
+        `chunks` are CodecChunks or ObjectRefs to them (the Talker's stream items, forwarded unread by
+        the ingress's DecodeBatcher). A chunk that cannot be used (malformed, or its ref holds the
+        Talker's error) gets its exception in its place; the others are decoded.
+        """
+        n = len(chunks)
         t0 = time.perf_counter()
-        self._inflight += 1
+        self._inflight += n
         self._metrics.queued_chunks.set(self._inflight - self._decoding)
         try:
-            return await self._decode_batch(chunk)
+            resolved = await asyncio.gather(*(_resolve(c) for c in chunks), return_exceptions=True)
+            answers: list[DecodedChunk | Exception | None] = [None] * n
+            valid = []
+            for i, chunk in enumerate(resolved):
+                if isinstance(chunk, Exception):
+                    answers[i] = chunk
+                    continue
+                try:
+                    self._engine.check_chunk(chunk, i)  # a malformed chunk fails alone, not the whole call
+                except ValueError as e:
+                    answers[i] = e
+                    continue
+                valid.append(i)
+            if valid:
+                work = [resolved[i] for i in valid]
+                waves = await self._on_thread(self._decode_on_thread, work)
+                self._metrics.batch_size.observe(len(work))
+                for i, wave in zip(valid, waves, strict=True):
+                    c = resolved[i]
+                    answers[i] = DecodedChunk(c.request_id, c.seq, float_to_pcm16(wave), c.final, c.finish_reason)
+            return answers  # type: ignore[return-value]
         finally:
-            self._inflight -= 1
+            self._inflight -= n
             self._metrics.queued_chunks.set(self._inflight - self._decoding)
             self._metrics.chunk_latency_ms.observe((time.perf_counter() - t0) * 1000)
 
-    @serve.batch(max_batch_size=C.DEFAULT_CODE2WAV_MAX_BATCH_SIZE,
-                 batch_wait_timeout_s=C.DEFAULT_CODE2WAV_BATCH_WAIT_TIMEOUT_S)
-    async def _decode_batch(self, chunks: list[CodecChunk]) -> list[DecodedChunk]:
+    async def decode(self, chunk: CodecChunk) -> DecodedChunk:
+        """One chunk (tests, direct callers); the ingress sends batches through `decode_many`."""
+        (answer,) = await self.decode_many([chunk])
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def _decode_on_thread(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
         self._decoding += len(chunks)
         t0 = time.perf_counter()
         try:
-            waves = await self._on_thread(self._engine.decode, chunks)
+            return self._engine.decode(chunks)
         finally:
             self._decoding -= len(chunks)
-        self._metrics.batch_decode_ms.observe((time.perf_counter() - t0) * 1000)
-        self._metrics.batch_size.observe(len(chunks))
-        return [
-            DecodedChunk(c.request_id, c.seq, float_to_pcm16(w), c.final, c.finish_reason)
-            for c, w in zip(chunks, waves, strict=True)
-        ]
+            self._metrics.batch_decode_ms.observe((time.perf_counter() - t0) * 1000)
 
     async def ready(self) -> bool:
         return self._engine is not None
@@ -107,3 +131,7 @@ class Code2WavServer:
 
     async def _on_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+async def _resolve(chunk):
+    return await chunk if isinstance(chunk, ObjectRef) else chunk

@@ -123,7 +123,6 @@ class Code2WavConfig(_RuntimeOptions):
 
     model: str | None = Field(None, description="checkpoint whose speech_tokenizer/ to load; None = the first model's")
     max_batch_size: int = Field(C.DEFAULT_CODE2WAV_MAX_BATCH_SIZE, ge=1, description="chunks decoded in one forward")
-    batch_wait_timeout_s: float = Field(C.DEFAULT_CODE2WAV_BATCH_WAIT_TIMEOUT_S, ge=0)
 
 
 class StreamingConfig(BaseConfig):
@@ -158,6 +157,14 @@ class BackpressureSettings(BaseConfig):
     retry_after_s: float = Field(C.DEFAULT_RETRY_AFTER_S, ge=0)
 
 
+class DecodeBatchSettings(BaseConfig):
+    """How an ingress replica sends its streams' chunks to Code2Wav (deployments/decode_batcher.py)."""
+
+    max_chunks: int = Field(C.DEFAULT_DECODE_BATCH_MAX_CHUNKS, ge=1, description="chunks in one decode call at most")
+    max_calls_in_flight: int = Field(C.DEFAULT_DECODE_CALLS_IN_FLIGHT, ge=1,
+                                     description="decode calls of this replica in flight; more chunks wait and join")
+
+
 class IngressConfig(_DeploymentOptions):
     max_input_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1)
     max_instructions_chars: int = Field(C.DEFAULT_MAX_INSTRUCTIONS_CHARS, ge=1)
@@ -176,6 +183,7 @@ class IngressConfig(_DeploymentOptions):
     max_uploaded_voices: int = Field(C.DEFAULT_MAX_UPLOADED_VOICES, ge=0)
     allow_suppress_eos: bool = Field(True, description="accept `suppress_eos` (benchmarks, random-weight tests)")
     backpressure: BackpressureSettings = Field(default_factory=BackpressureSettings)
+    decode_batch: DecodeBatchSettings = Field(default_factory=DecodeBatchSettings)
 
     @field_validator("ref_audio_url_allowlist")
     @classmethod

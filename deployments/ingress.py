@@ -35,6 +35,7 @@ from deployments.audio_formats import (
     time_stretch,
 )
 from deployments.config import TTSServingArgs
+from deployments.decode_batcher import DecodeBatcher
 from deployments.errors import APIError, bad_request, to_api_error, unwrap
 from deployments.metrics import IngressMetrics
 from deployments.pipeline import stream_audio
@@ -144,6 +145,8 @@ class TTSIngress:
         self._routes = {name: _ModelRoute(name, handle) for name, handle in talkers.items()}
         self._names = {n.lower(): m.name for m in args.models for n in (m.name, *m.aliases)}
         self._code2wav = code2wav
+        self._decoder = DecodeBatcher(code2wav, args.ingress.decode_batch.max_chunks,
+                                      args.ingress.decode_batch.max_calls_in_flight)
         self._voices = VoiceStore(self._limits.voices_path)
         self._inline_voices: OrderedDict[str, VoiceClonePrompt] = OrderedDict()
         self._metrics = IngressMetrics()
@@ -175,7 +178,7 @@ class TTSIngress:
                 model = info.name
                 voice = await self._voice_prompt(body, info, voice_choice)
                 synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id)
-                chunks = stream_audio(self._routes[info.name].handle, self._code2wav, synthesis, options,
+                chunks = stream_audio(self._routes[info.name].handle, self._decoder, synthesis, options,
                                       self._args.streaming.max_pending_decodes)
                 first = await anext(chunks, None)
         except BaseException as exc:  # noqa: BLE001 - every failure before the first audio is one JSON error

@@ -1,9 +1,10 @@
 """The per-request pipeline: Talker stream -> chunk refs -> Code2Wav decodes, pipelined, audio in order.
 
 Chunks never deserialize in the ingress: the Talker's stream is turned into an `ObjectRefGenerator`
-and each ref is handed to `Code2Wav.decode` as a top-level argument, so Ray moves the chunk from the
-Talker's process to whichever Code2Wav replica decodes it. Up to `depth` decodes are in flight per
-stream (overlapping generation); results are awaited in submission order.
+and each ref goes to the replica's `DecodeBatcher`, which forwards refs of many streams in one
+`Code2Wav.decode_many` call; Ray moves each chunk from the Talker's process to the Code2Wav replica
+that decodes it. Up to `depth` decodes are in flight per stream (overlapping generation); results are
+awaited in submission order.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 
+from deployments.decode_batcher import DecodeBatcher
 from deployments.protocol import DecodedChunk, GenerateOptions
 from stages.contract import SynthesisRequest
 
@@ -20,7 +22,7 @@ _END = object()
 
 
 async def stream_audio(
-    talker: DeploymentHandle, code2wav: DeploymentHandle, request: SynthesisRequest, options: GenerateOptions,
+    talker: DeploymentHandle, decoder: DecodeBatcher, request: SynthesisRequest, options: GenerateOptions,
     depth: int,
 ) -> AsyncIterator[DecodedChunk]:
     """Decoded chunks of one request, in stream order. Closing the iterator cancels the whole pipeline.
@@ -35,7 +37,7 @@ async def stream_audio(
         try:
             refs = await generator._to_object_ref_gen()
             async for ref in refs:
-                await pending.put(code2wav.decode.remote(ref))
+                await pending.put(decoder.submit(ref))
         except Exception as e:  # refusal (backpressure) or a failed stream: the consumer raises it in order
             await pending.put(e)
         await pending.put(_END)
@@ -51,5 +53,5 @@ async def stream_audio(
         generator.cancel()  # stops the Talker (Serve also cascades the ingress request's cancellation)
         while not pending.empty():  # decodes nobody will read
             item = pending.get_nowait()
-            if isinstance(item, DeploymentResponse):
+            if isinstance(item, asyncio.Future):
                 item.cancel()

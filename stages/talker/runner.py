@@ -10,11 +10,10 @@ with a single copy.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import contextlib
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from ray import serve
 
 from deployments.code2wav import Code2WavServer
 from deployments.config import CheckpointSource, Code2WavConfig, StreamingConfig, TalkerConfig
@@ -43,15 +41,10 @@ def talker(loop, tiny_custom_voice):
 
 @pytest.fixture(scope="module")
 def code2wav(loop, tiny_custom_voice):
-    # @serve.batch reads the replica's deployment config; outside Serve, stand in for it
-    replica = SimpleNamespace(_deployment_config=SimpleNamespace(max_ongoing_requests=64))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(serve, "get_replica_context", lambda: replica)
-        asyncio.set_event_loop(loop)  # the batch queue binds to the current loop when first used
-        server = Code2WavServer.sync_init(Code2WavConfig(device="cpu", max_batch_size=8, batch_wait_timeout_s=0.05),
-                                          CheckpointSource(model=str(tiny_custom_voice)), STREAMING)
-        loop.run_until_complete(server.start())
-        yield server
+    server = Code2WavServer.sync_init(Code2WavConfig(device="cpu", max_batch_size=8),
+                                      CheckpointSource(model=str(tiny_custom_voice)), STREAMING)
+    loop.run_until_complete(server.start())
+    yield server
 
 
 def _request(talker, frames: int, rid: str = "r1", seed: int = 3) -> SynthesisRequest:
@@ -106,15 +99,14 @@ def test_closing_the_stream_aborts_the_request_and_frees_the_slot(loop, talker):
     assert set(talker.record_autoscaling_stats()) == {"waiting", "running", "slots"}
 
 
-def test_code2wav_batches_concurrent_chunks_and_matches_single_decodes(loop, talker, code2wav):
+def test_code2wav_decodes_many_streams_in_one_call_like_single_decodes(loop, talker, code2wav):
     streams = [loop.run_until_complete(_collect(talker.generate(_request(talker, 9, rid=f"s{i}", seed=i))))
                for i in range(3)]
     chunks = [c for s in streams for c in s]
+    before = code2wav._engine.stats().batches
 
-    async def decode_all():
-        return await asyncio.gather(*(code2wav.decode(c) for c in chunks))
-
-    batched = loop.run_until_complete(decode_all())
+    batched = loop.run_until_complete(code2wav.decode_many(chunks))
+    assert code2wav._engine.stats().batches == before + 1  # one engine call for every stream's chunks
     assert code2wav.record_autoscaling_stats()["inflight_chunks"] == 0
     for chunk, out in zip(chunks, batched, strict=True):
         assert (out.request_id, out.seq, out.final) == (chunk.request_id, chunk.seq, chunk.final)
@@ -123,9 +115,13 @@ def test_code2wav_batches_concurrent_chunks_and_matches_single_decodes(loop, tal
         np.testing.assert_allclose(single.pcm, out.pcm, atol=2)  # batch padding is exact up to float noise
 
 
-def test_code2wav_rejects_a_malformed_chunk_alone(loop, code2wav):
+def test_code2wav_rejects_a_malformed_chunk_alone(loop, talker, code2wav):
     from stages.contract import CodecChunk
 
     bad = CodecChunk("bad", 0, np.full((3, 16), 5000, dtype=np.int64), 0)
     with pytest.raises(ValueError, match="codes outside"):
         loop.run_until_complete(code2wav.decode(bad))
+    good = loop.run_until_complete(_collect(talker.generate(_request(talker, 4, rid="good"))))
+    answers = loop.run_until_complete(code2wav.decode_many([good[0], bad, *good[1:]]))
+    assert isinstance(answers[1], ValueError) and "codes outside" in str(answers[1])
+    assert [a.request_id for i, a in enumerate(answers) if i != 1] == ["good"] * len(good)

@@ -1,0 +1,77 @@
+"""DecodeBatcher: an ingress replica's chunk refs from all its streams, sent to Code2Wav in few calls.
+
+A Ray Serve request costs about a millisecond of CPU in each process it crosses. One request per chunk
+left the Code2Wav replica handling requests rather than decoding once a few hundred streams were open
+(H100, 2026-11-21: decode calls waited 0.4-0.8 s and the GPU sat idle; docs/benchmarks.md). Here each
+stream's chunk refs join one queue, and a call to `Code2Wav.decode_many` takes everything queued (up to
+`max_chunks`) as soon as one of `max_calls_in_flight` call slots is free. An idle server sends a lone
+chunk at once, so batching costs no latency; a busy one sends bigger calls, not more of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from ray.serve.handle import DeploymentHandle
+
+from deployments.protocol import DecodedChunk
+
+
+class DecodeBatcher:
+    def __init__(self, code2wav: DeploymentHandle, max_chunks: int, max_calls_in_flight: int):
+        self._handle = code2wav
+        self._max_chunks = max_chunks
+        self._slots = asyncio.Semaphore(max_calls_in_flight)
+        self._queue: asyncio.Queue[tuple[object, asyncio.Future]] = asyncio.Queue()
+        self._calls: set[asyncio.Task] = set()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def submit(self, chunk_ref) -> asyncio.Future:
+        """The decoded chunk, later. Cancelling the future drops the chunk if it has not left yet."""
+        future: asyncio.Future[DecodedChunk] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((chunk_ref, future))
+        return future
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    async def _run(self) -> None:
+        while True:
+            await self._slots.acquire()
+            batch = [await self._queue.get()]
+            while len(batch) < self._max_chunks and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            batch = [(ref, f) for ref, f in batch if not f.done()]  # streams that went away meanwhile
+            if not batch:
+                self._slots.release()
+                continue
+            call = asyncio.get_running_loop().create_task(self._call(batch))
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+
+    async def _call(self, batch: list[tuple[object, asyncio.Future]]) -> None:
+        try:
+            answers = await self._handle.decode_many.remote([ref for ref, _ in batch])
+        except Exception as e:  # refused (backpressure) or failed: every chunk of the call fails with it
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+        else:
+            for (_, future), answer in zip(batch, answers, strict=True):
+                if future.done():
+                    continue
+                if isinstance(answer, Exception):
+                    future.set_exception(answer)
+                else:
+                    future.set_result(answer)
+        finally:
+            self._slots.release()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        for call in list(self._calls):
+            call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task

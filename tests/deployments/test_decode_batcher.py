@@ -1,0 +1,74 @@
+"""DecodeBatcher: one Code2Wav call per batch of queued chunks, answers routed back to each stream."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deployments.decode_batcher import DecodeBatcher
+
+
+class _Code2Wav:
+    """Stands in for the Code2Wav handle: records each call's chunks; the test releases calls one by one."""
+
+    def __init__(self):
+        self.calls: list[list] = []
+        self.release: asyncio.Queue = asyncio.Queue()
+        self.decode_many = self
+
+    def remote(self, chunks: list):
+        self.calls.append(list(chunks))
+        return self._answer(list(chunks))
+
+    async def _answer(self, chunks: list):
+        outcome = await self.release.get()
+        if isinstance(outcome, Exception):
+            raise outcome
+        return [ValueError(f"bad {c}") if c == "bad" else f"pcm:{c}" for c in chunks]
+
+
+def test_lone_chunk_goes_at_once_and_busy_chunks_share_a_call():
+    async def main():
+        handle = _Code2Wav()
+        batcher = DecodeBatcher(handle, max_chunks=3, max_calls_in_flight=1)
+        first = batcher.submit("a")
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert handle.calls == [["a"]]  # nothing waited for company
+        rest = [batcher.submit(x) for x in "bcde"]  # arrive while the only call slot is busy
+        handle.release.put_nowait("ok")
+        assert await first == "pcm:a"
+        handle.release.put_nowait("ok")
+        assert [await f for f in rest[:3]] == ["pcm:b", "pcm:c", "pcm:d"]
+        handle.release.put_nowait("ok")
+        assert await rest[3] == "pcm:e"
+        assert handle.calls == [["a"], ["b", "c", "d"], ["e"]]  # max_chunks per call
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def test_errors_reach_their_own_chunks_and_cancelled_chunks_are_not_sent():
+    async def main():
+        handle = _Code2Wav()
+        batcher = DecodeBatcher(handle, max_chunks=8, max_calls_in_flight=1)
+        blocker = batcher.submit("x")
+        await asyncio.sleep(0)
+        good, bad, gone = batcher.submit("g"), batcher.submit("bad"), batcher.submit("gone")
+        gone.cancel()  # its stream closed before the chunk left
+        handle.release.put_nowait("ok")
+        await blocker
+        handle.release.put_nowait("ok")
+        assert await good == "pcm:g"
+        with pytest.raises(ValueError, match="bad bad"):
+            await bad
+        assert handle.calls[1] == ["g", "bad"]
+        failing = [batcher.submit("p"), batcher.submit("q")]
+        handle.release.put_nowait(RuntimeError("refused"))
+        for f in failing:  # a refused call fails every chunk it carried
+            with pytest.raises(RuntimeError, match="refused"):
+                await f
+        await batcher.close()
+
+    asyncio.run(main())
