@@ -81,7 +81,7 @@ def test_split_pins_each_stage_to_its_gpu_and_uses_queue_depth_policies():
     c_auto = code2wav._deployment_config.autoscaling_config
     assert t_auto.policy.policy_function == "deployments.autoscaling:talker_policy"
     assert c_auto.policy.policy_function == "deployments.autoscaling:code2wav_policy"
-    assert (t_auto.target_ongoing_requests, t_auto.upscale_delay_s) == (96, 10)
+    assert (t_auto.target_ongoing_requests, t_auto.upscale_delay_s) == (192, 10)
 
 
 def test_multi_model_has_one_talker_per_checkpoint_and_one_code2wav():
