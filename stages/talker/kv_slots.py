@@ -29,18 +29,22 @@ class SlotKVCache:
 
 
 class PrefillContext:
-    """Prompts of slots [start, start+n), right-padded to one length, causal from position 0."""
+    """Prompts written into `slots` [n] (a device tensor), right-padded to one length, causal from position 0.
+
+    Slots are a tensor, not a range, so a CUDA graph of the prefill serves any admission: padding rows
+    point at the runner's scratch slot.
+    """
 
     is_causal = True
     mask = None
 
-    def __init__(self, cache: SlotKVCache, start: int, n: int):
-        self.cache, self.start, self.end = cache, start, start + n
+    def __init__(self, cache: SlotKVCache, slots: torch.Tensor):
+        self.cache, self.slots = cache, slots
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s = k.shape[2]
-        self.cache.k[layer_idx, self.start:self.end, :, :s] = k
-        self.cache.v[layer_idx, self.start:self.end, :, :s] = v
+        self.cache.k[layer_idx, self.slots, :, :s] = k
+        self.cache.v[layer_idx, self.slots, :, :s] = v
         return k, v
 
 

@@ -28,7 +28,10 @@ from stages.talker.kv_slots import DecodeContext, PrefillContext, SlotKVCache
 from stages.talker.prefill import PrefillEmbeds
 
 _TOP_K_OFF = 1 << 30
-_PREFILL_WIDTH_MULTIPLE = 16  # prompt widths are padded to this: fewer distinct shapes, each cached once
+_PREFILL_WIDTH_MULTIPLE = 16  # eager prefill pads prompt widths to this: fewer distinct shapes
+_PREFILL_WIDTH_BUCKETS = (16, 32, 64, 128)  # graphed prefill widths (CustomVoice/VoiceDesign prompts fit)
+_PREFILL_MAX_BATCH = 16  # requests in one graphed prefill at most (the engine's max_prefill_batch)
+_PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16)
 
 
 @dataclass
@@ -92,16 +95,19 @@ class TalkerRunner:
         self.num_slots, self.max_seq_len, self.max_text_rows = num_slots, max_seq_len, max_text_rows
         self.length_buckets = tuple(sorted({min(b, max_seq_len) for b in length_buckets} | {max_seq_len}))
         dev = self.device
-        self.kv = SlotKVCache(tcfg.num_hidden_layers, num_slots, tcfg.num_key_value_heads, max_seq_len,
+        # one more slot than requests can use: the scratch slot, where padding rows of a graphed prefill write
+        rows = num_slots + 1
+        self.scratch_slot = num_slots
+        self.kv = SlotKVCache(tcfg.num_hidden_layers, rows, tcfg.num_key_value_heads, max_seq_len,
                               tcfg.head_dim, self.dtype, dev)
-        self.params = SlotParams.empty(num_slots, dev)
-        self.positions = torch.zeros(num_slots, dtype=torch.long, device=dev)  # next talker position
-        self.frame_index = torch.zeros(num_slots, dtype=torch.long, device=dev)  # frames produced so far
-        self.hidden = torch.zeros(num_slots, cfg.hidden_size, dtype=self.dtype, device=dev)
-        self.c0 = torch.zeros(num_slots, dtype=torch.long, device=dev)
-        self.seen = torch.zeros(num_slots, cfg.vocab_size, dtype=torch.bool, device=dev)
-        self.trailing = torch.zeros(num_slots, max_text_rows, cfg.hidden_size, dtype=self.dtype, device=dev)
-        self.trailing_len = torch.zeros(num_slots, dtype=torch.long, device=dev)
+        self.params = SlotParams.empty(rows, dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)  # next talker position
+        self.frame_index = torch.zeros(rows, dtype=torch.long, device=dev)  # frames produced so far
+        self.hidden = torch.zeros(rows, cfg.hidden_size, dtype=self.dtype, device=dev)
+        self.c0 = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.seen = torch.zeros(rows, cfg.vocab_size, dtype=torch.bool, device=dev)
+        self.trailing = torch.zeros(rows, max_text_rows, cfg.hidden_size, dtype=self.dtype, device=dev)
+        self.trailing_len = torch.zeros(rows, dtype=torch.long, device=dev)
         self.tts_pad = torch.zeros(cfg.hidden_size, dtype=self.dtype, device=dev)
         self.out = torch.zeros(num_slots, CODEBOOKS + 1, dtype=torch.long, device=dev)
         self.out_host = torch.zeros(num_slots, CODEBOOKS + 1, dtype=torch.long,
@@ -110,6 +116,13 @@ class TalkerRunner:
         self.suppress = suppressed_ids_mask(cfg.vocab_size, cfg.codebook_size, cfg.codec.eos, dev)
         self.eos = cfg.codec.eos
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # prefill inputs at fixed addresses (graphs per (batch bucket, width bucket)); wider prompts run eagerly
+        self.prefill_width_buckets = tuple(w for w in _PREFILL_WIDTH_BUCKETS if w <= max_seq_len)
+        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pf_x = torch.zeros(_PREFILL_MAX_BATCH, max(self.prefill_width_buckets, default=0), cfg.hidden_size,
+                                 dtype=self.dtype, device=dev)
+        self._pf_len = torch.ones(_PREFILL_MAX_BATCH, dtype=torch.long, device=dev)
+        self._pf_slots = torch.full((_PREFILL_MAX_BATCH,), self.scratch_slot, dtype=torch.long, device=dev)
         self._select, self._mask = select_tokens, mask_talker_logits
         if compile:
             self._enable_compile()
@@ -152,39 +165,70 @@ class TalkerRunner:
     @torch.no_grad()
     def prefill(self, start: int, embeds: list[PrefillEmbeds], params: list[SamplingParams],
                 seeds: list[int]) -> None:
-        """Admit len(embeds) requests into slots [start, start+n): batched prompt forward, first c0."""
+        """Admit len(embeds) requests into slots [start, start+n): batched prompt forward, first c0.
+
+        A CUDA graph runs it when one fits (batch and width buckets); padding rows write the scratch slot.
+        """
         n = len(embeds)
         dev = self.device
         lengths = [e.prefill.shape[0] for e in embeds]
-        width = min(-(-max(lengths) // _PREFILL_WIDTH_MULTIPLE) * _PREFILL_WIDTH_MULTIPLE, self.max_seq_len)
-        x = torch.zeros(n, width, self.hidden.shape[1], dtype=self.dtype, device=dev)
-        for i, e in enumerate(embeds):
-            x[i, :lengths[i]] = e.prefill
-        positions = torch.arange(width, device=dev).expand(n, width)
-        # eager kernels: prompt shapes vary per admission, and compiled ones recompiled or ran dynamic-shape
-        # variants there (H100: ~100 ms per admission instead of a few ms; docs/benchmarks.md)
-        backends = self.prefill_sdpa_backends
-        with sdpa_kernel(list(backends)) if backends else contextlib.nullcontext():
-            hidden = self.talker.forward_hidden(x, positions, PrefillContext(self.kv, start, n), eager=True)
-        last = torch.tensor(lengths, device=dev) - 1
-        rows = slice(start, start + n)
-        self.hidden[rows] = hidden[torch.arange(n, device=dev), last]
-        self.positions[rows] = last + 1
-        self.frame_index[rows] = 0
-        self.seen[rows] = False
-        self.trailing_len[rows] = torch.tensor([e.trailing.shape[0] for e in embeds], device=dev)
-        for i, e in enumerate(embeds):
+        for i, e in enumerate(embeds):  # per-request state the prefill's sampling reads
             self.trailing[start + i, :e.trailing.shape[0]] = e.trailing
             self.params.set(start + i, params[i], seeds[i])
+        self.trailing_len[start:start + n] = torch.tensor([e.trailing.shape[0] for e in embeds], device=dev)
         self.tts_pad.copy_(embeds[0].tts_pad)
+        key = self._prefill_graph_key(n, max(lengths))
+        if key is None:  # eager, at the batch's own size
+            nb = n
+            width = min(-(-max(lengths) // _PREFILL_WIDTH_MULTIPLE) * _PREFILL_WIDTH_MULTIPLE, self.max_seq_len)
+            x = torch.zeros(n, width, self.hidden.shape[1], dtype=self.dtype, device=dev)
+        else:
+            nb, width = key
+            x = self._pf_x[:nb, :width]
+        for i, e in enumerate(embeds):
+            x[i, :lengths[i]] = e.prefill
+        meta = torch.tensor([lengths + [1] * (nb - n), list(range(start, start + n)) + [self.scratch_slot] * (nb - n)],
+                            dtype=torch.long)
+        if key is None:
+            lens, slots = meta.to(dev)
+            self._prefill_compute(x, lens, slots)
+        else:
+            self._pf_len[:nb].copy_(meta[0], non_blocking=True)
+            self._pf_slots[:nb].copy_(meta[1], non_blocking=True)
+            self.prefill_graphs[key].replay()
+
+    def _prefill_graph_key(self, n: int, width: int) -> tuple[int, int] | None:
+        nb = next((b for b in _PREFILL_BATCH_BUCKETS if b >= n), None)
+        w = next((b for b in self.prefill_width_buckets if b >= width), None)
+        return (nb, w) if (nb, w) in self.prefill_graphs else None
+
+    def _prefill_compute(self, x: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> None:
+        """Prompts x [nb, W, H] (right-padded; lengths [nb]) into `slots` [nb]: KV, state, first c0.
+
+        Shape-static and sync-free (graph-capturable). Eager kernels: prompt shapes vary per admission and
+        compiled ones recompiled there. Attention without cuDNN, which builds a plan per new shape.
+        """
+        nb, width = x.shape[:2]
+        dev = self.device
+        positions = torch.arange(width, device=dev).expand(nb, width)
+        backends = self.prefill_sdpa_backends
+        with sdpa_kernel(list(backends)) if backends else contextlib.nullcontext():
+            hidden = self.talker.forward_hidden(x, positions, PrefillContext(self.kv, slots), eager=True)
+        last = lengths - 1
+        h = hidden[torch.arange(nb, device=dev), last]
+        self.hidden[slots] = h
+        self.positions[slots] = last + 1
+        self.frame_index[slots] = 0
+        self.seen[slots] = False
         p = self.params
+        frames = self.frame_index[slots]
         logits = mask_talker_logits(
-            self.talker.codec_logits(self.hidden[rows]).float(), self.seen[rows], p.penalty[rows],
-            self.frame_index[rows], p.min_frames[rows], self.suppress, self.eos, p.suppress_eos[rows],
+            self.talker.codec_logits(h).float(), self.seen[slots], p.penalty[slots], frames,
+            p.min_frames[slots], self.suppress, self.eos, p.suppress_eos[slots],
         )
-        talker_params = SamplingTensors(p.talker.do_sample[rows], p.talker.temperature[rows],
-                                        p.talker.top_k[rows], p.talker.top_p[rows])
-        self.c0[rows] = select_tokens(logits, talker_params, p.seeds[rows], self.frame_index[rows] * CODEBOOKS)
+        talker_params = SamplingTensors(p.talker.do_sample[slots], p.talker.temperature[slots],
+                                        p.talker.top_k[slots], p.talker.top_p[slots])
+        self.c0[slots] = select_tokens(logits, talker_params, p.seeds[slots], frames * CODEBOOKS)
 
     def first_tokens(self, start: int, n: int) -> list[int]:
         """Codebook-0 tokens sampled at prefill (host sync; once per admission, not per step)."""
@@ -266,6 +310,20 @@ class TalkerRunner:
             self.graphs[(b, attn_len)] = graph
             if (i + 1) % max(1, len(keys) // 10) == 0 or i + 1 == len(keys):
                 log(f"[talker] captured {i + 1}/{len(keys)} decode graphs ({time.perf_counter() - t0:.1f} s)")
+        self._pf_slots.fill_(self.scratch_slot)  # capture runs touch the scratch slot only
+        prefill_keys = [(b, w) for b in _PREFILL_BATCH_BUCKETS for w in self.prefill_width_buckets]
+        for b, w in prefill_keys:
+            args = (self._pf_x[:b, :w], self._pf_len[:b], self._pf_slots[:b])
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._prefill_compute(*args)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._prefill_compute(*args)
+            self.prefill_graphs[(b, w)] = graph
+        log(f"[talker] captured {len(prefill_keys)} prefill graphs ({time.perf_counter() - t0:.1f} s)")
         for t, s in zip(self._slot_tensors(), saved, strict=True):
             t.copy_(s)
         torch.cuda.synchronize(self.device)
