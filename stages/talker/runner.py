@@ -218,8 +218,8 @@ class TalkerRunner:
         h = hidden[torch.arange(nb, device=dev), last]
         self.hidden[slots] = h
         self.positions[slots] = last + 1
-        self.frame_index[slots] = 0
-        self.seen[slots] = False
+        self.frame_index.index_fill_(0, slots, 0)  # not `[slots] = 0`: that copies a host scalar (no graphs)
+        self.seen.index_fill_(0, slots, False)
         p = self.params
         frames = self.frame_index[slots]
         logits = mask_talker_logits(
