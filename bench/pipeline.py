@@ -106,6 +106,7 @@ async def one_request(engine: TalkerEngine, decoder: Decoder | None, schedule: C
             future.add_done_callback(lambda _f: first.append(time.perf_counter()))
         pending.append(future)
 
+    stream.wake_after(chunker.frames_to_next_chunk)  # as the Talker deployment does
     async for block in stream:
         got += len(block)
         out_of_range = (block < 0) | (block >= CODEBOOK_SIZE)
@@ -117,6 +118,7 @@ async def one_request(engine: TalkerEngine, decoder: Decoder | None, schedule: C
         if bad is None:
             for chunk in chunker.push(block):
                 emit(chunk)
+            stream.wake_after(chunker.frames_to_next_chunk)
     if bad is None:
         last = chunker.flush(stream.finish_reason)
         if last is not None:

@@ -103,9 +103,11 @@ class TalkerServer:
         chunker = StreamChunker(schedule, request.request_id, ref_codes=request.prompt.ref_codes)
         stream = self._engine.add_request(request)
         try:
+            stream.wake_after(chunker.frames_to_next_chunk)
             async for frames in stream:
                 for chunk in chunker.push(frames):
                     yield chunk
+                stream.wake_after(chunker.frames_to_next_chunk)
             last = chunker.flush(stream.finish_reason)
             if last is not None:
                 yield last

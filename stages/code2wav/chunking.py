@@ -151,6 +151,11 @@ class StreamChunker:
     def frames_pushed(self) -> int:
         return self._emitted_frames + len(self._pending)
 
+    @property
+    def frames_to_next_chunk(self) -> int:
+        """Frames still missing before `push` can return the next chunk (>= 1)."""
+        return max(1, self.schedule.chunk_frames(self._seq) - len(self._pending))
+
     def push(self, frames: np.ndarray) -> list[CodecChunk]:
         """Add frames ([n, 16] or one [16] frame); return the chunks they complete."""
         if self._flushed:

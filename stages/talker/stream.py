@@ -16,8 +16,12 @@ class FrameStream:
     """Async iterator of frame blocks (`np.ndarray [n, 16]` int64, n >= 1), in order.
 
     Each `__anext__` returns every frame that arrived since the last call, so a slow consumer reads
-    fewer, larger blocks. `finish_reason` is set when the stream ends. Closing the stream early
-    (`aclose()`, or cancelling the consumer) aborts the request in the engine.
+    fewer, larger blocks. `wake_after(n)` lets a consumer that cannot use fewer than n frames (a chunker
+    waiting for its next chunk) be woken once per n frames instead of once per frame: the engine thread
+    holds frames back until n are there (or the stream ends). With hundreds of streams, per-frame wake-ups
+    were event-loop work on every engine step, competing with the engine thread for the GIL.
+    `finish_reason` is set when the stream ends. Closing the stream early (`aclose()`, or cancelling
+    the consumer) aborts the request in the engine.
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
@@ -29,6 +33,12 @@ class FrameStream:
         self._on_close = on_close
         self._done = False
         self._error: BaseException | None = None
+        self._held: list[np.ndarray] = []  # engine-thread side: frames not yet handed over
+        self._wake_after = 1  # written by the consumer, read by the engine thread (an int: atomic enough)
+
+    def wake_after(self, frames: int) -> None:
+        """Hand frames over only in blocks of at least `frames` (or at the end of the stream)."""
+        self._wake_after = max(1, int(frames))
 
     # engine-thread side -------------------------------------------------
     @staticmethod
@@ -36,7 +46,10 @@ class FrameStream:
         """Hand one step's frames to their loops: one callback per event loop, not per frame."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for stream, frame in items:
-            by_loop.setdefault(stream._loop, []).append((stream, frame))
+            stream._held.append(frame)
+            if len(stream._held) >= stream._wake_after:
+                by_loop.setdefault(stream._loop, []).append((stream, stream._held))
+                stream._held = []
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(FrameStream._put_all, batch)
@@ -45,8 +58,9 @@ class FrameStream:
 
     @staticmethod
     def _put_all(batch: list) -> None:
-        for stream, frame in batch:
-            stream._queue.put_nowait(frame)
+        for stream, frames in batch:
+            for frame in frames:
+                stream._queue.put_nowait(frame)
 
     def close(self, reason: FinishReason) -> None:
         self._post((_END, reason))
@@ -54,9 +68,17 @@ class FrameStream:
     def fail(self, error: BaseException) -> None:
         self._post((_END, error))
 
-    def _post(self, item) -> None:
+    def _post(self, end) -> None:
+        """The end of the stream, after any frames still held back (engine thread)."""
+        held, self._held = self._held, []
+
+        def put() -> None:
+            for frame in held:
+                self._queue.put_nowait(frame)
+            self._queue.put_nowait(end)
+
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(put)
         except RuntimeError:
             pass
 

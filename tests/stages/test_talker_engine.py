@@ -226,3 +226,19 @@ def test_graphed_engine_equals_reference_on_cuda(tiny_custom_voice, prompts):
     reference = ReferenceGenerator(cuda_model)
     for prompt, (codes, _reason) in zip(prompts, results, strict=True):
         np.testing.assert_array_equal(codes, reference.generate_codes(prompt, GREEDY, 12))
+
+
+def test_wake_after_hands_frames_over_in_blocks_and_flushes_at_the_end(model, prompts):
+    engine = _engine(model, max_batch_size=2)
+    try:
+        async def main():
+            stream = engine.add_request(SynthesisRequest("blocks", prompts[0], GREEDY, 11))
+            stream.wake_after(4)
+            return [len(block) async for block in stream], stream.finish_reason
+
+        sizes, reason = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    # 11 frames handed over 4 at a time, the last 3 at the end (a slow consumer may read several at once)
+    assert sum(sizes) == 11 and reason is FinishReason.LENGTH
+    assert all(n % 4 == 0 for n in sizes[:-1]) and sizes[-1] % 4 == 3, sizes
