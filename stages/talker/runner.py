@@ -30,8 +30,7 @@ from stages.talker.prefill import PrefillEmbeds
 _TOP_K_OFF = 1 << 30
 _PREFILL_WIDTH_MULTIPLE = 16  # eager prefill pads prompt widths to this: fewer distinct shapes
 _PREFILL_WIDTH_BUCKETS = (16, 32, 64, 128)  # graphed prefill widths (CustomVoice/VoiceDesign prompts fit)
-_PREFILL_MAX_BATCH = 16  # requests in one graphed prefill at most (the engine's max_prefill_batch)
-_PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16)
+_PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # up to the engine's default max_prefill_batch; larger run eagerly
 
 
 @dataclass
@@ -69,12 +68,14 @@ class SlotParams:
             self.penalty[:b], self.min_frames[:b], self.suppress_eos[:b], self.seeds[:b],
         )
 
-    def set(self, slot: int, p: SamplingParams, seed: int) -> None:
-        values = [p.do_sample, p.temperature, p.top_k or _TOP_K_OFF, p.top_p, p.subtalker_do_sample,
-                  p.subtalker_temperature, p.subtalker_top_k or _TOP_K_OFF, p.subtalker_top_p,
-                  p.repetition_penalty, p.min_frames, p.suppress_eos, seed]
-        for tensor, value in zip(self.tensors(), values, strict=True):
-            tensor[slot] = value
+    def set_range(self, start: int, params: list[SamplingParams], seeds: list[int]) -> None:
+        """Slots [start, start+n) take these requests' parameters: one host->device copy per tensor."""
+        columns = zip(*([p.do_sample, p.temperature, p.top_k or _TOP_K_OFF, p.top_p, p.subtalker_do_sample,
+                         p.subtalker_temperature, p.subtalker_top_k or _TOP_K_OFF, p.subtalker_top_p,
+                         p.repetition_penalty, p.min_frames, p.suppress_eos, seed]
+                        for p, seed in zip(params, seeds, strict=True)), strict=True)
+        for tensor, column in zip(self.tensors(), columns, strict=True):
+            tensor[start:start + len(params)] = torch.tensor(column, dtype=tensor.dtype)
 
 
 class TalkerRunner:
@@ -119,10 +120,11 @@ class TalkerRunner:
         # prefill inputs at fixed addresses (graphs per (batch bucket, width bucket)); wider prompts run eagerly
         self.prefill_width_buckets = tuple(w for w in _PREFILL_WIDTH_BUCKETS if w <= max_seq_len)
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._pf_x = torch.zeros(_PREFILL_MAX_BATCH, max(self.prefill_width_buckets, default=0), cfg.hidden_size,
+        most = _PREFILL_BATCH_BUCKETS[-1]
+        self._pf_x = torch.zeros(most, max(self.prefill_width_buckets, default=0), cfg.hidden_size,
                                  dtype=self.dtype, device=dev)
-        self._pf_len = torch.ones(_PREFILL_MAX_BATCH, dtype=torch.long, device=dev)
-        self._pf_slots = torch.full((_PREFILL_MAX_BATCH,), self.scratch_slot, dtype=torch.long, device=dev)
+        self._pf_len = torch.ones(most, dtype=torch.long, device=dev)
+        self._pf_slots = torch.full((most,), self.scratch_slot, dtype=torch.long, device=dev)
         self._select, self._mask = select_tokens, mask_talker_logits
         if compile:
             self._enable_compile()
@@ -174,8 +176,7 @@ class TalkerRunner:
         lengths = [e.prefill.shape[0] for e in embeds]
         for i, e in enumerate(embeds):  # per-request state the prefill's sampling reads
             self.trailing[start + i, :e.trailing.shape[0]] = e.trailing
-            self.params.set(start + i, params[i], seeds[i])
-        self.trailing_len[start:start + n] = torch.tensor([e.trailing.shape[0] for e in embeds], device=dev)
+        self.params.set_range(start, params, seeds)
         self.tts_pad.copy_(embeds[0].tts_pad)
         key = self._prefill_graph_key(n, max(lengths))
         if key is None:  # eager, at the batch's own size
@@ -189,6 +190,7 @@ class TalkerRunner:
             x[i, :lengths[i]] = e.prefill
         meta = torch.tensor([lengths + [1] * (nb - n), list(range(start, start + n)) + [self.scratch_slot] * (nb - n)],
                             dtype=torch.long)
+        self.trailing_len[start:start + n] = torch.tensor([e.trailing.shape[0] for e in embeds])
         if key is None:
             lens, slots = meta.to(dev)
             self._prefill_compute(x, lens, slots)
