@@ -33,10 +33,6 @@ class DecodeBatcher:
         self._queue.put_nowait((chunk_ref, future))
         return future
 
-    @property
-    def queued(self) -> int:
-        return self._queue.qsize()
-
     async def _run(self) -> None:
         while True:
             await self._slots.acquire()
