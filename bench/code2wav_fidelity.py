@@ -69,6 +69,16 @@ def compare(ref: list[np.ndarray], out: list[np.ndarray], bounds: list[list[tupl
                 ref_peak=float(np.abs(r).max()), ref_rms=float(np.sqrt(np.mean(r.astype(np.float64) ** 2))))
 
 
+def decode_streams(engine: Code2WavEngine, chunks: list[CodecChunk], spans: list[list]) -> list[np.ndarray]:
+    """One decode() call for every chunk; each stream's waves (len(spans[s]) chunks, in order) joined."""
+    waves = engine.decode(chunks)
+    out, k = [], 0
+    for sp in spans:
+        out.append(np.concatenate(waves[k:k + len(sp)]))
+        k += len(sp)
+    return out
+
+
 def chunked(engine: Code2WavEngine, streams: np.ndarray, schedule: ChunkSchedule):
     """Every chunk of every stream in one decode() call; returns (wav per stream, chunk spans per stream)."""
     chunks: list[CodecChunk] = []
@@ -82,11 +92,7 @@ def chunked(engine: Code2WavEngine, streams: np.ndarray, schedule: ChunkSchedule
             start += c.num_new
         spans.append(sp)
         chunks.extend(mine)
-    waves = engine.decode(chunks)
-    out, k = [], 0
-    for sp in spans:
-        out.append(np.concatenate(waves[k:k + len(sp)]))
-        k += len(sp)
+    out = decode_streams(engine, chunks, spans)
     decoded = sum(c.codes.shape[0] for c in chunks)
     new = sum(c.num_new for c in chunks)
     return out, spans, decoded / new
@@ -109,11 +115,7 @@ def official_chunked(engine: Code2WavEngine, streams: np.ndarray, chunk: int = 3
             chunks.append(CodecChunk(f"s{s}", len(sp), codes[c0:start + chunk], start - c0))
             sp.append((start, min(len(codes), start + chunk)))
         spans.append(sp)
-    waves = engine.decode(chunks)
-    out, k = [], 0
-    for sp in spans:
-        out.append(np.concatenate(waves[k:k + len(sp)]))
-        k += len(sp)
+    out = decode_streams(engine, chunks, spans)
     return out, spans
 
 
