@@ -92,7 +92,7 @@ class _QuietHandler(SimpleHTTPRequestHandler):
 def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowed_prefix) -> dict:
     def model(name, path, slots, **extra):
         return {"name": name, "model": str(path), "device": "cpu", "cpu_threads": 1,
-                "engine_kwargs": {"max_batch_size": slots, "max_seq_len": 512},
+                "engine_kwargs": {"max_num_seqs": slots, "max_seq_len": 512},
                 "deployment_config": {**ZERO_CPU, **extra.pop("deployment", {})}, **extra}
 
     return {

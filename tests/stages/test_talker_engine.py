@@ -229,28 +229,6 @@ def test_run_on_device_runs_between_steps_and_propagates_errors(model, prompts):
     assert len(codes) == 5  # the engine keeps serving after a failing call
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
-def test_graphed_engine_equals_reference_on_cuda(tiny_custom_voice, prompts):
-    """CUDA graphs for decode and prefill (padding rows in the scratch slot), fp32: same codes as the reference."""
-    cuda_model = Qwen3TTS.load(tiny_custom_voice, device="cuda", dtype="float32", decoder=False)
-    engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=False))
-    engine.start(log=lambda _m: None)
-    try:
-        assert engine.runner.prefill_graphs and engine.runner.graphs
-        requests = [SynthesisRequest(f"r{i}", p, GREEDY, 12) for i, p in enumerate(prompts)]
-
-        async def main():  # 5 prompts admitted together: one graphed prefill of batch bucket 8
-            return await asyncio.gather(*(_collect(engine, r) for r in requests))
-
-        results = asyncio.run(main())
-    finally:
-        engine.shutdown()
-    reference = ReferenceGenerator(cuda_model)
-    for prompt, (codes, _reason) in zip(prompts, results, strict=True):
-        np.testing.assert_array_equal(codes, reference.generate_codes(prompt, GREEDY, 12))
-
-
 def test_engine_cuts_chunks_by_the_schedule_with_left_context(model, prompts):
     """Chunks are cut in the engine: sizes follow the schedule, each carries the frames before it as context."""
     from stages.code2wav.chunking import ChunkSchedule
