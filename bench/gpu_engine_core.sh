@@ -5,7 +5,7 @@
 # Results (logs, JSON) land in $OUT. The 1.7B random checkpoint is written once into $W (kept while the
 # machine stays warm).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"
 W=${W:-.gpucache}; CKPT=$W/1.7b-custom_voice
 STEPS=${*:-tests talker pipeline}

@@ -160,17 +160,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ release
     def release(self, seqs: Iterable[Sequence]) -> list[RowMove]:
-        """Free rows, tickets and blocks of finished/aborted requests; the last rows move into the holes."""
-        moves: list[RowMove] = []
-        # highest rows first: a released last row needs no move, and no request moves twice
-        for seq in sorted((s for s in seqs if s.row >= 0), key=lambda s: -s.row):
-            hole, last = seq.row, len(self.running) - 1
-            if hole != last:
-                mover = self.running[last]
-                self.running[hole] = mover
-                mover.row = hole
-                moves.append(RowMove(last, hole))
-            self.running.pop()
+        """Free rows, tickets and blocks of finished/aborted requests; running rows stay dense in [0, n).
+
+        Survivors above the new end fill the holes below it, each moving at most once (`RowMove`).
+        """
+        gone = {id(s) for s in seqs if s.row >= 0}
+        if not gone:
+            return []
+        keep = len(self.running) - len(gone)
+        holes = [r for r in range(keep) if id(self.running[r]) in gone]
+        movers = [r for r in range(keep, len(self.running)) if id(self.running[r]) not in gone]
+        leaving = [s for s in self.running if id(s) in gone]
+        moves = [RowMove(src, dst) for dst, src in zip(holes, movers, strict=True)]
+        for move in moves:
+            self.running[move.dst] = self.running[move.src]
+            self.running[move.dst].row = move.dst
+        del self.running[keep:]
+        for seq in leaving:
             self.blocks.release(seq.blocks)
             self.live[seq.ticket] = False
             self.generation[seq.ticket] = 0

@@ -50,6 +50,20 @@ def test_rows_stay_dense_and_release_moves_the_last_row_into_the_hole():
     assert s.blocks.free == 100 - 2 * 2
 
 
+def test_each_survivor_moves_at_most_once():
+    """Holes low and high at once (rows 1 and 4 of 6 leave): rows 5 and ... fill them, none moves twice."""
+    s = Scheduler(max_num_seqs=6, num_blocks=100, block_size=16, max_prefill_batch=6, max_waiting=100)
+    seqs = [seq(f"r{i}") for i in range(6)]
+    for x in seqs:
+        s.add(x)
+    s.admit()
+    moves = s.release([seqs[4], seqs[1]])
+    assert moves == [RowMove(5, 1)]  # row 4 is past the new end: it just goes
+    assert [x.request_id for x in s.running] == ["r0", "r5", "r2", "r3"]
+    assert [x.row for x in s.running] == [0, 1, 2, 3]
+    assert len({m.src for m in moves}) == len(moves) and all(m.src >= len(s.running) for m in moves)
+
+
 def test_prefill_batch_and_rows_bound_admission():
     s = Scheduler(max_num_seqs=3, num_blocks=100, block_size=16, max_prefill_batch=2, max_waiting=100)
     for i in range(5):
