@@ -24,7 +24,12 @@ for step in $STEPS; do
               --max-seq-len 1024 --out "$OUT/talker.json" 2>&1 | tee "$OUT/talker.log" | grep -vE "^\[talker\] captured" | tail -14 ;;
     pipeline) python3 bench/pipeline.py --checkpoint "$CKPT" --levels "$LEVELS" --compile --slots 512 \
                 --first-chunk-frames ${FIRST_CHUNK:-2} --out "$OUT/pipeline.json" 2>&1 | tee "$OUT/pipeline.log" \
-                | grep -vE "^\[talker\] captured" | tail -16 ;;
+                | grep -vE "^\[talker\] captured" | tail -9 ;;
+    talker_only) python3 bench/pipeline.py --checkpoint "$CKPT" --levels "${TALKER_LEVELS:-256,512}" --compile \
+                   --slots 512 --no-code2wav --out "$OUT/pipeline_talker_only.json" 2>&1 \
+                   | tee "$OUT/pipeline_talker_only.log" | tail -5 ;;
+    first1) python3 bench/pipeline.py --checkpoint "$CKPT" --levels 1 --min-requests 16 --compile --slots 512 \
+              --first-chunk-frames 1 --out "$OUT/pipeline_first1.json" 2>&1 | tee "$OUT/pipeline_first1.log" | tail -4 ;;
   esac
   echo "$step done +$(( $(date +%s) - t0 ))s"
 done

@@ -41,6 +41,7 @@ from stages.talker.prompt_plan import NONE, PromptPlan, embed_rows, embed_text_r
 _TOP_K_OFF = 1 << 30
 PREFILL_WIDTH_BUCKETS = (16, 32, 64, 128)  # graphed prefill widths (CustomVoice/VoiceDesign prompts fit)
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # graphed prefill batches (the engine admits <= 16 per step)
+PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)
 _WIDTH_MULTIPLE = 16  # eager prefill pads widths to this: fewer distinct shapes
 
 
@@ -184,6 +185,7 @@ class TalkerRunner:
         self.prefill_batch_buckets = tuple(b for b in PREFILL_BATCH_BUCKETS if b <= max_prefill_batch) or (1,)
         self.max_prefill_batch = max(max_prefill_batch, 1)
         self.prefill_width_buckets = tuple(w for w in PREFILL_WIDTH_BUCKETS if w <= max_seq_len)
+        self.trailing_width = min(PREFILL_TRAILING_WIDTH, max_text_rows)
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         width = max(max_seq_len, max_text_rows)
         stage = (self.max_prefill_batch, width, max_text_rows, self.kv.blocks_per_seq, cfg.hidden_size)
@@ -252,12 +254,16 @@ class TalkerRunner:
         n = len(batch)
         assert 0 < n <= self.max_prefill_batch
         exact = batch[0].exact is not None
-        width = max(max(a.plan.length, a.plan.trailing_length) for a in batch)
-        key = None if exact else self._prefill_graph_key(n, width)
-        nb, w = key if key is not None else (n, _round_up(width, _WIDTH_MULTIPLE))
+        width = max(a.plan.length for a in batch)  # the transformer's width: prompt rows only
+        trailing = max(a.plan.trailing_length for a in batch)
+        key = None if exact or trailing > self.trailing_width else self._prefill_graph_key(n, width)
+        if key is not None:
+            (nb, w), tw = key, self.trailing_width
+        else:
+            nb, w, tw = n, _round_up(width, _WIDTH_MULTIPLE), min(_round_up(trailing, _WIDTH_MULTIPLE), self.max_text_rows)
         host = self._host_stage[self._stage_turn]
         self._stage_turn ^= 1
-        self._write_stage(host, batch, nb, w)
+        self._write_stage(host, batch, nb, w, tw)
         self._stage.buf[:nb].copy_(host.buf[:nb], non_blocking=True)
         if key is not None:
             self.prefill_graphs[key].replay()
@@ -266,16 +272,16 @@ class TalkerRunner:
             for i, a in enumerate(batch):
                 x[i, :a.plan.length] = a.exact.prefill
                 self.trailing[a.row, :a.plan.trailing_length] = a.exact.trailing
-            self._prefill_compute(nb, w, x)
+            self._prefill_compute(nb, w, tw, x)
         else:
-            self._prefill_compute(nb, w)
+            self._prefill_compute(nb, w, tw)
 
     def _prefill_graph_key(self, n: int, width: int) -> tuple[int, int] | None:
         nb = next((b for b in self.prefill_batch_buckets if b >= n), None)
         w = next((b for b in self.prefill_width_buckets if b >= width), None)
         return (nb, w) if (nb, w) in self.prefill_graphs else None
 
-    def _write_stage(self, s: _Staging, batch: list[Admission], nb: int, width: int) -> None:
+    def _write_stage(self, s: _Staging, batch: list[Admission], nb: int, width: int, trailing_width: int) -> None:
         """Host numpy writes into the pinned staging rows [0, nb); rows past the batch are padding."""
         meta, fp = s["meta"].numpy(), s["fparams"].numpy()
         text, codec, frames = s["text"].numpy(), s["codec"].numpy(), s["frames"].numpy()
@@ -287,7 +293,7 @@ class TalkerRunner:
                 text[i, :width] = NONE
                 codec[i, :width] = NONE
                 frames[i, :width] = NONE
-                trailing[i, :width] = NONE
+                trailing[i, :trailing_width] = NONE
                 blocks[i] = self.kv.scratch_block
                 continue
             a = batch[i]
@@ -305,14 +311,15 @@ class TalkerRunner:
                 rows = np.nonzero(plan.ref_frames >= 0)[0]
                 frames[i, rows] = plan.ref_codes[plan.ref_frames[rows]]
             trailing[i, :T] = plan.trailing_ids
-            trailing[i, T:width] = NONE
+            trailing[i, T:trailing_width] = NONE
             blocks[i, :len(a.blocks)] = a.blocks
             blocks[i, len(a.blocks):] = self.kv.scratch_block
             if plan.x_vector is not None:
                 x_vector[i] = plan.x_vector
 
-    def _prefill_compute(self, nb: int, width: int, x: torch.Tensor | None = None) -> None:
-        """Admit staged rows [0, nb) with prompts of up to `width` rows (x: exact embeddings, else from ids).
+    def _prefill_compute(self, nb: int, width: int, trailing_width: int, x: torch.Tensor | None = None) -> None:
+        """Admit staged rows [0, nb): prompts of up to `width` rows, trailing text of up to `trailing_width`
+        (x: exact embeddings, trailing already written; else both from the staged ids).
 
         Shape-static and sync-free (graph-capturable). Eager layer kernels: prompt shapes vary per admission
         and compiled ones would recompile. Attention without cuDNN, which builds a plan per new shape.
@@ -339,7 +346,7 @@ class TalkerRunner:
             x = embed_rows(self.talker, s["text"][:nb, :width], s["codec"][:nb, :width],
                            s["frames"][:nb, :width].clamp(min=0), s["frames"][:nb, :width, 0] >= 0,
                            s["x_vector"][:nb], meta[:, 10])
-            tw = min(width, self.max_text_rows)
+            tw = trailing_width
             self.trailing[:, :tw].index_copy_(0, rows, embed_text_rows(self.talker, s["trailing"][:nb, :tw]))
         positions = torch.arange(width, device=dev).expand(nb, width)
         scratch = self.kv.scratch_block * self.kv.block_size
@@ -450,11 +457,11 @@ class TalkerRunner:
                 log(f"[talker] captured {i + 1}/{len(keys)} decode graphs ({time.perf_counter() - t0:.1f} s)")
         # prefill graphs read the device staging rows: fill them with padding (the scratch row) for capture
         host = self._host_stage[0]
-        self._write_stage(host, [], self.max_prefill_batch, max(self.prefill_width_buckets))
+        self._write_stage(host, [], self.max_prefill_batch, max(self.prefill_width_buckets), self.trailing_width)
         self._stage.buf.copy_(host.buf)
         prefill_keys = [(b, w) for b in self.prefill_batch_buckets for w in self.prefill_width_buckets]
         for b, w in prefill_keys:
-            self.prefill_graphs[(b, w)] = capture(lambda b=b, w=w: self._prefill_compute(b, w))
+            self.prefill_graphs[(b, w)] = capture(lambda b=b, w=w: self._prefill_compute(b, w, self.trailing_width))
         log(f"[talker] captured {len(prefill_keys)} prefill graphs ({time.perf_counter() - t0:.1f} s)")
         for t, s in zip(self._row_tensors(), saved, strict=True):
             t.copy_(s)

@@ -78,8 +78,8 @@ def test_paged_kernel_matches_gather_attention(dtype, atol):
     index = table[:, keys // page] * page + keys % page  # [b, L]
     k, v = k_pool[index].float().transpose(1, 2), v_pool[index].float().transpose(1, 2)
     mask = (keys[None, :] < lens[:, None])[:, None, None, :]
-    ref = F.scaled_dot_product_attention(q.float().view(b, n_kv, heads // n_kv, d), k, v, attn_mask=mask)
-    err = (out.float() - ref.view(b, heads, d)).abs().max().item()
+    ref = F.scaled_dot_product_attention(q.float().reshape(b, n_kv, heads // n_kv, d), k, v, attn_mask=mask)
+    err = (out.float() - ref.reshape(b, heads, d)).abs().max().item()
     print(f"paged kernel vs gather, {dtype}: max abs err {err:.2e}")
     assert err <= atol
 
