@@ -59,36 +59,3 @@ def streaming_wav_header(sample_rate: int = SAMPLE_RATE, channels: int = 1, data
         + b"fmt " + struct.pack("<IHHIIHH", 16, 1, channels, sample_rate, byte_rate, channels * 2, 16)
         + b"data" + struct.pack("<I", data)
     )
-
-
-def time_stretch(pcm: np.ndarray, speed: float, n_fft: int = 768, hop: int = 192) -> np.ndarray:
-    """Pitch-preserving tempo change by `speed` (2.0 = twice as fast): a phase vocoder, int16 in and out.
-
-    The same post-processing vllm-omni applies (STFT n_fft 768); the output has round(len / speed) samples.
-    """
-    if speed == 1.0 or pcm.size == 0:
-        return pcm
-    x = pcm16_to_float(pcm)
-    window = np.hanning(n_fft + 1)[:-1].astype(np.float32)
-    padded = np.pad(x, (n_fft // 2, n_fft // 2 + n_fft))
-    frames = np.lib.stride_tricks.sliding_window_view(padded, n_fft)[::hop] * window
-    spec = np.fft.rfft(frames, axis=1)  # [T, F]
-    steps = np.arange(0, spec.shape[0] - 1, speed)
-    expected = 2 * np.pi * hop * np.arange(spec.shape[1]) / n_fft
-    phase = np.angle(spec[0])
-    out = np.empty((len(steps), spec.shape[1]), dtype=np.complex64)
-    for i, t in enumerate(steps):
-        lo, frac = int(t), t - int(t)
-        mag = (1 - frac) * np.abs(spec[lo]) + frac * np.abs(spec[lo + 1])
-        out[i] = mag * np.exp(1j * phase)
-        delta = np.angle(spec[lo + 1]) - np.angle(spec[lo]) - expected
-        phase += expected + (delta - 2 * np.pi * np.round(delta / (2 * np.pi)))
-    y = np.zeros(len(steps) * hop + n_fft, dtype=np.float32)
-    norm = np.zeros_like(y)
-    for i, frame in enumerate(np.fft.irfft(out, n=n_fft, axis=1).astype(np.float32)):
-        y[i * hop:i * hop + n_fft] += frame * window
-        norm[i * hop:i * hop + n_fft] += window**2
-    y = y[n_fft // 2:] / np.maximum(norm[n_fft // 2:], 1e-3)
-    n_out = int(round(pcm.size / speed))
-    y = np.pad(y, (0, max(0, n_out - y.size)))[:n_out]
-    return float_to_pcm16(y)
