@@ -3,20 +3,18 @@ duration, leave as they are pushed, and meet without clicks; `speed` streams too
 
 from __future__ import annotations
 
-import io
-
 import av
 import numpy as np
 import pytest
 
 from deployments.audio_formats import FORMATS, float_to_pcm16
 from deployments.stream_encoders import encode, open_stream_encoder
+from tests.audio_decode import RAW, decode, expected_rate
 
 SR = 24000
 FRAME = 1920  # samples per codec frame (80 ms): chunks are whole frames
 CODEC_SLACK = FRAME  # lossy codecs add their priming / padding (ADTS and headerless MP3 cannot say how much)
 LOSSLESS = ("pcm", "wav", "flac")
-RAW = {"pcm": ("s16le", SR), "mulaw": ("mulaw", 8000), "alaw": ("alaw", 8000)}  # headerless: demuxer, rate
 
 
 def signal(seconds: float = 3.0) -> np.ndarray:
@@ -31,20 +29,6 @@ def chunks_of(pcm: np.ndarray, frames: int) -> list[np.ndarray]:
     return [pcm[i:i + frames * FRAME] for i in range(0, pcm.size, frames * FRAME)]
 
 
-def decode(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
-    """-> (mono float32 samples, decoded sample rate), read by FFmpeg's demuxer + decoder."""
-    demuxer, rate = RAW.get(fmt, (None, None))
-    options = {"sample_rate": str(rate)} if rate else {}
-    with av.open(io.BytesIO(data), "r", format=demuxer, options=options) as container:
-        stream = container.streams.audio[0]
-        frames = [f.to_ndarray().reshape(-1) for f in container.decode(stream)]
-        rate = stream.codec_context.sample_rate
-    audio = np.concatenate(frames) if frames else np.zeros(0, np.float32)
-    if audio.dtype == np.int16:  # PCM-like decoders give s16, the lossy ones float
-        audio = audio.astype(np.float32) / 32768.0
-    return audio.astype(np.float32), rate
-
-
 def decoded_seconds(data: bytes, fmt: str) -> float:
     """Duration of what a player could play from `data` so far (0 before the first decodable packet)."""
     try:
@@ -52,10 +36,6 @@ def decoded_seconds(data: bytes, fmt: str) -> float:
     except (av.error.EOFError, av.error.InvalidDataError):
         return 0.0
     return audio.size / rate
-
-
-def expected_rate(fmt: str) -> int:
-    return 48000 if fmt == "opus" else FORMATS[fmt].sample_rate or SR  # FFmpeg decodes all Opus at 48 kHz
 
 
 def stream(fmt: str, pcm: np.ndarray, frames: int, speed: float = 1.0) -> list[bytes]:
