@@ -6,7 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus"]
+# every format streams (deployments/stream_encoders.py); mulaw / alaw are G.711 at 8 kHz for telephony
+ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac", "mulaw", "alaw"]
+FORMAT_ALIASES = {"ulaw": "mulaw", "g711_ulaw": "mulaw", "g711_alaw": "alaw"}  # OpenAI Realtime's names
 SAMPLING_FIELDS = (
     "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_do_sample",
     "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "min_frames", "suppress_eos",
@@ -23,7 +25,7 @@ class SpeechRequest(BaseModel):
     input: str = Field(description="text to speak")
     voice: str | None = Field(None, description="preset speaker (CustomVoice) or uploaded voice (Base)")
     response_format: ResponseFormat = "wav"
-    speed: float = Field(1.0, ge=0.25, le=4.0, description="tempo, pitch preserved; non-streaming only")
+    speed: float = Field(1.0, ge=0.25, le=4.0, description="tempo, pitch preserved (streamed or not)")
     instructions: str | None = Field(None, description="style instruction (CustomVoice 1.7B) or voice description "
                                      "(VoiceDesign)")
     stream: bool | None = Field(None, description="stream the audio as it is generated")
@@ -61,6 +63,11 @@ class SpeechRequest(BaseModel):
                 raise ValueError("voice must be a string or an object {'id': str}")
             return value["id"]
         return value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _format_alias(cls, value: Any) -> Any:
+        return FORMAT_ALIASES.get(value, value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _streaming_mode(self) -> SpeechRequest:
