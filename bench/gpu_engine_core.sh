@@ -29,7 +29,9 @@ for step in $STEPS; do
                    --slots 512 --no-code2wav --out "$OUT/pipeline_talker_only.json" 2>&1 \
                    | tee "$OUT/pipeline_talker_only.log" | tail -5 ;;
     first1) python3 bench/pipeline.py --checkpoint "$CKPT" --levels 1 --min-requests 16 --compile --slots 512 \
-              --first-chunk-frames 1 --out "$OUT/pipeline_first1.json" 2>&1 | tee "$OUT/pipeline_first1.log" | tail -4 ;;
+              --first-chunk-frames 1 --out "$OUT/pipeline_first1.json" 2>&1 | tee "$OUT/pipeline_first1.log" | tail -4
+            python3 bench/pipeline.py --checkpoint "$CKPT" --levels 1 --min-requests 16 --compile --slots 512 \
+              --first-chunk-frames 1 --no-code2wav --out "$OUT/pipeline_first1_talker_only.json" 2>&1 | tail -3 ;;
   esac
   echo "$step done +$(( $(date +%s) - t0 ))s"
 done
