@@ -11,8 +11,9 @@ One iteration of the loop:
 3. launch step N+1 for every running row;
 4. read step N's output (the one wait per step, while step N+1 runs) and do its bookkeeping, vectorized
    over the rows; Python touches a request only when it completes a chunk or finishes.
-A request that finished in step N was also computed in step N+1 (it was launched before N was read); that
-frame is dropped, and its KV reservation includes that speculative position.
+A request that finished by EOS in step N was also computed in step N+1 (launched before N was read); that
+frame is dropped, and its KV reservation includes that speculative position. Length limits are known ahead:
+no step is launched that no row can use.
 """
 
 from __future__ import annotations
@@ -255,6 +256,7 @@ class TalkerEngine:
         # host bookkeeping per ticket (see Scheduler): frames of each running request, and positions launched
         self._codes = np.zeros((self.num_slots, cfg.max_seq_len, CODEBOOKS), dtype=np.int16)
         self._launched_pos = np.zeros(self.num_slots, dtype=np.int64)
+        self._launched_steps = np.zeros(self.num_slots, dtype=np.int64)
         self._by_ticket: list[Sequence | None] = [None] * self.num_slots
         if cfg.cuda_graphs and model.device.type == "cuda":
             log(f"[talker] capturing CUDA graphs for batch buckets {self._buckets} x "
@@ -270,7 +272,7 @@ class TalkerEngine:
             if self._stop:
                 break
             self._admit()
-            launched = self._launch() if sched.running else None
+            launched = self._launch()
             if pending is not None:
                 self._process(pending)
             pending = launched
@@ -328,6 +330,7 @@ class TalkerEngine:
             t = s.ticket
             self._by_ticket[t] = s
             self._launched_pos[t] = s.prompt_len
+            self._launched_steps[t] = 0
             sched.next_cut[t] = s.output.chunker.frames_to_next_chunk
         self._prefills += 1
         self._prefill_seconds += time.perf_counter() - t0
@@ -335,11 +338,18 @@ class TalkerEngine:
         if self.on_admit is not None:
             self.on_admit([s.request_id for s in batch])
 
-    def _launch(self) -> tuple[int, int, np.ndarray, np.ndarray]:
-        t0 = time.perf_counter()
+    def _launch(self) -> tuple[int, int, np.ndarray, np.ndarray] | None:
+        """Launch the next step for every running row, unless no row can use it: rows that already have a step
+        launched for their last frame (max_frames) need none, and an idle GPU takes the next prefill at once."""
         sched, runner = self.scheduler, self.runner
         n = sched.num_running
+        if n == 0:
+            return None
+        t0 = time.perf_counter()
         tickets = np.fromiter((s.ticket for s in sched.running), dtype=np.int64, count=n)
+        if not (self._launched_steps[tickets] < sched.max_frames[tickets]).any():
+            return None
+        self._launched_steps[tickets] += 1
         positions = self._launched_pos[tickets]
         attn_len = runner.attn_bucket(int(positions.max()))
         turn = runner.launch_step(next(x for x in self._buckets if x >= n), attn_len)
