@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import io
 
-import av
 import numpy as np
 
 from deployments.audio_formats import FORMATS, AudioFormat, float_to_pcm16, streaming_wav_header
-from deployments.tempo import Tempo
 from stages.contract import SAMPLE_RATE
+
+# PyAV (FFmpeg's libraries) is imported where an encoded format or `speed` needs it: pcm and wav, the formats
+# of the hot path, never load FFmpeg.
 
 
 def as_pcm16(pcm: np.ndarray) -> np.ndarray:
@@ -30,7 +31,11 @@ class StreamEncoder:
 
     def __init__(self, sample_rate: int, speed: float):
         self.sample_rate = sample_rate
-        self._tempo = Tempo(speed, sample_rate) if speed != 1.0 else None
+        self._tempo = None
+        if speed != 1.0:
+            from deployments.tempo import Tempo
+
+            self._tempo = Tempo(speed, sample_rate)
 
     def push(self, pcm: np.ndarray) -> bytes:
         pcm = as_pcm16(np.asarray(pcm).reshape(-1))
@@ -83,7 +88,10 @@ class FFmpegEncoder(StreamEncoder):
     """One PyAV output container + audio stream; int16 frames go in, muxed bytes come out per push."""
 
     def __init__(self, fmt: AudioFormat, sample_rate: int, speed: float, seekable: bool = False):
+        import av
+
         super().__init__(sample_rate, speed)
+        self._av = av
         self._file = io.BytesIO() if seekable else _Collector()
         self._container = av.open(self._file, "w", format=fmt.muxer, options=fmt.muxer_options)
         self._stream = self._container.add_stream(fmt.codec, rate=fmt.sample_rate or sample_rate, layout="mono",
@@ -94,7 +102,7 @@ class FFmpegEncoder(StreamEncoder):
 
     def _encode(self, pcm: np.ndarray) -> bytes:
         if pcm.size:
-            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm)[None], format="s16", layout="mono")
+            frame = self._av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm)[None], format="s16", layout="mono")
             frame.sample_rate = self.sample_rate  # PyAV resamples to the codec's rate and format if they differ
             self._container.mux(self._stream.encode(frame))
         return self._take()
