@@ -107,7 +107,9 @@ class TalkerEngine:
         self._seed_counter = itertools.count(int(time.time_ns() % (1 << 31)))
         self._steps = self._frames = self._prefills = 0
         self._prefill_seconds = self._step_seconds = 0.0
-        self._adds_queued = 0  # add commands not yet drained (counted as waiting)
+        # add commands not yet drained (counted as waiting): one counter per writing thread, so no update is lost
+        self._adds_sent = 0  # event-loop side
+        self._adds_drained = 0  # engine thread
         self._progress_at = time.monotonic()  # last step/admission (heartbeat for check_health)
         self.num_slots = 0
         self.graph_capture_seconds = 0.0
@@ -176,7 +178,7 @@ class TalkerEngine:
         chunker = StreamChunker(schedule or self.config.schedule, request.request_id,
                                 ref_codes=request.prompt.ref_codes)
         seq.output = _Output(stream, chunker)
-        self._adds_queued += 1
+        self._adds_sent += 1
         self._commands.put(("add", seq))
         self._wake.set()
         return stream
@@ -196,6 +198,10 @@ class TalkerEngine:
         """Stop a request at the next step boundary and free its row. Safe from any thread."""
         self._commands.put(("abort", request_id))
         self._wake.set()
+
+    @property
+    def _adds_queued(self) -> int:
+        return self._adds_sent - self._adds_drained
 
     def stats(self) -> EngineStats:
         sched = self.scheduler
@@ -290,7 +296,7 @@ class TalkerEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._adds_queued -= 1
+                self._adds_drained += 1
                 sched.add(payload)
             elif kind == "abort":
                 seq = sched.abort(payload)
@@ -435,6 +441,7 @@ class TalkerEngine:
             except queue.Empty:
                 break
             if kind == "add":
+                self._adds_drained += 1
                 sched.add(payload)
             elif kind == "call":
                 payload[1].set_exception(error)
