@@ -52,7 +52,7 @@ def random_codes(batch: int, frames: int, seed: int) -> torch.Tensor:  # [B, 16,
 
 
 def load_decoder(speech_tokenizer_dir: Path) -> Code2WavDecoder:
-    """Stand-in for stages/checkpoint.py: strict load of the `decoder.` tensors, prefix stripped."""
+    """Stand-in for stages/checkpoint/: strict load of the `decoder.` tensors, prefix stripped."""
     cfg = DecoderConfig.from_dict(json.loads((speech_tokenizer_dir / "config.json").read_text())["decoder_config"])
     tensors = load_file(speech_tokenizer_dir / "model.safetensors")
     state = {k.removeprefix("decoder."): v for k, v in tensors.items() if k.startswith("decoder.")}
