@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages.code2wav.chunking import decode_chunks
 from stages.code2wav.config import DecoderConfig
 from stages.code2wav.model import Code2WavDecoder, randomize_codebooks_
+from tests.code2wav_reference import decode_chunks
 
 SPF = 1920
 TOL = 1e-5
