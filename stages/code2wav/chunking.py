@@ -17,9 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from stages.code2wav.config import DecoderConfig
-from stages.contract import NUM_CODEBOOKS, CodecChunk, FinishReason
+from stages.contract import CODEBOOK_SIZE, NUM_CODEBOOKS, CodecChunk, FinishReason
 
-CODEBOOK_SIZE = 2048
 DEFAULT_LEFT_CONTEXT_FRAMES = 25  # see docs/code2wav.md (fidelity vs cost study)
 
 

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from stages.code2wav import fast
-from stages.code2wav.chunking import CODEBOOK_SIZE, ChunkSchedule
+from stages.code2wav.chunking import ChunkSchedule
 from stages.code2wav.model import Code2WavDecoder
-from stages.contract import CodecChunk
+from stages.contract import CODEBOOK_SIZE, CodecChunk
 
 DEFAULT_LENGTH_BUCKETS = tuple(ChunkSchedule().decode_lengths())  # (2, 6, 14, 30, 50)
 
