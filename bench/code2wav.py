@@ -9,8 +9,8 @@ Measures, with the default chunk schedule (first 2 -> doubling -> steady 25, lef
   whether one device keeps up with `--target` audio-s/s.
 Writes JSON and a markdown table to `--out` and prints the table last.
 
-    python bench/code2wav.py                 # H100, bf16, CUDA graphs (~3-5 min)
-    python bench/code2wav.py --tiny          # CPU smoke test, tiny decoder
+    python -m bench.code2wav                 # from the repo root; H100, bf16, CUDA graphs (~3-5 min)
+    python -m bench.code2wav --tiny          # CPU smoke test, tiny decoder
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages.code2wav.chunking import ChunkSchedule, StreamChunker
 from stages.code2wav.config import DecoderConfig
@@ -114,7 +112,7 @@ def main() -> None:
     batch_sizes = [int(b) for b in (args.batches or ("1,2,4" if args.tiny else "1,8,32,64,128,256")).split(",")]
     min_s = args.seconds if args.seconds is not None else (0.0 if args.tiny else 2.0)
     min_iters = 1 if args.tiny else 3
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    command = " ".join(["python -m bench.code2wav", *map(shlex.quote, sys.argv[1:])])
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# code2wav engine benchmark\ncommand: {command}\ndevice: {device_name} ({device}), torch "

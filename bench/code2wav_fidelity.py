@@ -6,8 +6,8 @@ random code streams once whole (exact reference, fp32) and again through `Stream
 (dB) over the utterances and the worst chunk, the cost factor (decoded / new frames), the official
 decode's own 300/25 chunking for comparison, and the bf16 noise floor (bf16 vs fp32 whole decodes).
 
-    python bench/code2wav_fidelity.py --device cuda              # the study in docs/code2wav.md
-    python bench/code2wav_fidelity.py --tiny --frames 120 --streams 1   # CPU smoke test
+    python -m bench.code2wav_fidelity --device cuda              # from the repo root; the study in docs/code2wav.md
+    python -m bench.code2wav_fidelity --tiny --frames 120 --streams 1   # CPU smoke test
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stages.code2wav.chunking import ChunkSchedule, StreamChunker, receptive_field_frames
 from stages.code2wav.config import DecoderConfig
@@ -141,7 +139,7 @@ def main() -> None:
         torch.backends.fp32_precision = "ieee"
         torch.backends.cuda.matmul.fp32_precision = "ieee"
         torch.backends.cudnn.conv.fp32_precision = "ieee"
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    command = " ".join(["python -m bench.code2wav_fidelity", *map(shlex.quote, sys.argv[1:])])
     on_cuda = args.device.startswith("cuda")
     device_name = torch.cuda.get_device_name(args.device) if on_cuda else platform.processor() or "cpu"
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
