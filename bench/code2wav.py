@@ -9,8 +9,8 @@ Measures, with the default chunk schedule (first 2 -> doubling -> steady 25, lef
   whether one device keeps up with `--target` audio-s/s.
 Writes JSON and a markdown table to `--out` and prints the table last.
 
-    python bench/code2wav.py                 # H100, bf16, CUDA graphs (~3-5 min)
-    python bench/code2wav.py --tiny          # CPU smoke test, tiny decoder
+    python -m bench.code2wav                 # from the repo root; H100, bf16, CUDA graphs (~3-5 min)
+    python -m bench.code2wav --tiny          # CPU smoke test, tiny decoder
 """
 
 from __future__ import annotations
@@ -29,13 +29,11 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from stages.code2wav.chunking import ChunkSchedule, StreamChunker  # noqa: E402
-from stages.code2wav.config import DecoderConfig  # noqa: E402
-from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig  # noqa: E402
-from stages.code2wav.model import Code2WavDecoder, randomize_codebooks_  # noqa: E402
-from stages.contract import CodecChunk  # noqa: E402
+from stages.code2wav.chunking import ChunkSchedule, StreamChunker
+from stages.code2wav.config import DecoderConfig
+from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from stages.code2wav.model import Code2WavDecoder, randomize_codebooks_
+from stages.contract import CodecChunk
 
 FRAME_S = 0.08
 
@@ -114,9 +112,9 @@ def main() -> None:
     batch_sizes = [int(b) for b in (args.batches or ("1,2,4" if args.tiny else "1,8,32,64,128,256")).split(",")]
     min_s = args.seconds if args.seconds is not None else (0.0 if args.tiny else 2.0)
     min_iters = 1 if args.tiny else 3
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    command = " ".join(["python -m bench.code2wav", *map(shlex.quote, sys.argv[1:])])
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
-    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# code2wav engine benchmark\ncommand: {command}\ndevice: {device_name} ({device}), torch "
           f"{torch.__version__}, {dtype}\ndate: {date}", flush=True)
     t_start = time.perf_counter()
@@ -129,7 +127,8 @@ def main() -> None:
     lengths = sorted({*schedule.decode_lengths(ref_frames=(L,)), steady})  # + no-context steady chunks
     engine = Code2WavEngine(decoder, Code2WavEngineConfig(
         max_batch_size=max_b, batch_buckets=tuple(batch_sizes), length_buckets=tuple(lengths),
-        cuda_graphs=not args.no_graphs, fast_kernels=not args.no_fast_kernels, max_frames_per_forward=args.max_frames_per_forward,
+        cuda_graphs=not args.no_graphs, fast_kernels=not args.no_fast_kernels,
+        max_frames_per_forward=args.max_frames_per_forward,
     ))
     print(f"decoder built, {fpf / 1e9:.2f} GFLOP per decoded frame (FlopCounterMode, T={L + steady}); "
           f"schedule {[schedule.chunk_frames(i) for i in range(6)]}..., left context {L}", flush=True)
@@ -197,13 +196,14 @@ def main() -> None:
     print(verdict)
     stats = engine.stats()
     meta = dict(command=command, device=device_name, torch=torch.__version__, dtype=str(dtype), date=date,
-                tiny=args.tiny, fast_kernels=engine.fast_kernels, schedule=dict(first=args.first, steady=steady, left_context=L),
+                tiny=args.tiny, fast_kernels=engine.fast_kernels,
+                schedule=dict(first=args.first, steady=steady, left_context=L),
                 utterance_frames=args.utterance_frames, flops_per_frame=fpf, warmup_s=warmup_s,
                 graphs=stats.graphs, gpu_reserved_gib=meta_mem, max_frames_per_forward=args.max_frames_per_forward,
                 context_overhead_utterance=mix_overhead, total_s=time.perf_counter() - t_start)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     (out_dir / f"code2wav_bench_{stamp}.json").write_text(
         json.dumps(dict(meta=meta, rows=rows, latency=latency, verdict=verdict), indent=1))
     lines = [f"command: `{command}`  ", f"device: {device_name}, torch {torch.__version__}, {dtype}, {date}  ",

@@ -6,8 +6,8 @@ random code streams once whole (exact reference, fp32) and again through `Stream
 (dB) over the utterances and the worst chunk, the cost factor (decoded / new frames), the official
 decode's own 300/25 chunking for comparison, and the bf16 noise floor (bf16 vs fp32 whole decodes).
 
-    python bench/code2wav_fidelity.py --device cuda              # the study in docs/code2wav.md
-    python bench/code2wav_fidelity.py --tiny --frames 120 --streams 1   # CPU smoke test
+    python -m bench.code2wav_fidelity --device cuda              # from the repo root; the study in docs/code2wav.md
+    python -m bench.code2wav_fidelity --tiny --frames 120 --streams 1   # CPU smoke test
 """
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from stages.code2wav.chunking import ChunkSchedule, StreamChunker, receptive_field_frames  # noqa: E402
-from stages.code2wav.config import DecoderConfig  # noqa: E402
-from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig  # noqa: E402
-from stages.code2wav.model import Code2WavDecoder, randomize_codebooks_  # noqa: E402
-from stages.contract import CodecChunk  # noqa: E402
+from stages.code2wav.chunking import ChunkSchedule, StreamChunker, receptive_field_frames
+from stages.code2wav.config import DecoderConfig
+from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from stages.code2wav.model import Code2WavDecoder, randomize_codebooks_
+from stages.contract import CodecChunk
 
 SPF = 1920
 
@@ -141,9 +139,10 @@ def main() -> None:
         torch.backends.fp32_precision = "ieee"
         torch.backends.cuda.matmul.fp32_precision = "ieee"
         torch.backends.cudnn.conv.fp32_precision = "ieee"
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    device_name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else platform.processor() or "cpu"
-    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = " ".join(["python -m bench.code2wav_fidelity", *map(shlex.quote, sys.argv[1:])])
+    on_cuda = args.device.startswith("cuda")
+    device_name = torch.cuda.get_device_name(args.device) if on_cuda else platform.processor() or "cpu"
+    date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# code2wav fidelity\ncommand: {command}\ndevice: {device_name} ({args.device}), torch {torch.__version__}\n"
           f"date: {date}", flush=True)
 
@@ -201,13 +200,14 @@ def main() -> None:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     meta = dict(command=command, device=device_name, torch=torch.__version__, date=date, decoder=kind,
                 frames=args.frames, streams=args.streams, first=args.first, steady=args.steady, seed=args.seed,
                 receptive_field_frames=rf)
     (out_dir / f"code2wav_fidelity_{stamp}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     lines = [f"command: `{command}`  ", f"device: {device_name}, torch {torch.__version__}, {date}  ",
-             f"decoder: {kind}; {args.streams} random code streams x {args.frames} frames, schedule first {args.first} -> doubling -> "
+             f"decoder: {kind}; {args.streams} random code streams x {args.frames} frames, "
+             f"schedule first {args.first} -> doubling -> "
              f"steady {args.steady}; receptive field {rf} frames", "",
              "| decode | left ctx | cost (decoded/new) | max abs err | SNR dB | worst chunk SNR dB | chunk 0 max err |",
              "|---|---|---|---|---|---|---|"]

@@ -3,7 +3,7 @@
 espeak-ng speech at 24 kHz, pushed in the serving chunk schedule (2, 4, 8, 16, then 25 frames), timed with
 process CPU time over several runs (best of 3).
 
-    python bench/encode_cost.py
+    python -m bench.encode_cost   # from the repo root
 """
 
 from __future__ import annotations

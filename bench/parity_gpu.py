@@ -1,6 +1,6 @@
 """Full-size parity with the official qwen-tts on a GPU (run on the GPU machine, once per change).
 
-    PYTHONPATH_ORACLE=/tmp/oracle_site python bench/parity_gpu.py --checkpoint DIR --out OUT.json
+    PYTHONPATH_ORACLE=/tmp/oracle_site python -m bench.parity_gpu --checkpoint DIR --out OUT.json   # from the repo root
 
 Loads the checkpoint in fp32 on both sides (TF32 off), runs the official package greedily with EOS
 suppressed for 40 frames in a subprocess (its transformers 4.57.3 from PYTHONPATH_ORACLE), then our
@@ -20,13 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from stages.model import Qwen3TTS
+from stages.prompts import build_prompt
+from stages.reference import ReferenceGenerator
+from tests.stages.test_parity_generate import FRAMES, GREEDY, JOBS, TEXT, _teacher_forced_logits
 
-from stages.model import Qwen3TTS  # noqa: E402
-from stages.prompts import build_prompt  # noqa: E402
-from stages.reference import ReferenceGenerator  # noqa: E402
-from tests.stages.test_parity_generate import FRAMES, GREEDY, JOBS, TEXT, _teacher_forced_logits  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -68,8 +67,8 @@ def main() -> None:
         })
         print(json.dumps(rows[-1]), flush=True)
     report = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "command": " ".join(sys.argv), "dtype": "float32 (TF32 off)", "checkpoint": args.checkpoint,
-              "results": rows}
+              "command": " ".join(["python -m bench.parity_gpu", *sys.argv[1:]]), "dtype": "float32 (TF32 off)",
+              "checkpoint": args.checkpoint, "results": rows}
     Path(args.out).write_text(json.dumps(report, indent=1))
 
 

@@ -18,7 +18,7 @@ The clip is espeak-ng speech (apt-get install espeak-ng) resampled to 24 kHz. Fo
 ingress does: atempo keeps its state across chunks; the phase vocoder has none, so each chunk is stretched
 on its own (what streaming it would take).
 
-    python bench/time_stretch_compare.py [--text "..."] [--json out.json]
+    python -m bench.time_stretch_compare [--text "..."] [--json out.json]   # from the repo root
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# The model's shape facts, here once (every 12 Hz release): codebooks per frame, codes per codebook.
 NUM_CODEBOOKS = 16
+CODEBOOK_SIZE = 2048
 SAMPLES_PER_FRAME = 1920
 SAMPLE_RATE = 24000
 

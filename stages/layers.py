@@ -51,6 +51,24 @@ class RMSNorm(nn.Module):
         return _rms(x, self.weight, self.eps)
 
 
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2], fp32: theta ** -(2i / head_dim) (as the original)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+    return 1.0 / (theta ** (exponent / head_dim))
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] -> cos, sin [..., head_dim] in `dtype`, computed in fp32 (rotate-half layout).
+
+    The one RoPE table of the project: the talker's `Rotary` and the code2wav transformer both use it.
+    """
+    freqs = positions.float()[..., None] * inv_freq.float()  # [..., D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 class Rotary(nn.Module):
     """Plain 1-D RoPE. The talker's "interleaved M-RoPE" uses 3 equal position rows, which is exactly this."""
 
@@ -62,16 +80,13 @@ class Rotary(nn.Module):
 
     def reset_buffers(self) -> None:
         """(Re)compute inv_freq; the loader calls this after materializing a meta-device model."""
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=self.inv_freq.device).float()
-        with torch.device(self.inv_freq.device):
-            self.inv_freq.copy_(1.0 / (self.theta ** (exponent / self.head_dim)))
+        self.inv_freq.copy_(rope_inv_freq(self.head_dim, self.theta, self.inv_freq.device))
 
     @torch.no_grad()
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, S] -> cos, sin [B, 1, S, D] in `dtype` (computed in fp32 like the original)."""
-        freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, S, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
+        return cos[:, None], sin[:, None]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -6,19 +6,19 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from stages.checkpoint import load_module_strict, parse_dtype, resolve_checkpoint
+from stages.code2wav.config import DecoderConfig
+from stages.code2wav.model import Code2WavDecoder
 from stages.config import GenerationDefaults, ModelConfig
 from stages.prompts import TextTokenizer
 from stages.talker.model import Talker
-
-if TYPE_CHECKING:
-    from stages.code2wav.model import Code2WavDecoder
-    from stages.voice.reference_encoder import ReferenceAudioEncoder
-    from stages.voice.speaker_encoder import SpeakerEncoder
+from stages.voice.loading import load_voice_encoders
+from stages.voice.reference_encoder import ReferenceAudioEncoder
+from stages.voice.speaker_encoder import SpeakerEncoder
 
 
 @dataclass
@@ -74,17 +74,12 @@ class Qwen3TTS:
             model.talker = load_module_strict(module, main_file, "talker.", device, dtype, skip_prefixes=main_skips)
             say(f"talker loaded ({_count(model.talker) / 1e6:.1f} M params) in {time.perf_counter() - t0:.1f} s")
         if decoder:
-            from stages.code2wav.config import DecoderConfig
-            from stages.code2wav.model import Code2WavDecoder
-
             with torch.device("meta"):
                 module = Code2WavDecoder(DecoderConfig.from_dict(codec_config["decoder_config"]))
             model.decoder = load_module_strict(module, codec_file, "decoder.", device, dtype,
                                                skip_prefixes=("encoder.",))
             say(f"code2wav decoder loaded in {time.perf_counter() - t0:.1f} s")
         if voice and config.model_kind == "base":
-            from stages.voice.loading import load_voice_encoders
-
             model.speaker_encoder, model.reference_encoder = load_voice_encoders(
                 config, codec_config, main_file, codec_file, device, dtype
             )

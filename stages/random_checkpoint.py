@@ -13,12 +13,21 @@ from __future__ import annotations
 import copy
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
+
+from stages.checkpoint import parse_dtype
+from stages.code2wav.config import DecoderConfig
+from stages.code2wav.model import Code2WavDecoder, randomize_codebooks_
+from stages.config import ModelConfig
+from stages.talker.model import Talker
+from stages.voice.random_init import build_random_reference_encoder, build_random_speaker_encoder
 
 LANGUAGES = {"chinese": 2055, "english": 2050, "german": 2053, "italian": 2070, "portuguese": 2071,
              "spanish": 2054, "japanese": 2058, "korean": 2064, "french": 2061, "russian": 2069}
@@ -74,15 +83,19 @@ def main_config(size: str, kind: str, tiny: bool) -> dict[str, Any]:
     if kind == "base":
         cfg["speaker_encoder_config"] = {"enc_dim": hidden, "sample_rate": 24000}
     if tiny:
-        talker.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, text_hidden_size=32,
+        # as in the releases, the 0.6B talker is as wide as its code predictor (an Identity
+        # small_to_mtp_projection) and the 1.7B one twice as wide (a Linear projection)
+        tiny_hidden = 64 if size == "1b7" else 32
+        talker.update(hidden_size=tiny_hidden, intermediate_size=2 * tiny_hidden, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, text_hidden_size=32,
                       rope_scaling={"interleaved": True, "mrope_section": [4, 2, 2], "rope_type": "default",
                                     "type": "default"})
         code_predictor.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=8)
         if kind == "base":
-            cfg["speaker_encoder_config"] = {"enc_dim": 64, "sample_rate": 24000, "enc_channels": [32, 32, 32, 32, 96],
-                                             "enc_attention_channels": 16, "enc_se_channels": 16}
+            cfg["speaker_encoder_config"] = {"enc_dim": tiny_hidden, "sample_rate": 24000,
+                                             "enc_channels": [32, 32, 32, 32, 96], "enc_attention_channels": 16,
+                                             "enc_se_channels": 16}
     return cfg
 
 
@@ -188,46 +201,52 @@ def _state(prefix: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torc
             for k, v in module.state_dict().items()}
 
 
+@contextmanager
+def _global_rng_seeded(seed: int, device: str) -> Iterator[None]:
+    """PyTorch's global RNG (CPU, and `device`'s if it is an accelerator) seeded, restored on exit."""
+    dev = torch.device(device)
+    accelerator = [dev] if dev.type != "cpu" else []
+    with torch.random.fork_rng(devices=accelerator, device_type=dev.type if accelerator else "cuda"):
+        torch.manual_seed(seed)
+        yield
+
+
 def write_random_checkpoint(
     out: str | Path, size: str = "0.6b", kind: str = "custom_voice", *, tiny: bool = False,
     dtype: str = "bfloat16", device: str = "cpu", seed: int = 0, log=print,
 ) -> Path:
-    from stages.checkpoint import parse_dtype
-    from stages.code2wav.config import DecoderConfig
-    from stages.code2wav.model import Code2WavDecoder, randomize_codebooks_
-    from stages.config import ModelConfig
-    from stages.talker.model import Talker
-    from stages.voice.random_init import build_random_reference_encoder, build_random_speaker_encoder
-
     t0 = time.perf_counter()
     out = Path(out)
     (out / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
     torch_dtype = parse_dtype(dtype)
     cfg, codec = main_config(size, kind, tiny), codec_config(tiny)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    # Weights the writer draws itself come from `gen`; the rest (PyTorch's default init of the codec's
+    # convolutions, ...) from the global RNG, seeded here and restored afterwards, so the files are a
+    # function of `seed` alone and the caller's random state is left as it was.
+    with _global_rng_seeded(seed, device):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        with torch.device(device):
+            talker = Talker(ModelConfig.from_dict(cfg).talker)
+        init_like_hf_(talker, gen)
+        tensors = _state("talker.", talker, torch_dtype)
+        del talker
+        if kind == "base":
+            speaker_encoder = build_random_speaker_encoder(cfg["speaker_encoder_config"], gen, device)
+            tensors.update(_state("speaker_encoder.", speaker_encoder, torch_dtype))
+            del speaker_encoder
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+        log(f"[checkpoint] model.safetensors written ({time.perf_counter() - t0:.1f} s)")
 
-    with torch.device(device):
-        talker = Talker(ModelConfig.from_dict(cfg).talker)
-    init_like_hf_(talker, gen)
-    tensors = _state("talker.", talker, torch_dtype)
-    del talker
-    if kind == "base":
-        speaker_encoder = build_random_speaker_encoder(cfg["speaker_encoder_config"], gen, device)
-        tensors.update(_state("speaker_encoder.", speaker_encoder, torch_dtype))
-        del speaker_encoder
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
-    log(f"[checkpoint] model.safetensors written ({time.perf_counter() - t0:.1f} s)")
-
-    with torch.device(device):
-        decoder = Code2WavDecoder(DecoderConfig.from_dict(codec["decoder_config"]))
-    randomize_codebooks_(decoder, gen)
-    codec_tensors = _state("decoder.", decoder, torch_dtype)
-    del decoder
-    encoder = build_random_reference_encoder(codec, gen, device)
-    codec_tensors.update(_state("encoder.", encoder, torch_dtype))
-    save_file(codec_tensors, str(out / "speech_tokenizer" / "model.safetensors"), metadata={"format": "pt"})
-    log(f"[checkpoint] speech_tokenizer/model.safetensors written ({time.perf_counter() - t0:.1f} s)")
+        with torch.device(device):
+            decoder = Code2WavDecoder(DecoderConfig.from_dict(codec["decoder_config"]))
+        randomize_codebooks_(decoder, gen)
+        codec_tensors = _state("decoder.", decoder, torch_dtype)
+        del decoder
+        encoder = build_random_reference_encoder(codec, gen, device)
+        codec_tensors.update(_state("encoder.", encoder, torch_dtype))
+        save_file(codec_tensors, str(out / "speech_tokenizer" / "model.safetensors"), metadata={"format": "pt"})
+        log(f"[checkpoint] speech_tokenizer/model.safetensors written ({time.perf_counter() - t0:.1f} s)")
 
     # config.json is written from the dict (the official save_pretrained writes one it cannot re-read)
     (out / "config.json").write_text(json.dumps({**copy.deepcopy(cfg), "torch_dtype": dtype}, indent=1))

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stages.contract import SamplingParams, TalkerPrompt
+from stages.contract import NUM_CODEBOOKS, SamplingParams, TalkerPrompt
 from stages.kv_cache import ContiguousKV
 from stages.model import Qwen3TTS
 from stages.sampling import SamplingTensors, mask_talker_logits, select_tokens
-from stages.talker.frame import CODEBOOKS, new_code_predictor_cache, next_talker_input, predict_frame_codes
+from stages.talker.frame import new_code_predictor_cache, next_talker_input, predict_frame_codes
 from stages.talker.prefill import build_prefill
 
 
@@ -89,7 +89,7 @@ class ReferenceGenerator:
                 talker.codec_logits(hidden).float(), seen, params.penalty, index, params.min_frames,
                 self.suppress, self.eos, params.suppress_eos,
             )
-            c0 = select_tokens(logits, params.talker, seeds, index * CODEBOOKS)
+            c0 = select_tokens(logits, params.talker, seeds, index * NUM_CODEBOOKS)
             if int(c0) == self.eos or frame == max_frames:
                 return
             seen[0, c0] = True
@@ -106,7 +106,7 @@ class ReferenceGenerator:
     ) -> np.ndarray:
         """-> codes [T, 16] int64."""
         frames = list(self.stream_codes(prompt, sampling, max_frames, seed))
-        return np.stack(frames) if frames else np.zeros((0, CODEBOOKS), dtype=np.int64)
+        return np.stack(frames) if frames else np.zeros((0, NUM_CODEBOOKS), dtype=np.int64)
 
     @torch.no_grad()
     def decode(self, codes: np.ndarray, ref_codes: np.ndarray | None = None) -> np.ndarray:

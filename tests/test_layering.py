@@ -1,4 +1,6 @@
-"""The layout's contract: `stages/` is plain PyTorch and never imports Ray; `deployments/` holds no model math."""
+"""The layout's contract: `stages/` is plain PyTorch and never imports Ray; `deployments/` holds no model math;
+no import cycles among `stages` and `deployments` modules; `deployments/` reaches `stages` only through the
+modules allowlisted below."""
 
 from __future__ import annotations
 
@@ -6,6 +8,22 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ("stages", "deployments")
+
+# The `stages` modules `deployments/` may import (its face toward Serve). Engines are named by "module:Class"
+# strings (DEFAULT_ENGINE_CLS) rather than imported, and are listed too.
+DEPLOYMENTS_MAY_IMPORT = frozenset({
+    "stages.contract",  # plain types and errors that cross deployments
+    "stages.config",  # checkpoint facts (ModelConfig, GenerationDefaults)
+    "stages.prompts",  # tokenizer and prompt building on the ingress
+    "stages.voice.prompt",  # voice-clone prompts from reference audio
+    "stages.code2wav.chunking",  # the chunk schedule
+    "stages.talker.prefill",  # prefill_length, for admission on the Talker replica
+    "stages.model",  # loading a checkpoint
+    "stages.random_checkpoint",  # writing the embedded default
+    "stages.talker.engine",  # DEFAULT_ENGINE_CLS
+    "stages.code2wav.engine",  # DEFAULT_ENGINE_CLS
+})
 
 
 def _imports(path: Path) -> set[str]:
@@ -33,3 +51,114 @@ def test_deployments_define_no_torch_modules():
             ):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.name}")
     assert offenders == []
+
+
+def _module_names(root: Path, packages: tuple[str, ...] = LAYERS) -> dict[str, Path]:
+    """`a.b.c` -> its file, for every module of `packages` under `root` (a package is its __init__.py)."""
+    modules = {}
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _import_graph(root: Path, packages: tuple[str, ...] = LAYERS) -> dict[str, set[str]]:
+    """module -> the modules of `packages` it imports, anywhere in the file (function bodies and
+    TYPE_CHECKING blocks included). `from a.b import c` counts as `a.b.c` when that is a module."""
+    modules = _module_names(root, packages)
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                deps.update(known(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.update(known(f"{node.module}.{a.name}") for a in node.names)
+        graph[module] = deps - {None, module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _disallowed_stages_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} -> {dep}"
+        for module, deps in graph.items() if module.split(".")[0] == "deployments"
+        for dep in deps if dep.split(".")[0] == "stages" and dep not in DEPLOYMENTS_MAY_IMPORT
+    )
+
+
+def test_no_import_cycles():
+    assert _cycles(_import_graph(ROOT)) == []
+
+
+def test_deployments_import_only_allowlisted_stages_modules():
+    assert _disallowed_stages_imports(_import_graph(ROOT)) == []
+
+
+def _plant(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+
+
+def test_cycle_check_finds_a_planted_cycle(tmp_path):
+    _plant(tmp_path, {
+        "stages/__init__.py": "",
+        "stages/a.py": "from stages.b import thing\n",
+        "stages/b.py": "def thing():\n    from stages import c\n",  # a lazy import closes it all the same
+        "stages/c.py": "import stages.a\n",
+        "stages/d.py": "from stages.a import x\n",  # imports into the cycle, is not part of it
+        "deployments/__init__.py": "",
+    })
+    assert _cycles(_import_graph(tmp_path)) == [["stages.a", "stages.b", "stages.c"]]
+
+
+def test_allowlist_check_finds_a_planted_import(tmp_path):
+    _plant(tmp_path, {
+        "stages/__init__.py": "",
+        "stages/contract.py": "",
+        "stages/talker/__init__.py": "",
+        "stages/talker/runner.py": "",
+        "deployments/__init__.py": "",
+        "deployments/ok.py": "from stages.contract import SynthesisRequest\n",
+        "deployments/bad.py": "def f():\n    from stages.talker import runner\n",
+    })
+    assert _disallowed_stages_imports(_import_graph(tmp_path)) == ["deployments.bad -> stages.talker.runner"]

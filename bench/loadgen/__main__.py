@@ -88,7 +88,7 @@ async def _server_models(url: str) -> object:
                                                        timeout=aiohttp.ClientTimeout(total=10)) as r:
             data = await r.json()
             return [{k: m.get(k) for k in ("id", "task_type", "max_seq_len")} for m in data.get("data", [])]
-    except Exception as e:  # noqa: BLE001 - informational only
+    except Exception as e:
         return f"unavailable: {type(e).__name__}: {e}"
 
 

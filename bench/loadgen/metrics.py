@@ -16,9 +16,10 @@ and the time spent stalled; a stall no longer carries over to later arrivals.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 SAMPLE_RATE = 24000
 BYTES_PER_SAMPLE = 2  # s16le mono
@@ -28,16 +29,12 @@ PERCENTILES = (50, 90, 95, 99)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between order statistics (numpy's default)."""
-    if not values:
+    """The q-th percentile (0..100), numpy's linear interpolation between order statistics; a plain float."""
+    if len(values) == 0:
         raise ValueError("percentile of no values")
     if not 0 <= q <= 100:
         raise ValueError(f"percentile q must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+    return float(np.percentile(values, q))
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,8 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {_f(t['p50'])} / {_f(t['p90'])} / {_f(t['p95'])} / {_f(t['p99'])} "
             f"| {_f(e['p50'])} / {_f(e['p95'])} / {_f(e['p99'])} | {_f(rtf['p50'], 3)} / {_f(rtf['p95'], 3)} "
             f"| {_f(p['audio_s_per_s'], 1)} | {_f(p['requests_per_s'], 2)} | {_pct(p['continuous_share'])} "
-            f"| {_f(d['p95'], 3)} / {_f(d['p99'], 3)} | {_f(p['stalls_mean'], 2)}, {_f(p['stall_s']['p95'], 3)} | {p['peak_inflight']} |")
+            f"| {_f(d['p95'], 3)} / {_f(d['p99'], 3)} | {_f(p['stalls_mean'], 2)}, {_f(p['stall_s']['p95'], 3)} "
+            f"| {p['peak_inflight']} |")
     lag = max((p["loop_lag_ms"]["max"] or 0.0 for p in points), default=0.0)
     late = max((p["send_lag_ms"]["max"] or 0.0 for p in points), default=0.0)
     lines += ["", f"Stopped: {doc.get('stop_reason') or 'all levels ran'}. "

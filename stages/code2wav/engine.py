@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from stages.code2wav import fast
-from stages.code2wav.chunking import CODEBOOK_SIZE, ChunkSchedule
+from stages.code2wav.chunking import ChunkSchedule
 from stages.code2wav.model import Code2WavDecoder
-from stages.contract import CodecChunk
+from stages.contract import CODEBOOK_SIZE, CodecChunk
 
 DEFAULT_LENGTH_BUCKETS = tuple(ChunkSchedule().decode_lengths())  # (2, 6, 14, 30, 50)
 
@@ -135,7 +135,8 @@ class Code2WavEngine:
     def _capture(self, log: Callable[[str], None]) -> None:
         t0 = time.perf_counter()
         shapes = sorted(self.graph_shapes(), key=lambda s: (s[0] * s[1], s), reverse=True)  # largest first
-        log(f"[code2wav] {self.dtype}, fast kernels {self.fast_kernels}; capturing {len(shapes)} CUDA graphs: batch {self.batch_buckets} x length "
+        log(f"[code2wav] {self.dtype}, fast kernels {self.fast_kernels}; capturing {len(shapes)} CUDA graphs: "
+            f"batch {self.batch_buckets} x length "
             f"{self.length_buckets} frames (<= {self.config.max_frames_per_forward} frames per forward)")
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)

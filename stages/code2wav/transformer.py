@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stages.code2wav.config import DecoderConfig
-from stages.layers import RMSNorm, apply_rotary  # the same math as the talker (fp32 norm, rotate-half)
+from stages.layers import RMSNorm, apply_rotary, rope_cos_sin, rope_inv_freq  # the talker's math (fp32 norm, RoPE)
 
 ACT_FNS = {"silu": F.silu, "gelu": F.gelu}
 
@@ -21,16 +21,6 @@ def sliding_window_causal_mask(length: int, window: int, device: torch.device) -
     q = torch.arange(length, device=device)[:, None]
     k = torch.arange(length, device=device)[None, :]
     return (k <= q) & (k > q - window)
-
-
-def rope_cos_sin(
-    length: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, head_dim] for positions 0..T-1, computed in fp32 then cast (as the official code)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
-    freqs = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)  # [T, head_dim / 2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class LayerScale(nn.Module):
@@ -116,7 +106,9 @@ class PreTransformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, latent_dim] -> [B, T, latent_dim]
         T = x.shape[1]
         h = self.input_proj(x)
-        cos, sin = rope_cos_sin(T, self.cfg.head_dim, self.cfg.rope_theta, h.device, h.dtype)
+        # cos/sin tables [T, head_dim] for positions 0..T-1, computed in fp32 then cast (as the official code)
+        inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta, h.device)
+        cos, sin = rope_cos_sin(torch.arange(T, device=h.device), inv_freq, h.dtype)
         mask = sliding_window_causal_mask(T, self.cfg.sliding_window, h.device)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)

@@ -80,5 +80,7 @@ def load_reference_audio(source: AudioInput, max_seconds: float | None = DEFAULT
         raise ValueError("reference audio contains NaN or infinite samples")
     audio = resample(audio, sr)
     if audio.shape[0] < MIN_SAMPLES:
-        raise ValueError(f"reference audio is {seconds * 1000:.0f} ms long; at least {math.ceil(MIN_SECONDS * 1000)} ms is needed")
+        raise ValueError(
+            f"reference audio is {seconds * 1000:.0f} ms long; at least {math.ceil(MIN_SECONDS * 1000)} ms is needed"
+        )
     return audio

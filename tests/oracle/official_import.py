@@ -17,7 +17,7 @@ except Exception:
     ta.compliance, comp.kaldi = comp, kal
     sys.modules.update({"torchaudio": ta, "torchaudio.compliance": comp, "torchaudio.compliance.kaldi": kal})
 
-import qwen_tts  # noqa: E402,F401
-from qwen_tts import Qwen3TTSModel, Qwen3TTSTokenizer  # noqa: E402,F401
-from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model  # noqa: E402,F401
-from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration  # noqa: E402,F401
+import qwen_tts  # noqa: F401
+from qwen_tts import Qwen3TTSModel, Qwen3TTSTokenizer  # noqa: F401
+from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model  # noqa: F401
+from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration  # noqa: F401

@@ -1,4 +1,5 @@
-"""Oracle (runs in the oracle venv): official speaker encoder + 12 Hz tokenizer at tiny shapes, their x-vectors and ref codes.
+"""Oracle (runs in the oracle venv): official speaker encoder + 12 Hz tokenizer at tiny shapes, their x-vectors and
+ref codes.
 
 Usage: official_voice.py OUT_DIR NAME=PATH[@SR] [...]
   PATH.npy@SR  a float32 waveform, passed to the official wrapper as (array, SR);
@@ -6,7 +7,8 @@ Usage: official_voice.py OUT_DIR NAME=PATH[@SR] [...]
 Writes
   OUT_DIR/weights/config.json                 {"speaker_encoder_config": ...}
   OUT_DIR/weights/model.safetensors           speaker_encoder.* (as in a Base model.safetensors)
-  OUT_DIR/weights/speech_tokenizer/           config.json, model.safetensors (encoder.* + decoder.*), preprocessor_config.json
+  OUT_DIR/weights/speech_tokenizer/           config.json, model.safetensors (encoder.* + decoder.*),
+                                              preprocessor_config.json
   OUT_DIR/mel_basis.npy                       librosa.filters.mel as the official mel front end builds it
   OUT_DIR/official_NAME.safetensors           x_vector [enc_dim], ref_codes [T, 16] (both from the official
                                               create_voice_clone_prompt), wav24k [n] and mels [T, 128] (intermediates)
@@ -28,7 +30,8 @@ from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderC
 from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSSpeakerEncoder, mel_spectrogram
 from safetensors.torch import load_file, save_file
 
-SPEAKER = dict(enc_dim=64, sample_rate=24000, enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16, enc_se_channels=16)
+SPEAKER = dict(enc_dim=64, sample_rate=24000, enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16,
+               enc_se_channels=16)
 CODEC_ENCODER = dict(  # research brief section 7 codec_config() encoder, after shrink()
     audio_channels=1, num_filters=8, kernel_size=7, residual_kernel_size=3, last_kernel_size=3, num_residual_layers=1,
     compress=2, upsampling_ratios=[8, 6, 5, 4], hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -83,7 +86,8 @@ def build_weights(weights_dir: str) -> None:
     torch.manual_seed(0)
     os.makedirs(f"{weights_dir}/speech_tokenizer", exist_ok=True)
     spk = Qwen3TTSSpeakerEncoder(Qwen3TTSSpeakerEncoderConfig(**SPEAKER))
-    save_file({f"speaker_encoder.{k}": v.contiguous() for k, v in spk.state_dict().items()}, f"{weights_dir}/model.safetensors")
+    save_file({f"speaker_encoder.{k}": v.contiguous() for k, v in spk.state_dict().items()},
+              f"{weights_dir}/model.safetensors")
     json.dump(dict(tts_model_type="base", speaker_encoder_config=SPEAKER), open(f"{weights_dir}/config.json", "w"), indent=1)
 
     tok = Qwen3TTSTokenizerV2Model(Qwen3TTSTokenizerV2Config(**CODEC))

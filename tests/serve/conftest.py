@@ -26,7 +26,7 @@ os.environ.setdefault("RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0
 os.environ.setdefault("RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S", "0.5")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.conftest import reference_clip  # noqa: E402
+from tests.conftest import reference_clip
 
 APP = "tts"
 ZERO_CPU = {"ray_actor_options": {"num_cpus": 0}}

@@ -128,3 +128,36 @@ def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="12 Hz"):
         ModelConfig.from_dict({"tts_model_type": "base", "tokenizer_type": "qwen3_tts_tokenizer_25hz",
                                "talker_config": {}})
+
+
+WEIGHT_FILES = ("model.safetensors", "speech_tokenizer/model.safetensors")
+
+
+@pytest.mark.parametrize("size,kind", [("0.6b", "base"), ("1.7b", "custom_voice")])
+def test_same_seed_writes_byte_identical_weights(size, kind, tmp_path):
+    from stages.random_checkpoint import write_random_checkpoint
+
+    def write(name: str, seed: int) -> Path:
+        return write_random_checkpoint(tmp_path / name, size, kind, tiny=True, dtype="float32", seed=seed,
+                                       log=lambda _m: None)
+
+    torch.manual_seed(1)
+    first = write("a", seed=7)
+    torch.manual_seed(2)  # a different global random state must not matter...
+    torch.rand(1000)
+    state = torch.random.get_rng_state()
+    second = write("b", seed=7)
+    assert torch.equal(torch.random.get_rng_state(), state)  # ...and the caller's state is left as it was
+    other = write("c", seed=8)
+    for name in WEIGHT_FILES:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+        assert (first / name).read_bytes() != (other / name).read_bytes(), name
+
+
+def test_tiny_checkpoints_cover_both_code_predictor_projections(tiny_custom_voice_06, tiny_custom_voice):
+    small = Qwen3TTS.load(tiny_custom_voice_06, dtype="float32", decoder=False)
+    large = Qwen3TTS.load(tiny_custom_voice, dtype="float32", decoder=False)
+    # 0.6B: talker as wide as the code predictor (as released); 1.7B: a Linear projection between them
+    assert small.config.talker.hidden_size == small.config.talker.code_predictor.transformer.hidden_size
+    assert isinstance(small.talker.code_predictor.small_to_mtp_projection, torch.nn.Identity)
+    assert isinstance(large.talker.code_predictor.small_to_mtp_projection, torch.nn.Linear)

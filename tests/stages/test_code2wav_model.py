@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stages.code2wav.chunking import decode_chunks
 from stages.code2wav.config import DecoderConfig
 from stages.code2wav.model import Code2WavDecoder, randomize_codebooks_
+from tests.code2wav_reference import decode_chunks
 
 SPF = 1920
 TOL = 1e-5
@@ -52,7 +52,7 @@ def random_codes(batch: int, frames: int, seed: int) -> torch.Tensor:  # [B, 16,
 
 
 def load_decoder(speech_tokenizer_dir: Path) -> Code2WavDecoder:
-    """Stand-in for stages/checkpoint.py: strict load of the `decoder.` tensors, prefix stripped."""
+    """Stand-in for stages/checkpoint/: strict load of the `decoder.` tensors, prefix stripped."""
     cfg = DecoderConfig.from_dict(json.loads((speech_tokenizer_dir / "config.json").read_text())["decoder_config"])
     tensors = load_file(speech_tokenizer_dir / "model.safetensors")
     state = {k.removeprefix("decoder."): v for k, v in tensors.items() if k.startswith("decoder.")}

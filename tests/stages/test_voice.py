@@ -21,7 +21,8 @@ from stages.voice.speaker_encoder import SpeakerEncoder, randomize_speaker_encod
 from tests.oracle.venv import run_oracle
 
 # Same tiny shapes as tests/oracle/official_voice.py (which cannot be imported here: it imports the official package).
-TINY_SPEAKER = dict(enc_dim=64, sample_rate=24000, enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16, enc_se_channels=16)
+TINY_SPEAKER = dict(enc_dim=64, sample_rate=24000, enc_channels=[32, 32, 32, 32, 96], enc_attention_channels=16,
+                    enc_se_channels=16)
 TINY_CODEC = dict(
     encoder_valid_num_quantizers=16, input_sample_rate=24000, encode_downsample_rate=1920,
     encoder_config=dict(

@@ -3,6 +3,9 @@
 A checkpoint is a directory in the Hugging Face layout (config.json, generation_config.json,
 model.safetensors, tokenizer files, speech_tokenizer/{config.json, model.safetensors, ...}) or a
 model id resolved from the local Hugging Face cache.
+
+The command line (`python -m stages.checkpoint random|check ...`) lives in `__main__.py`, outside the
+import graph of the library.
 """
 
 from __future__ import annotations
@@ -133,36 +136,3 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in table:
         raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(table)}")
     return table[name]
-
-
-def _main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m stages.checkpoint", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    rnd = sub.add_parser("random", help="write a random-weight checkpoint in the Hugging Face layout")
-    rnd.add_argument("out")
-    rnd.add_argument("--size", default="0.6b", choices=["0.6b", "1.7b", "0b6", "1b7"])
-    rnd.add_argument("--kind", default="custom_voice", choices=["custom_voice", "base", "voice_design"])
-    rnd.add_argument("--tiny", action="store_true", help="tiny shapes for CPU tests and the embedded default")
-    rnd.add_argument("--dtype", default="bfloat16")
-    rnd.add_argument("--device", default="cpu")
-    rnd.add_argument("--seed", type=int, default=0)
-    chk = sub.add_parser("check", help="load a checkpoint strictly and print what it holds")
-    chk.add_argument("path")
-    chk.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
-    if args.command == "random":
-        from stages.random_checkpoint import write_random_checkpoint
-
-        write_random_checkpoint(args.out, args.size, args.kind, tiny=args.tiny, dtype=args.dtype,
-                                device=args.device, seed=args.seed)
-    else:
-        from stages.model import Qwen3TTS
-
-        m = Qwen3TTS.load(args.path, device=args.device, dtype="float32", log=print)
-        print(f"{m.path}: {m.config.model_size} {m.config.model_kind}; speakers={sorted(m.config.talker.speakers)}")
-
-
-if __name__ == "__main__":
-    _main()
