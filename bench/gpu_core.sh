@@ -10,12 +10,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/main_site:${PYTHONPATH:-}
 W=/tmp/qwen3-tts-bench
 python3 -m stages.checkpoint random $W/1.7b-custom_voice --size 1.7b --kind custom_voice --device cuda
-python3 bench/talker.py --checkpoint $W/1.7b-custom_voice --size 1.7b --steps 30 --check-graphs \
+python3 -m bench.talker --checkpoint $W/1.7b-custom_voice --size 1.7b --steps 30 --check-graphs \
     --out "$OUT/talker_1.7b.json" 2>&1 | tee "$OUT/talker_1.7b.log"
 PYTHONPATH_ORACLE=/tmp/oracle_site python3 -m bench.parity_gpu --checkpoint $W/1.7b-custom_voice \
     --out "$OUT/parity_1.7b.json" 2>&1 | tail -20 | tee "$OUT/parity.log"
 python3 -m stages.checkpoint random $W/0.6b-custom_voice --size 0.6b --kind custom_voice --device cuda
-python3 bench/talker.py --checkpoint $W/0.6b-custom_voice --size 0.6b --steps 30 \
+python3 -m bench.talker --checkpoint $W/0.6b-custom_voice --size 0.6b --steps 30 \
     --out "$OUT/talker_0.6b.json" 2>&1 | tee "$OUT/talker_0.6b.log"
 if [ -f bench/code2wav.py ]; then
   python3 -m bench.code2wav --out "$OUT" 2>&1 | tee "$OUT/code2wav.log"

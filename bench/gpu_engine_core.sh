@@ -20,17 +20,17 @@ for step in $STEPS; do
   case $step in
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_talker_engine_gpu.py 2>&1 \
              | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|max abs err|Error|assert" | tail -30 ;;
-    talker) python3 bench/talker.py --checkpoint "$CKPT" --batches ${BATCHES:-1,64,256,512} --steps 30 --compile \
+    talker) python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,64,256,512} --steps 30 --compile \
               --max-seq-len 1024 --out "$OUT/talker.json" 2>&1 | tee "$OUT/talker.log" | grep -vE "^\[talker\] captured" | tail -14 ;;
-    pipeline) python3 bench/pipeline.py --checkpoint "$CKPT" --levels "$LEVELS" --compile --slots 512 \
+    pipeline) python3 -m bench.pipeline --checkpoint "$CKPT" --levels "$LEVELS" --compile --slots 512 \
                 --first-chunk-frames ${FIRST_CHUNK:-2} --out "$OUT/pipeline.json" 2>&1 | tee "$OUT/pipeline.log" \
                 | grep -vE "^\[talker\] captured" | tail -9 ;;
-    talker_only) python3 bench/pipeline.py --checkpoint "$CKPT" --levels "${TALKER_LEVELS:-256,512}" --compile \
+    talker_only) python3 -m bench.pipeline --checkpoint "$CKPT" --levels "${TALKER_LEVELS:-256,512}" --compile \
                    --slots 512 --no-code2wav --out "$OUT/pipeline_talker_only.json" 2>&1 \
                    | tee "$OUT/pipeline_talker_only.log" | tail -5 ;;
-    first1) python3 bench/pipeline.py --checkpoint "$CKPT" --levels 1 --min-requests 16 --compile --slots 512 \
+    first1) python3 -m bench.pipeline --checkpoint "$CKPT" --levels 1 --min-requests 16 --compile --slots 512 \
               --first-chunk-frames 1 --out "$OUT/pipeline_first1.json" 2>&1 | tee "$OUT/pipeline_first1.log" | tail -4
-            python3 bench/pipeline.py --checkpoint "$CKPT" --levels 1 --min-requests 16 --compile --slots 512 \
+            python3 -m bench.pipeline --checkpoint "$CKPT" --levels 1 --min-requests 16 --compile --slots 512 \
               --first-chunk-frames 1 --no-code2wav --out "$OUT/pipeline_first1_talker_only.json" 2>&1 | tail -3 ;;
   esac
   echo "$step done +$(( $(date +%s) - t0 ))s"

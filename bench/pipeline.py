@@ -12,8 +12,8 @@ engine thread went to prefills (admissions) rather than decode steps. Every fram
 Comparing it with the same levels through `serve run` (bench.loadgen) separates engine limits from
 serving overhead.
 
-    python bench/pipeline.py --checkpoint CKPT --levels 1,16,64,256      # GPU
-    python bench/pipeline.py --tiny --levels 1,4 --frames 8               # CPU smoke run
+    python -m bench.pipeline --checkpoint CKPT --levels 1,16,64,256      # GPU
+    python -m bench.pipeline --tiny --levels 1,4 --frames 8               # CPU smoke run
 """
 
 from __future__ import annotations
@@ -34,17 +34,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.loadgen.metrics import continuity  # noqa: E402
-from bench.loadgen.sentences import load_sentences  # noqa: E402
-from stages.code2wav.chunking import CODEBOOK_SIZE, ChunkSchedule  # noqa: E402
-from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig  # noqa: E402
-from stages.contract import CodecChunk, SamplingParams, SynthesisRequest  # noqa: E402
-from stages.model import Qwen3TTS  # noqa: E402
-from stages.prompts import build_prompt  # noqa: E402
-from stages.random_checkpoint import write_random_checkpoint  # noqa: E402
-from stages.talker.engine import TalkerEngine, TalkerEngineConfig  # noqa: E402
+from bench.loadgen.metrics import continuity
+from bench.loadgen.sentences import load_sentences
+from stages.code2wav.chunking import CODEBOOK_SIZE, ChunkSchedule
+from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from stages.contract import CodecChunk, SamplingParams, SynthesisRequest
+from stages.model import Qwen3TTS
+from stages.prompts import build_prompt
+from stages.random_checkpoint import write_random_checkpoint
+from stages.talker.engine import TalkerEngine, TalkerEngineConfig
 
 FRAME_S = 0.08
 GAP_FREE_S = 0.1  # a stream is gap-free when its worst playback deficit is at most this (as bench.loadgen)

@@ -5,7 +5,7 @@ samples from come from GEMMs whose kernels and reduction order depend on the bat
 different rounding can flip a sampled token, after which the streams diverge. This measures it: the same
 seeded request alone (bucket 1) and with 63 and 255 other requests, comparing codes frame by frame.
 
-    python bench/seeded_determinism.py --checkpoint CKPT --frames 75 --out seeded.json
+    python -m bench.seeded_determinism --checkpoint CKPT --frames 75 --out seeded.json
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from stages.contract import SamplingParams, SynthesisRequest  # noqa: E402
-from stages.model import Qwen3TTS  # noqa: E402
-from stages.prompts import build_prompt  # noqa: E402
-from stages.talker.engine import TalkerEngine, TalkerEngineConfig  # noqa: E402
+from stages.contract import SamplingParams, SynthesisRequest
+from stages.model import Qwen3TTS
+from stages.prompts import build_prompt
+from stages.talker.engine import TalkerEngine, TalkerEngineConfig
 
 
 async def codes(engine, request) -> np.ndarray:

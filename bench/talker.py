@@ -1,6 +1,6 @@
 """Talker engine micro-benchmark: ms per decode step and frames/s by batch size, graph vs eager check.
 
-    python bench/talker.py --size 1.7b --batches 1,8,32,64,128,256,512 --steps 50 --out bench/out/talker_1.7b.json
+    python -m bench.talker --size 1.7b --batches 1,8,32,64,128,256,512 --steps 50 --out bench/out/talker_1.7b.json
 
 Builds a full-size random checkpoint (real shapes) when --checkpoint is not given, loads it in bf16,
 admits B requests (fixed length: EOS suppressed) and times decode steps of the whole batch, each
@@ -21,15 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from stages.contract import SamplingParams  # noqa: E402
-from stages.model import Qwen3TTS  # noqa: E402
-from stages.prompts import build_prompt  # noqa: E402
-from stages.random_checkpoint import write_random_checkpoint  # noqa: E402
-from stages.sampling import mask_talker_logits, select_tokens  # noqa: E402
-from stages.talker.prompt_plan import plan_prompt  # noqa: E402
-from stages.talker.runner import Admission, TalkerRunner  # noqa: E402
+from stages.contract import SamplingParams
+from stages.model import Qwen3TTS
+from stages.prompts import build_prompt
+from stages.random_checkpoint import write_random_checkpoint
+from stages.sampling import mask_talker_logits, select_tokens
+from stages.talker.prompt_plan import plan_prompt
+from stages.talker.runner import Admission, TalkerRunner
 
 # bf16 weight bytes read per frame at batch 1 (research brief §8) and the H100's ~3.0 TB/s
 FLOOR_MS = {"0.6b": 1.10, "1.7b": 1.77}
