@@ -95,10 +95,13 @@ class _Output:
 
 
 class TalkerEngine:
-    def __init__(self, model: Qwen3TTS, config: TalkerEngineConfig = TalkerEngineConfig()):
+    def __init__(self, model: Qwen3TTS, config: TalkerEngineConfig = TalkerEngineConfig(),
+                 runner_factory: Callable[..., TalkerRunner] = TalkerRunner):
+        """`runner_factory` builds the device side (`TalkerRunner`'s signature); tests pass a fake."""
         if model.talker is None:
             raise ValueError("TalkerEngine needs a model loaded with its talker")
         self.model, self.config = model, config
+        self._runner_factory = runner_factory
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._ready = threading.Event()
@@ -254,7 +257,7 @@ class TalkerEngine:
         use_compile = cfg.compile and model.device.type == "cuda"
         if use_compile:
             log("[talker] compiling fused kernels (first start compiles, later starts reuse the cache)")
-        self.runner = TalkerRunner(model, self.num_slots, cfg.max_seq_len, cfg.max_text_rows, num_blocks,
+        self.runner = self._runner_factory(model, self.num_slots, cfg.max_seq_len, cfg.max_text_rows, num_blocks,
                                    cfg.kv_block_size, cfg.length_buckets, compile=use_compile,
                                    attention_kernel=cfg.attention_kernel, max_prefill_batch=cfg.max_prefill_batch)
         self._exact = model.device.type != "cuda" if cfg.exact_prefill is None else cfg.exact_prefill

@@ -1,0 +1,158 @@
+"""The engine loop against a fake runner: EOS and length endings, no wasted steps, row moves, aborts.
+
+The fake runner stands for the device: each row's "codes" are a pure function of (seed, frame), and a seed
+can script an EOS (`seed // 1000` = the frame after which codebook 0 becomes EOS; seed 999 = EOS sampled at
+prefill). So every frame a stream receives can be checked, whatever row it ran in and however rows moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from stages.code2wav.chunking import ChunkSchedule
+from stages.contract import FinishReason, SamplingParams, SynthesisRequest
+from stages.model import Qwen3TTS
+from stages.prompts import build_prompt
+from stages.talker.engine import TalkerEngine, TalkerEngineConfig
+
+EOS = 2150
+EOS_AT_PREFILL = 999
+
+
+def frame_codes(seed: int, frame: int) -> np.ndarray:
+    return (seed * 31 + frame * 7 + np.arange(16) * 3) % 2048
+
+
+class FakeRunner:
+    """Rows of (seed, frame index); a step emits frame_codes and the next codebook-0 (EOS when scripted)."""
+
+    def __init__(self, model, num_slots, max_seq_len, *args, **kwargs):
+        self.eos, self.length_buckets = EOS, (max_seq_len,)
+        self.rows: list[list[int] | None] = [None] * num_slots
+        self.outputs: list[np.ndarray] = [np.zeros((0, 17), dtype=np.int64)] * 2
+        self.turn = 0
+        self.launches = 0
+        self.rows_launched: list[int] = []
+
+    def attn_bucket(self, position: int) -> int:
+        return self.length_buckets[0]
+
+    def admit(self, batch) -> None:
+        for a in batch:
+            self.rows[a.row] = [a.seed, 0]
+
+    def launch_step(self, b: int, attn_len: int) -> int:
+        self.launches += 1
+        out = np.zeros((b, 17), dtype=np.int64)
+        live = 0
+        for row in range(b):
+            state = self.rows[row]
+            if state is None:
+                continue
+            live += 1
+            seed, frame = state
+            out[row, :16] = frame_codes(seed, frame)
+            if seed == EOS_AT_PREFILL and frame == 0:
+                out[row, 0] = EOS
+            out[row, 16] = EOS if seed // 1000 and frame + 1 == seed // 1000 else 1
+            state[1] += 1
+        self.rows_launched.append(live)
+        turn, self.turn = self.turn, self.turn ^ 1
+        self.outputs[turn] = out
+        return turn
+
+    def step_output(self, turn: int, n: int) -> np.ndarray:
+        return self.outputs[turn][:n]
+
+    def move_row(self, src: int, dst: int, trailing_len: int) -> None:
+        self.rows[dst] = self.rows[src]
+
+    def free_row(self, row: int) -> None:
+        self.rows[row] = None
+
+
+@pytest.fixture(scope="module")
+def model(tiny_custom_voice) -> Qwen3TTS:
+    return Qwen3TTS.load(tiny_custom_voice, dtype="float32", decoder=False)
+
+
+@pytest.fixture(scope="module")
+def prompt(model):
+    return build_prompt(model.config, model.tokenizer, "Hello there.", speaker="ryan", language="english")
+
+
+def _engine(model, **kw) -> TalkerEngine:
+    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, exact_prefill=False, **kw), FakeRunner)
+    engine.start(log=lambda _m: None)
+    return engine
+
+
+async def _collect(engine, request, schedule=None):
+    stream = engine.add_request(request, schedule)
+    chunks = [c async for c in stream]
+    frames = np.concatenate([c.codes[c.context:] for c in chunks]) if chunks else np.zeros((0, 16), np.int64)
+    return frames, stream.finish_reason, chunks
+
+
+def test_every_stream_gets_its_own_frames_through_joins_leaves_and_row_moves(model, prompt):
+    """12 requests through 4 rows, ending by EOS at scripted frames or by length: rows move on every
+    release, and each stream still receives exactly its own frames in order."""
+    G = SamplingParams(do_sample=False, subtalker_do_sample=False)
+    specs = [(i + 1000 * (3 + i % 5) if i % 3 else i, 4 + 2 * i) for i in range(12)]  # (seed, max_frames)
+    engine = _engine(model, max_num_seqs=4)
+    try:
+        async def main():
+            return await asyncio.gather(*[_collect(engine, SynthesisRequest(f"r{i}", prompt, G, n, seed=seed))
+                                          for i, (seed, n) in enumerate(specs)])
+        results = asyncio.run(main())
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    for (seed, max_frames), (frames, reason, chunks) in zip(specs, results, strict=True):
+        eos_after = seed // 1000
+        expected = min(max_frames, eos_after) if eos_after else max_frames
+        assert len(frames) == expected, (seed, max_frames)
+        np.testing.assert_array_equal(frames, np.stack([frame_codes(seed, f) for f in range(expected)]))
+        ended_by_eos = bool(eos_after) and eos_after <= max_frames
+        assert reason is (FinishReason.EOS if ended_by_eos else FinishReason.LENGTH)
+        assert chunks[-1].final and chunks[-1].finish_reason is reason
+    assert stats.running == 0 and stats.waiting == 0 and stats.kv_reserved_tokens == 0
+
+
+def test_no_step_is_launched_that_no_row_can_use(model, prompt):
+    """Length limits are known ahead: 5 frames take exactly 5 steps, so the next prefill never waits."""
+    engine = _engine(model, max_num_seqs=2)
+    try:
+        frames, reason, _ = asyncio.run(_collect(engine, SynthesisRequest("n", prompt, max_frames=5, seed=1)))
+        launches = engine.runner.launches
+    finally:
+        engine.shutdown()
+    assert len(frames) == 5 and reason is FinishReason.LENGTH
+    assert launches == 5
+
+
+def test_eos_at_prefill_gives_an_empty_stream(model, prompt):
+    engine = _engine(model, max_num_seqs=2)
+    try:
+        frames, reason, chunks = asyncio.run(_collect(engine, SynthesisRequest("e", prompt, max_frames=9,
+                                                                               seed=EOS_AT_PREFILL)))
+    finally:
+        engine.shutdown()
+    assert len(frames) == 0 and reason is FinishReason.EOS
+    assert len(chunks) == 1 and chunks[0].final and chunks[0].num_new == 0
+
+
+def test_chunks_follow_the_requests_own_schedule(model, prompt):
+    schedule = ChunkSchedule(first_chunk_frames=1, steady_chunk_frames=3, left_context_frames=2, ramp=())
+    engine = _engine(model, max_num_seqs=2)
+    try:
+        frames, _, chunks = asyncio.run(_collect(engine, SynthesisRequest("c", prompt, max_frames=8, seed=5),
+                                                 schedule))
+    finally:
+        engine.shutdown()
+    assert [c.num_new for c in chunks] == [1, 3, 3, 1]
+    assert [c.context for c in chunks] == [0, 1, 2, 2]
+    assert len(frames) == 8
