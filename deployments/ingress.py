@@ -36,13 +36,14 @@ from deployments.audio_formats import (
 )
 from deployments.config import TTSServingArgs
 from deployments.decode_batcher import DecodeBatcher
-from deployments.errors import APIError, bad_request, to_api_error, unwrap
+from deployments.errors import APIError, bad_request, plain, shown, to_api_error, unwrap
 from deployments.metrics import IngressMetrics
 from deployments.pipeline import stream_audio
 from deployments.planning import (
     VoiceChoice,
     build_request,
     check_limits,
+    check_request,
     choose_voice,
     infer_model,
     resolve_model_name,
@@ -99,7 +100,7 @@ async def _create_voice(handle: DeploymentHandle, audio: bytes, ref_text: str | 
     except Exception as exc:  # noqa: BLE001
         inner = unwrap(exc)
         if isinstance(inner, ValueError):
-            raise bad_request(f"{param}: {inner}", param, code="invalid_audio") from None
+            raise bad_request(f"{param}: {plain(inner)}", param, code="invalid_audio") from None
         raise
 
 
@@ -169,13 +170,17 @@ class TTSIngress:
         try:
             if body.streaming and body.response_format not in STREAMABLE_FORMATS:
                 raise bad_request(f"streaming supports response_format {list(STREAMABLE_FORMATS)}; "
-                                  f"got {body.response_format!r}", "response_format")
+                                  f"got {shown(body.response_format)}", "response_format")
             if body.streaming and body.speed != 1.0:
                 raise bad_request("speed is applied to the whole clip; it is not available when streaming", "speed")
             check_limits(body, self._limits)
-            async with asyncio.timeout_at(deadline):
+            # validation first, then the client's deadline: a tiny `timeout_s` must not hide a 400. Routing
+            # waits only for a model's info (fetched once per replica), bounded by the server's deadline.
+            async with asyncio.timeout(self._limits.request_timeout_s):
                 info, voice_choice = await self._route(body)
-                model = info.name
+            model = info.name
+            check_request(body, info, self._args)
+            async with asyncio.timeout_at(deadline):
                 voice = await self._voice_prompt(body, info, voice_choice)
                 synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id)
                 chunks = stream_audio(self._routes[info.name].handle, self._decoder, synthesis, options,
@@ -338,10 +343,10 @@ class TTSIngress:
                 raise bad_request(f"ref_text is {len(ref_text)} characters; the limit is "
                                   f"{self._limits.max_ref_text_chars}", "ref_text", code="input_too_long")
             if not VOICE_NAME_PATTERN.match(name):
-                raise bad_request(f"voice name {name!r} must match {VOICE_NAME_PATTERN.pattern}", "name")
+                raise bad_request(f"voice name {shown(name)} must match {VOICE_NAME_PATTERN.pattern}", "name")
             infos = await self._infos()
             if name.lower() == C.DEFAULT_VOICE_NAME or any(name.lower() in i.speakers for i in infos):
-                raise bad_request(f"voice name {name!r} is taken by a preset voice", "name", code="name_taken")
+                raise bad_request(f"voice name {shown(name)} is taken by a preset voice", "name", code="name_taken")
             existing = await asyncio.to_thread(self._voices.list)
             if name not in {r.name for r in existing} and len(existing) >= self._limits.max_uploaded_voices:
                 raise bad_request(f"there are already {len(existing)} uploaded voices (the limit)", "name",
@@ -364,7 +369,7 @@ class TTSIngress:
     @app.delete("/v1/audio/voices/{name}")
     async def delete_voice(self, name: str):
         if not await asyncio.to_thread(self._voices.delete, name):
-            raise APIError(404, f"no uploaded voice named {name!r}", param="name", code="voice_not_found")
+            raise APIError(404, f"no uploaded voice named {shown(name)}", param="name", code="voice_not_found")
         return {"success": True, "name": name}
 
     @app.get("/health")

@@ -32,14 +32,14 @@ def _check_error(response: httpx.Response, status: int, param: str | None, fragm
     ({"language": "Klingon"}, 400, None, "unsupported language"),
     ({"task_type": "Base"}, 400, "task_type", "cannot do task_type Base"),
     ({"task_type": "Singing"}, 400, "task_type", "input should be"),
-    ({"input": ""}, 400, None, "empty"),
+    ({"input": ""}, 400, "input", "empty"),
     ({"input": "x" * 301}, 400, "input", "limit is 300"),
     ({"response_format": "aac"}, 400, "response_format", "input should be"),
     ({"speed": 5.0}, 400, "speed", "less than or equal to 4"),
     ({"speed": 2.0, "stream": True}, 400, "speed", "not available when streaming"),
     ({"response_format": "mp3", "stream": True}, 400, "response_format", "streaming supports"),
-    ({"max_new_tokens": 100000}, 400, "max_new_tokens", "above this model's limit"),
-    ({"max_new_tokens": 511}, 400, None, "exceeds the engine's max_seq_len"),  # raised by the Talker's engine
+    ({"max_new_tokens": 60000}, 400, "max_new_tokens", "above this model's limit"),
+    ({"max_new_tokens": 511}, 400, "max_new_tokens", "exceeds the model's max_seq_len"),  # checked by the ingress
     ({"temperature": -1}, 400, "temperature", "greater than or equal to 0"),
     ({"stream": False, "stream_format": "sse"}, 400, None, "cannot be combined"),
     ({"unknown_field": 1}, 400, "unknown_field", "extra inputs"),
