@@ -174,6 +174,11 @@ class IngressConfig(_DeploymentOptions):
     max_request_bytes: int = Field(C.DEFAULT_MAX_REQUEST_BYTES, ge=1, description="HTTP body limit (413 above)")
     max_new_tokens_limit: int | None = Field(None, ge=1, description="cap on a request's max_new_tokens")
     request_timeout_s: float = Field(C.DEFAULT_REQUEST_TIMEOUT_S, gt=0, description="per-request deadline")
+    body_read_timeout_s: float = Field(C.DEFAULT_BODY_READ_TIMEOUT_S, gt=0,
+                                       description="a request body must arrive whole within this (408 otherwise)")
+    max_open_requests: int = Field(C.DEFAULT_INGRESS_MAX_OPEN_REQUESTS, ge=1, description=(
+        "speech requests (open streams included) and voice uploads in progress per ingress replica; more are "
+        "answered with `backpressure` (429 + Retry-After) by the ingress itself"))
     ref_audio_url_allowlist: list[str] = Field(
         default_factory=list,
         description="http(s) URL prefixes ref_audio may be fetched from (e.g. 'https://cdn.example.com/voices/'); "

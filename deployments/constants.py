@@ -43,9 +43,13 @@ DEFAULT_CODE2WAV_MAX_BATCH_SIZE = _env_int("QWEN3_TTS_CODE2WAV_MAX_BATCH_SIZE", 
 CODE2WAV_ONGOING_PER_BATCH_SLOT = _env_int("QWEN3_TTS_CODE2WAV_ONGOING_PER_BATCH_SLOT", 4)
 DEFAULT_CODE2WAV_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_CODE2WAV_MAX_QUEUED_REQUESTS", 1024)
 
-# Ingress: one ongoing request per open stream
-DEFAULT_INGRESS_MAX_ONGOING_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_ONGOING_REQUESTS", 256)
+# Ingress: Serve admits many connections (each a cheap coroutine: half-sent bodies, probes, open streams),
+# so that /health and /ready never wait behind speech; the ingress admits the costly work itself
+# (`ingress.max_open_requests`) and times out bodies that do not arrive (`ingress.body_read_timeout_s`)
+DEFAULT_INGRESS_MAX_ONGOING_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_ONGOING_REQUESTS", 4096)
 DEFAULT_INGRESS_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_QUEUED_REQUESTS", 128)
+DEFAULT_INGRESS_MAX_OPEN_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_OPEN_REQUESTS", 256)
+DEFAULT_BODY_READ_TIMEOUT_S = _env_float("QWEN3_TTS_BODY_READ_TIMEOUT_S", 30.0)
 
 # request limits
 DEFAULT_MAX_INPUT_CHARS = _env_int("QWEN3_TTS_MAX_INPUT_CHARS", 4096)

@@ -36,7 +36,9 @@ from deployments.audio_formats import (
 )
 from deployments.config import TTSServingArgs
 from deployments.decode_batcher import DecodeBatcher
+from deployments import http_guard
 from deployments.errors import APIError, bad_request, plain, shown, to_api_error, unwrap
+from deployments.http_guard import BodyGuard, BodyLimits, OpenWork
 from deployments.metrics import IngressMetrics
 from deployments.pipeline import stream_audio
 from deployments.planning import (
@@ -58,8 +60,8 @@ from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME, TaskType, VoiceClone
 logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="Qwen3-TTS on Ray Serve", version="0.1.0")
-# `@serve.ingress` freezes a copy of `app`, so per-replica settings the middleware reads live here
-_body_limit: dict[str, int] = {}
+# bodies are read whole, within a size limit and a deadline, before any route runs (deployments/http_guard.py)
+app.add_middleware(BodyGuard)
 
 
 @app.exception_handler(APIError)
@@ -80,15 +82,6 @@ async def _validation_error(_request: Request, exc: RequestValidationError) -> J
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None).response()
-
-
-@app.middleware("http")
-async def _limit_body(request: Request, call_next):
-    limit = _body_limit.get("bytes")
-    length = request.headers.get("content-length")
-    if limit is not None and length is not None and length.isdigit() and int(length) > limit:
-        return APIError(413, f"request body is larger than {limit} bytes", code="request_too_large").response()
-    return await call_next(request)
 
 
 # helpers used by TTSIngress's methods must be defined before it: @serve.ingress pickles the class by value
@@ -152,15 +145,25 @@ class TTSIngress:
         self._inline_voices: OrderedDict[str, VoiceClonePrompt] = OrderedDict()
         self._metrics = IngressMetrics()
         self._open_streams: dict[str, int] = dict.fromkeys(self._routes, 0)
-        import deployments.ingress as module  # the real module: this class's globals are a pickled copy
-
-        module._body_limit["bytes"] = self._limits.max_request_bytes
+        http_guard.configure(BodyLimits(self._limits.max_request_bytes, self._limits.body_read_timeout_s))
+        self._work = OpenWork(self._limits.max_open_requests, self._limits.backpressure.retry_after_s,
+                              self._limits.backpressure.status_code)
         for route in self._routes.values():  # start fetching model infos now; requests await them
             asyncio.ensure_future(route.info()).add_done_callback(_ignore_failure)
 
     # ------------------------------------------------------------------ speech
     @app.post("/v1/audio/speech")
     async def speech(self, body: SpeechRequest):
+        try:
+            self._work.acquire()  # admission of the costly part (deployments/http_guard.py)
+        except APIError as exc:
+            return self._fail(exc, "-", body.streaming)
+        try:
+            return await self._speech(body)
+        finally:
+            self._work.release()  # a stream holds its own count while it is sent
+
+    async def _speech(self, body: SpeechRequest) -> Response:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(body.timeout_s or self._limits.request_timeout_s, self._limits.request_timeout_s)
@@ -195,7 +198,7 @@ class TTSIngress:
             return self._fail(exc, model, body.streaming)
         job = _Job(body, model, chunks, first, deadline, started,
                    usage_in=len(synthesis.prompt.text_ids) + len(synthesis.prompt.instruct_ids or ()))
-        headers = {"X-Request-Id": request_id}
+        headers: dict[str, str] = {}  # Serve's proxy adds X-Request-Id (the client's own, or a new one)
         if body.streaming:
             return StreamingResponse(
                 self._stream(job),
@@ -268,6 +271,7 @@ class TTSIngress:
         sse, model = job.body.stream_format == "sse", job.model
         frames, status, finish, audio_sent = 0, "ok", None, False
         playback = PlaybackClock()
+        self._work.acquire(check=False)
         self._open_streams[model] += 1
         self._metrics.open_streams.set(self._open_streams[model], tags={"model": model})
 
@@ -304,6 +308,7 @@ class TTSIngress:
                 yield event("error", **error.body())
         finally:
             await job.chunks.aclose()
+            self._work.release()
             self._open_streams[model] -= 1
             self._metrics.open_streams.set(self._open_streams[model], tags={"model": model})
             if playback.started is not None and playback.min_lead_s != float("inf"):

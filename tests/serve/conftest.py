@@ -30,6 +30,7 @@ from tests.conftest import reference_clip  # noqa: E402
 
 APP = "tts"
 ZERO_CPU = {"ray_actor_options": {"num_cpus": 0}}
+BODY_READ_TIMEOUT_S = 5.0  # the test app's: half-sent bodies are answered 408 this long after they arrived
 
 
 def free_port() -> int:
@@ -112,7 +113,8 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
         "ingress": {
             "voices_dir": str(voices_dir), "max_input_chars": 300, "max_ref_audio_bytes": 300_000,
             "max_ref_audio_seconds": 5.0, "request_timeout_s": 120, "max_request_bytes": 1_000_000,
-            "ref_audio_url_allowlist": [allowed_prefix], "deployment_config": ZERO_CPU,
+            "ref_audio_url_allowlist": [allowed_prefix], "body_read_timeout_s": BODY_READ_TIMEOUT_S,
+            "deployment_config": ZERO_CPU,
         },
     }
 
@@ -167,6 +169,39 @@ def speech(**fields) -> dict:
     """A request body that always terminates on random weights: fixed length, no EOS."""
     return {"model": "cv", "input": "Hello from the tests.", "voice": "vivian", "max_new_tokens": 6,
             "suppress_eos": True, "seed": 1234, **fields}
+
+
+def replica_pids(deployment: str) -> list[int]:
+    """PIDs of this session's live replica processes of `deployment` (e.g. "TTSIngress", "Talker:cv").
+
+    Ray titles replica workers `ray::ServeReplica:<app>:<deployment>`; only descendants of this test
+    process count (other Ray clusters may run on the machine).
+    """
+    me, pids = os.getpid(), []
+    title = f"ray::ServeReplica:{APP}:{deployment}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if cmdline.split(b"\0")[0].split(b" ")[0] == title and _descends_from(int(entry), me):
+            pids.append(int(entry))
+    return pids
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+    return False
 
 
 def pcm_of(data: bytes) -> np.ndarray:
