@@ -54,6 +54,10 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+class StreamAborted(Exception):
+    """Raised out of a raw audio stream that failed after its status line: the HTTP response is cut off."""
+
+
 def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
     """`repr` of a client-supplied value for an error message, cut to `limit` characters."""
     text = repr(value)

@@ -37,7 +37,7 @@ from deployments.audio_formats import (
 from deployments.config import TTSServingArgs
 from deployments.decode_batcher import DecodeBatcher
 from deployments import http_guard
-from deployments.errors import APIError, bad_request, plain, shown, to_api_error, unwrap
+from deployments.errors import APIError, StreamAborted, bad_request, plain, shown, to_api_error, unwrap
 from deployments.http_guard import BodyGuard, BodyLimits, OpenWork
 from deployments.metrics import IngressMetrics
 from deployments.pipeline import stream_audio
@@ -306,6 +306,10 @@ class TTSIngress:
             logger.warning(f"{model}: stream failed after {frames} frames: {error.message}")
             if sse:
                 yield event("error", **error.body())
+            else:
+                # raw bytes can only say "failed" through their framing: the response ends without its
+                # terminating chunk, so clients see an incomplete read rather than a short clip that looks whole
+                raise StreamAborted(error.message) from None
         finally:
             await job.chunks.aclose()
             self._work.release()

@@ -174,7 +174,7 @@ def speech(**fields) -> dict:
 def replica_pids(deployment: str) -> list[int]:
     """PIDs of this session's live replica processes of `deployment` (e.g. "TTSIngress", "Talker:cv").
 
-    Ray titles replica workers `ray::ServeReplica:<app>:<deployment>`; only descendants of this test
+    Ray titles replica workers `ray::ServeReplica:<app>:<deployment>[.<method>]`; only descendants of this test
     process count (other Ray clusters may run on the machine).
     """
     me, pids = os.getpid(), []
@@ -187,7 +187,8 @@ def replica_pids(deployment: str) -> list[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        if cmdline.split(b"\0")[0].split(b" ")[0] == title and _descends_from(int(entry), me):
+        name = cmdline.split(b"\0")[0].split(b" ")[0]  # `ray::<actor>` idle, `ray::<actor>.<method>` busy
+        if (name == title or name.startswith(title + b".")) and _descends_from(int(entry), me):
             pids.append(int(entry))
     return pids
 
