@@ -123,6 +123,8 @@ class Code2WavConfig(_RuntimeOptions):
 
     model: str | None = Field(None, description="checkpoint whose speech_tokenizer/ to load; None = the first model's")
     max_batch_size: int = Field(C.DEFAULT_CODE2WAV_MAX_BATCH_SIZE, ge=1, description="chunks decoded in one forward")
+    stall_timeout_s: float = Field(C.CODE2WAV_STALL_TIMEOUT_S, gt=0, description=(
+        "check_health fails (Serve replaces the replica) when chunks wait this long without a decode finishing"))
 
 
 class StreamingConfig(BaseConfig):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from stages.contract import SAMPLES_PER_FRAME
-from tests.serve.conftest import replica_pids, speech, wait_for
+from tests.serve.conftest import STALL_SEED, replica_pids, speech, wait_for
 
 pytestmark = pytest.mark.serve
 
@@ -113,3 +113,16 @@ def test_killed_talker_replica_streams_fail_visibly_and_ready_recovers(base_url)
     print(f"/ready again {time.monotonic() - killed:.1f} s after the kill")
     ok = httpx.post(f"{base_url}/v1/audio/speech", json=speech(), timeout=60)
     assert ok.status_code == 200, ok.text[:300]
+
+
+def test_an_engine_that_stops_stepping_fails_health_and_its_replica_is_replaced(base_url):
+    """The `fake` model's engine stalls on a request seeded STALL_SEED (a device call that never returns):
+    its heartbeat goes stale, check_health raises, and Serve replaces the replica."""
+    (old,) = replica_pids("Talker:fake")
+    stuck = httpx.post(f"{base_url}/v1/audio/speech", timeout=60,
+                       json=speech(model="fake", seed=STALL_SEED, timeout_s=3, response_format="pcm"))
+    assert stuck.status_code == 504, stuck.text[:300]
+    wait_for(lambda: replica_pids("Talker:fake") not in ([], [old]), 60, 0.5, "a new Talker:fake replica")
+    wait_for(lambda: _ready(base_url), 60, 0.5, "/ready with the new replica")
+    ok = httpx.post(f"{base_url}/v1/audio/speech", json=speech(model="fake", response_format="pcm"), timeout=60)
+    assert ok.status_code == 200 and len(ok.content) == 6 * SAMPLES_PER_FRAME * 2, ok.text[:300]
