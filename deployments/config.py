@@ -188,7 +188,9 @@ class IngressConfig(_DeploymentOptions):
     )
     voices_dir: str | None = Field(None, description="uploaded voices (shared storage when there are several nodes)")
     max_uploaded_voices: int = Field(C.DEFAULT_MAX_UPLOADED_VOICES, ge=0)
-    allow_suppress_eos: bool = Field(True, description="accept `suppress_eos` (benchmarks, random-weight tests)")
+    allow_suppress_eos: bool = Field(False, description=(
+        "accept `suppress_eos` (benchmarks, random-weight tests); off in production: it lets any client force "
+        "maximum-length generation"))
     min_fitted_frames: int = Field(C.DEFAULT_MIN_FITTED_FRAMES, ge=1, description=(
         "a request without max_new_tokens whose prompt leaves fewer frames than this within max_seq_len is a "
         "400 (rather than a truncated clip of a few frames)"))

@@ -346,6 +346,13 @@ class TTSIngress:
 
     @app.post("/v1/audio/voices")
     async def upload_voice(self, request: Request):
+        try:
+            with self._work.admit():
+                return await self._upload_voice(request)
+        except Exception as exc:  # noqa: BLE001 - a full Talker is 429 JSON + Retry-After, as for speech
+            return self._error(exc).response()
+
+    async def _upload_voice(self, request: Request):
         async with asyncio.timeout(self._limits.request_timeout_s):
             name, audio, mime, ref_text, x_vector_only = await read_voice_upload(request, self._limits)
             if ref_text is not None and len(ref_text) > self._limits.max_ref_text_chars:
@@ -377,11 +384,12 @@ class TTSIngress:
 
     @app.delete("/v1/audio/voices/{name}")
     async def delete_voice(self, name: str):
-        if not await asyncio.to_thread(self._voices.delete, name):
+        record = await asyncio.to_thread(self._find_voice, name)  # case-insensitive, as when it is used
+        if record is None or not await asyncio.to_thread(self._voices.delete, record.name):
             raise APIError(404, f"no uploaded voice named {shown(name)}", param="name", code="voice_not_found")
-        return {"success": True, "name": name}
+        return {"success": True, "name": record.name}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self):
         return {"status": "ok"}
 
@@ -419,13 +427,20 @@ class TTSIngress:
     def _find_voice(self, name: str):
         return self._voices.find(name) if name else None
 
-    def _fail(self, exc: BaseException, model: str, stream: bool) -> JSONResponse:
+    def _error(self, exc: BaseException) -> APIError:
+        """The client's answer; a client error is one log line (never a traceback), ours is an ERROR."""
         limits = self._limits.backpressure
         error = to_api_error(exc, overload_status=limits.status_code, retry_after_s=limits.retry_after_s)
+        if error.status >= 500 and error.status not in (503, 504):
+            logger.error(f"{error.status} {error.code}: {error.message}")
+        else:
+            logger.info(f"{error.status} {error.code}: {error.message[:200]}")
+        return error
+
+    def _fail(self, exc: BaseException, model: str, stream: bool) -> JSONResponse:
+        error = self._error(exc)
         status = {400: "bad_request", 404: "not_found", 413: "bad_request", 429: "rejected", 503: "rejected",
                   504: "timeout"}.get(error.status, "error" if error.status >= 500 else "bad_request")
-        if error.status >= 500 and status == "error":
-            logger.error(f"{model}: {error.message}")
         self._count(model, status, stream)
         return error.response()
 

@@ -131,3 +131,40 @@ def test_voice_upload_errors(http):
     r = http.post("/v1/audio/voices", json={"name": "x"})
     _check_error(r, 400, None, "multipart/form-data or JSON")
     _check_error(http.delete("/v1/audio/voices/nobody"), 404, "name", "no uploaded voice")
+
+
+def test_health_answers_head_and_responses_carry_one_request_id(http):
+    assert http.head("/health").status_code == 200
+    r = http.post("/v1/audio/speech", json=speech(response_format="pcm"))
+    assert r.status_code == 200 and len(r.headers.get_list("x-request-id")) == 1, r.headers
+    bad = http.post("/v1/audio/speech", json=speech(voice="nobody"))
+    assert bad.status_code == 400 and len(bad.headers.get_list("x-request-id")) == 1
+
+
+def test_absurd_reference_clips_are_refused(http):
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    def clip(seconds: float, rate: int) -> str:
+        buf = io.BytesIO()
+        sf.write(buf, np.zeros(max(1, int(seconds * rate)), np.float32), rate, format="WAV", subtype="PCM_16")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    body = speech(model="base", voice=None, x_vector_only_mode=True)
+    _check_error(http.post("/v1/audio/speech", json={**body, "ref_audio": clip(0.2, 24000)}), 400, "ref_audio",
+                 "at least 0.5 s")
+    _check_error(http.post("/v1/audio/speech", json={**body, "ref_audio": clip(3.0, 1)}), 400, "ref_audio",
+                 "sample rate of 1 Hz")
+    r = http.post("/v1/audio/voices", files={"audio_sample": ("a.wav", base64.b64decode(clip(2.0, 4000)), "audio/wav")},
+                  data={"name": "lowrate"})
+    _check_error(r, 400, "audio_sample", "at least 8000 Hz")
+
+
+def test_voice_names_are_case_insensitive_for_delete_too(http):
+    r = http.post("/v1/audio/voices", files={"audio_sample": ("a.wav", wav_bytes(1.0), "audio/wav")},
+                  data={"name": "CaseVoice"})
+    assert r.status_code == 200, r.text
+    assert http.delete("/v1/audio/voices/casevoice").json() == {"success": True, "name": "CaseVoice"}
+    _check_error(http.delete("/v1/audio/voices/CaseVoice"), 404, "name", "no uploaded voice")
