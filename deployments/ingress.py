@@ -36,7 +36,7 @@ from deployments.audio_formats import (
 )
 from deployments.config import TTSServingArgs
 from deployments.decode_batcher import DecodeBatcher
-from deployments import http_guard
+from deployments import http_guard, openapi
 from deployments.errors import APIError, StreamAborted, bad_request, plain, shown, to_api_error, unwrap
 from deployments.http_guard import BodyGuard, BodyLimits, OpenWork
 from deployments.metrics import IngressMetrics
@@ -62,6 +62,7 @@ logger = logging.getLogger("ray.serve")
 app = FastAPI(title="Qwen3-TTS on Ray Serve", version="0.1.0")
 # bodies are read whole, within a size limit and a deadline, before any route runs (deployments/http_guard.py)
 app.add_middleware(BodyGuard)
+openapi.install(app)  # /openapi.json as the server answers (deployments/openapi.py)
 
 
 @app.exception_handler(APIError)
