@@ -93,12 +93,15 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
     """Map whatever a handle call raised to the answer the client gets."""
     from ray.exceptions import RayActorError, TaskCancelledError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from stages.contract import EngineOverloadedError, InvalidRequestError
 
     exc = unwrap(exc)
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, StarletteHTTPException):  # raised by Starlette while reading a request
+        return APIError(exc.status_code, plain(exc.detail))
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc))
     if isinstance(exc, (BackPressureError, EngineOverloadedError)):

@@ -118,7 +118,10 @@ async def read_voice_upload(request: Request, limits: IngressConfig) -> VoiceUpl
     """`POST /v1/audio/voices` body: multipart (`audio_sample` file) or JSON (`audio_sample` base64/data URI)."""
     limit = limits.max_ref_audio_bytes
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
-        form = await request.form()
+        try:
+            form = await request.form()
+        except Exception:  # noqa: BLE001 - Starlette's HTTPException or python-multipart's parse errors
+            raise bad_request("the multipart/form-data body could not be parsed", code="invalid_multipart") from None
         upload = form.get("audio_sample")
         if upload is None or isinstance(upload, str):
             raise bad_request("multipart field `audio_sample` (a file) is required", "audio_sample")

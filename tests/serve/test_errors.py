@@ -168,3 +168,8 @@ def test_voice_names_are_case_insensitive_for_delete_too(http):
     assert r.status_code == 200, r.text
     assert http.delete("/v1/audio/voices/casevoice").json() == {"success": True, "name": "CaseVoice"}
     _check_error(http.delete("/v1/audio/voices/CaseVoice"), 404, "name", "no uploaded voice")
+
+
+def test_malformed_multipart_upload_is_400(http):
+    r = http.post("/v1/audio/voices", content=b"--x\r\nnot a part", headers={"content-type": "multipart/form-data"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_multipart", r.text

@@ -40,7 +40,7 @@ def test_a_bounded_schemathesis_run_finds_no_server_errors(base_url, http):
             continue  # would delete the other tests' voices
 
         # valid and invalid inputs (the invalid ones found the int64 overflow of issue 13)
-        examples = 120 if op.path == "/v1/audio/speech" else 25
+        examples = {"/v1/audio/speech": 100, "/v1/audio/voices": 15}.get(op.path, 10)  # uploads encode audio: few
 
         @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE)
                | op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
@@ -63,6 +63,6 @@ def test_a_bounded_schemathesis_run_finds_no_server_errors(base_url, http):
 
         run()
     assert not failures, "\n".join(failures[:20])
-    assert sum(seen.values()) >= 120 and any(s >= 400 for s in seen) and 200 in seen, seen
+    assert sum(seen.values()) >= 100 and any(s >= 400 for s in seen) and 200 in seen, seen
     assert http.get("/ready").status_code == 200
     assert http.post("/v1/audio/speech", json=speech()).status_code == 200
