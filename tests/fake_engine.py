@@ -4,6 +4,8 @@
 serves requests without a model: a step thread emits one all-zero frame per running request per step
 (valid codes for Code2Wav). Faults, chosen per request so a test drives them through the real HTTP API:
 
+- `pause_seed`: a request with this seed gets `pause_after_frames` frames, then no more (the engine keeps
+  stepping for the others): a stream that is mid-way for as long as a test needs, e.g. until its deadline.
 - `stall_seed`: admitting a request with this seed makes the loop stop stepping, as a device call that
   never returns would; `check_health()` then raises once no step has happened for `stall_timeout_s`
   while work is pending (the heartbeat the real engine offers).
@@ -31,6 +33,8 @@ class FakeTalkerEngineConfig:
     max_seq_len: int = 512
     step_interval_s: float = 0.005
     stall_seed: int | None = None
+    pause_seed: int | None = None
+    pause_after_frames: int = 4
     stall_timeout_s: float = 1.0
     # accepted and ignored, so that configs written for the real engine work unchanged
     cuda_graphs: bool = False
@@ -165,6 +169,8 @@ class FakeTalkerEngine:
                 self._stop.wait()
                 return
             for s in running:
+                if s.request.seed == self.config.pause_seed and s.frames >= self.config.pause_after_frames:
+                    continue
                 s.frames += 1
                 s.put(np.zeros((1, CODEBOOKS), dtype=np.int64))
                 if s.frames >= s.request.max_frames:

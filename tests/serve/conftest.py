@@ -31,6 +31,7 @@ from tests.conftest import reference_clip  # noqa: E402
 APP = "tts"
 ZERO_CPU = {"ray_actor_options": {"num_cpus": 0}}
 STALL_SEED = 666  # a request with this seed stops the `fake` model's engine (tests/fake_engine.py)
+PAUSE_SEED = 777  # a request with this seed gets 4 frames from the `fake` engine, then waits forever
 BODY_READ_TIMEOUT_S = 5.0  # the test app's: half-sent bodies are answered 408 this long after they arrived
 
 
@@ -109,11 +110,13 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
                 "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
                                        "upscale_delay_s": 0.5, "downscale_delay_s": 2, "look_back_period_s": 1}}),
             # a fake engine (tests/fake_engine.py) whose faults requests inject: health checks every second
+            # 2 streams at once, 1 queued at the handle: the admission test fills it with paused streams
             {**model("fake", tiny_custom_voice, 2, deployment={"health_check_period_s": 1,
-                                                               "health_check_timeout_s": 5}),
+                                                               "health_check_timeout_s": 5,
+                                                               "max_ongoing_requests": 2, "max_queued_requests": 1}),
              "engine_cls": "tests.fake_engine:FakeTalkerEngine",
              "engine_kwargs": {"max_batch_size": 2, "max_seq_len": 512, "stall_seed": STALL_SEED,
-                               "stall_timeout_s": 1.0}},
+                               "stall_timeout_s": 1.0, "pause_seed": PAUSE_SEED, "pause_after_frames": 4}},
         ],
         "code2wav": {"device": "cpu", "cpu_threads": 1, "max_batch_size": 16, "deployment_config": ZERO_CPU},
         "streaming": {"first_chunk_frames": 2, "steady_chunk_frames": 8, "left_context_frames": 4},

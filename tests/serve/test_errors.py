@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.conftest import engine_stats, speech, wait_for, wav_bytes
+from tests.serve.conftest import PAUSE_SEED, engine_stats, speech, wait_for, wav_bytes
 
 pytestmark = pytest.mark.serve
 
@@ -90,30 +90,35 @@ def test_openai_client_raises_typed_errors(openai_client):
 
 
 def test_deadline_ends_requests(http):
-    long = speech(max_new_tokens=400, timeout_s=0.5)
-    _check_error(http.post("/v1/audio/speech", json=long), 504, None, "deadline")
-    with http.stream("POST", "/v1/audio/speech", json={**long, "stream_format": "sse", "response_format": "pcm"}) as r:
+    """A stream of the fake engine paused after 4 frames: mid-way for sure when its deadline passes."""
+    paused = speech(model="fake", seed=PAUSE_SEED, timeout_s=2, response_format="pcm")
+    _check_error(http.post("/v1/audio/speech", json=paused), 504, None, "deadline")
+    with http.stream("POST", "/v1/audio/speech", json={**paused, "stream_format": "sse"}) as r:
+        assert r.status_code == 200  # the first audio came before the deadline
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[0]["type"] == "speech.audio.delta"
     assert events[-1]["type"] == "speech.audio.error" and events[-1]["error"]["code"] == "timeout"
-    # the Talker was told to stop: its slot frees within a step or two (the abort crosses two processes)
-    wait_for(lambda: engine_stats("cv")["running"] == 0, 15, 0.02, "the timed-out request's slot to be freed")
+    # the Talker was told to stop: the engine drops the request at its next step
+    wait_for(lambda: engine_stats("fake")["running"] == 0, 30, 0.02, "the timed-out requests to leave the engine")
 
 
 def test_full_model_answers_fast_429_with_retry_after(base_url):
-    """`vd` admits 1 stream and queues 1: the other concurrent requests are refused at once."""
-    body = speech(model="vd", voice=None, instructions="A calm voice.", response_format="pcm", max_new_tokens=60)
+    """`fake` takes 2 streams and queues 1 at the handle; paused streams hold them until their deadline,
+    so of 6 concurrent requests exactly 3 are refused, at once."""
+    body = speech(model="fake", seed=PAUSE_SEED, timeout_s=10, response_format="pcm")
 
     async def run():
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-            return await asyncio.gather(*(client.post("/v1/audio/speech", json=body) for _ in range(5)))
+            return await asyncio.gather(*(client.post("/v1/audio/speech", json=body) for _ in range(6)))
 
     responses = asyncio.run(run())
     statuses = sorted(r.status_code for r in responses)
-    assert statuses.count(200) >= 1 and statuses.count(429) >= 2, statuses
-    refused = next(r for r in responses if r.status_code == 429)
-    assert refused.headers["retry-after"] == "1"
-    assert refused.json()["error"]["type"] == "rate_limit_error"
-    assert refused.elapsed.total_seconds() < 5
+    assert statuses == [429, 429, 429, 504, 504, 504], statuses
+    refused = [r for r in responses if r.status_code == 429]
+    for r in refused:
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+    # refused without waiting for a slot: sooner than the admitted requests' own deadline
+    assert max(r.elapsed.total_seconds() for r in refused) < 10
 
 
 def test_voice_upload_errors(http):
