@@ -32,7 +32,8 @@ def _deployments(app) -> dict:
     return out
 
 
-@pytest.mark.parametrize("config", ["local.yaml", "high_concurrency.yaml", "split.yaml", "multi_model.yaml"])
+@pytest.mark.parametrize("config", ["local.yaml", "local_all.yaml", "high_concurrency.yaml", "split.yaml",
+                                    "multi_model.yaml"])
 def test_every_shipped_config_builds(config):
     args = TTSServingArgs.model_validate(_app_args(config))
     deployments = _deployments(build_app(args))
@@ -169,3 +170,13 @@ def test_overload_maps_to_429_json_with_retry_after():
     response = error.response()
     assert response.status_code == 429 and response.headers["retry-after"] == "2"
     assert error.body()["error"]["code"] == "overloaded"
+
+
+def test_local_all_serves_every_task_type_on_two_cpus():
+    args = TTSServingArgs.model_validate(_app_args("local_all.yaml"))
+    assert sorted(m.embedded_kind for m in args.models if m.model is None) == ["base", "custom_voice", "voice_design"]
+    assert all(m.device == "cpu" for m in args.models) and args.ingress.allow_suppress_eos
+    deployments = _deployments(build_app(args))
+    cpus = sum(d._deployment_config.num_replicas * d.ray_actor_options.get("num_cpus", 1)
+               for d in deployments.values())
+    assert cpus <= 1.5, cpus  # leaves room on a 2-core machine
