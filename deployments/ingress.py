@@ -27,6 +27,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import constants as C
+from deployments import http_guard, openapi
 from deployments.audio_formats import (
     MEDIA_TYPES,
     STREAMABLE_FORMATS,
@@ -36,7 +37,6 @@ from deployments.audio_formats import (
 )
 from deployments.config import TTSServingArgs
 from deployments.decode_batcher import DecodeBatcher
-from deployments import http_guard, openapi
 from deployments.errors import APIError, StreamAborted, bad_request, plain, shown, to_api_error, unwrap
 from deployments.http_guard import BodyGuard, BodyLimits, OpenWork
 from deployments.metrics import IngressMetrics

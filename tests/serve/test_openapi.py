@@ -26,10 +26,38 @@ def test_openapi_declares_audio_errors_and_the_upload_body(http):
     assert "application/json" in upload
 
 
-def test_a_bounded_schemathesis_run_finds_no_server_errors(base_url, http):
-    import schemathesis
+def _fuzz(op, base_url: str, failures: list[str], seen: dict[int, int]):
+    """A hypothesis test of one operation: valid and invalid inputs (the invalid ones found issue 13's
+    int64 overflow); every answer must be documented, 5xx only the intended 503/504, errors as JSON."""
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.generation import GenerationMode
+
+    examples = {"/v1/audio/speech": 100, "/v1/audio/voices": 15}.get(op.path, 10)  # uploads encode audio: few
+
+    @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE)
+           | op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
+    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    def run(case):
+        if op.path == "/v1/audio/speech" and isinstance(case.body, dict):
+            case.body.setdefault("max_new_tokens", 4)  # short audio: the run is about the API, not speech
+            if isinstance(case.body.get("max_new_tokens"), int) and case.body["max_new_tokens"] > 16:
+                case.body["max_new_tokens"] = 16
+        response = case.call(base_url=base_url, timeout=60)
+        seen[response.status_code] = seen.get(response.status_code, 0) + 1
+        documented = op.definition.raw["responses"]
+        if response.status_code >= 500 and response.status_code not in (503, 504):
+            failures.append(f"{op.method} {op.path}: {response.status_code} {response.text[:300]}")
+        elif str(response.status_code) not in documented:
+            failures.append(f"{op.method} {op.path}: undocumented {response.status_code} {response.text[:200]}")
+        elif response.status_code >= 400 and "error" not in (response.json() or {}):
+            failures.append(f"{op.method} {op.path}: {response.status_code} without an error body")
+
+    return run
+
+
+def test_a_bounded_schemathesis_run_finds_no_server_errors(base_url, http):
+    import schemathesis
 
     schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
     failures: list[str] = []
@@ -38,30 +66,7 @@ def test_a_bounded_schemathesis_run_finds_no_server_errors(base_url, http):
         op = operation.ok()
         if op.method.upper() == "DELETE":
             continue  # would delete the other tests' voices
-
-        # valid and invalid inputs (the invalid ones found the int64 overflow of issue 13)
-        examples = {"/v1/audio/speech": 100, "/v1/audio/voices": 15}.get(op.path, 10)  # uploads encode audio: few
-
-        @given(case=op.as_strategy(generation_mode=GenerationMode.POSITIVE)
-               | op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
-        @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
-        def run(case):
-            if op.path == "/v1/audio/speech" and isinstance(case.body, dict):
-                case.body.setdefault("max_new_tokens", 4)  # short audio: the run is about the API, not speech
-                if isinstance(case.body.get("max_new_tokens"), int) and case.body["max_new_tokens"] > 16:
-                    case.body["max_new_tokens"] = 16
-            response = case.call(base_url=base_url, timeout=60)
-            seen[response.status_code] = seen.get(response.status_code, 0) + 1
-            documented = op.definition.raw["responses"]
-            if response.status_code >= 500 and response.status_code not in (503, 504):
-                failures.append(f"{op.method} {op.path}: {response.status_code} {response.text[:300]}")
-            elif str(response.status_code) not in documented:
-                failures.append(f"{op.method} {op.path}: undocumented {response.status_code} {response.text[:200]}")
-            elif response.status_code >= 400 and "error" not in (response.json() or {}):
-                failures.append(f"{op.method} {op.path}: {response.status_code} without an error body")
-
-        run()
+        _fuzz(op, base_url, failures, seen)()
     assert not failures, "\n".join(failures[:20])
     assert sum(seen.values()) >= 100 and any(s >= 400 for s in seen) and 200 in seen, seen
     assert http.get("/ready").status_code == 200
