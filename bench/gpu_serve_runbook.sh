@@ -18,7 +18,7 @@
 #   closed.md, open.md, and up to 3 PNGs. Results also stay under $W/results while the machine is warm.
 #
 # Knobs (environment): OUT, BUDGET_S, CONFIG (a config file; default by GPU count), SET (space-separated
-# `path=value` overrides of the config's args, e.g. "models.0.engine_kwargs.max_batch_size=128"), SIZE (1.7b),
+# `path=value` overrides of the config's args, e.g. "models.0.engine_kwargs.max_num_seqs=128"), SIZE (1.7b),
 # KIND (custom_voice), MAX_NEW_TOKENS (75 = 6 s of audio), CONCURRENCY, RATES, CLOSED_MIN / CLOSED_PER_LEVEL
 # (requests per closed point: max(min, k x c)), OPEN_MIN / OPEN_SECONDS (per open point: max(min, s x r)),
 # READY_TIMEOUT_S (420), PORT (8000), RAY_PORT (6379, split placement), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use

@@ -1,12 +1,13 @@
 """Both engines in one process, without Ray: what the engines alone give a stream, under arrivals.
 
 Closed loop at each concurrency c: c clients each send requests back to back (texts from the load
-generator's sentence set, a CustomVoice speaker, fixed length). A request's frames come from the talker
-engine's `FrameStream`, are cut into chunks by the serving schedule (`StreamChunker`) and decoded by one
+generator's sentence set, a CustomVoice speaker, fixed length). A request's chunks come from the talker
+engine's `ChunkStream` (cut by the serving schedule in the engine loop) and are decoded by one
 Code2Wav engine on its own thread, batched like the Code2Wav deployment does (whatever is queued when the
 decoder frees up). Per level it reports time to first audio (first chunk decoded), end-to-end latency,
-audio-s/s, the engine's mean step time and batch, and how much of the talker's device thread went to
-prefills (admissions) rather than decode steps. Every frame is checked to hold codes in [0, 2048).
+audio-s/s, the share of streams that play gap-free (a real-time player started at the stream's first audio
+never falls more than 100 ms behind), the engine's mean step time and batch, and how much of the talker's
+engine thread went to prefills (admissions) rather than decode steps. Every frame is checked to hold codes in [0, 2048).
 
 Comparing it with the same levels through `serve run` (bench.loadgen) separates engine limits from
 serving overhead.
@@ -35,8 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.loadgen.metrics import continuity  # noqa: E402
 from bench.loadgen.sentences import load_sentences  # noqa: E402
-from stages.code2wav.chunking import CODEBOOK_SIZE, ChunkSchedule, StreamChunker  # noqa: E402
+from stages.code2wav.chunking import CODEBOOK_SIZE, ChunkSchedule  # noqa: E402
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig  # noqa: E402
 from stages.contract import CodecChunk, SamplingParams, SynthesisRequest  # noqa: E402
 from stages.model import Qwen3TTS  # noqa: E402
@@ -45,6 +47,7 @@ from stages.random_checkpoint import write_random_checkpoint  # noqa: E402
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig  # noqa: E402
 
 FRAME_S = 0.08
+GAP_FREE_S = 0.1  # a stream is gap-free when its worst playback deficit is at most this (as bench.loadgen)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -83,6 +86,7 @@ class Record:
     ttfa_s: float
     e2e_s: float
     frames: int
+    max_deficit_s: float  # worst playback deficit of a real-time player started at the first audio
     bad_codes: str | None = None
 
 
@@ -90,43 +94,38 @@ async def one_request(engine: TalkerEngine, decoder: Decoder | None, schedule: C
                       request_id: str, frames: int) -> Record:
     request = SynthesisRequest(request_id, prompt, SamplingParams(suppress_eos=True), max_frames=frames)
     t0 = time.perf_counter()
-    first: list[float] = []
-    stream = engine.add_request(request)
-    chunker = StreamChunker(schedule, request_id)
+    arrivals: list[tuple[float, float]] = []  # (time a chunk's audio is ready, its seconds of audio)
     pending: list[asyncio.Future] = []
     got, bad = 0, None
 
-    def emit(chunk: CodecChunk) -> None:
-        if decoder is None:
-            if not first:
-                first.append(time.perf_counter())
-            return
-        future = decoder.submit(chunk)
-        if not pending:
-            future.add_done_callback(lambda _f: first.append(time.perf_counter()))
-        pending.append(future)
+    def ready(chunk: CodecChunk) -> None:
+        arrivals.append((time.perf_counter(), chunk.num_new * FRAME_S))
 
-    stream.wake_after(chunker.frames_to_next_chunk)  # as the Talker deployment does
-    async for block in stream:
-        got += len(block)
-        out_of_range = (block < 0) | (block >= CODEBOOK_SIZE)
+    stream = engine.add_request(request, schedule)  # the engine cuts chunks by the serving schedule
+    async for chunk in stream:
+        new = chunk.codes[chunk.context:]
+        got += len(new)
+        out_of_range = (new < 0) | (new >= CODEBOOK_SIZE)
         if out_of_range.any() and bad is None:
             rows, cols = np.nonzero(out_of_range)
-            bad = (f"{request_id}: frame {got - len(block) + int(rows[0])} codebook {int(cols[0])} = "
-                   f"{int(block[rows[0], cols[0]])} (running {engine.stats().running})")
+            bad = (f"{request_id}: frame {got - len(new) + int(rows[0])} codebook {int(cols[0])} = "
+                   f"{int(new[rows[0], cols[0]])} (running {engine.stats().running})")
             print(f"OUT OF RANGE {bad}", flush=True)
-        if bad is None:
-            for chunk in chunker.push(block):
-                emit(chunk)
-            stream.wake_after(chunker.frames_to_next_chunk)
-    if bad is None:
-        last = chunker.flush(stream.finish_reason)
-        if last is not None:
-            emit(last)
+        if bad is not None or chunk.num_new == 0:
+            continue
+        if decoder is None:
+            ready(chunk)
+        else:
+            future = decoder.submit(chunk)
+            future.add_done_callback(lambda _f, c=chunk: ready(c))
+            pending.append(future)
     if pending:
         await asyncio.gather(*pending)
     end = time.perf_counter()
-    return Record(ttfa_s=(first[0] if first else end) - t0, e2e_s=end - t0, frames=got, bad_codes=bad)
+    arrivals.sort()
+    deficit = continuity([t - t0 for t, _ in arrivals], [a for _, a in arrivals]).max_deficit_s if arrivals else 0.0
+    return Record(ttfa_s=(arrivals[0][0] if arrivals else end) - t0, e2e_s=end - t0, frames=got,
+                  max_deficit_s=deficit, bad_codes=bad)
 
 
 async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frames: int, tag: str) -> dict:
@@ -156,6 +155,9 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
         "ttfa_ms": {"p50": pct(ttfa, 50), "p95": pct(ttfa, 95), "max": max(ttfa)},
         "e2e_ms": {"p50": pct(e2e, 50), "p95": pct(e2e, 95)},
         "audio_s_per_s": sum(r.frames for r in records) * FRAME_S / wall,
+        "gap_free_share": sum(r.max_deficit_s <= GAP_FREE_S for r in records) / max(len(records), 1),
+        "max_deficit_ms": {"p50": pct([r.max_deficit_s * 1e3 for r in records], 50),
+                           "p95": pct([r.max_deficit_s * 1e3 for r in records], 95)},
         "steps": steps, "mean_batch": (after.frames - before.frames) / max(steps, 1),
         "step_ms": step_s / max(steps, 1) * 1e3,
         "prefills": prefills, "prefill_ms": prefill_s / max(prefills, 1) * 1e3,
@@ -171,8 +173,8 @@ async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
     prompts = [build_prompt(model.config, model.tokenizer, s.text, speaker=speaker) for s in load_sentences()]
     schedule = ChunkSchedule(first_chunk_frames=args.first_chunk_frames, left_context_frames=args.left_context)
     engine = TalkerEngine(model, TalkerEngineConfig(
-        max_batch_size=args.slots, max_seq_len=args.max_seq_len, kv_cache_tokens=args.slots * args.max_seq_len,
-        cuda_graphs=not args.no_graphs, compile=args.compile))
+        max_num_seqs=args.slots, max_seq_len=args.max_seq_len, kv_cache_tokens=args.kv_tokens,
+        cuda_graphs=not args.no_graphs, compile=args.compile, schedule=schedule))
     t0 = time.perf_counter()
     await asyncio.to_thread(engine.start, print)
     print(f"talker engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -202,18 +204,23 @@ async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
 
 
 def _own_stream() -> None:
-    torch.cuda.set_stream(torch.cuda.Stream())
+    # high priority: a chunk's decode is what a listener waits for; talker kernels queued meanwhile wait instead
+    torch.cuda.set_stream(torch.cuda.Stream(priority=-1 if DECODE_PRIORITY else 0))
 
 
-HEADER = ("| c | requests | TTFA p50 / p95 / max (ms) | E2E p50 / p95 (ms) | audio-s/s | mean batch | step ms | "
-          "prefills, ms each | prefill / step share of wall | decode batches, mean size | bad codes |\n"
-          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+DECODE_PRIORITY = True
+
+
+HEADER = ("| c | requests | TTFA p50 / p95 / max (ms) | E2E p50 / p95 (ms) | audio-s/s | gap-free | mean batch | "
+          "step ms | prefills, ms each | prefill / step share of wall | decode batches, mean size | bad codes |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def row(r: dict) -> str:
     t, e = r["ttfa_ms"], r["e2e_ms"]
     return (f"| {r['concurrency']} | {r['requests']} | {t['p50']:.1f} / {t['p95']:.1f} / {t['max']:.1f} | "
-            f"{e['p50']:.0f} / {e['p95']:.0f} | {r['audio_s_per_s']:.1f} | {r['mean_batch']:.1f} | "
+            f"{e['p50']:.0f} / {e['p95']:.0f} | {r['audio_s_per_s']:.1f} | {r['gap_free_share']:.0%} | "
+            f"{r['mean_batch']:.1f} | "
             f"{r['step_ms']:.2f} | {r['prefills']}, {r['prefill_ms']:.2f} | "
             f"{r['prefill_share']:.0%} / {r['step_share']:.0%} | {r['decode_batches']}, "
             f"{r['mean_decode_batch']:.1f} | {len(r['bad_codes'])} |")
@@ -231,6 +238,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=75, help="frames per request (75 = 6 s)")
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--kv-tokens", type=int, default=262144, help="KV pool (positions, all requests)")
     ap.add_argument("--first-chunk-frames", type=int, default=2)
     ap.add_argument("--left-context", type=int, default=25)
     ap.add_argument("--decode-batch", type=int, default=32)
@@ -238,8 +246,12 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--no-code2wav", action="store_true", help="talker only (first audio = first chunk cut)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--decode-priority", choices=["high", "normal"], default="high",
+                    help="CUDA stream priority of the Code2Wav thread")
     ap.add_argument("--out", default=None, help="JSON results path")
     args = ap.parse_args()
+    global DECODE_PRIORITY
+    DECODE_PRIORITY = args.decode_priority == "high"
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,8 +28,8 @@ from stages.model import Qwen3TTS  # noqa: E402
 from stages.prompts import build_prompt  # noqa: E402
 from stages.random_checkpoint import write_random_checkpoint  # noqa: E402
 from stages.sampling import mask_talker_logits, select_tokens  # noqa: E402
-from stages.talker.prefill import build_prefill  # noqa: E402
-from stages.talker.runner import TalkerRunner  # noqa: E402
+from stages.talker.prompt_plan import plan_prompt  # noqa: E402
+from stages.talker.runner import Admission, TalkerRunner  # noqa: E402
 
 # bf16 weight bytes read per frame at batch 1 (research brief §8) and the H100's ~3.0 TB/s
 FLOOR_MS = {"0.6b": 1.10, "1.7b": 1.77}
@@ -39,23 +40,34 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
 
 
-def admit(runner: TalkerRunner, model: Qwen3TTS, b: int, sampling: SamplingParams) -> None:
+def prompt_plan(model: Qwen3TTS):
     prompt = build_prompt(model.config, model.tokenizer, TEXT, speaker=next(iter(model.config.talker.speakers), None)
                           if model.config.model_kind == "custom_voice" else None, language="english",
                           instruct="A calm voice." if model.config.model_kind == "voice_design" else None)
-    embeds = build_prefill(model.talker, model.config, prompt)
-    for start in range(0, b, 16):
-        n = min(16, b - start)
-        runner.prefill(start, [embeds] * n, [sampling] * n, list(range(start, start + n)))
+    return plan_prompt(model.config, prompt)
+
+
+def admit(runner: TalkerRunner, plan, b: int, sampling: SamplingParams, blocks_per_request: int) -> None:
+    """Rows [0, b) take the same prompt, in admission batches of <= 16 (as the engine admits)."""
+    for start in range(0, b, runner.max_prefill_batch):
+        rows = range(start, min(b, start + runner.max_prefill_batch))
+        runner.admit([Admission(r, plan, sampling, r, np.arange(r * blocks_per_request, (r + 1) * blocks_per_request))
+                      for r in rows])
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def time_steps(runner: TalkerRunner, bucket: int, attn_len: int, steps: int) -> tuple[float, list[torch.Tensor]]:
+    """Decode steps one after the other, each read back before the next (no overlap: the decode-only step)."""
     outs = []
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        outs.append(runner.decode(bucket, attn_len).clone())
+        turn = runner.launch_step(bucket, attn_len)
+        outs.append(torch.from_numpy(runner.step_output(turn, bucket).copy()))
     return (time.perf_counter() - t0) / steps * 1e3, outs
 
 
@@ -72,6 +84,7 @@ def main() -> None:
     ap.add_argument("--greedy", action="store_true", help="greedy instead of the default sampling parameters")
     ap.add_argument("--check-graphs", action="store_true", help="compare graph replay with eager steps")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--no-kernel", action="store_true", help="gather + SDPA decode attention instead of the paged kernel")
     ap.add_argument("--compile", action="store_true", help="torch.compile the layer math and sampling")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--out", default=None, help="JSON results path")
@@ -87,35 +100,36 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     sampling = (SamplingParams(do_sample=False, subtalker_do_sample=False, suppress_eos=True) if args.greedy
                 else SamplingParams(suppress_eos=True))
-    runner = TalkerRunner(model, max(batches), args.max_seq_len, 64, (128, 256, 512, 1024), compile=args.compile)
+    plan = prompt_plan(model)
+    per_request = -(-(plan.length + 2 * args.steps + 8) // 16)  # KV blocks: prompt + timed and warm-up steps
+    runner = TalkerRunner(model, max(batches), args.max_seq_len, 64, num_blocks=max(batches) * per_request,
+                          compile=args.compile, attention_kernel=None if not args.no_kernel else False)
     capture_s = 0.0
     if device == "cuda" and not args.no_graphs:
         capture_s = runner.capture_graphs(tuple(batches), log=print)
     prefill_ms = {}
-    for n in (1, 16):  # eager batched prefill of n requests (+ first-token sampling), the admission cost
+    for n in (1, 16):  # one admission batch of n requests: host time to launch it, and until the device is done
         if n <= max(batches):
-            admit(runner, model, n, sampling)
-            if device == "cuda":
-                torch.cuda.synchronize()
+            admit(runner, plan, n, sampling, per_request)
+            sync()
             t0 = time.perf_counter()
-            for _ in range(5):
-                admit(runner, model, n, sampling)
-                runner.first_tokens(0, n)  # the engine's one host sync per admission
-            prefill_ms[n] = round((time.perf_counter() - t0) / 5 * 1e3, 2)
-    print(f"prefill (prompt of {int(runner.positions[0])} positions): {prefill_ms} ms for batches {list(prefill_ms)}")
+            admit(runner, plan, n, sampling, per_request)
+            launched = time.perf_counter()
+            sync()
+            prefill_ms[n] = {"host": round((launched - t0) * 1e3, 3), "device": round((time.perf_counter() - t0) * 1e3, 2)}
+    print(f"prefill (prompt of {plan.length} positions, graphed={bool(runner.prefill_graphs)}): {prefill_ms}")
     results = []
     for b in batches:
-        admit(runner, model, b, sampling)
-        prompt_len = int(runner.positions[0])
-        attn_len = runner.attn_bucket(prompt_len + args.steps * 2 + 2)
+        admit(runner, plan, b, sampling, per_request)
+        attn_len = runner.attn_bucket(plan.length + args.steps * 2 + 2)
         time_steps(runner, b, attn_len, 3)  # warm up
-        saved = [t.clone() for t in runner._slot_tensors()]
+        saved = [t.clone() for t in runner._row_tensors()]
         ms, outs = time_steps(runner, b, attn_len, args.steps)
         row = {"batch": b, "ms_per_step": round(ms, 3), "frames_per_s": round(b * 1000 / ms, 1),
                "audio_s_per_s": round(b * 1000 / ms * 0.08, 1), "x_realtime_per_stream": round(80 / ms, 1),
                "attn_len": attn_len}
         if args.check_graphs and runner.graphs:
-            for t, s in zip(runner._slot_tensors(), saved, strict=True):
+            for t, s in zip(runner._row_tensors(), saved, strict=True):
                 t.copy_(s)
             # the reference: plain eager PyTorch (no graph, no compiled kernels)
             graphs, runner.graphs = runner.graphs, {}
@@ -135,7 +149,7 @@ def main() -> None:
     report = {
         "device": device_name(), "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
         "size": args.size, "kind": args.kind, "dtype": args.dtype, "graphs": bool(runner.graphs),
-        "compile": args.compile,
+        "compile": args.compile, "paged_attention_kernel": runner.use_kernel,
         "graph_capture_s": round(capture_s, 1), "bandwidth_floor_ms_b1": FLOOR_MS.get(args.size),
         "prefill_ms": prefill_ms,
         "torch": torch.__version__, "results": results,

@@ -51,7 +51,7 @@ def _with_policy(options: dict[str, Any], policy: str, target: float) -> dict[st
 
 
 def talker_deployment_options(config: TalkerConfig) -> dict[str, Any]:
-    slots = config.max_batch_size
+    slots = config.max_num_seqs
     defaults = {
         "name": config.deployment_name,
         "max_ongoing_requests": max(1, math.ceil(slots * C.TALKER_ONGOING_PER_SLOT)),

@@ -97,8 +97,8 @@ class TalkerConfig(_RuntimeOptions):
     @field_validator("engine_kwargs")
     @classmethod
     def _slots_positive(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if int(value.get("max_batch_size", 1)) < 1:
-            raise ValueError("engine_kwargs.max_batch_size must be >= 1")
+        if int(value.get("max_num_seqs", 1)) < 1:
+            raise ValueError("engine_kwargs.max_num_seqs must be >= 1")
         return value
 
     @property
@@ -106,16 +106,17 @@ class TalkerConfig(_RuntimeOptions):
         return CheckpointSource(model=self.model, embedded_kind=self.embedded_kind, embedded_size=self.embedded_size)
 
     @property
-    def max_batch_size(self) -> int:
-        """Engine slots: what `max_ongoing_requests` and the autoscaling target are derived from."""
-        return int(self.engine_kwargs.get("max_batch_size", C.DEFAULT_TALKER_MAX_BATCH_SIZE))
+    def max_num_seqs(self) -> int:
+        """Engine rows (requests running at once): what `max_ongoing_requests` and the autoscaling target are
+        derived from."""
+        return int(self.engine_kwargs.get("max_num_seqs", C.DEFAULT_TALKER_MAX_NUM_SEQS))
 
     @property
     def deployment_name(self) -> str:
         return C.TALKER_DEPLOYMENT_PREFIX + self.name
 
     def engine_config_kwargs(self) -> dict[str, Any]:
-        return {**self.engine_kwargs, "max_batch_size": self.max_batch_size}
+        return {**self.engine_kwargs, "max_num_seqs": self.max_num_seqs}
 
 
 class Code2WavConfig(_RuntimeOptions):

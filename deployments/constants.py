@@ -29,7 +29,7 @@ TALKER_DEPLOYMENT_PREFIX = "Talker:"
 CODE2WAV_DEPLOYMENT_NAME = "Code2Wav"
 
 # Talker: engine slots and Serve admission
-DEFAULT_TALKER_MAX_BATCH_SIZE = _env_int("QWEN3_TTS_TALKER_MAX_BATCH_SIZE", 32)
+DEFAULT_TALKER_MAX_NUM_SEQS = _env_int("QWEN3_TTS_TALKER_MAX_NUM_SEQS", 32)
 # open streams a replica accepts per engine slot (the excess waits inside the engine, ready to be admitted
 # the step a slot frees) and requests queued at the caller per slot before a fast 429/503
 TALKER_ONGOING_PER_SLOT = _env_float("QWEN3_TTS_TALKER_ONGOING_PER_SLOT", 1.5)

@@ -28,13 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import constants as C
 from deployments import http_guard, openapi
-from deployments.audio_formats import (
-    MEDIA_TYPES,
-    STREAMABLE_FORMATS,
-    encode,
-    streaming_wav_header,
-    time_stretch,
-)
+from deployments.audio_formats import MEDIA_TYPES
 from deployments.config import TTSServingArgs
 from deployments.decode_batcher import DecodeBatcher
 from deployments.errors import APIError, StreamAborted, bad_request, plain, shown, to_api_error, unwrap
@@ -54,6 +48,7 @@ from deployments.playback import PlaybackClock
 from deployments.protocol import DecodedChunk, ModelInfo
 from deployments.ref_audio import load_ref_audio, probe_audio, read_voice_upload
 from deployments.schemas import SpeechRequest
+from deployments.stream_encoders import encode, open_stream_encoder
 from deployments.voices import VOICE_NAME_PATTERN, VoiceStore
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME, TaskType, VoiceClonePrompt
 
@@ -172,11 +167,6 @@ class TTSIngress:
         model = "-"  # metric tag: a served name only (never a client-chosen string)
         chunks: AsyncIterator[DecodedChunk] | None = None
         try:
-            if body.streaming and body.response_format not in STREAMABLE_FORMATS:
-                raise bad_request(f"streaming supports response_format {list(STREAMABLE_FORMATS)}; "
-                                  f"got {shown(body.response_format)}", "response_format")
-            if body.streaming and body.speed != 1.0:
-                raise bad_request("speed is applied to the whole clip; it is not available when streaming", "speed")
             check_limits(body, self._limits)
             # validation first, then the client's deadline: a tiny `timeout_s` must not hide a 400. Routing
             # waits only for a model's info (fetched once per replica), bounded by the server's deadline.
@@ -259,12 +249,10 @@ class TTSIngress:
             return self._fail(exc, job.model, False)
         pcm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int16)
         frames = pcm.size // SAMPLES_PER_FRAME
-        if job.body.speed != 1.0:
-            pcm = await asyncio.to_thread(time_stretch, pcm, job.body.speed)
-        data = await asyncio.to_thread(encode, pcm, job.body.response_format)
+        data = await asyncio.to_thread(encode, pcm, job.body.response_format, speed=job.body.speed)
         self._finish(job, False, frames, time_to_first=time.perf_counter() - job.started)
         headers.update({"X-Usage-Input-Tokens": str(job.usage_in), "X-Usage-Output-Tokens": str(frames),
-                        "X-Audio-Duration-S": f"{pcm.size / SAMPLE_RATE:.3f}",
+                        "X-Audio-Duration-S": f"{round(pcm.size / job.body.speed) / SAMPLE_RATE:.3f}",
                         "X-Finish-Reason": finish.value if finish else "unknown"})
         return Response(content=data, media_type=MEDIA_TYPES[job.body.response_format], headers=headers)
 
@@ -280,19 +268,31 @@ class TTSIngress:
             return f"data: {json.dumps({'type': f'speech.audio.{kind}', **fields})}\n\n".encode()
 
         try:
-            pending = streaming_wav_header() if job.body.response_format == "wav" else b""
-            chunk = job.first
-            while chunk is not None:
-                frames += chunk.pcm.size // SAMPLES_PER_FRAME
-                finish = chunk.finish_reason or finish
-                data, pending = pending + chunk.pcm.astype("<i2").tobytes(), b""
-                if data:  # a stream may end with an empty final chunk
-                    playback.sent(chunk.pcm.size / SAMPLE_RATE)
+            encoder = open_stream_encoder(job.body.response_format, speed=job.body.speed)
+            cheap = job.body.response_format in ("pcm", "wav") and job.body.speed == 1.0
+
+            async def encoded(step, *args) -> bytes:  # FFmpeg's work leaves the event loop; pcm/wav cost nothing
+                return step(*args) if cheap else await asyncio.to_thread(step, *args)
+
+            chunk, unsent_s = job.first, 0.0
+            while True:
+                if chunk is not None:
+                    frames += chunk.pcm.size // SAMPLES_PER_FRAME
+                    finish = chunk.finish_reason or finish
+                    unsent_s += chunk.pcm.size / SAMPLE_RATE / job.body.speed
+                    data = await encoded(encoder.push, chunk.pcm)
+                else:
+                    data = await encoded(encoder.finish)
+                if data:  # a stream may end with an empty final chunk; a codec may hold a short chunk back
+                    playback.sent(unsent_s)
+                    unsent_s = 0.0
                     yield event("delta", audio=base64.b64encode(data).decode()) if sse else data
                     if not audio_sent:
                         audio_sent = True
                         self._metrics.time_to_first_audio_ms.observe(
                             (time.perf_counter() - job.started) * 1000, tags={"model": model, "stream": "true"})
+                if chunk is None:
+                    break
                 async with asyncio.timeout_at(job.deadline):
                     chunk = await anext(job.chunks, None)
             if sse:

@@ -60,7 +60,7 @@ def _speech_ok() -> dict[str, Any]:
     content["text/event-stream"] = {"schema": {"type": "string", "description": (
         "`data: {\"type\": \"speech.audio.delta\", \"audio\": <base64>}` events, then `speech.audio.done` "
         "(usage, finish_reason) or `speech.audio.error`")}}
-    return {"description": "the audio: one body in `response_format`; streamed raw (`pcm`, `wav`) or as SSE "
+    return {"description": "the audio: one body in `response_format`; streamed raw or as SSE "
                            "(`stream_format: sse`). A raw stream that fails mid-way ends without its terminating "
                            "chunk.", "content": content}
 

@@ -181,7 +181,7 @@ def build_request(
         raise bad_request(str(e)) from None
 
     prompt_len = prefill_length(prompt)
-    room = info.max_seq_len - prompt_len - 1  # frames that fit the engine's KV slot after the prompt
+    room = info.max_seq_len - prompt_len - 2  # frames that fit: the engine needs prompt + frames + 2 positions
     if body.max_new_tokens is not None:
         if body.max_new_tokens > room:
             raise bad_request(f"request too long: a prompt of {prompt_len} positions + {body.max_new_tokens} frames "

@@ -12,7 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus"]
+# every format streams (deployments/stream_encoders.py); mulaw / alaw are G.711 at 8 kHz for telephony
+ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac", "mulaw", "alaw"]
+FORMAT_ALIASES = {"ulaw": "mulaw", "g711_ulaw": "mulaw", "g711_alaw": "alaw"}  # OpenAI Realtime's names
 # bounds of the numeric fields (the model-specific limits, e.g. max_seq_len, are checked later per model)
 MAX_TOP_K = 4096  # >= every 12 Hz vocabulary (talker 3072 ids, code predictor 2048); 0 disables top-k
 MAX_FRAMES = 65536  # 87 minutes of audio: above any engine's max_seq_len
@@ -38,7 +40,7 @@ class SpeechRequest(BaseModel):
     input: str = Field(description="text to speak")
     voice: str | None = Field(None, max_length=MAX_NAME_CHARS, description="preset speaker (CustomVoice) or uploaded voice (Base)")
     response_format: ResponseFormat = "wav"
-    speed: float = Field(1.0, ge=0.25, le=4.0, description="tempo, pitch preserved; non-streaming only")
+    speed: float = Field(1.0, ge=0.25, le=4.0, description="tempo, pitch preserved (streamed or not)")
     instructions: str | None = Field(None, description="style instruction (CustomVoice 1.7B) or voice description "
                                      "(VoiceDesign)")
     stream: bool | None = Field(None, description="stream the audio as it is generated")
@@ -81,6 +83,11 @@ class SpeechRequest(BaseModel):
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
         return check_unicode(value)
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _format_alias(cls, value: Any) -> Any:
+        return FORMAT_ALIASES.get(value, value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _streaming_mode(self) -> SpeechRequest:

@@ -1,7 +1,7 @@
 """TalkerServer: the `Talker:<model>` deployment, a thin shim over one talker engine per replica.
 
-It streams codec chunks (with left context) of one request: the engine yields frames as they are
-produced, a per-stream chunker cuts them into `CodecChunk`s and the chunks leave as the stream's items
+It streams codec chunks (with left context) of one request: the engine cuts them by the serving
+schedule in its loop (where the frames are) and the chunks leave as the stream's items
 (Ray owns them; the ingress forwards their refs to Code2Wav without deserializing them).
 """
 
@@ -90,27 +90,19 @@ class TalkerServer:
         Cancelling the consumer (client gone, deadline) aborts the request in the engine, which frees
         its slot at the next step.
         """
-        from stages.code2wav.chunking import StreamChunker
         from stages.talker.prefill import prefill_length
 
         options = options or GenerateOptions()
-        if options.fit_max_frames:
-            room = self._info.max_seq_len - prefill_length(request.prompt) - 1
+        if options.fit_max_frames:  # the engine needs prompt + frames + 2 positions (one speculative step)
+            room = self._info.max_seq_len - prefill_length(request.prompt) - 2
             request = dataclasses.replace(request, max_frames=max(1, min(request.max_frames, room)))
         schedule = self._schedule
         if options.first_chunk_frames is not None:
             schedule = dataclasses.replace(schedule, first_chunk_frames=options.first_chunk_frames)
-        chunker = StreamChunker(schedule, request.request_id, ref_codes=request.prompt.ref_codes)
-        stream = self._engine.add_request(request)
+        stream = self._engine.add_request(request, schedule)  # chunks are cut in the engine loop
         try:
-            stream.wake_after(chunker.frames_to_next_chunk)
-            async for frames in stream:
-                for chunk in chunker.push(frames):
-                    yield chunk
-                stream.wake_after(chunker.frames_to_next_chunk)
-            last = chunker.flush(stream.finish_reason)
-            if last is not None:
-                yield last
+            async for chunk in stream:
+                yield chunk
         finally:
             await stream.aclose()  # no-op after a normal end; aborts the request otherwise
 
@@ -137,9 +129,9 @@ class TalkerServer:
         thread stuck in a device call; such an engine looks alive to `ready` alone."""
         if self._engine is None or not self._engine.ready:
             raise RuntimeError(f"talker engine of {self._config.name} is not running")
-        engine_check = getattr(self._engine, "check_health", None)
-        if engine_check is not None:
-            engine_check()
+        check = getattr(self._engine, "check_health", None)
+        if check is not None:  # a loop that died or stopped stepping with work pending
+            check()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         s = self._engine.stats()
@@ -177,7 +169,7 @@ class TalkerServer:
             m.waiting.set(s.waiting)
             m.running.set(s.running)
             m.slots.set(s.max_running)
-            m.kv_usage.set(s.kv_used_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0)
+            m.kv_usage.set(s.kv_reserved_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0)
             if s.frames > last_frames:
                 m.frames.inc(s.frames - last_frames)
             if s.steps > last_steps:

@@ -30,6 +30,15 @@ class AttentionContext(Protocol):
         ...
 
 
+class SelfAttendingContext(Protocol):
+    """A context that stores k/v and computes attention itself (the engine's paged KV: its keys are not one
+    contiguous tensor, and a kernel reads them in place)."""
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, h, 1, D], new k/v [B, n_kv, 1, D] -> [B, 1, h*D]."""
+        ...
+
+
 class RMSNorm(nn.Module):
     """RMSNorm that normalizes in fp32 and casts back before scaling (as the official model)."""
 
@@ -119,8 +128,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               ctx: AttentionContext | SelfAttendingContext) -> torch.Tensor:
         """q [B, h, S, D], new k/v [B, n_kv, S, D] -> attention output [B, S, h*D] (cache updated by ctx)."""
+        if hasattr(ctx, "attend"):
+            return ctx.attend(self.layer_idx, q, k, v)
         b, _, s, _ = q.shape
         k, v = ctx.update(self.layer_idx, k, v)  # [B, n_kv, L, D]
         if s == 1 and not ctx.is_causal:
@@ -157,8 +169,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
-                kernels: LayerKernels | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: AttentionContext | SelfAttendingContext, kernels: LayerKernels | None = None) -> torch.Tensor:
         a, m = self.self_attn, self.mlp
         pre, post = (kernels.pre, kernels.post) if kernels is not None else (attention_inputs, attention_output_and_mlp)
         q, k, v = pre(x, self.input_layernorm.weight, self.input_layernorm.eps, a.q_proj.weight, a.k_proj.weight,

@@ -16,20 +16,22 @@ It depends on nothing of stages/talker's internals, so it keeps working while th
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from stages.contract import FinishReason, SynthesisRequest
+from stages.code2wav.chunking import ChunkSchedule, StreamChunker
+from stages.contract import CodecChunk, FinishReason, SynthesisRequest
 
 CODEBOOKS = 16
 
 
 @dataclass(frozen=True)
 class FakeTalkerEngineConfig:
-    max_batch_size: int = 4
+    max_num_seqs: int = 4
     max_seq_len: int = 512
     step_interval_s: float = 0.005
     stall_seed: int | None = None
@@ -51,17 +53,24 @@ class FakeEngineStats:
     steps: int
     frames: int
     stalled: bool
+    kv_reserved_tokens: int = 0
 
 
 class _Stream:
-    """What TalkerServer.generate uses of a frame stream: async iteration, wake_after, finish_reason, aclose."""
+    """What TalkerServer.generate uses of the engine's stream: async iteration over CodecChunks cut by the
+    request's schedule, finish_reason, aclose."""
 
-    def __init__(self, engine: FakeTalkerEngine, request: SynthesisRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine: FakeTalkerEngine, request: SynthesisRequest, loop: asyncio.AbstractEventLoop,
+                 schedule: ChunkSchedule | None):
         self.request, self._engine, self._loop = request, engine, loop
         self.request_id = request.request_id
         self.finish_reason: FinishReason | None = None
         self.frames = 0
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._chunker = StreamChunker(schedule or ChunkSchedule(), request.request_id,
+                                      ref_codes=request.prompt.ref_codes)
+        self._chunks: collections.deque[CodecChunk] = collections.deque()
+        self._ended = False
         self._closed = False
 
     def wake_after(self, frames: int) -> None:
@@ -76,17 +85,22 @@ class _Stream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> np.ndarray:
-        if self.finish_reason is not None:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, FinishReason):
-            self.finish_reason = item
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finish_reason = FinishReason.ERROR
-            raise item
-        return item
+    async def __anext__(self) -> CodecChunk:
+        while not self._chunks:
+            if self._ended:
+                raise StopAsyncIteration
+            item = await self._queue.get()
+            if isinstance(item, FinishReason):
+                self.finish_reason, self._ended = item, True
+                last = self._chunker.flush(item)
+                if last is not None:
+                    self._chunks.append(last)
+            elif isinstance(item, BaseException):
+                self.finish_reason, self._ended = FinishReason.ERROR, True
+                raise item
+            else:
+                self._chunks.extend(self._chunker.push(item))
+        return self._chunks.popleft()
 
     async def aclose(self) -> None:
         if not self._closed:
@@ -124,8 +138,8 @@ class FakeTalkerEngine:
     def ready(self) -> bool:
         return self._ready and not self._stop.is_set()
 
-    def add_request(self, request: SynthesisRequest) -> _Stream:
-        stream = _Stream(self, request, asyncio.get_running_loop())
+    def add_request(self, request: SynthesisRequest, schedule: ChunkSchedule | None = None) -> _Stream:
+        stream = _Stream(self, request, asyncio.get_running_loop(), schedule)
         with self._lock:
             if not self._running:
                 self.last_step = time.monotonic()  # idle until now: the heartbeat starts with the work
@@ -145,8 +159,8 @@ class FakeTalkerEngine:
     def stats(self) -> FakeEngineStats:
         with self._lock:
             running = len(self._running)
-        return FakeEngineStats(waiting=0, running=running, max_running=self.config.max_batch_size,
-                               kv_used_tokens=0, kv_total_tokens=self.config.max_batch_size * self.config.max_seq_len,
+        return FakeEngineStats(waiting=0, running=running, max_running=self.config.max_num_seqs,
+                               kv_used_tokens=0, kv_total_tokens=self.config.max_num_seqs * self.config.max_seq_len,
                                steps=self.steps, frames=self.frames, stalled=self._stalled)
 
     def check_health(self) -> None:

@@ -2,7 +2,7 @@
 optional `--set path=value` overrides (dotted path under the first application's `args`; YAML values).
 
     python -m bench.loadgen.serve_config configs/high_concurrency.yaml /tmp/cfg.yaml \\
-        --checkpoint /tmp/ckpt/1.7b-custom_voice --set models.0.engine_kwargs.max_batch_size=128
+        --checkpoint /tmp/ckpt/1.7b-custom_voice --set models.0.engine_kwargs.max_num_seqs=128
 """
 
 from __future__ import annotations

@@ -1,81 +1,97 @@
 """TalkerEngine: continuous batching of talker requests on one device thread, driven from asyncio.
 
-One thread owns every GPU operation (CUDA graphs are captured and replayed there). Requests enter
-through a thread-safe command queue; frames leave through per-request `FrameStream`s, delivered to
-the caller's event loop in one callback per step. Every step the thread admits waiting requests
-(batched prefill into free slots, as far as KV capacity allows) and advances every running request
-by one frame in one batched decode step.
+A thin loop wiring the scheduler (stages/talker/scheduler.py: who waits, who runs where, KV blocks) to the
+runner (stages/talker/runner.py: the only owner of the device). Requests enter through a thread-safe
+command queue; codec chunks (with left context, cut by the serving schedule right here, where the frames
+are) leave through per-request `ChunkStream`s, one event-loop callback per step for all streams.
+
+One iteration of the loop:
+1. drain commands (new requests, aborts: a waiting request that is aborted leaves without a prefill);
+2. admit at most one batch (<= max_prefill_batch): staged on the host, one copy, prefill graph; nothing waits;
+3. launch step N+1 for every running row;
+4. read step N's output (the one wait per step, while step N+1 runs) and do its bookkeeping, vectorized
+   over the rows; Python touches a request only when it completes a chunk or finishes.
+A request that finished by EOS in step N was also computed in step N+1 (launched before N was read); that
+frame is dropped, and its KV reservation includes that speculative position. Length limits are known ahead:
+no step is launched that no row can use.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from stages.code2wav.chunking import ChunkSchedule, StreamChunker
 from stages.contract import EngineOverloadedError, FinishReason, InvalidRequestError, SynthesisRequest
 from stages.model import Qwen3TTS
 from stages.talker.frame import CODEBOOKS
-from stages.talker.kv_slots import SlotKVCache
-from stages.talker.prefill import build_prefill, prefill_length, trailing_length
-from stages.talker.runner import TalkerRunner
-from stages.talker.stream import FrameStream
+from stages.talker.paged_kv import PagedKVCache
+from stages.talker.prefill import build_prefill
+from stages.talker.prompt_plan import plan_prompt
+from stages.talker.runner import Admission, TalkerRunner
+from stages.talker.scheduler import Scheduler, Sequence
+from stages.talker.stream import ChunkStream
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class TalkerEngineConfig:
-    max_batch_size: int = 64  # slots at most (running requests)
-    max_seq_len: int = 2048  # prompt + frames per request (KV positions of one slot)
-    kv_cache_tokens: int | None = None  # total KV budget in tokens; None: from kv_cache_memory_fraction
+    max_num_seqs: int = 64  # requests running at once (batch rows)
+    max_seq_len: int = 2048  # prompt + frames of one request at most (KV positions)
+    kv_cache_tokens: int | None = None  # KV pool in tokens (all requests); None: from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.5  # of free device memory after weights (CUDA only)
+    kv_block_size: int = 16  # KV positions per block (the unit a request reserves)
     max_text_rows: int = 1024  # trailing text rows per request (longest streaming-text input)
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-    length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
-    max_prefill_batch: int = 16  # requests admitted in one batched prefill
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+    length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)  # gather-attention path only
+    max_prefill_batch: int = 16  # requests admitted per loop iteration (one batched prefill)
     max_waiting: int = 4096  # queued requests at most; more are refused (overload)
     cuda_graphs: bool = True
     compile: bool = True  # torch.compile the per-layer math and sampling (CUDA only)
+    exact_prefill: bool | None = None  # reference prompt embeddings (bit-exact, slow); None: on CPU only
+    attention_kernel: bool | None = None  # paged Triton decode attention; None: where available (CUDA)
+    stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
+    schedule: ChunkSchedule = ChunkSchedule()  # default chunking of a stream (a request may bring its own)
 
     def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.max_seq_len < 16:
-            raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 16")
+        if self.max_num_seqs < 1 or self.max_seq_len < 16:
+            raise ValueError("max_num_seqs must be >= 1 and max_seq_len >= 16")
+        if isinstance(self.schedule, dict):  # from YAML / JSON kwargs
+            object.__setattr__(self, "schedule", ChunkSchedule(**self.schedule))
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    waiting: int
+    waiting: int  # requests queued (not yet admitted)
     running: int
-    max_running: int
-    kv_used_tokens: int
+    max_running: int  # rows (max_num_seqs)
+    kv_reserved_tokens: int  # KV positions reserved by running requests (whole blocks)
     kv_total_tokens: int
     steps: int
     frames: int
     prefills: int = 0  # batched prefills run (admissions)
-    prefill_seconds: float = 0.0  # device-thread time spent in them (decode steps wait meanwhile)
-    step_seconds: float = 0.0  # device-thread time spent in decode steps (incl. handing frames out)
+    prefill_seconds: float = 0.0  # engine-thread time spent launching them (they never wait for the device)
+    step_seconds: float = 0.0  # engine-thread time spent launching steps and reading their output
 
 
 @dataclass
-class _Request:
-    request: SynthesisRequest
-    stream: FrameStream
-    prompt_len: int
-    seed: int
-    frames: int = 0
-    aborted: bool = False
-    enqueued_at: float = field(default_factory=time.monotonic)
+class _Output:
+    """Where a running request's frames go: its stream and the chunker cutting them."""
 
-    @property
-    def worst_case_len(self) -> int:
-        return self.prompt_len + self.request.max_frames + 1
+    stream: ChunkStream
+    chunker: StreamChunker
+    pushed: int = 0  # frames given to the chunker so far
 
 
 class TalkerEngine:
@@ -88,20 +104,23 @@ class TalkerEngine:
         self._ready = threading.Event()
         self._stop = False
         self._error: BaseException | None = None
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: list[_Request] = []
-        self._by_id: dict[str, _Request] = {}
         self._seed_counter = itertools.count(int(time.time_ns() % (1 << 31)))
         self._steps = self._frames = self._prefills = 0
         self._prefill_seconds = self._step_seconds = 0.0
+        # add commands not yet drained (counted as waiting): one counter per writing thread, so no update is lost
+        self._adds_sent = 0  # event-loop side
+        self._adds_drained = 0  # engine thread
+        self._progress_at = time.monotonic()  # last step/admission (heartbeat for check_health)
         self.num_slots = 0
         self.graph_capture_seconds = 0.0
         self._thread: threading.Thread | None = None
         self.runner: TalkerRunner | None = None
+        self.scheduler: Scheduler | None = None
+        self.on_admit: Callable[[list[str]], None] | None = None  # test hook: request ids admitted (engine thread)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, log: Callable[[str], None] = print, timeout: float | None = None) -> None:
-        """Start the device thread: size the KV cache, capture graphs, warm up. Blocks until ready."""
+        """Start the device thread: size the KV pool, capture graphs. Blocks until ready."""
         self._thread = threading.Thread(target=self._main, args=(log,), name="talker-engine", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -110,6 +129,7 @@ class TalkerEngine:
             raise RuntimeError("talker engine failed to start") from self._error
 
     def shutdown(self) -> None:
+        """Stop the loop; every open stream ends with an error (nobody is left waiting forever)."""
         self._stop = True
         self._wake.set()
         if self._thread is not None:
@@ -117,29 +137,49 @@ class TalkerEngine:
 
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and self._error is None
+        return self._ready.is_set() and self._error is None and not self._stop
+
+    def check_health(self) -> None:
+        """Raise if the loop died, or holds work and made no progress for `stall_timeout_s` (stuck device)."""
+        if self._error is not None:
+            raise RuntimeError(f"talker engine failed: {self._error!r}")
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError("talker engine thread is not running")
+        stats = self.stats()
+        idle_for = time.monotonic() - self._progress_at
+        if (stats.running or stats.waiting) and idle_for > self.config.stall_timeout_s:
+            raise RuntimeError(f"talker engine made no progress for {idle_for:.0f} s with work pending")
 
     # ------------------------------------------------------------------ API (event-loop side)
-    def add_request(self, request: SynthesisRequest) -> FrameStream:
-        """Queue a request; frames arrive on the returned stream. Call from the asyncio loop."""
+    def add_request(self, request: SynthesisRequest, schedule: ChunkSchedule | None = None) -> ChunkStream:
+        """Queue a request; its codec chunks arrive on the returned stream. Call from the asyncio loop."""
         if self._error is not None:
             raise RuntimeError("talker engine has failed") from self._error
+        if self._stop:
+            raise RuntimeError("talker engine is shut down")
         request.sampling.validate()
         if request.max_frames < 1:
             raise InvalidRequestError("max_new_tokens must be >= 1")
-        prompt_len = prefill_length(request.prompt)
-        if prompt_len + request.max_frames + 1 > self.config.max_seq_len:
+        plan = plan_prompt(self.model.config, request.prompt)  # host work, here rather than on the engine thread
+        seq = Sequence(request, 0, plan.length, plan.trailing_length, output=None, plan=plan)
+        if seq.max_positions > self.config.max_seq_len:
             raise InvalidRequestError(
-                f"request too long: prompt of {prompt_len} positions + {request.max_frames} frames exceeds "
+                f"request too long: prompt of {plan.length} positions + {request.max_frames} frames exceeds "
                 f"the engine's max_seq_len {self.config.max_seq_len}"
             )
-        if trailing_length(request.prompt) > self.config.max_text_rows:
+        if plan.trailing_length > self.config.max_text_rows:
             raise InvalidRequestError(f"input text too long ({len(request.prompt.text_ids)} tokens)")
-        if len(self._waiting) >= self.config.max_waiting:
-            raise EngineOverloadedError(f"{len(self._waiting)} requests already waiting")
-        seed = request.seed if request.seed is not None else next(self._seed_counter)
-        stream = FrameStream(request.request_id, asyncio.get_running_loop(), on_close=self.abort)
-        self._commands.put(("add", _Request(request, stream, prompt_len, seed & 0x7FFFFFFF)))
+        if self.scheduler is not None and not self.scheduler.can_ever_fit(seq):
+            raise InvalidRequestError("request needs more KV than the engine has")
+        if self._adds_queued + (self.scheduler.num_waiting if self.scheduler else 0) >= self.config.max_waiting:
+            raise EngineOverloadedError(f"{self.config.max_waiting} requests already waiting")
+        seq.seed = (request.seed if request.seed is not None else next(self._seed_counter)) & 0x7FFFFFFF
+        stream = ChunkStream(request.request_id, asyncio.get_running_loop(), on_close=self.abort)
+        chunker = StreamChunker(schedule or self.config.schedule, request.request_id,
+                                ref_codes=request.prompt.ref_codes)
+        seq.output = _Output(stream, chunker)
+        self._adds_sent += 1
+        self._commands.put(("add", seq))
         self._wake.set()
         return stream
 
@@ -155,17 +195,24 @@ class TalkerEngine:
         return future
 
     def abort(self, request_id: str) -> None:
-        """Stop a request at the next step boundary and free its slot. Safe from any thread."""
+        """Stop a request at the next step boundary and free its row. Safe from any thread."""
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    @property
+    def _adds_queued(self) -> int:
+        return self._adds_sent - self._adds_drained
+
     def stats(self) -> EngineStats:
-        running = list(self._running)
+        sched = self.scheduler
+        if sched is None:
+            return EngineStats(self._adds_queued, 0, 0, 0, 0, 0, 0)
         return EngineStats(
-            waiting=len(self._waiting) + self._commands.qsize(), running=len(running), max_running=self.num_slots,
-            kv_used_tokens=sum(r.worst_case_len for r in running),
-            kv_total_tokens=self.num_slots * self.config.max_seq_len, steps=self._steps, frames=self._frames,
-            prefills=self._prefills, prefill_seconds=self._prefill_seconds, step_seconds=self._step_seconds,
+            waiting=sched.num_waiting + self._adds_queued, running=sched.num_running, max_running=self.num_slots,
+            kv_reserved_tokens=sched.reserved_positions,
+            kv_total_tokens=sched.blocks.num_blocks * sched.blocks.block_size, steps=self._steps,
+            frames=self._frames, prefills=self._prefills, prefill_seconds=self._prefill_seconds,
+            step_seconds=self._step_seconds,
         )
 
     # ------------------------------------------------------------------ device thread
@@ -178,64 +225,85 @@ class TalkerEngine:
             return
         self._ready.set()
         try:
-            while not self._stop:
-                self._drain_commands(block=not (self._running or self._waiting))
-                self._admit()
-                if self._running:
-                    t0 = time.perf_counter()
-                    self._step()
-                    self._step_seconds += time.perf_counter() - t0
-        except BaseException as e:  # fail every stream loudly rather than hang them
+            self._loop()
+        except BaseException as e:  # a device-level fault: fail every stream loudly rather than hang them
             self._error = e
-            for r in [*self._running, *self._waiting]:
-                r.stream.fail(e)
-            self._running.clear()
-            self._waiting.clear()
+            logger.exception("talker engine failed")
+            self._end_all(e)
             raise
+        self._end_all(RuntimeError("talker engine shut down"))
 
     def _setup(self, log: Callable[[str], None]) -> None:
         cfg, model = self.config, self.model
         tcfg = model.config.talker.transformer
-        per_token = SlotKVCache.bytes_per_token(tcfg.num_hidden_layers, tcfg.num_key_value_heads, tcfg.head_dim,
-                                                model.dtype)
+        per_token = PagedKVCache.bytes_per_token(tcfg.num_hidden_layers, tcfg.num_key_value_heads, tcfg.head_dim,
+                                                 model.dtype)
         budget_tokens = cfg.kv_cache_tokens
         if budget_tokens is None:
             if model.device.type == "cuda":
                 free, _total = torch.cuda.mem_get_info(model.device)
                 budget_tokens = int(free * cfg.kv_cache_memory_fraction) // per_token
             else:
-                budget_tokens = cfg.max_batch_size * cfg.max_seq_len
-        self.num_slots = max(1, min(cfg.max_batch_size, budget_tokens // cfg.max_seq_len))
-        log(f"[talker] KV cache: {self.num_slots} slots x {cfg.max_seq_len} positions "
-            f"({self.num_slots * cfg.max_seq_len * per_token / 2**30:.2f} GiB)")
+                budget_tokens = cfg.max_num_seqs * cfg.max_seq_len
+        num_blocks = max(1, budget_tokens // cfg.kv_block_size)  # requests bigger than the pool get a 400
+        self.num_slots = cfg.max_num_seqs
+        self.scheduler = Scheduler(self.num_slots, num_blocks, cfg.kv_block_size, cfg.max_prefill_batch,
+                                   cfg.max_waiting)
+        log(f"[talker] KV pool: {num_blocks} blocks x {cfg.kv_block_size} positions "
+            f"({num_blocks * cfg.kv_block_size * per_token / 2**30:.2f} GiB), {self.num_slots} rows")
         use_compile = cfg.compile and model.device.type == "cuda"
         if use_compile:
             log("[talker] compiling fused kernels (first start compiles, later starts reuse the cache)")
-        self.runner = TalkerRunner(model, self.num_slots, cfg.max_seq_len, cfg.max_text_rows, cfg.length_buckets,
-                                   compile=use_compile)
+        self.runner = TalkerRunner(model, self.num_slots, cfg.max_seq_len, cfg.max_text_rows, num_blocks,
+                                   cfg.kv_block_size, cfg.length_buckets, compile=use_compile,
+                                   attention_kernel=cfg.attention_kernel, max_prefill_batch=cfg.max_prefill_batch)
+        self._exact = model.device.type != "cuda" if cfg.exact_prefill is None else cfg.exact_prefill
         self._buckets = tuple(sorted({min(b, self.num_slots) for b in cfg.batch_buckets} | {self.num_slots}))
+        # host bookkeeping per ticket (see Scheduler): frames of each running request, and positions launched
+        self._codes = np.zeros((self.num_slots, cfg.max_seq_len, CODEBOOKS), dtype=np.int16)
+        self._launched_pos = np.zeros(self.num_slots, dtype=np.int64)
+        self._launched_steps = np.zeros(self.num_slots, dtype=np.int64)
+        self._by_ticket: list[Sequence | None] = [None] * self.num_slots
         if cfg.cuda_graphs and model.device.type == "cuda":
             log(f"[talker] capturing CUDA graphs for batch buckets {self._buckets} x "
                 f"length buckets {self.runner.length_buckets}")
             self.graph_capture_seconds = self.runner.capture_graphs(self._buckets, log)
             log(f"[talker] graph capture took {self.graph_capture_seconds:.1f} s")
 
+    def _loop(self) -> None:
+        sched = self.scheduler
+        pending = None  # the launched step not yet read
+        while not self._stop:
+            self._drain_commands(block=not (sched.running or sched.waiting or pending))
+            if self._stop:
+                break
+            self._admit()
+            launched = self._launch()
+            if pending is not None:
+                self._process(pending)
+            pending = launched
+        if pending is not None:
+            self._process(pending)
+
     def _drain_commands(self, block: bool) -> None:
         if block:
             self._wake.wait()
         self._wake.clear()
+        sched = self.scheduler
         while True:
             try:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
                 return
             if kind == "add":
-                self._waiting.append(payload)
-                self._by_id[payload.request.request_id] = payload
+                self._adds_drained += 1
+                sched.add(payload)
             elif kind == "abort":
-                r = self._by_id.get(payload)
-                if r is not None:
-                    r.aborted = True
+                seq = sched.abort(payload)
+                if seq is not None and seq.row < 0:  # was waiting: it leaves with no prefill and no row
+                    self._end(seq, FinishReason.ABORTED)
+                elif seq is not None:  # running: its row frees now; a step in flight still computes it (dropped)
+                    self._release([(seq, FinishReason.ABORTED)])
             elif kind == "call":
                 fn, future = payload
                 if future.set_running_or_notify_cancel():
@@ -243,71 +311,139 @@ class TalkerEngine:
                         future.set_result(fn())
                     except Exception as e:  # the caller's error, not the engine's
                         future.set_exception(e)
-        # aborted requests that never started leave the queue at once
-        if any(r.aborted for r in self._waiting):
-            for r in [r for r in self._waiting if r.aborted]:
-                self._waiting.remove(r)
-                self._finish(r, FinishReason.ABORTED)
 
     def _admit(self) -> None:
-        runner = self.runner
-        while self._waiting and len(self._running) < self.num_slots:
-            room = min(self.num_slots - len(self._running), self.config.max_prefill_batch)
-            batch = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-            start = len(self._running)
-            t0 = time.perf_counter()
-            embeds = [build_prefill(runner.talker, self.model.config, r.request.prompt) for r in batch]
-            runner.prefill(start, embeds, [r.request.sampling for r in batch], [r.seed for r in batch])
-            self._running.extend(batch)
-            first = runner.first_tokens(start, len(batch))  # syncs: the time below is the device's too
-            self._prefills += 1
-            self._prefill_seconds += time.perf_counter() - t0
-            done = [r for r, c0 in zip(batch, first, strict=True) if c0 == runner.eos]
-            self._release([(r, FinishReason.EOS) for r in done])
+        sched, runner = self.scheduler, self.runner
+        batch = sched.admit()
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        try:
+            runner.admit([
+                Admission(s.row, s.plan, s.request.sampling, s.seed, s.blocks,
+                          build_prefill(runner.talker, self.model.config, s.request.prompt) if self._exact else None)
+                for s in batch
+            ])
+        except Exception as e:  # this batch's requests fail; the engine and everyone else go on
+            logger.exception("admission of %d requests failed", len(batch))
+            before = sched.num_running
+            sched.release(batch)  # the newest rows: nothing moves
+            self._free_rows(before)
+            for s in batch:
+                s.output.stream.fail(e)
+            return
+        for s in batch:
+            t = s.ticket
+            self._by_ticket[t] = s
+            self._launched_pos[t] = s.prompt_len
+            self._launched_steps[t] = 0
+            sched.next_cut[t] = s.output.chunker.frames_to_next_chunk
+        self._prefills += 1
+        self._prefill_seconds += time.perf_counter() - t0
+        self._progress_at = time.monotonic()
+        if self.on_admit is not None:
+            self.on_admit([s.request_id for s in batch])
 
-    def _step(self) -> None:
-        runner = self.runner
-        aborted = [(r, FinishReason.ABORTED) for r in self._running if r.aborted]
-        if aborted:
-            self._release(aborted)
-            if not self._running:
-                return
-        n = len(self._running)
-        b = next(x for x in self._buckets if x >= n)
-        max_pos = max(r.prompt_len + r.frames for r in self._running)
-        out = runner.decode(b, runner.attn_bucket(max_pos)).numpy()
+    def _launch(self) -> tuple[int, int, np.ndarray, np.ndarray] | None:
+        """Launch the next step for every running row, unless no row can use it: rows that already have a step
+        launched for their last frame (max_frames) need none, and an idle GPU takes the next prefill at once."""
+        sched, runner = self.scheduler, self.runner
+        n = sched.num_running
+        if n == 0:
+            return None
+        t0 = time.perf_counter()
+        tickets = np.fromiter((s.ticket for s in sched.running), dtype=np.int64, count=n)
+        if not (self._launched_steps[tickets] < sched.max_frames[tickets]).any():
+            return None
+        self._launched_steps[tickets] += 1
+        positions = self._launched_pos[tickets]
+        attn_len = runner.attn_bucket(int(positions.max()))
+        turn = runner.launch_step(next(x for x in self._buckets if x >= n), attn_len)
+        self._launched_pos[tickets] = positions + 1
+        self._step_seconds += time.perf_counter() - t0
+        return turn, n, tickets, sched.generation[tickets].copy()
+
+    def _process(self, launched: tuple[int, int, np.ndarray, np.ndarray]) -> None:
+        """Bookkeeping of one finished step, vectorized over its rows."""
+        turn, n, tickets, generations = launched
+        t0 = time.perf_counter()
+        sched, eos = self.scheduler, self.runner.eos
+        out = self.runner.step_output(turn, n)
         self._steps += 1
-        self._frames += n
-        deliveries = []
-        finished = []
-        for i, r in enumerate(self._running):
-            r.frames += 1
-            deliveries.append((r.stream, out[i, :CODEBOOKS].copy()))
-            if out[i, CODEBOOKS] == runner.eos:
-                finished.append((r, FinishReason.EOS))
-            elif r.frames >= r.request.max_frames:
-                finished.append((r, FinishReason.LENGTH))
-        FrameStream.deliver_many(deliveries)
+        self._progress_at = time.monotonic()
+        live = sched.live[tickets] & (sched.generation[tickets] == generations)
+        eos_now = out[:, 0] == eos  # the frame's codebook 0 is EOS (sampled at prefill): nothing to hand out
+        deliver = live & ~eos_now
+        t_del = tickets[deliver]
+        self._codes[t_del, sched.frames[t_del]] = out[deliver, :CODEBOOKS]
+        sched.frames[t_del] += 1
+        self._frames += len(t_del)
+        frames = sched.frames[tickets]
+        ended_eos = live & (eos_now | (out[:, CODEBOOKS] == eos))
+        ended_len = live & ~ended_eos & (frames >= sched.max_frames[tickets])
+        cut = live & (frames >= sched.next_cut[tickets])
+        deliveries, finished = [], []
+        for i in np.flatnonzero(ended_eos | ended_len | cut):
+            t = int(tickets[i])
+            seq = self._by_ticket[t]
+            o = seq.output
+            try:
+                chunks = o.chunker.push(self._codes[t, o.pushed:frames[i]]) if frames[i] > o.pushed else []
+            except ValueError as e:  # codes the decoder cannot take: this request fails, nobody else
+                logger.error("request %s produced invalid codes: %s", seq.request_id, e)
+                finished.append((seq, e))
+                continue
+            o.pushed = int(frames[i])
+            if ended_eos[i] or ended_len[i]:
+                reason = FinishReason.EOS if ended_eos[i] else FinishReason.LENGTH
+                chunks.append(o.chunker.flush(reason))
+                finished.append((seq, reason))
+            else:
+                sched.next_cut[t] = frames[i] + o.chunker.frames_to_next_chunk
+            if chunks:
+                deliveries.append((o.stream, chunks))
+        ChunkStream.deliver_many(deliveries)
         self._release(finished)
+        self._step_seconds += time.perf_counter() - t0
 
-    def _release(self, finished: list[tuple[_Request, FinishReason]]) -> None:
-        """Free slots at once, keeping running requests compacted in slots [0, n)."""
+    def _release(self, finished: list[tuple[Sequence, FinishReason | BaseException]]) -> None:
+        """Free the rows (moving the last rows into the holes) and KV blocks, then end the streams."""
         if not finished:
             return
-        gone = {id(r) for r, _ in finished}
-        keep = [r for r in self._running if id(r) not in gone]
-        # move survivors from the top into the holes below len(keep)
-        holes = [i for i, r in enumerate(self._running[:len(keep)]) if id(r) in gone]
-        movers = [i for i in range(len(keep), len(self._running)) if id(self._running[i]) not in gone]
-        for hole, src in zip(holes, movers, strict=True):
-            r = self._running[src]
-            self.runner.move_slot(src, hole, r.prompt_len + r.frames + 1)
-            self._running[hole] = r
-        self._running = self._running[:len(keep)]
-        # streams end only once the slots are free: a consumer that sees the end then reads stats sees them free
-        for r, reason in finished:
-            self._finish(r, reason)
+        sched = self.scheduler
+        before = sched.num_running
+        for seq, _ in finished:
+            self._by_ticket[seq.ticket] = None
+        for move in sched.release([s for s, _ in finished]):
+            self.runner.move_row(move.src, move.dst, sched.running[move.dst].trailing_len)
+        self._free_rows(before)
+        # streams end only once the rows are free: a consumer that sees the end then reads stats sees them free
+        for seq, outcome in finished:
+            self._end(seq, outcome)
 
-    def _finish(self, r: _Request, reason: FinishReason) -> None:
-        self._by_id.pop(r.request.request_id, None)
-        r.stream.close(reason)
+    def _free_rows(self, before: int) -> None:
+        """Rows [running, before) are free now: their KV tables point at the scratch block again."""
+        for row in range(self.scheduler.num_running, before):
+            self.runner.free_row(row)
+
+    @staticmethod
+    def _end(seq: Sequence, outcome: FinishReason | BaseException) -> None:
+        """The end of a request's stream (its last chunk, if any, was delivered before)."""
+        ChunkStream.deliver_many([(seq.output.stream, [ChunkStream.end(outcome)])])
+
+    def _end_all(self, error: BaseException) -> None:
+        sched = self.scheduler
+        if sched is None:
+            return
+        while True:  # adds still in the command queue
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._adds_drained += 1
+                sched.add(payload)
+            elif kind == "call":
+                payload[1].set_exception(error)
+        for seq in sched.drop_all():
+            seq.output.stream.fail(error)

@@ -1,11 +1,19 @@
-"""The talker engine's device side: slot-indexed GPU state, batched prefill, the decode step, graphs.
+"""The talker engine's device side: per-row GPU state, paged KV, staged admission, the decode step, graphs.
 
-All per-request state lives in preallocated tensors indexed by slot (positions, frame counters,
+All per-request state lives in preallocated tensors indexed by row (== slot): positions, frame counters,
 sampling parameters, seeds, repetition-penalty masks, trailing text rows, last hidden state and
-codebook-0 token), so nothing per request can be evicted mid-stream and a decode step allocates
-nothing. A decode step for batch bucket b runs slots [0, b) and writes its results into one
-output buffer [slots, 17] (16 codes of the frame + the next codebook-0 token); the host reads that
-with a single copy.
+codebook-0 token. Running requests occupy rows [0, n); a decode step of batch bucket b computes rows
+[0, b) (padding rows are free rows, whose KV table points at the scratch block) and writes one output
+buffer [rows, 17] (16 codes of the frame + the next codebook-0 token), which crosses to the host in one
+non-blocking copy per step into one of two pinned buffers, so the engine can launch step N+1 before it
+reads step N.
+
+Admission never waits for the device: a batch's prompt ids, sampling parameters and KV block rows are
+written into a pinned staging row per request and cross in ONE non-blocking copy; the prefill (embedding
+of the prompt from ids, the prompt forward into the paged KV, the first codebook-0 token) runs from the
+staged copy, as a CUDA graph per (batch, width) bucket where one fits. The first token reaches the host
+with the request's first decode step. Releasing a request copies nothing of anyone's KV: the last row's
+small state moves into the hole (`move_row`) and its KV stays where it is (stages/talker/paged_kv.py).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -24,18 +33,21 @@ from stages.model import Qwen3TTS
 from stages.reference import suppressed_ids_mask
 from stages.sampling import SamplingTensors, mask_talker_logits, select_tokens
 from stages.talker.frame import CODEBOOKS, new_code_predictor_cache, next_talker_input, predict_frame_codes
-from stages.talker.kv_slots import DecodeContext, PrefillContext, SlotKVCache
+from stages.talker.paged_attention import kernel_available
+from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from stages.talker.prefill import PrefillEmbeds
+from stages.talker.prompt_plan import NONE, PromptPlan, embed_rows, embed_text_rows
 
 _TOP_K_OFF = 1 << 30
-_PREFILL_WIDTH_MULTIPLE = 16  # eager prefill pads prompt widths to this: fewer distinct shapes
-_PREFILL_WIDTH_BUCKETS = (16, 32, 64, 128)  # graphed prefill widths (CustomVoice/VoiceDesign prompts fit)
-_PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # up to the engine's default max_prefill_batch; larger run eagerly
+PREFILL_WIDTH_BUCKETS = (16, 32, 64, 128)  # graphed prefill widths (CustomVoice/VoiceDesign prompts fit)
+PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # graphed prefill batches (the engine admits <= 16 per step)
+PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)
+_WIDTH_MULTIPLE = 16  # eager prefill pads widths to this: fewer distinct shapes
 
 
 @dataclass
 class SlotParams:
-    """Sampling parameters of every slot, [slots]-shaped device tensors."""
+    """Sampling parameters of every row, [rows]-shaped device tensors."""
 
     talker: SamplingTensors
     sub: SamplingTensors
@@ -68,14 +80,58 @@ class SlotParams:
             self.penalty[:b], self.min_frames[:b], self.suppress_eos[:b], self.seeds[:b],
         )
 
-    def set_range(self, start: int, params: list[SamplingParams], seeds: list[int]) -> None:
-        """Slots [start, start+n) take these requests' parameters: one host->device copy per tensor."""
-        columns = zip(*([p.do_sample, p.temperature, p.top_k or _TOP_K_OFF, p.top_p, p.subtalker_do_sample,
-                         p.subtalker_temperature, p.subtalker_top_k or _TOP_K_OFF, p.subtalker_top_p,
-                         p.repetition_penalty, p.min_frames, p.suppress_eos, seed]
-                        for p, seed in zip(params, seeds, strict=True)), strict=True)
-        for tensor, column in zip(self.tensors(), columns, strict=True):
-            tensor[start:start + len(params)] = torch.tensor(column, dtype=tensor.dtype)
+    def index(self, rows: torch.Tensor) -> SlotParams:
+        t, s = self.talker, self.sub
+        return SlotParams(
+            SamplingTensors(t.do_sample[rows], t.temperature[rows], t.top_k[rows], t.top_p[rows]),
+            SamplingTensors(s.do_sample[rows], s.temperature[rows], s.top_k[rows], s.top_p[rows]),
+            self.penalty[rows], self.min_frames[rows], self.suppress_eos[rows], self.seeds[rows],
+        )
+
+
+@dataclass
+class Admission:
+    """One request entering row `row`: what the staging row holds for it."""
+
+    row: int
+    plan: PromptPlan
+    params: SamplingParams
+    seed: int
+    blocks: np.ndarray  # its KV blocks, in position order
+    exact: PrefillEmbeds | None = None  # reference embeddings (bit-exact path: CPU tests, parity)
+
+
+# staging row layout: int64 fields, then float32 fields, in one byte row (one copy for a whole batch)
+_META = ("row", "length", "trailing_len", "seed", "min_frames", "top_k", "sub_top_k", "do_sample", "sub_do_sample",
+         "suppress_eos", "x_vector_row")
+_FPARAMS = ("temperature", "top_p", "sub_temperature", "sub_top_p", "penalty", "_pad")
+
+
+class _Staging:
+    """A [rows, bytes] buffer with typed views per field (host pinned or device; same layout)."""
+
+    def __init__(self, rows: int, width: int, text_rows: int, blocks: int, hidden: int, device, pin: bool):
+        ints = {"meta": len(_META), "blocks": blocks, "text": width, "codec": width, "frames": width * CODEBOOKS,
+                "trailing": text_rows}
+        floats = {"fparams": len(_FPARAMS), "x_vector": hidden}
+        n_int, n_float = sum(ints.values()), sum(floats.values())
+        self.row_bytes = 8 * n_int + 4 * n_float
+        self.buf = torch.zeros(rows, self.row_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        self.views: dict[str, torch.Tensor] = {}
+        at = 0
+        as_int = self.buf[:, :8 * n_int].view(torch.int64)
+        for name, n in ints.items():
+            self.views[name] = as_int[:, at:at + n]
+            at += n
+        at = 0
+        as_float = self.buf[:, 8 * n_int:].view(torch.float32)
+        for name, n in floats.items():
+            self.views[name] = as_float[:, at:at + n]
+            at += n
+        self.views["frames"] = self.views["frames"].unflatten(1, (width, CODEBOOKS))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.views[name]
 
 
 class TalkerRunner:
@@ -86,21 +142,26 @@ class TalkerRunner:
     prefill_sdpa_backends: tuple[SDPBackend, ...] | None = (
         SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
-    def __init__(self, model: Qwen3TTS, num_slots: int, max_seq_len: int, max_text_rows: int,
-                 length_buckets: tuple[int, ...], compile: bool = False):
+    def __init__(self, model: Qwen3TTS, num_slots: int, max_seq_len: int, max_text_rows: int, num_blocks: int,
+                 block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
+                 compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
         cfg = self.talker.config
         tcfg = cfg.transformer
-        self.num_slots, self.max_seq_len, self.max_text_rows = num_slots, max_seq_len, max_text_rows
-        self.length_buckets = tuple(sorted({min(b, max_seq_len) for b in length_buckets} | {max_seq_len}))
         dev = self.device
-        # one more slot than requests can use: the scratch slot, where padding rows of a graphed prefill write
+        self.num_slots, self.max_seq_len, self.max_text_rows = num_slots, max_seq_len, max_text_rows
+        self.cuda = dev.type == "cuda"
+        self.use_kernel = kernel_available(dev) if attention_kernel is None else attention_kernel
+        # the paged kernel reads each row's own length: one attention "bucket" suffices
+        self.length_buckets = ((max_seq_len,) if self.use_kernel
+                               else tuple(sorted({min(b, max_seq_len) for b in length_buckets} | {max_seq_len})))
+        # one more row than requests can use: the scratch row, where padding rows of a graphed prefill write
         rows = num_slots + 1
-        self.scratch_slot = num_slots
-        self.kv = SlotKVCache(tcfg.num_hidden_layers, rows, tcfg.num_key_value_heads, max_seq_len,
-                              tcfg.head_dim, self.dtype, dev)
+        self.scratch_row = num_slots
+        self.kv = PagedKVCache(tcfg.num_hidden_layers, num_blocks, block_size, tcfg.num_key_value_heads,
+                               tcfg.head_dim, rows, max_seq_len, self.dtype, dev)
         self.params = SlotParams.empty(rows, dev)
         self.positions = torch.zeros(rows, dtype=torch.long, device=dev)  # next talker position
         self.frame_index = torch.zeros(rows, dtype=torch.long, device=dev)  # frames produced so far
@@ -111,23 +172,36 @@ class TalkerRunner:
         self.trailing_len = torch.zeros(rows, dtype=torch.long, device=dev)
         self.tts_pad = torch.zeros(cfg.hidden_size, dtype=self.dtype, device=dev)
         self.out = torch.zeros(num_slots, CODEBOOKS + 1, dtype=torch.long, device=dev)
-        self.out_host = torch.zeros(num_slots, CODEBOOKS + 1, dtype=torch.long,
-                                    pin_memory=dev.type == "cuda")
+        # two host copies of `out`: step N+1 is launched before the host reads step N
+        self.out_host = [torch.zeros(num_slots, CODEBOOKS + 1, dtype=torch.long, pin_memory=self.cuda)
+                         for _ in range(2)]
+        self._out_events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self._out_turn = 0
         self.cp_caches = {}  # batch bucket -> ContiguousKV (fixed addresses for graphs)
         self.suppress = suppressed_ids_mask(cfg.vocab_size, cfg.codebook_size, cfg.codec.eos, dev)
         self.eos = cfg.codec.eos
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        # prefill inputs at fixed addresses (graphs per (batch bucket, width bucket)); wider prompts run eagerly
-        self.prefill_width_buckets = tuple(w for w in _PREFILL_WIDTH_BUCKETS if w <= max_seq_len)
+        # admission staging: two pinned host buffers (alternating: one may still be in flight) and the device copy
+        self.prefill_batch_buckets = tuple(b for b in PREFILL_BATCH_BUCKETS if b <= max_prefill_batch) or (1,)
+        self.max_prefill_batch = max(max_prefill_batch, 1)
+        self.prefill_width_buckets = tuple(w for w in PREFILL_WIDTH_BUCKETS if w <= max_seq_len)
+        self.trailing_width = min(PREFILL_TRAILING_WIDTH, max_text_rows)
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        most = _PREFILL_BATCH_BUCKETS[-1]
-        self._pf_x = torch.zeros(most, max(self.prefill_width_buckets, default=0), cfg.hidden_size,
-                                 dtype=self.dtype, device=dev)
-        self._pf_len = torch.ones(most, dtype=torch.long, device=dev)
-        self._pf_slots = torch.full((most,), self.scratch_slot, dtype=torch.long, device=dev)
+        width = max(max_seq_len, max_text_rows)
+        stage = (self.max_prefill_batch, width, max_text_rows, self.kv.blocks_per_seq, cfg.hidden_size)
+        self._host_stage = [_Staging(*stage, device="cpu", pin=self.cuda) for _ in range(2)]
+        self._stage_turn = 0
+        self._stage = _Staging(*stage, device=dev, pin=False)
+        self._init_tts_pad()
         self._select, self._mask = select_tokens, mask_talker_logits
         if compile:
             self._enable_compile()
+
+    def _init_tts_pad(self) -> None:
+        ids = self.model.config.text_ids
+        with torch.no_grad():
+            specials = self.talker.embed_text(torch.tensor([[ids.tts_bos, ids.tts_eos, ids.tts_pad]], device=self.device))
+        self.tts_pad.copy_(specials[0, 2])  # as build_prefill groups it: exact
 
     def _enable_compile(self) -> None:
         """Fuse the elementwise work of every layer and of sampling with torch.compile.
@@ -146,16 +220,23 @@ class TalkerRunner:
         self._select = torch.compile(select_tokens, dynamic=True, fullgraph=True)
         self._mask = torch.compile(mask_talker_logits, dynamic=True, fullgraph=True)
 
-    # ---------------------------------------------------------------- per-slot bookkeeping
-    def _slot_tensors(self) -> list[torch.Tensor]:
-        return [self.positions, self.frame_index, self.hidden, self.c0, self.seen, self.trailing,
-                self.trailing_len, *self.params.tensors()]
+    # ---------------------------------------------------------------- rows
+    def _row_tensors(self) -> list[torch.Tensor]:
+        return [self.positions, self.frame_index, self.hidden, self.c0, self.seen, self.trailing_len,
+                self.kv.block_table, *self.params.tensors()]
 
-    def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Compaction: the request in `src` continues in `dst` (a freed slot below it)."""
-        for t in self._slot_tensors():
+    def move_row(self, src: int, dst: int, trailing_len: int) -> None:
+        """The request in row `src` continues in row `dst` (a hole below it): its small state moves, its KV
+        stays in its blocks. Async device copies (host indices), ordered after any step in flight."""
+        for t in self._row_tensors():
             t[dst] = t[src]
-        self.kv.move(src, dst, length)
+        if trailing_len:
+            self.trailing[dst, :trailing_len] = self.trailing[src, :trailing_len]
+
+    def free_row(self, row: int) -> None:
+        """A row nobody runs in any more: its KV table points at the scratch block again, so the padding
+        rows of later steps write nowhere that matters."""
+        self.kv.block_table[row] = self.kv.scratch_block
 
     def attn_bucket(self, max_position: int) -> int:
         for b in self.length_buckets:
@@ -163,82 +244,133 @@ class TalkerRunner:
                 return b
         raise ValueError(f"position {max_position} exceeds max_seq_len {self.max_seq_len}")
 
-    # ---------------------------------------------------------------- prefill
+    # ---------------------------------------------------------------- admission
     @torch.no_grad()
-    def prefill(self, start: int, embeds: list[PrefillEmbeds], params: list[SamplingParams],
-                seeds: list[int]) -> None:
-        """Admit len(embeds) requests into slots [start, start+n): batched prompt forward, first c0.
+    def admit(self, batch: list[Admission]) -> None:
+        """Prefill `batch` into their rows: stage on the host, one copy, graph (or eager) from the copy.
 
-        A CUDA graph runs it when one fits (batch and width buckets); padding rows write the scratch slot.
+        Never waits for the device. The first codebook-0 token stays on the device for the next step.
         """
-        n = len(embeds)
-        dev = self.device
-        lengths = [e.prefill.shape[0] for e in embeds]
-        for i, e in enumerate(embeds):  # per-request state the prefill's sampling reads
-            self.trailing[start + i, :e.trailing.shape[0]] = e.trailing
-        self.params.set_range(start, params, seeds)
-        self.tts_pad.copy_(embeds[0].tts_pad)
-        key = self._prefill_graph_key(n, max(lengths))
-        if key is None:  # eager, at the batch's own size
-            nb = n
-            width = min(-(-max(lengths) // _PREFILL_WIDTH_MULTIPLE) * _PREFILL_WIDTH_MULTIPLE, self.max_seq_len)
-            x = torch.zeros(n, width, self.hidden.shape[1], dtype=self.dtype, device=dev)
+        n = len(batch)
+        assert 0 < n <= self.max_prefill_batch
+        exact = batch[0].exact is not None
+        width = max(a.plan.length for a in batch)  # the transformer's width: prompt rows only
+        trailing = max(a.plan.trailing_length for a in batch)
+        key = None if exact or trailing > self.trailing_width else self._prefill_graph_key(n, width)
+        if key is not None:
+            (nb, w), tw = key, self.trailing_width
         else:
-            nb, width = key
-            x = self._pf_x[:nb, :width]
-        for i, e in enumerate(embeds):
-            x[i, :lengths[i]] = e.prefill
-        meta = torch.tensor([lengths + [1] * (nb - n), list(range(start, start + n)) + [self.scratch_slot] * (nb - n)],
-                            dtype=torch.long)
-        self.trailing_len[start:start + n] = torch.tensor([e.trailing.shape[0] for e in embeds])
-        if key is None:
-            lens, slots = meta.to(dev)
-            self._prefill_compute(x, lens, slots)
-        else:
-            self._pf_len[:nb].copy_(meta[0], non_blocking=True)
-            self._pf_slots[:nb].copy_(meta[1], non_blocking=True)
+            nb, w, tw = n, _round_up(width, _WIDTH_MULTIPLE), min(_round_up(trailing, _WIDTH_MULTIPLE), self.max_text_rows)
+        host = self._host_stage[self._stage_turn]
+        self._stage_turn ^= 1
+        self._write_stage(host, batch, nb, w, tw)
+        self._stage.buf[:nb].copy_(host.buf[:nb], non_blocking=True)
+        if key is not None:
             self.prefill_graphs[key].replay()
+        elif exact:
+            x = torch.zeros(nb, w, self.hidden.shape[1], dtype=self.dtype, device=self.device)
+            for i, a in enumerate(batch):
+                x[i, :a.plan.length] = a.exact.prefill
+                self.trailing[a.row, :a.plan.trailing_length] = a.exact.trailing
+            self._prefill_compute(nb, w, tw, x)
+        else:
+            self._prefill_compute(nb, w, tw)
 
     def _prefill_graph_key(self, n: int, width: int) -> tuple[int, int] | None:
-        nb = next((b for b in _PREFILL_BATCH_BUCKETS if b >= n), None)
+        nb = next((b for b in self.prefill_batch_buckets if b >= n), None)
         w = next((b for b in self.prefill_width_buckets if b >= width), None)
         return (nb, w) if (nb, w) in self.prefill_graphs else None
 
-    def _prefill_compute(self, x: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> None:
-        """Prompts x [nb, W, H] (right-padded; lengths [nb]) into `slots` [nb]: KV, state, first c0.
+    def _write_stage(self, s: _Staging, batch: list[Admission], nb: int, width: int, trailing_width: int) -> None:
+        """Host numpy writes into the pinned staging rows [0, nb); rows past the batch are padding."""
+        meta, fp = s["meta"].numpy(), s["fparams"].numpy()
+        text, codec, frames = s["text"].numpy(), s["codec"].numpy(), s["frames"].numpy()
+        trailing, blocks, x_vector = s["trailing"].numpy(), s["blocks"].numpy(), s["x_vector"].numpy()
+        for i in range(nb):
+            if i >= len(batch):  # padding: the scratch row, a 1-row prompt with no parts
+                meta[i] = (self.scratch_row, 1, 1, 0, 0, _TOP_K_OFF, _TOP_K_OFF, 0, 0, 1, NONE)
+                fp[i] = (1.0, 1.0, 1.0, 1.0, 1.0, 0.0)
+                text[i, :width] = NONE
+                codec[i, :width] = NONE
+                frames[i, :width] = NONE
+                trailing[i, :trailing_width] = NONE
+                blocks[i] = self.kv.scratch_block
+                continue
+            a = batch[i]
+            p, plan = a.params, a.plan
+            meta[i] = (a.row, plan.length, plan.trailing_length, a.seed, p.min_frames, p.top_k or _TOP_K_OFF,
+                       p.subtalker_top_k or _TOP_K_OFF, p.do_sample, p.subtalker_do_sample, p.suppress_eos,
+                       plan.x_vector_row)
+            fp[i] = (p.temperature, p.top_p, p.subtalker_temperature, p.subtalker_top_p, p.repetition_penalty, 0.0)
+            L, T = plan.length, plan.trailing_length
+            text[i, :L], codec[i, :L] = plan.text_ids, plan.codec_ids
+            text[i, L:width] = NONE
+            codec[i, L:width] = NONE
+            frames[i, :width] = NONE
+            if plan.ref_codes is not None:
+                rows = np.nonzero(plan.ref_frames >= 0)[0]
+                frames[i, rows] = plan.ref_codes[plan.ref_frames[rows]]
+            trailing[i, :T] = plan.trailing_ids
+            trailing[i, T:trailing_width] = NONE
+            blocks[i, :len(a.blocks)] = a.blocks
+            blocks[i, len(a.blocks):] = self.kv.scratch_block
+            if plan.x_vector is not None:
+                x_vector[i] = plan.x_vector
 
-        Shape-static and sync-free (graph-capturable). Eager kernels: prompt shapes vary per admission and
-        compiled ones recompiled there. Attention without cuDNN, which builds a plan per new shape.
+    def _prefill_compute(self, nb: int, width: int, trailing_width: int, x: torch.Tensor | None = None) -> None:
+        """Admit staged rows [0, nb): prompts of up to `width` rows, trailing text of up to `trailing_width`
+        (x: exact embeddings, trailing already written; else both from the staged ids).
+
+        Shape-static and sync-free (graph-capturable). Eager layer kernels: prompt shapes vary per admission
+        and compiled ones would recompile. Attention without cuDNN, which builds a plan per new shape.
         """
-        nb, width = x.shape[:2]
-        dev = self.device
+        s, dev, p = self._stage, self.device, self.params
+        meta, fp = s["meta"][:nb], s["fparams"][:nb]
+        rows, lengths, trailing_len = meta[:, 0], meta[:, 1], meta[:, 2]
+        # per-row state and parameters
+        p.seeds[rows] = meta[:, 3]
+        p.min_frames[rows] = meta[:, 4]
+        p.talker.top_k[rows] = meta[:, 5]
+        p.sub.top_k[rows] = meta[:, 6]
+        p.talker.do_sample[rows] = meta[:, 7] != 0
+        p.sub.do_sample[rows] = meta[:, 8] != 0
+        p.suppress_eos[rows] = meta[:, 9] != 0
+        p.talker.temperature[rows] = fp[:, 0]
+        p.talker.top_p[rows] = fp[:, 1]
+        p.sub.temperature[rows] = fp[:, 2]
+        p.sub.top_p[rows] = fp[:, 3]
+        p.penalty[rows] = fp[:, 4]
+        self.kv.block_table[rows] = s["blocks"][:nb]
+        self.trailing_len[rows] = trailing_len
+        if x is None:
+            x = embed_rows(self.talker, s["text"][:nb, :width], s["codec"][:nb, :width],
+                           s["frames"][:nb, :width].clamp(min=0), s["frames"][:nb, :width, 0] >= 0,
+                           s["x_vector"][:nb], meta[:, 10])
+            tw = trailing_width
+            self.trailing[:, :tw].index_copy_(0, rows, embed_text_rows(self.talker, s["trailing"][:nb, :tw]))
         positions = torch.arange(width, device=dev).expand(nb, width)
+        scratch = self.kv.scratch_block * self.kv.block_size
+        write_index = torch.where(positions < lengths[:, None], self.kv.token_index(rows, positions), scratch)
         backends = self.prefill_sdpa_backends
         with sdpa_kernel(list(backends)) if backends else contextlib.nullcontext():
-            hidden = self.talker.forward_hidden(x, positions, PrefillContext(self.kv, slots), eager=True)
+            hidden = self.talker.forward_hidden(x, positions, PrefillContext(self.kv, write_index), eager=True)
         last = lengths - 1
         h = hidden[torch.arange(nb, device=dev), last]
-        self.hidden[slots] = h
-        self.positions[slots] = last + 1
-        self.frame_index.index_fill_(0, slots, 0)  # not `[slots] = 0`: that copies a host scalar (no graphs)
-        self.seen.index_fill_(0, slots, False)
-        p = self.params
-        frames = self.frame_index[slots]
+        self.hidden[rows] = h
+        self.positions[rows] = last + 1
+        self.frame_index.index_fill_(0, rows, 0)  # not `[rows] = 0`: that copies a host scalar (no graphs)
+        self.seen.index_fill_(0, rows, False)
+        q = p.index(rows)
+        frames = self.frame_index[rows]
         logits = mask_talker_logits(
-            self.talker.codec_logits(h).float(), self.seen[slots], p.penalty[slots], frames,
-            p.min_frames[slots], self.suppress, self.eos, p.suppress_eos[slots],
+            self.talker.codec_logits(h).float(), self.seen[rows], q.penalty, frames, q.min_frames, self.suppress,
+            self.eos, q.suppress_eos,
         )
-        talker_params = SamplingTensors(p.talker.do_sample[slots], p.talker.temperature[slots],
-                                        p.talker.top_k[slots], p.talker.top_p[slots])
-        self.c0[slots] = select_tokens(logits, talker_params, p.seeds[slots], frames * CODEBOOKS)
-
-    def first_tokens(self, start: int, n: int) -> list[int]:
-        """Codebook-0 tokens sampled at prefill (host sync; once per admission, not per step)."""
-        return self.c0[start:start + n].tolist()
+        self.c0[rows] = select_tokens(logits, q.talker, q.seeds, frames * CODEBOOKS)
 
     # ---------------------------------------------------------------- decode
     def _decode_step(self, b: int, attn_len: int) -> None:
-        """One frame for slots [0, b): code predictor, next talker input, talker step, next c0."""
+        """One frame for rows [0, b): code predictor, next talker input, talker step, next c0."""
         p = self.params.rows(b)
         frame_index = self.frame_index[:b]
         c0 = self.c0[:b]
@@ -251,9 +383,10 @@ class TalkerRunner:
         text_rows = torch.where(has_text[:, None], text_rows, self.tts_pad[None, :])
         x = next_talker_input(self.talker, codes, text_rows)
         positions = self.positions[:b]
-        hidden = self.talker.forward_hidden(x, positions[:, None], DecodeContext(self.kv, positions, attn_len))[:, -1]
+        ctx = DecodeContext(self.kv, positions, attn_len, self.use_kernel)
+        hidden = self.talker.forward_hidden(x, positions[:, None], ctx)[:, -1]
         self.hidden[:b] = hidden
-        # padding rows (free slots) also advance; saturating keeps their writes inside the slot
+        # padding rows (free rows) also advance; saturating keeps their writes inside their (scratch) table
         self.positions[:b] = (self.positions[:b] + 1).clamp_(max=self.max_seq_len - 1)
         self.frame_index[:b] += 1
         logits = self._mask(self.talker.codec_logits(hidden).float(), self.seen[:b], p.penalty,
@@ -269,64 +402,72 @@ class TalkerRunner:
         return self.cp_caches[b]
 
     @torch.no_grad()
-    def decode(self, b: int, attn_len: int) -> torch.Tensor:
-        """Run one step for slots [0, b) (b a batch bucket) and return the host copy of `out[:b]`.
-
-        Rows past the real batch are padding: they compute garbage in free slots, never read.
-        """
+    def launch_step(self, b: int, attn_len: int) -> int:
+        """Enqueue one step for rows [0, b) (b a batch bucket) and its copy to the host; returns a ticket
+        for `step_output`. Does not wait: the host can prepare the next step meanwhile."""
         graph = self.graphs.get((b, attn_len))
         if graph is not None:
             graph.replay()
         else:
             self._decode_step(b, attn_len)
-        host = self.out_host[:b]
-        host.copy_(self.out[:b], non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return host
+        turn = self._out_turn
+        self._out_turn ^= 1
+        self.out_host[turn][:b].copy_(self.out[:b], non_blocking=True)
+        if self.cuda:
+            self._out_events[turn].record()
+        return turn
+
+    def step_output(self, turn: int, n: int) -> np.ndarray:
+        """Rows [0, n) of a launched step's output [n, 17], once the device has produced them (the one
+        wait per step). Valid until the step after next is launched."""
+        if self.cuda:
+            self._out_events[turn].synchronize()
+        return self.out_host[turn][:n].numpy()
 
     # ---------------------------------------------------------------- CUDA graphs
     @torch.no_grad()
     def capture_graphs(self, batch_buckets: tuple[int, ...], log: Callable[[str], None] = print) -> float:
-        """Capture the decode step for every (batch bucket, length bucket). Returns seconds taken.
+        """Capture the decode step per (batch bucket, length bucket) and the prefill per (batch, width).
 
-        Capture runs on scratch state: slot contents are saved and restored around it.
+        Capture runs on scratch state: row contents are saved and restored around it. Returns seconds taken.
         """
-        if self.device.type != "cuda":
+        if not self.cuda:
             return 0.0
         t0 = time.perf_counter()
-        saved = [t.clone() for t in self._slot_tensors()]
+        saved = [t.clone() for t in self._row_tensors()]
         pool = torch.cuda.graph_pool_handle()
-        keys = [(b, L) for b in sorted(batch_buckets, reverse=True) for L in self.length_buckets]
         stream = torch.cuda.Stream(self.device)
-        for i, (b, attn_len) in enumerate(keys):
-            self.positions[:b] = 0
+
+        def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up kernels/allocator outside the capture
-                    self._decode_step(b, attn_len)
+                    fn()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._decode_step(b, attn_len)
-            self.graphs[(b, attn_len)] = graph
+                fn()
+            return graph
+
+        keys = [(b, L) for b in sorted(batch_buckets, reverse=True) for L in self.length_buckets]
+        for i, (b, attn_len) in enumerate(keys):
+            self.positions[:b] = 0
+            self.graphs[(b, attn_len)] = capture(lambda b=b, L=attn_len: self._decode_step(b, L))
             if (i + 1) % max(1, len(keys) // 10) == 0 or i + 1 == len(keys):
                 log(f"[talker] captured {i + 1}/{len(keys)} decode graphs ({time.perf_counter() - t0:.1f} s)")
-        self._pf_slots.fill_(self.scratch_slot)  # capture runs touch the scratch slot only
-        prefill_keys = [(b, w) for b in _PREFILL_BATCH_BUCKETS for w in self.prefill_width_buckets]
+        # prefill graphs read the device staging rows: fill them with padding (the scratch row) for capture
+        host = self._host_stage[0]
+        self._write_stage(host, [], self.max_prefill_batch, max(self.prefill_width_buckets), self.trailing_width)
+        self._stage.buf.copy_(host.buf)
+        prefill_keys = [(b, w) for b in self.prefill_batch_buckets for w in self.prefill_width_buckets]
         for b, w in prefill_keys:
-            args = (self._pf_x[:b, :w], self._pf_len[:b], self._pf_slots[:b])
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._prefill_compute(*args)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._prefill_compute(*args)
-            self.prefill_graphs[(b, w)] = graph
+            self.prefill_graphs[(b, w)] = capture(lambda b=b, w=w: self._prefill_compute(b, w, self.trailing_width))
         log(f"[talker] captured {len(prefill_keys)} prefill graphs ({time.perf_counter() - t0:.1f} s)")
-        for t, s in zip(self._slot_tensors(), saved, strict=True):
+        for t, s in zip(self._row_tensors(), saved, strict=True):
             t.copy_(s)
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

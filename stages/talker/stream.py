@@ -1,27 +1,22 @@
-"""FrameStream: frames of one request, handed from the engine thread to an asyncio consumer."""
+"""ChunkStream: the codec chunks of one request, handed from the engine thread to an asyncio consumer."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 
-import numpy as np
-
-from stages.contract import FinishReason
+from stages.contract import CodecChunk, FinishReason
 
 _END = object()
 
 
-class FrameStream:
-    """Async iterator of frame blocks (`np.ndarray [n, 16]` int64, n >= 1), in order.
+class ChunkStream:
+    """Async iterator of one request's `CodecChunk`s (left context included), in order.
 
-    Each `__anext__` returns every frame that arrived since the last call, so a slow consumer reads
-    fewer, larger blocks. `wake_after(n)` lets a consumer that cannot use fewer than n frames (a chunker
-    waiting for its next chunk) be woken once per n frames instead of once per frame: the engine thread
-    holds frames back until n are there (or the stream ends). With hundreds of streams, per-frame wake-ups
-    were event-loop work on every engine step, competing with the engine thread for the GIL.
-    `finish_reason` is set when the stream ends. Closing the stream early (`aclose()`, or cancelling
-    the consumer) aborts the request in the engine.
+    The engine cuts chunks where the frames are (its loop), so a consumer is woken once per chunk, not
+    once per frame. The last chunk has `final=True` and the finish reason; `finish_reason` is also set on
+    the stream when it ends. An engine error ends the stream by raising it. Closing the stream early
+    (`aclose()`, or cancelling the consumer) aborts the request in the engine.
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
@@ -32,94 +27,55 @@ class FrameStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._on_close = on_close
         self._done = False
-        self._error: BaseException | None = None
-        self._held: list[np.ndarray] = []  # engine-thread side: frames not yet handed over
-        self._wake_after = 1  # written by the consumer, read by the engine thread (an int: atomic enough)
-
-    def wake_after(self, frames: int) -> None:
-        """Hand frames over only in blocks of at least `frames` (or at the end of the stream)."""
-        self._wake_after = max(1, int(frames))
 
     # engine-thread side -------------------------------------------------
     @staticmethod
-    def deliver_many(items: list[tuple[FrameStream, np.ndarray]]) -> None:
-        """Hand one step's frames to their loops: one callback per event loop, not per frame."""
+    def deliver_many(items: list[tuple[ChunkStream, list]]) -> None:
+        """Hand one step's chunks (and ends) to their loops: one callback per event loop, not per stream."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for stream, frame in items:
-            stream._held.append(frame)
-            if len(stream._held) >= stream._wake_after:
-                by_loop.setdefault(stream._loop, []).append((stream, stream._held))
-                stream._held = []
+        for stream, entries in items:
+            by_loop.setdefault(stream._loop, []).append((stream, entries))
         for loop, batch in by_loop.items():
             try:
-                loop.call_soon_threadsafe(FrameStream._put_all, batch)
+                loop.call_soon_threadsafe(ChunkStream._put_all, batch)
             except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
                 pass
 
     @staticmethod
     def _put_all(batch: list) -> None:
-        for stream, frames in batch:
-            for frame in frames:
-                stream._queue.put_nowait(frame)
+        for stream, entries in batch:
+            for entry in entries:
+                stream._queue.put_nowait(entry)
 
-    def close(self, reason: FinishReason) -> None:
-        self._post((_END, reason))
+    @staticmethod
+    def end(reason: FinishReason | BaseException) -> tuple:
+        """The entry that ends a stream (after its chunks): a finish reason or an error."""
+        return (_END, reason)
 
     def fail(self, error: BaseException) -> None:
-        self._post((_END, error))
-
-    def _post(self, end) -> None:
-        """The end of the stream, after any frames still held back (engine thread)."""
-        held, self._held = self._held, []
-
-        def put() -> None:
-            for frame in held:
-                self._queue.put_nowait(frame)
-            self._queue.put_nowait(end)
-
-        try:
-            self._loop.call_soon_threadsafe(put)
-        except RuntimeError:
-            pass
+        ChunkStream.deliver_many([(self, [ChunkStream.end(error)])])
 
     # consumer side ----------------------------------------------------------
-    def __aiter__(self) -> FrameStream:
+    def __aiter__(self) -> ChunkStream:
         return self
 
-    async def __anext__(self) -> np.ndarray:
+    async def __anext__(self) -> CodecChunk:
         if self._done:
-            error, self._error = self._error, None
-            if error is not None:
-                raise error
             raise StopAsyncIteration
         try:
             item = await self._queue.get()
         except asyncio.CancelledError:
             await self.aclose()
             raise
-        frames = []
-        while True:
-            if isinstance(item, tuple) and item and item[0] is _END:
-                self._end(item[1])
-                break
-            frames.append(item)
-            if self._queue.empty():
-                break
-            item = self._queue.get_nowait()
-        if frames:
-            return np.stack(frames)
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-        raise StopAsyncIteration
-
-    def _end(self, outcome) -> None:
-        self._done = True
-        if isinstance(outcome, BaseException):
-            self._error = outcome
-            self.finish_reason = FinishReason.ERROR
-        else:
+        if isinstance(item, tuple) and item and item[0] is _END:
+            self._done = True
+            outcome = item[1]
+            if isinstance(outcome, BaseException):
+                self.finish_reason = FinishReason.ERROR
+                raise outcome
             self.finish_reason = outcome
+            raise StopAsyncIteration
+        return item
 
     async def aclose(self) -> None:
         """Stop listening; aborts the request if it has not finished."""

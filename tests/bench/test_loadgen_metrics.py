@@ -300,11 +300,11 @@ def test_bench_config_points_every_model_at_the_checkpoint():
     from tests.bench import REPO
 
     base = yaml.safe_load((REPO / "configs" / "high_concurrency.yaml").read_text())
-    cfg = bench_config(base, "/ckpt", 8123, ["models.0.engine_kwargs.max_batch_size=128",
+    cfg = bench_config(base, "/ckpt", 8123, ["models.0.engine_kwargs.max_num_seqs=128",
                                               "ingress.request_timeout_s=60"])
     args = cfg["applications"][0]["args"]
     assert all(m["model"] == "/ckpt" for m in args["models"]) and cfg["http_options"]["port"] == 8123
-    assert args["models"][0]["engine_kwargs"]["max_batch_size"] == 128 and args["ingress"]["request_timeout_s"] == 60
+    assert args["models"][0]["engine_kwargs"]["max_num_seqs"] == 128 and args["ingress"]["request_timeout_s"] == 60
     assert cfg["applications"][0]["runtime_env"]["env_vars"]["HF_HUB_OFFLINE"] == "1"
     assert args["ingress"]["allow_suppress_eos"] and "allow_suppress_eos" not in base["applications"][0]["args"]["ingress"]
     assert base["applications"][0]["args"]["models"][0]["model"] != "/ckpt"  # the input is not modified

@@ -59,8 +59,8 @@ def test_high_concurrency_colocates_fractional_gpus():
     talker, code2wav = deployments["Talker:qwen3-tts"], deployments["Code2Wav"]
     assert talker.ray_actor_options["num_gpus"] == code2wav.ray_actor_options["num_gpus"] == 0.5
     talker_config, streaming = talker.init_args
-    slots = talker_config.engine_config_kwargs()["max_batch_size"]
-    assert slots == 256
+    slots = talker_config.engine_config_kwargs()["max_num_seqs"]
+    assert slots == 512
     # every slot can be busy with more requests waiting inside the engine, then Serve queues, then 429
     assert talker._deployment_config.max_ongoing_requests > slots
     assert talker._deployment_config.max_queued_requests == 64
@@ -101,7 +101,7 @@ def test_multi_model_has_one_talker_per_checkpoint_and_one_code2wav():
 
 
 def test_defaults_derive_admission_from_engine_slots():
-    app = build_app({"models": [{"name": "m", "engine_kwargs": {"max_batch_size": 10}}],
+    app = build_app({"models": [{"name": "m", "engine_kwargs": {"max_num_seqs": 10}}],
                      "code2wav": {"max_batch_size": 4}})
     d = _deployments(app)
     talker = d["Talker:m"]._deployment_config

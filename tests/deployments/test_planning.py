@@ -185,7 +185,7 @@ def test_requests_too_long_for_max_seq_len_are_refused_in_the_ingress(infos, arg
 
     fits = VoiceClonePrompt(long_ref.x_vector, ref_codes=np.zeros((400, 16), np.int64), ref_text_ids=(1, 2))
     request, _ = build_request(body, info, choice, fits, args, "r")
-    room = 512 - prefill_length(request.prompt) - 1
+    room = 512 - prefill_length(request.prompt) - 2
     assert args.ingress.min_fitted_frames <= request.max_frames == room < 300  # fitted, above the floor
     too_many = _req(voice="myvoice", max_new_tokens=room + 1)
     status, param, message = _status(build_request, too_many, info, choice, fits, args, "r")

@@ -32,7 +32,7 @@ def talker(loop, tiny_custom_voice):
     from deployments.talker import TalkerServer
 
     config = TalkerConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
-                          engine_kwargs={"max_batch_size": 4, "max_seq_len": 64})
+                          engine_kwargs={"max_num_seqs": 4, "max_seq_len": 64})
     server = TalkerServer.sync_init(config, STREAMING)
     loop.run_until_complete(server.start())
     yield server
@@ -75,7 +75,7 @@ def test_talker_options_first_chunk_and_fit_max_frames(loop, talker):
     total = sum(c.num_new for c in chunks)
     from stages.talker.prefill import prefill_length
 
-    assert total == 64 - prefill_length(request.prompt) - 1  # what fits the engine's max_seq_len
+    assert total == 64 - prefill_length(request.prompt) - 2  # what fits max_seq_len (+1 speculative step)
     info = loop.run_until_complete(talker.info())
     assert info.max_seq_len == 64 and info.speakers[0] == "aiden"
 
@@ -175,7 +175,7 @@ def test_talker_health_sees_an_engine_that_stopped_stepping(loop, tiny_custom_vo
 
     config = TalkerConfig(name="fake", model=str(tiny_custom_voice), device="cpu", warmup=False,
                           engine_cls="tests.fake_engine:FakeTalkerEngine",
-                          engine_kwargs={"max_batch_size": 2, "stall_seed": 666, "stall_timeout_s": 0.5})
+                          engine_kwargs={"max_num_seqs": 2, "stall_seed": 666, "stall_timeout_s": 0.5})
     server = TalkerServer.sync_init(config, STREAMING)
     loop.run_until_complete(server.start())
     try:

@@ -95,7 +95,7 @@ class _QuietHandler(SimpleHTTPRequestHandler):
 def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowed_prefix) -> dict:
     def model(name, path, slots, **extra):
         return {"name": name, "model": str(path), "device": "cpu", "cpu_threads": 1,
-                "engine_kwargs": {"max_batch_size": slots, "max_seq_len": 512},
+                "engine_kwargs": {"max_num_seqs": slots, "max_seq_len": 512},
                 "deployment_config": {**ZERO_CPU, **extra.pop("deployment", {})}, **extra}
 
     return {
@@ -115,7 +115,7 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
                                                                "health_check_timeout_s": 5,
                                                                "max_ongoing_requests": 2, "max_queued_requests": 1}),
              "engine_cls": "tests.fake_engine:FakeTalkerEngine",
-             "engine_kwargs": {"max_batch_size": 2, "max_seq_len": 512, "stall_seed": STALL_SEED,
+             "engine_kwargs": {"max_num_seqs": 2, "max_seq_len": 512, "stall_seed": STALL_SEED,
                                "stall_timeout_s": 1.0, "pause_seed": PAUSE_SEED, "pause_after_frames": 4}},
         ],
         "code2wav": {"device": "cpu", "cpu_threads": 1, "max_batch_size": 16, "deployment_config": ZERO_CPU},

@@ -1,0 +1,54 @@
+"""The Talker engine's own step statistics inside a running Serve app, over an interval.
+
+Connects to the running Ray cluster, reads `Talker:<model>.engine_stats()` twice, `--seconds` apart, and prints
+the engine's mean step time, mean batch and prefill share over that window as JSON: the served step time to
+compare with `bench/pipeline.py`'s in-process step at the same batch (issue 10: does the engine loop lose time
+to the GIL it shares with Serve's event loops inside the replica?).
+
+    python -m bench.serve_engine_stats --model qwen3-tts --seconds 10 --out stats.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-tts")
+    ap.add_argument("--app", default="tts")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import ray
+    from ray import serve
+
+    from deployments.constants import TALKER_DEPLOYMENT_PREFIX
+
+    ray.init(address="auto", namespace="serve", log_to_driver=False)
+    handle = serve.get_deployment_handle(TALKER_DEPLOYMENT_PREFIX + args.model, app_name=args.app)
+    before = handle.engine_stats.remote().result()
+    t0 = time.perf_counter()
+    time.sleep(args.seconds)
+    after = handle.engine_stats.remote().result()
+    wall = time.perf_counter() - t0
+    steps = after["steps"] - before["steps"]
+    report = {
+        "window_s": round(wall, 2), "steps": steps,
+        "step_ms": round(wall / max(steps, 1) * 1e3, 2),  # wall per step: what a stream sees
+        "engine_thread_step_ms": round((after["step_seconds"] - before["step_seconds"]) / max(steps, 1) * 1e3, 2),
+        "mean_batch": round((after["frames"] - before["frames"]) / max(steps, 1), 1),
+        "prefill_share": round((after["prefill_seconds"] - before["prefill_seconds"]) / wall, 4),
+        "running": after["running"], "waiting": after["waiting"],
+    }
+    print(json.dumps(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Decode attention over a paged KV pool (one query position per row), as one Triton kernel on CUDA.
+
+One program per (row, KV head) walks the row's blocks through its block-table row, with an online softmax
+over `seq_lens[row]` keys: it reads exactly the keys the row has (no length bucket, no gathered copy),
+and all query heads of a GQA group share each key/value load. Shape-static launch (grid = rows x KV
+heads; lengths come from a device tensor), so it is captured inside the decode step's CUDA graph.
+
+The reference math is the gather + SDPA path in `DecodeContext` (stages/talker/paged_kv.py); the GPU
+tests compare the two (fp32 and bf16 tolerances are stated there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the engine uses the gather path there
+    triton = None
+
+
+def kernel_available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, sm_scale,
+        stride_qb, stride_qh, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq_len = tl.load(lens_ptr + row)
+        g = tl.arange(0, GROUP_P)
+        d = tl.arange(0, D)
+        g_ok = g < GROUP
+        heads = kv_head * GROUP + g
+        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None],
+                    other=0.0).to(tl.float32)  # [G, D]
+        m = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, D], tl.float32)
+        for start in range(0, seq_len, BLOCK):
+            n = start + tl.arange(0, BLOCK)
+            n_ok = n < seq_len
+            block = tl.load(table_ptr + row * stride_tb + n // PAGE, mask=n_ok, other=0)
+            token = block * PAGE + n % PAGE
+            offs = token[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+            k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0).to(tl.float32)  # [N, D]
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [G, N]
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0).to(tl.float32)  # [N, D]
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            m = m_new
+        out = acc / l_sum[:, None]
+        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_pool: torch.Tensor,  # [tokens, n_kv, D] (one layer)
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,  # [B, blocks_per_seq] int64
+    seq_lens: torch.Tensor,  # [B] int64, >= 1
+    block_size: int,
+) -> torch.Tensor:
+    """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over each row's first seq_lens[row] keys."""
+    b, heads, d = q.shape
+    n_kv = k_pool.shape[1]
+    group = heads // n_kv
+    out = torch.empty_like(q)
+    assert k_pool.stride(2) == 1 and q.stride(2) == 1 and block_table.stride(1) == 1
+    _paged_decode_kernel[(b, n_kv)](
+        q, k_pool, v_pool, out, block_table, seq_lens, d ** -0.5,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d, BLOCK=32, PAGE=block_size,
+    )
+    return out

@@ -1,0 +1,125 @@
+"""The talker engine's CUDA paths: graphs, staged admission, the paged attention kernel, no hidden host sync.
+
+Marked `gpu`: they run on the GPU machine (`python -m pytest -m gpu tests/stages`), CPU CI skips them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages.contract import FinishReason, SamplingParams, SynthesisRequest
+from stages.model import Qwen3TTS
+from stages.prompts import build_prompt
+from stages.reference import ReferenceGenerator
+from stages.talker.engine import TalkerEngine, TalkerEngineConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+GREEDY = SamplingParams(do_sample=False, subtalker_do_sample=False, suppress_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cuda_model(tiny_custom_voice):
+    return Qwen3TTS.load(tiny_custom_voice, device="cuda", dtype="float32", decoder=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(cuda_model):
+    m = cuda_model
+
+    def p(text, speaker, language, **kw):
+        return build_prompt(m.config, m.tokenizer, text, speaker=speaker, language=language, **kw)
+
+    return [p("Hello there.", "ryan", "english"),
+            p("A much longer sentence with quite a few more tokens than the first one has.", "vivian", "auto"),
+            p("Short", "eric", "chinese", instruct="Whisper it."),
+            p("Medium length text, with punctuation!", "aiden", "english", non_streaming_text=True),
+            p("Another one.", "sohee", "korean")]
+
+
+async def _codes(engine, request):
+    stream = engine.add_request(request)
+    chunks = [chunk async for chunk in stream]
+    return np.concatenate([c.codes[c.context:] for c in chunks]), stream.finish_reason
+
+
+def _run(engine, requests, stagger=False):
+    async def main():
+        async def one(i, r):
+            if stagger:  # arrivals while others run: admissions between steps
+                for _ in range(i):
+                    await asyncio.sleep(0)
+            return await _codes(engine, r)
+        return await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_paged_kernel_matches_gather_attention(dtype, atol):
+    """The Triton paged decode attention against gather + SDPA on scattered blocks and uneven lengths."""
+    from stages.talker.paged_attention import paged_decode_attention
+
+    torch.manual_seed(0)
+    b, heads, n_kv, d, page, blocks = 37, 16, 8, 128, 16, 2000
+    k_pool = torch.randn(blocks * page, n_kv, d, device="cuda", dtype=dtype)
+    v_pool = torch.randn_like(k_pool)
+    lens = torch.randint(1, 400, (b,), device="cuda")
+    lens[0], lens[1] = 1, 399
+    per = -(-400 // page)
+    table = torch.randperm(blocks, device="cuda")[:b * per].view(b, per)  # scattered, not contiguous
+    q = torch.randn(b, heads, d, device="cuda", dtype=dtype)
+    out = paged_decode_attention(q, k_pool, v_pool, table, lens, page)
+    keys = torch.arange(per * page, device="cuda")
+    index = table[:, keys // page] * page + keys % page  # [b, L]
+    k, v = k_pool[index].float().transpose(1, 2), v_pool[index].float().transpose(1, 2)
+    mask = (keys[None, :] < lens[:, None])[:, None, None, :]
+    ref = F.scaled_dot_product_attention(q.float().reshape(b, n_kv, heads // n_kv, d), k, v, attn_mask=mask)
+    err = (out.float() - ref.reshape(b, heads, d)).abs().max().item()
+    print(f"paged kernel vs gather, {dtype}: max abs err {err:.2e}")
+    assert err <= atol
+
+
+@pytest.mark.parametrize("exact_prefill,kernel", [(True, False), (False, False), (False, True)],
+                         ids=["reference-prefill+gather", "staged-prefill-graphs+gather", "staged+paged-kernel"])
+def test_graphed_engine_equals_reference_on_cuda(cuda_model, prompts, exact_prefill, kernel):
+    """fp32, decode graphs (and prefill graphs when staged), padding rows in the scratch row: same greedy codes
+    as the reference generator."""
+    engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=False,
+                                                         exact_prefill=exact_prefill, attention_kernel=kernel))
+    engine.start(log=lambda _m: None)
+    try:
+        assert engine.runner.graphs and engine.runner.prefill_graphs and engine.runner.use_kernel is kernel
+        lengths = [12, 20, 7, 15, 11]
+        results = _run(engine, [SynthesisRequest(f"r{i}", p, GREEDY, n)
+                                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))], stagger=True)
+    finally:
+        engine.shutdown()
+    reference = ReferenceGenerator(cuda_model)
+    for prompt, n, (codes, reason) in zip(prompts, lengths, results, strict=True):
+        assert reason is FinishReason.LENGTH
+        np.testing.assert_array_equal(codes, reference.generate_codes(prompt, GREEDY, n))
+
+
+def test_hot_path_has_no_host_sync(cuda_model, prompts):
+    """Arrivals, steps and releases under `set_sync_debug_mode("error")`: any hidden sync raises in the engine."""
+    engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=4, compile=False))
+    engine.start(log=lambda _m: None)
+    try:
+        _run(engine, [SynthesisRequest("warm", prompts[0], GREEDY, 3)])  # first-use allocations outside the check
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            requests = [SynthesisRequest(f"s{i}", prompts[i % len(prompts)], GREEDY, 6 + 3 * i) for i in range(7)]
+            results = _run(engine, requests, stagger=True)  # 7 requests through 4 rows: queueing, joins, leaves
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert [len(codes) for codes, _ in results] == [6 + 3 * i for i in range(7)]
+    assert all(reason is FinishReason.LENGTH for _, reason in results)
+    assert stats.running == 0 and stats.kv_reserved_tokens == 0

@@ -1,0 +1,96 @@
+"""The talker scheduler alone (no model, no torch): admission by rows and KV blocks, FIFO, moves, aborts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stages.contract import SynthesisRequest, TalkerPrompt
+from stages.talker.scheduler import RowMove, Scheduler, Sequence
+
+PROMPT = TalkerPrompt(text_ids=(1, 2, 3), language_id=None)
+
+
+def seq(name: str, prompt_len: int = 14, max_frames: int = 16) -> Sequence:
+    return Sequence(SynthesisRequest(name, PROMPT, max_frames=max_frames), seed=0, prompt_len=prompt_len,
+                    trailing_len=3, output=None)
+
+
+def test_admission_reserves_the_blocks_of_each_requests_own_bound():
+    s = Scheduler(max_num_seqs=8, num_blocks=10, block_size=16, max_prefill_batch=8, max_waiting=100)
+    short, long = seq("short", 14, 16), seq("long", 14, 100)  # 32 and 116 positions: 2 and 8 blocks
+    s.add(short)
+    s.add(long)
+    assert s.admit() == [short, long]
+    assert len(short.blocks) == 2 and len(long.blocks) == 8 and s.blocks.free == 0
+    assert s.reserved_positions == 160
+    assert not set(short.blocks) & set(long.blocks)
+
+
+def test_fifo_head_waits_for_blocks_and_is_not_overtaken():
+    s = Scheduler(max_num_seqs=8, num_blocks=4, block_size=16, max_prefill_batch=8, max_waiting=100)
+    a, big, small = seq("a", 14, 16), seq("big", 14, 40), seq("small", 14, 16)
+    for x in (a, big, small):
+        s.add(x)
+    assert s.admit() == [a]  # big needs 4 blocks, 2 are free; small must not overtake it
+    assert list(s.waiting) == [big, small]
+    s.release([a])
+    assert s.admit() == [big]
+
+
+def test_rows_stay_dense_and_release_moves_the_last_row_into_the_hole():
+    s = Scheduler(max_num_seqs=4, num_blocks=100, block_size=16, max_prefill_batch=4, max_waiting=100)
+    seqs = [seq(f"r{i}") for i in range(4)]
+    for x in seqs:
+        s.add(x)
+    s.admit()
+    assert [x.row for x in seqs] == [0, 1, 2, 3]
+    moves = s.release([seqs[0], seqs[3]])  # the last row goes without a move; row 2 fills the hole at 0
+    assert moves == [RowMove(2, 0)]
+    assert [x.request_id for x in s.running] == ["r2", "r1"] and seqs[2].row == 0
+    assert s.blocks.free == 100 - 2 * 2
+
+
+def test_each_survivor_moves_at_most_once():
+    """Holes low and high at once (rows 1 and 4 of 6 leave): rows 5 and ... fill them, none moves twice."""
+    s = Scheduler(max_num_seqs=6, num_blocks=100, block_size=16, max_prefill_batch=6, max_waiting=100)
+    seqs = [seq(f"r{i}") for i in range(6)]
+    for x in seqs:
+        s.add(x)
+    s.admit()
+    moves = s.release([seqs[4], seqs[1]])
+    assert moves == [RowMove(5, 1)]  # row 4 is past the new end: it just goes
+    assert [x.request_id for x in s.running] == ["r0", "r5", "r2", "r3"]
+    assert [x.row for x in s.running] == [0, 1, 2, 3]
+    assert len({m.src for m in moves}) == len(moves) and all(m.src >= len(s.running) for m in moves)
+
+
+def test_prefill_batch_and_rows_bound_admission():
+    s = Scheduler(max_num_seqs=3, num_blocks=100, block_size=16, max_prefill_batch=2, max_waiting=100)
+    for i in range(5):
+        s.add(seq(f"r{i}"))
+    assert len(s.admit()) == 2 and len(s.admit()) == 1 and s.admit() == []
+    assert s.num_running == 3 and s.num_waiting == 2
+
+
+def test_abort_while_waiting_leaves_the_queue_at_once():
+    s = Scheduler(max_num_seqs=1, num_blocks=100, block_size=16, max_prefill_batch=1, max_waiting=100)
+    a, b = seq("a"), seq("b")
+    s.add(a)
+    s.add(b)
+    s.admit()
+    assert s.abort("b") is b and b.row < 0 and s.num_waiting == 0
+    assert s.abort("b") is None  # once
+    assert s.abort("a") is a and not s.live[a.ticket]  # running: no longer live, released by the engine
+
+
+def test_tickets_change_generation_when_reused():
+    s = Scheduler(max_num_seqs=1, num_blocks=100, block_size=16, max_prefill_batch=1, max_waiting=100)
+    a, b = seq("a"), seq("b")
+    s.add(a)
+    s.admit()
+    ticket, gen = a.ticket, int(s.generation[a.ticket])
+    s.release([a])
+    s.add(b)
+    s.admit()
+    assert b.ticket == ticket and s.generation[ticket] != gen  # a step launched for `a` cannot be read as `b`'s
+    assert np.array_equal(s.frames[[ticket]], [0])
