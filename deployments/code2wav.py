@@ -42,6 +42,10 @@ class Code2WavServer:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="code2wav")  # the decoder's only thread
         self._inflight = 0  # decode() calls in this replica
         self._decoding = 0  # of which in the batch being decoded
+        # heartbeat: when a decode last finished, or work arrived at an idle replica; `check_health` fails
+        # when chunks have waited longer than `stall_timeout_s` without one (a stuck device call)
+        self._clock = time.monotonic  # tests drive the heartbeat with their own clock
+        self._last_progress = self._clock()
         self._metrics: Code2WavMetrics | None = None
 
     async def start(self) -> None:
@@ -71,6 +75,8 @@ class Code2WavServer:
         """
         n = len(chunks)
         t0 = time.perf_counter()
+        if self._inflight == 0:
+            self._last_progress = self._clock()
         self._inflight += n
         self._metrics.queued_chunks.set(self._inflight - self._decoding)
         try:
@@ -113,11 +119,20 @@ class Code2WavServer:
         try:
             return self._engine.decode(chunks)
         finally:
+            self._last_progress = self._clock()
             self._decoding -= len(chunks)
             self._metrics.batch_decode_ms.observe((time.perf_counter() - t0) * 1000)
 
     async def ready(self) -> bool:
         return self._engine is not None
+
+    def check_health(self) -> None:
+        """Serve replaces the replica when this raises: chunks pending and no decode finished for too long."""
+        if self._engine is None:
+            raise RuntimeError("the Code2Wav engine is not running")
+        stalled_for = self._clock() - self._last_progress
+        if self._inflight > 0 and stalled_for > self._config.stall_timeout_s:
+            raise RuntimeError(f"Code2Wav made no progress for {stalled_for:.0f} s with {self._inflight} chunks pending")
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         return {

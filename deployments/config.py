@@ -124,6 +124,8 @@ class Code2WavConfig(_RuntimeOptions):
 
     model: str | None = Field(None, description="checkpoint whose speech_tokenizer/ to load; None = the first model's")
     max_batch_size: int = Field(C.DEFAULT_CODE2WAV_MAX_BATCH_SIZE, ge=1, description="chunks decoded in one forward")
+    stall_timeout_s: float = Field(C.CODE2WAV_STALL_TIMEOUT_S, gt=0, description=(
+        "check_health fails (Serve replaces the replica) when chunks wait this long without a decode finishing"))
 
 
 class StreamingConfig(BaseConfig):
@@ -175,6 +177,11 @@ class IngressConfig(_DeploymentOptions):
     max_request_bytes: int = Field(C.DEFAULT_MAX_REQUEST_BYTES, ge=1, description="HTTP body limit (413 above)")
     max_new_tokens_limit: int | None = Field(None, ge=1, description="cap on a request's max_new_tokens")
     request_timeout_s: float = Field(C.DEFAULT_REQUEST_TIMEOUT_S, gt=0, description="per-request deadline")
+    body_read_timeout_s: float = Field(C.DEFAULT_BODY_READ_TIMEOUT_S, gt=0,
+                                       description="a request body must arrive whole within this (408 otherwise)")
+    max_open_requests: int = Field(C.DEFAULT_INGRESS_MAX_OPEN_REQUESTS, ge=1, description=(
+        "speech requests (open streams included) and voice uploads in progress per ingress replica; more are "
+        "answered with `backpressure` (429 + Retry-After) by the ingress itself"))
     ref_audio_url_allowlist: list[str] = Field(
         default_factory=list,
         description="http(s) URL prefixes ref_audio may be fetched from (e.g. 'https://cdn.example.com/voices/'); "
@@ -182,7 +189,12 @@ class IngressConfig(_DeploymentOptions):
     )
     voices_dir: str | None = Field(None, description="uploaded voices (shared storage when there are several nodes)")
     max_uploaded_voices: int = Field(C.DEFAULT_MAX_UPLOADED_VOICES, ge=0)
-    allow_suppress_eos: bool = Field(True, description="accept `suppress_eos` (benchmarks, random-weight tests)")
+    allow_suppress_eos: bool = Field(False, description=(
+        "accept `suppress_eos` (benchmarks, random-weight tests); off in production: it lets any client force "
+        "maximum-length generation"))
+    min_fitted_frames: int = Field(C.DEFAULT_MIN_FITTED_FRAMES, ge=1, description=(
+        "a request without max_new_tokens whose prompt leaves fewer frames than this within max_seq_len is a "
+        "400 (rather than a truncated clip of a few frames)"))
     backpressure: BackpressureSettings = Field(default_factory=BackpressureSettings)
     decode_batch: DecodeBatchSettings = Field(default_factory=DecodeBatchSettings)
 

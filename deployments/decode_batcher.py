@@ -6,16 +6,23 @@ left the Code2Wav replica handling requests rather than decoding once a few hund
 stream's chunk refs join one queue, and a call to `Code2Wav.decode_many` takes everything queued (up to
 `max_chunks`) as soon as one of `max_calls_in_flight` call slots is free. An idle server sends a lone
 chunk at once, so batching costs no latency; a busy one sends bigger calls, not more of them.
+
+Code2Wav is stateless and the chunk refs stay valid (this process owns them), so a call whose replica
+died (killed, OOM, node lost) is sent once more: Serve routes it to another (or the replacement) replica
+and the streams whose decodes were on the dead one go on without a gap in their audio.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from ray.serve.handle import DeploymentHandle
 
 from deployments.protocol import DecodedChunk
+
+logger = logging.getLogger("ray.serve")
 
 
 class DecodeBatcher:
@@ -25,6 +32,7 @@ class DecodeBatcher:
         self._slots = asyncio.Semaphore(max_calls_in_flight)
         self._queue: asyncio.Queue[tuple[object, asyncio.Future]] = asyncio.Queue()
         self._calls: set[asyncio.Task] = set()
+        self.retries = 0  # calls sent again because their replica died
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     def submit(self, chunk_ref) -> asyncio.Future:
@@ -49,7 +57,7 @@ class DecodeBatcher:
 
     async def _call(self, batch: list[tuple[object, asyncio.Future]]) -> None:
         try:
-            answers = await self._handle.decode_many.remote([ref for ref, _ in batch])
+            answers = await self._decode([ref for ref, _ in batch])
         except Exception as e:  # refused (backpressure) or failed: every chunk of the call fails with it
             for _, future in batch:
                 if not future.done():
@@ -64,6 +72,17 @@ class DecodeBatcher:
                     future.set_result(answer)
         finally:
             self._slots.release()
+
+    async def _decode(self, refs: list) -> list:
+        from ray.exceptions import RayActorError
+
+        try:
+            return await self._handle.decode_many.remote(refs)
+        except RayActorError as e:  # the replica died with the call: stateless, so once more elsewhere
+            logger.warning(f"a Code2Wav replica died during a decode of {len(refs)} chunks; retrying once "
+                           f"({type(e).__name__})")
+            self.retries += 1
+            return await self._handle.decode_many.remote(refs)
 
     async def close(self) -> None:
         self._task.cancel()

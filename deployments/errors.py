@@ -6,9 +6,16 @@ Only the ingress turns exceptions into HTTP; everything below it raises typed er
 
 from __future__ import annotations
 
+import logging
 import math
 
 from fastapi.responses import JSONResponse
+
+logger = logging.getLogger("ray.serve")
+
+# an error message is for a person: bounded, whatever the client sent (a 1 MB voice name is not echoed back)
+MAX_MESSAGE_CHARS = 1000
+MAX_SHOWN_CHARS = 64
 
 _TYPES = {
     400: "invalid_request_error",
@@ -25,6 +32,10 @@ _TYPES = {
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  retry_after_s: float | None = None):
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + "..."
+        if param is not None and len(param) > MAX_SHOWN_CHARS:
+            param = param[:MAX_SHOWN_CHARS] + "..."
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after_s = retry_after_s
@@ -41,6 +52,24 @@ class APIError(Exception):
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+class StreamAborted(Exception):
+    """Raised out of a raw audio stream that failed after its status line: the HTTP response is cut off."""
+
+
+def shown(value: object, limit: int = MAX_SHOWN_CHARS) -> str:
+    """`repr` of a client-supplied value for an error message, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..." + text[0]
+
+
+def plain(text: object) -> str:
+    """A library's error text made fit for a client: first line, no object reprs with heap addresses."""
+    import re
+
+    line = (str(text).splitlines() or [""])[0]
+    return re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "<...>", line)[:MAX_MESSAGE_CHARS // 2]
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -62,14 +91,17 @@ def unwrap(exc: BaseException) -> BaseException:
 
 def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_s: float = 1.0) -> APIError:
     """Map whatever a handle call raised to the answer the client gets."""
-    from ray.exceptions import TaskCancelledError
+    from ray.exceptions import RayActorError, TaskCancelledError
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from stages.contract import EngineOverloadedError, InvalidRequestError
 
     exc = unwrap(exc)
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, StarletteHTTPException):  # raised by Starlette while reading a request
+        return APIError(exc.status_code, plain(exc.detail))
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc))
     if isinstance(exc, (BackPressureError, EngineOverloadedError)):
@@ -79,6 +111,11 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
         return APIError(503, "the model is not available right now", code="unavailable", retry_after_s=retry_after_s)
     if isinstance(exc, TimeoutError):
         return APIError(504, "the request did not finish before its deadline", code="timeout")
+    if isinstance(exc, RayActorError):  # a replica died (killed, OOM, node lost): transient for the client
+        return APIError(503, "the replica serving this request failed; retry", code="replica_failed",
+                        retry_after_s=retry_after_s)
     if isinstance(exc, TaskCancelledError):
         return APIError(503, "the request was cancelled by the server", code="cancelled", retry_after_s=retry_after_s)
-    return APIError(500, f"speech generation failed: {type(exc).__name__}: {exc}", code="internal_error")
+    # ours, not the client's: the details (Ray's ActorDiedError text, addresses, tracebacks) go to the log only
+    logger.error(f"request failed: {type(exc).__name__}: {exc}")
+    return APIError(500, "speech generation failed (internal error); it was logged", code="internal_error")

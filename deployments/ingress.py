@@ -27,16 +27,19 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import constants as C
+from deployments import http_guard, openapi
 from deployments.audio_formats import MEDIA_TYPES
 from deployments.config import TTSServingArgs
 from deployments.decode_batcher import DecodeBatcher
-from deployments.errors import APIError, bad_request, to_api_error, unwrap
+from deployments.errors import APIError, StreamAborted, bad_request, plain, shown, to_api_error, unwrap
+from deployments.http_guard import BodyGuard, BodyLimits, OpenWork
 from deployments.metrics import IngressMetrics
 from deployments.pipeline import stream_audio
 from deployments.planning import (
     VoiceChoice,
     build_request,
     check_limits,
+    check_request,
     choose_voice,
     infer_model,
     resolve_model_name,
@@ -52,8 +55,9 @@ from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME, TaskType, VoiceClone
 logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="Qwen3-TTS on Ray Serve", version="0.1.0")
-# `@serve.ingress` freezes a copy of `app`, so per-replica settings the middleware reads live here
-_body_limit: dict[str, int] = {}
+# bodies are read whole, within a size limit and a deadline, before any route runs (deployments/http_guard.py)
+app.add_middleware(BodyGuard)
+openapi.install(app)  # /openapi.json as the server answers (deployments/openapi.py)
 
 
 @app.exception_handler(APIError)
@@ -76,15 +80,6 @@ async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONRes
     return APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None).response()
 
 
-@app.middleware("http")
-async def _limit_body(request: Request, call_next):
-    limit = _body_limit.get("bytes")
-    length = request.headers.get("content-length")
-    if limit is not None and length is not None and length.isdigit() and int(length) > limit:
-        return APIError(413, f"request body is larger than {limit} bytes", code="request_too_large").response()
-    return await call_next(request)
-
-
 # helpers used by TTSIngress's methods must be defined before it: @serve.ingress pickles the class by value
 async def _create_voice(handle: DeploymentHandle, audio: bytes, ref_text: str | None, x_vector_only: bool,
                         param: str) -> VoiceClonePrompt:
@@ -94,7 +89,7 @@ async def _create_voice(handle: DeploymentHandle, audio: bytes, ref_text: str | 
     except Exception as exc:  # noqa: BLE001
         inner = unwrap(exc)
         if isinstance(inner, ValueError):
-            raise bad_request(f"{param}: {inner}", param, code="invalid_audio") from None
+            raise bad_request(f"{param}: {plain(inner)}", param, code="invalid_audio") from None
         raise
 
 
@@ -146,15 +141,25 @@ class TTSIngress:
         self._inline_voices: OrderedDict[str, VoiceClonePrompt] = OrderedDict()
         self._metrics = IngressMetrics()
         self._open_streams: dict[str, int] = dict.fromkeys(self._routes, 0)
-        import deployments.ingress as module  # the real module: this class's globals are a pickled copy
-
-        module._body_limit["bytes"] = self._limits.max_request_bytes
+        http_guard.configure(BodyLimits(self._limits.max_request_bytes, self._limits.body_read_timeout_s))
+        self._work = OpenWork(self._limits.max_open_requests, self._limits.backpressure.retry_after_s,
+                              self._limits.backpressure.status_code)
         for route in self._routes.values():  # start fetching model infos now; requests await them
             asyncio.ensure_future(route.info()).add_done_callback(_ignore_failure)
 
     # ------------------------------------------------------------------ speech
     @app.post("/v1/audio/speech")
     async def speech(self, body: SpeechRequest):
+        try:
+            self._work.acquire()  # admission of the costly part (deployments/http_guard.py)
+        except APIError as exc:
+            return self._fail(exc, "-", body.streaming)
+        try:
+            return await self._speech(body)
+        finally:
+            self._work.release()  # a stream holds its own count while it is sent
+
+    async def _speech(self, body: SpeechRequest) -> Response:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(body.timeout_s or self._limits.request_timeout_s, self._limits.request_timeout_s)
@@ -163,9 +168,13 @@ class TTSIngress:
         chunks: AsyncIterator[DecodedChunk] | None = None
         try:
             check_limits(body, self._limits)
-            async with asyncio.timeout_at(deadline):
+            # validation first, then the client's deadline: a tiny `timeout_s` must not hide a 400. Routing
+            # waits only for a model's info (fetched once per replica), bounded by the server's deadline.
+            async with asyncio.timeout(self._limits.request_timeout_s):
                 info, voice_choice = await self._route(body)
-                model = info.name
+            model = info.name
+            check_request(body, info, self._args)
+            async with asyncio.timeout_at(deadline):
                 voice = await self._voice_prompt(body, info, voice_choice)
                 synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id)
                 chunks = stream_audio(self._routes[info.name].handle, self._decoder, synthesis, options,
@@ -180,7 +189,7 @@ class TTSIngress:
             return self._fail(exc, model, body.streaming)
         job = _Job(body, model, chunks, first, deadline, started,
                    usage_in=len(synthesis.prompt.text_ids) + len(synthesis.prompt.instruct_ids or ()))
-        headers = {"X-Request-Id": request_id}
+        headers: dict[str, str] = {}  # Serve's proxy adds X-Request-Id (the client's own, or a new one)
         if body.streaming:
             return StreamingResponse(
                 self._stream(job),
@@ -251,6 +260,7 @@ class TTSIngress:
         sse, model = job.body.stream_format == "sse", job.model
         frames, status, finish, audio_sent = 0, "ok", None, False
         playback = PlaybackClock()
+        self._work.acquire(check=False)
         self._open_streams[model] += 1
         self._metrics.open_streams.set(self._open_streams[model], tags={"model": model})
 
@@ -297,8 +307,13 @@ class TTSIngress:
             logger.warning(f"{model}: stream failed after {frames} frames: {error.message}")
             if sse:
                 yield event("error", **error.body())
+            else:
+                # raw bytes can only say "failed" through their framing: the response ends without its
+                # terminating chunk, so clients see an incomplete read rather than a short clip that looks whole
+                raise StreamAborted(error.message) from None
         finally:
             await job.chunks.aclose()
+            self._work.release()
             self._open_streams[model] -= 1
             self._metrics.open_streams.set(self._open_streams[model], tags={"model": model})
             if playback.started is not None and playback.min_lead_s != float("inf"):
@@ -332,16 +347,23 @@ class TTSIngress:
 
     @app.post("/v1/audio/voices")
     async def upload_voice(self, request: Request):
+        try:
+            with self._work.admit():
+                return await self._upload_voice(request)
+        except Exception as exc:  # noqa: BLE001 - a full Talker is 429 JSON + Retry-After, as for speech
+            return self._error(exc).response()
+
+    async def _upload_voice(self, request: Request):
         async with asyncio.timeout(self._limits.request_timeout_s):
             name, audio, mime, ref_text, x_vector_only = await read_voice_upload(request, self._limits)
             if ref_text is not None and len(ref_text) > self._limits.max_ref_text_chars:
                 raise bad_request(f"ref_text is {len(ref_text)} characters; the limit is "
                                   f"{self._limits.max_ref_text_chars}", "ref_text", code="input_too_long")
             if not VOICE_NAME_PATTERN.match(name):
-                raise bad_request(f"voice name {name!r} must match {VOICE_NAME_PATTERN.pattern}", "name")
+                raise bad_request(f"voice name {shown(name)} must match {VOICE_NAME_PATTERN.pattern}", "name")
             infos = await self._infos()
             if name.lower() == C.DEFAULT_VOICE_NAME or any(name.lower() in i.speakers for i in infos):
-                raise bad_request(f"voice name {name!r} is taken by a preset voice", "name", code="name_taken")
+                raise bad_request(f"voice name {shown(name)} is taken by a preset voice", "name", code="name_taken")
             existing = await asyncio.to_thread(self._voices.list)
             if name not in {r.name for r in existing} and len(existing) >= self._limits.max_uploaded_voices:
                 raise bad_request(f"there are already {len(existing)} uploaded voices (the limit)", "name",
@@ -363,11 +385,12 @@ class TTSIngress:
 
     @app.delete("/v1/audio/voices/{name}")
     async def delete_voice(self, name: str):
-        if not await asyncio.to_thread(self._voices.delete, name):
-            raise APIError(404, f"no uploaded voice named {name!r}", param="name", code="voice_not_found")
-        return {"success": True, "name": name}
+        record = await asyncio.to_thread(self._find_voice, name)  # case-insensitive, as when it is used
+        if record is None or not await asyncio.to_thread(self._voices.delete, record.name):
+            raise APIError(404, f"no uploaded voice named {shown(name)}", param="name", code="voice_not_found")
+        return {"success": True, "name": record.name}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self):
         return {"status": "ok"}
 
@@ -405,13 +428,20 @@ class TTSIngress:
     def _find_voice(self, name: str):
         return self._voices.find(name) if name else None
 
-    def _fail(self, exc: BaseException, model: str, stream: bool) -> JSONResponse:
+    def _error(self, exc: BaseException) -> APIError:
+        """The client's answer; a client error is one log line (never a traceback), ours is an ERROR."""
         limits = self._limits.backpressure
         error = to_api_error(exc, overload_status=limits.status_code, retry_after_s=limits.retry_after_s)
+        if error.status >= 500 and error.status not in (503, 504):
+            logger.error(f"{error.status} {error.code}: {error.message}")
+        else:
+            logger.info(f"{error.status} {error.code}: {error.message[:200]}")
+        return error
+
+    def _fail(self, exc: BaseException, model: str, stream: bool) -> JSONResponse:
+        error = self._error(exc)
         status = {400: "bad_request", 404: "not_found", 413: "bad_request", 429: "rejected", 503: "rejected",
                   504: "timeout"}.get(error.status, "error" if error.status >= 500 else "bad_request")
-        if error.status >= 500 and status == "error":
-            logger.error(f"{model}: {error.message}")
         self._count(model, status, stream)
         return error.response()
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from deployments import constants as C
 from deployments.config import IngressConfig, TTSServingArgs
-from deployments.errors import APIError, bad_request
+from deployments.errors import APIError, bad_request, shown
 from deployments.protocol import GenerateOptions, ModelInfo
 from deployments.schemas import SpeechRequest
 from deployments.voices import VoiceRecord
-from stages.contract import InvalidRequestError, SynthesisRequest, TaskType, VoiceClonePrompt
+from stages.contract import InvalidRequestError, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def resolve_model_name(requested: str, names: dict[str, str]) -> str:
     name = names.get(requested.lower())
     if name is None:
         served = sorted(set(names.values()))
-        raise APIError(404, f"model {requested!r} is not served here; served models: {served}", param="model",
+        raise APIError(404, f"model {shown(requested)} is not served here; served models: {served}", param="model",
                        code="model_not_found")
     return name
 
@@ -92,13 +92,13 @@ def choose_voice(body: SpeechRequest, info: ModelInfo, find_voice) -> VoiceChoic
         if voice.lower() in info.speakers:
             return VoiceChoice(speaker=voice.lower())
         if find_voice(voice) is not None:
-            raise bad_request(f"voice {voice!r} is an uploaded clone voice; it needs a Base model, and "
+            raise bad_request(f"voice {shown(voice)} is an uploaded clone voice; it needs a Base model, and "
                               f"{info.name!r} is CustomVoice", "voice", code="unsupported_task")
-        raise bad_request(f"unknown voice {voice!r} for {info.name!r}; supported: {info.speakers}", "voice",
+        raise bad_request(f"unknown voice {shown(voice)} for {info.name!r}; supported: {info.speakers}", "voice",
                           code="voice_not_found")
     if task is TaskType.VOICE_DESIGN:
         if not is_default:
-            raise bad_request(f"VoiceDesign models have no preset voices (got {voice!r}); describe the voice in "
+            raise bad_request(f"VoiceDesign models have no preset voices (got {shown(voice)}); describe the voice in "
                               f"`instructions` and omit voice or use {C.DEFAULT_VOICE_NAME!r}", "voice",
                               code="voice_not_found")
         if not (body.instructions or "").strip():
@@ -117,7 +117,7 @@ def choose_voice(body: SpeechRequest, info: ModelInfo, find_voice) -> VoiceChoic
                           "uploaded voice (POST /v1/audio/voices)", "voice")
     record = find_voice(voice)
     if record is None:
-        raise bad_request(f"unknown voice {voice!r}: no uploaded voice has this name", "voice", code="voice_not_found")
+        raise bad_request(f"unknown voice {shown(voice)}: no uploaded voice has this name", "voice", code="voice_not_found")
     if body.ref_text:
         raise bad_request("ref_text applies to ref_audio; an uploaded voice has its own transcript", "ref_text")
     return VoiceChoice(uploaded=record)
@@ -131,17 +131,45 @@ def check_limits(body: SpeechRequest, limits: IngressConfig) -> None:
         if len(value) > limit:
             raise bad_request(f"{field} is {len(value)} characters; the limit is {limit}", field,
                               code="input_too_long")
+    if not body.input.strip():
+        raise bad_request("input text is empty", "input", code="empty_input")
     if body.suppress_eos and not limits.allow_suppress_eos:
         raise bad_request("suppress_eos is disabled on this server", "suppress_eos")
+
+
+def check_request(body: SpeechRequest, info: ModelInfo, args: TTSServingArgs) -> SamplingParams:
+    """Everything about a request that needs the model but not its voice: lengths, chunking, sampling.
+
+    Pure and fast, so it runs before the request's deadline starts to matter (a tiny `timeout_s` must
+    not turn a 400 into a 504). -> the request's sampling parameters.
+    """
+    limit = min(args.ingress.max_new_tokens_limit or info.max_seq_len, info.max_seq_len)
+    if body.max_new_tokens is not None and body.max_new_tokens > limit:
+        raise bad_request(f"max_new_tokens {body.max_new_tokens} is above this model's limit {limit}",
+                          "max_new_tokens", code="max_new_tokens_too_large")
+    steady = args.streaming.schedule().steady_chunk_frames
+    if body.initial_codec_chunk_frames is not None and body.initial_codec_chunk_frames > steady:
+        raise bad_request(f"initial_codec_chunk_frames must be <= {steady} (the steady chunk size)",
+                          "initial_codec_chunk_frames")
+    sampling = dataclasses.replace(info.generation.sampling, **body.sampling_overrides())
+    try:
+        sampling.validate()
+    except InvalidRequestError as e:
+        raise bad_request(str(e)) from None
+    return sampling
 
 
 def build_request(
     body: SpeechRequest, info: ModelInfo, choice: VoiceChoice, voice: VoiceClonePrompt | None,
     args: TTSServingArgs, request_id: str,
 ) -> tuple[SynthesisRequest, GenerateOptions]:
+    """The engine's request. Its length is checked here against the model's `max_seq_len` (prompt
+    positions + frames), so a request that cannot fit is a 400 from the ingress, never an exception
+    (and a logged traceback) in the Talker."""
     from stages.prompts import build_prompt
+    from stages.talker.prefill import prefill_length
 
-    limits = args.ingress
+    sampling = check_request(body, info, args)
     if voice is not None and body.x_vector_only_mode and voice.icl:
         voice = VoiceClonePrompt(x_vector=voice.x_vector)
     try:
@@ -152,22 +180,24 @@ def build_request(
     except InvalidRequestError as e:
         raise bad_request(str(e)) from None
 
-    limit = min(limits.max_new_tokens_limit or info.max_seq_len, info.max_seq_len)
-    if body.max_new_tokens is not None and body.max_new_tokens > limit:
-        raise bad_request(f"max_new_tokens {body.max_new_tokens} is above this model's limit {limit}",
-                          "max_new_tokens", code="max_new_tokens_too_large")
-    max_frames = body.max_new_tokens or min(info.default_max_new_tokens, limit)
-
-    steady = args.streaming.schedule().steady_chunk_frames
-    if body.initial_codec_chunk_frames is not None and body.initial_codec_chunk_frames > steady:
-        raise bad_request(f"initial_codec_chunk_frames must be <= {steady} (the steady chunk size)",
-                          "initial_codec_chunk_frames")
-
-    sampling = dataclasses.replace(info.generation.sampling, **body.sampling_overrides())
-    try:
-        sampling.validate()
-    except InvalidRequestError as e:
-        raise bad_request(str(e)) from None
+    prompt_len = prefill_length(prompt)
+    room = info.max_seq_len - prompt_len - 2  # frames that fit: the engine needs prompt + frames + 2 positions
+    if body.max_new_tokens is not None:
+        if body.max_new_tokens > room:
+            raise bad_request(f"request too long: a prompt of {prompt_len} positions + {body.max_new_tokens} frames "
+                              f"exceeds the model's max_seq_len {info.max_seq_len}; at most {max(room, 0)} frames "
+                              "fit", "max_new_tokens", code="request_too_long")
+        max_frames = body.max_new_tokens
+    else:
+        limit = min(args.ingress.max_new_tokens_limit or info.max_seq_len, info.default_max_new_tokens)
+        max_frames = min(limit, room)
+        # a long prompt (e.g. a Base reference clip in ICL mode) may leave room for a frame or two: that is
+        # a useless 80 ms answer with finish_reason=length, so it is refused instead
+        floor = min(args.ingress.min_fitted_frames, limit)
+        if max_frames < floor:
+            raise bad_request(f"request too long: a prompt of {prompt_len} positions leaves room for {max(room, 0)} "
+                              f"frames within the model's max_seq_len {info.max_seq_len}; at least {floor} are "
+                              "needed (shorten the input or the reference clip)", "input", code="request_too_long")
     request = SynthesisRequest(request_id=request_id, prompt=prompt, sampling=sampling, max_frames=max_frames,
                                seed=body.seed)
     options = GenerateOptions(first_chunk_frames=body.initial_codec_chunk_frames,

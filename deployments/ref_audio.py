@@ -69,11 +69,18 @@ def probe_audio(data: bytes, max_seconds: float, param: str = "ref_audio") -> fl
     """Duration in seconds of an encoded clip; 400 if it cannot be decoded, is empty or is too long."""
     try:
         info = sf.info(io.BytesIO(data))
-    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
-        raise bad_request(f"{param} could not be decoded as audio: {e}", param, code="invalid_audio") from None
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):  # libsndfile's text names heap addresses
+        raise bad_request(f"{param} could not be decoded as audio (formats: wav, flac, ogg, mp3)", param,
+                          code="invalid_audio") from None
     if info.frames <= 0 or info.samplerate <= 0:
         raise bad_request(f"{param} contains no audio", param, code="invalid_audio")
+    if info.samplerate < C.MIN_REF_AUDIO_SAMPLE_RATE:  # a 1 Hz "clip" decodes, but is no voice
+        raise bad_request(f"{param} has a sample rate of {info.samplerate} Hz; at least "
+                          f"{C.MIN_REF_AUDIO_SAMPLE_RATE} Hz is needed", param, code="invalid_audio")
     seconds = info.frames / info.samplerate
+    if seconds < C.MIN_REF_AUDIO_SECONDS:
+        raise bad_request(f"{param} is {seconds:.2f} s long; at least {C.MIN_REF_AUDIO_SECONDS:g} s is needed",
+                          param, code="audio_too_short")
     if seconds > max_seconds:
         raise bad_request(f"{param} is {seconds:.1f} s long; the limit is {max_seconds:g} s", param,
                           code="audio_too_long")
@@ -111,7 +118,10 @@ async def read_voice_upload(request: Request, limits: IngressConfig) -> VoiceUpl
     """`POST /v1/audio/voices` body: multipart (`audio_sample` file) or JSON (`audio_sample` base64/data URI)."""
     limit = limits.max_ref_audio_bytes
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
-        form = await request.form()
+        try:
+            form = await request.form()
+        except Exception:  # noqa: BLE001 - Starlette's HTTPException or python-multipart's parse errors
+            raise bad_request("the multipart/form-data body could not be parsed", code="invalid_multipart") from None
         upload = form.get("audio_sample")
         if upload is None or isinstance(upload, str):
             raise bad_request("multipart field `audio_sample` (a file) is required", "audio_sample")

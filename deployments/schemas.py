@@ -1,4 +1,10 @@
-"""HTTP request bodies: OpenAI's `/v1/audio/speech` fields plus the Qwen3-TTS extensions."""
+"""HTTP request bodies: OpenAI's `/v1/audio/speech` fields plus the Qwen3-TTS extensions.
+
+Every number is bounded here, at the API edge: integers end up in int64 tensors on the engine thread,
+where an out-of-range value (e.g. top_k = 2**63) used to raise inside the engine and take every stream
+of the replica down with it. Strings must be valid Unicode (a lone UTF-16 surrogate is a 400, not a
+tokenizer crash), and NaN/infinity are refused.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # every format streams (deployments/stream_encoders.py); mulaw / alaw are G.711 at 8 kHz for telephony
 ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac", "mulaw", "alaw"]
 FORMAT_ALIASES = {"ulaw": "mulaw", "g711_ulaw": "mulaw", "g711_alaw": "alaw"}  # OpenAI Realtime's names
+# bounds of the numeric fields (the model-specific limits, e.g. max_seq_len, are checked later per model)
+MAX_TOP_K = 4096  # >= every 12 Hz vocabulary (talker 3072 ids, code predictor 2048); 0 disables top-k
+MAX_FRAMES = 65536  # 87 minutes of audio: above any engine's max_seq_len
+MAX_SEED = 2**63 - 1  # int64
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+MAX_TIMEOUT_S = 86400.0
+MAX_NAME_CHARS = 256  # model, voice, language: longer is never a real name
+
 SAMPLING_FIELDS = (
     "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "subtalker_do_sample",
     "subtalker_temperature", "subtalker_top_k", "subtalker_top_p", "min_frames", "suppress_eos",
@@ -18,12 +33,12 @@ SAMPLING_FIELDS = (
 class SpeechRequest(BaseModel):
     """`POST /v1/audio/speech`. Unknown fields are rejected (a typo must not be silently ignored)."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     # OpenAI
-    model: str | None = Field(None, description="served model name; may be omitted when the request is unambiguous")
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS, description="served model name; may be omitted when the request is unambiguous")
     input: str = Field(description="text to speak")
-    voice: str | None = Field(None, description="preset speaker (CustomVoice) or uploaded voice (Base)")
+    voice: str | None = Field(None, max_length=MAX_NAME_CHARS, description="preset speaker (CustomVoice) or uploaded voice (Base)")
     response_format: ResponseFormat = "wav"
     speed: float = Field(1.0, ge=0.25, le=4.0, description="tempo, pitch preserved (streamed or not)")
     instructions: str | None = Field(None, description="style instruction (CustomVoice 1.7B) or voice description "
@@ -33,25 +48,25 @@ class SpeechRequest(BaseModel):
                                                           "sse = base64 `speech.audio.delta` events")
     # Qwen3-TTS
     task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None
-    language: str | None = Field(None, description="'auto' (default) or a language of the checkpoint")
+    language: str | None = Field(None, max_length=MAX_NAME_CHARS, description="'auto' (default) or a language of the checkpoint")
     ref_audio: str | None = Field(None, description="reference clip: base64, a data: URI, or an allowlisted URL")
     ref_text: str | None = Field(None, description="transcript of ref_audio (in-context cloning)")
     x_vector_only_mode: bool = Field(False, description="clone from the speaker embedding only (no transcript)")
-    max_new_tokens: int | None = Field(None, ge=1, description="codec frames at most (80 ms each)")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    initial_codec_chunk_frames: int | None = Field(None, ge=1, description="frames of the first streamed chunk")
-    timeout_s: float | None = Field(None, gt=0, description="deadline of this request (capped by the server's)")
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_FRAMES, description="codec frames at most (80 ms each)")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    initial_codec_chunk_frames: int | None = Field(None, ge=1, le=MAX_FRAMES, description="frames of the first streamed chunk")
+    timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="deadline of this request (capped by the server's)")
     # sampling (defaults: the checkpoint's generation_config.json)
     do_sample: bool | None = None
-    temperature: float | None = Field(None, ge=0)
-    top_k: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
     top_p: float | None = Field(None, gt=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
     subtalker_do_sample: bool | None = None
-    subtalker_temperature: float | None = Field(None, ge=0)
-    subtalker_top_k: int | None = Field(None, ge=0)
+    subtalker_temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
+    subtalker_top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
     subtalker_top_p: float | None = Field(None, gt=0, le=1)
-    min_frames: int | None = Field(None, ge=0)
+    min_frames: int | None = Field(None, ge=0, le=MAX_FRAMES)
     suppress_eos: bool | None = Field(None, description="never stop before max_new_tokens (benchmarks, tests)")
 
     @field_validator("voice", mode="before")
@@ -63,6 +78,11 @@ class SpeechRequest(BaseModel):
                 raise ValueError("voice must be a string or an object {'id': str}")
             return value["id"]
         return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        return check_unicode(value)
 
     @field_validator("response_format", mode="before")
     @classmethod
@@ -84,13 +104,28 @@ class SpeechRequest(BaseModel):
         return {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
 
 
+def check_unicode(value: Any) -> Any:
+    """Strings must encode as UTF-8: `json.loads` accepts lone surrogates ("a\\ud800b"), tokenizers do not."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"contains an invalid Unicode code point (a lone surrogate) at position {e.start}") from None
+    return value
+
+
 class VoiceUploadJSON(BaseModel):
     """`POST /v1/audio/voices` as JSON (the multipart form has the same fields, with `audio_sample` a file)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
+    name: str = Field(max_length=MAX_NAME_CHARS)
     audio_sample: str = Field(description="base64 or a data: URI")
     ref_text: str | None = None
     x_vector_only_mode: bool = False
     consent: str | None = None
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        return check_unicode(value)

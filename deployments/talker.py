@@ -124,6 +124,9 @@ class TalkerServer:
 
     # ------------------------------------------------------------------ Serve hooks
     def check_health(self) -> None:
+        """Serve replaces the replica when this raises: an engine that died, or (where the engine keeps a
+        heartbeat, `check_health()`) one that made no step for too long while work was pending, e.g. a
+        thread stuck in a device call; such an engine looks alive to `ready` alone."""
         if self._engine is None or not self._engine.ready:
             raise RuntimeError(f"talker engine of {self._config.name} is not running")
         check = getattr(self._engine, "check_health", None)

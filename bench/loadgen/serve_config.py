@@ -36,6 +36,9 @@ def bench_config(base: dict[str, Any], checkpoint: str | None, port: int | None 
             model["model"] = checkpoint
     env = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
     env["HF_HUB_OFFLINE"] = "1"
+    # random weights stop at random: the load generator asks for fixed lengths (`suppress_eos`), which
+    # production configs refuse (`allow_suppress_eos` is off by default)
+    args.setdefault("ingress", {})["allow_suppress_eos"] = True
     if port is not None:
         config.setdefault("http_options", {})["port"] = port
     for item in overrides:

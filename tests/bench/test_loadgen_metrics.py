@@ -306,4 +306,5 @@ def test_bench_config_points_every_model_at_the_checkpoint():
     assert all(m["model"] == "/ckpt" for m in args["models"]) and cfg["http_options"]["port"] == 8123
     assert args["models"][0]["engine_kwargs"]["max_num_seqs"] == 128 and args["ingress"]["request_timeout_s"] == 60
     assert cfg["applications"][0]["runtime_env"]["env_vars"]["HF_HUB_OFFLINE"] == "1"
+    assert args["ingress"]["allow_suppress_eos"] and "allow_suppress_eos" not in base["applications"][0]["args"]["ingress"]
     assert base["applications"][0]["args"]["models"][0]["model"] != "/ckpt"  # the input is not modified

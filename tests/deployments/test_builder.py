@@ -32,7 +32,8 @@ def _deployments(app) -> dict:
     return out
 
 
-@pytest.mark.parametrize("config", ["local.yaml", "high_concurrency.yaml", "split.yaml", "multi_model.yaml"])
+@pytest.mark.parametrize("config", ["local.yaml", "local_all.yaml", "high_concurrency.yaml", "split.yaml",
+                                    "multi_model.yaml"])
 def test_every_shipped_config_builds(config):
     args = TTSServingArgs.model_validate(_app_args(config))
     deployments = _deployments(build_app(args))
@@ -145,3 +146,37 @@ def test_invalid_args_fail_validation(args, message):
 def test_inconsistent_engine_options_fail_at_build_time(args, message):
     with pytest.raises(ValueError, match=message):
         build_app(args)
+
+
+def test_suppress_eos_is_refused_by_default_and_only_the_cpu_config_allows_it():
+    import yaml
+
+    from deployments.config import IngressConfig
+
+    assert IngressConfig().allow_suppress_eos is False
+    repo = Path(__file__).resolve().parents[2]
+    for path in sorted((repo / "configs").glob("*.yaml")):
+        ingress = yaml.safe_load(path.read_text())["applications"][0]["args"].get("ingress", {})
+        assert ingress.get("allow_suppress_eos", False) == path.name.startswith("local"), path.name
+
+
+def test_overload_maps_to_429_json_with_retry_after():
+    from ray.serve.exceptions import BackPressureError
+
+    from deployments.errors import to_api_error
+
+    error = to_api_error(BackPressureError(num_queued_requests=4, max_queued_requests=4), overload_status=429,
+                         retry_after_s=2)
+    response = error.response()
+    assert response.status_code == 429 and response.headers["retry-after"] == "2"
+    assert error.body()["error"]["code"] == "overloaded"
+
+
+def test_local_all_serves_every_task_type_on_two_cpus():
+    args = TTSServingArgs.model_validate(_app_args("local_all.yaml"))
+    assert sorted(m.embedded_kind for m in args.models if m.model is None) == ["base", "custom_voice", "voice_design"]
+    assert all(m.device == "cpu" for m in args.models) and args.ingress.allow_suppress_eos
+    deployments = _deployments(build_app(args))
+    cpus = sum(d._deployment_config.num_replicas * d.ray_actor_options.get("num_cpus", 1)
+               for d in deployments.values())
+    assert cpus <= 1.5, cpus  # leaves room on a 2-core machine

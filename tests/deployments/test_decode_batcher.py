@@ -72,3 +72,30 @@ def test_errors_reach_their_own_chunks_and_cancelled_chunks_are_not_sent():
         await batcher.close()
 
     asyncio.run(main())
+
+
+def test_a_call_whose_replica_died_is_sent_once_more():
+    from ray.exceptions import ActorDiedError
+
+    async def main():
+        handle = _Code2Wav()
+        batcher = DecodeBatcher(handle, max_chunks=8, max_calls_in_flight=1)
+        first = batcher.submit("a")
+        await asyncio.sleep(0)
+        handle.release.put_nowait(ActorDiedError())  # the replica died with the call
+        handle.release.put_nowait("ok")
+        assert await first == "pcm:a"
+        assert handle.calls == [["a"], ["a"]] and batcher.retries == 1
+        second = batcher.submit("b")  # twice in a row: the stream sees the error (no endless retries)
+        handle.release.put_nowait(ActorDiedError())
+        handle.release.put_nowait(ActorDiedError())
+        with pytest.raises(ActorDiedError):
+            await second
+        other = batcher.submit("c")  # an error that is not a dead replica is not retried
+        handle.release.put_nowait(RuntimeError("decode failed"))
+        with pytest.raises(RuntimeError):
+            await other
+        assert handle.calls[2:] == [["b"], ["b"], ["c"]]
+        await batcher.close()
+
+    asyncio.run(main())

@@ -166,3 +166,36 @@ def test_limits_are_checked_first(fields, param, fragment):
 
 def test_task_of_models(infos):
     assert [i.task for i in infos.values()] == [TaskType.CUSTOM_VOICE, TaskType.BASE, TaskType.VOICE_DESIGN]
+
+
+def test_requests_too_long_for_max_seq_len_are_refused_in_the_ingress(infos, args):
+    """Prompt + frames beyond max_seq_len is a 400 here (the Talker never sees it); without max_new_tokens,
+    a prompt that leaves fewer than `min_fitted_frames` is refused rather than answered with a few frames."""
+    from stages.talker.prefill import prefill_length
+
+    info = infos["base"]
+    long_ref = VoiceClonePrompt(np.zeros(info.config.talker.hidden_size, np.float32),
+                                ref_codes=np.zeros((495, 16), np.int64), ref_text_ids=(1, 2))
+    body = _req(voice="myvoice")
+    choice = choose_voice(body, info, _find)
+    status, param, message = _status(build_request, body, info, choice, long_ref, args, "r")
+    assert (status, param) == (400, "input") and "leaves room for" in message
+    request, _ = build_request(_req(voice="myvoice", x_vector_only_mode=True), info, choice, long_ref, args, "r")
+    assert request.max_frames == 300  # the default, it fits
+
+    fits = VoiceClonePrompt(long_ref.x_vector, ref_codes=np.zeros((400, 16), np.int64), ref_text_ids=(1, 2))
+    request, _ = build_request(body, info, choice, fits, args, "r")
+    room = 512 - prefill_length(request.prompt) - 2
+    assert args.ingress.min_fitted_frames <= request.max_frames == room < 300  # fitted, above the floor
+    too_many = _req(voice="myvoice", max_new_tokens=room + 1)
+    status, param, message = _status(build_request, too_many, info, choice, fits, args, "r")
+    assert (status, param) == (400, "max_new_tokens") and "exceeds the model's max_seq_len 512" in message
+    assert build_request(_req(voice="myvoice", max_new_tokens=room), info, choice, fits, args, "r")[0].max_frames == room
+
+
+def test_error_messages_never_echo_unbounded_client_values(infos):
+    body = _req(voice="v" * 200)
+    status, param, message = _status(choose_voice, body, infos["cv"], _find)
+    assert status == 400 and param == "voice" and len(message) < 400 and "v" * 70 not in message
+    status, _, message = _status(resolve_model_name, "m" * 200, {"cv": "cv"})
+    assert status == 404 and "m" * 70 not in message

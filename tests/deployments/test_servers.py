@@ -125,3 +125,78 @@ def test_code2wav_rejects_a_malformed_chunk_alone(loop, talker, code2wav):
     answers = loop.run_until_complete(code2wav.decode_many([good[0], bad, *good[1:]]))
     assert isinstance(answers[1], ValueError) and "codes outside" in str(answers[1])
     assert [a.request_id for i, a in enumerate(answers) if i != 1] == ["good"] * len(good)
+
+
+def test_code2wav_health_fails_when_pending_chunks_see_no_decode(loop):
+    """The heartbeat: chunks pending and no decode finished for `stall_timeout_s` -> check_health raises."""
+    import threading
+
+    from deployments.metrics import Code2WavMetrics
+    from stages.contract import CodecChunk
+
+    class StuckDecoder:  # a device call that does not return until the test says so
+        def __init__(self):
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def check_chunk(self, chunk, index):
+            pass
+
+        def decode(self, chunks):
+            self.entered.set()
+            self.release.wait(30)
+            return [np.zeros(c.num_new * SAMPLES_PER_FRAME, np.float32) for c in chunks]
+
+    server = Code2WavServer.sync_init(Code2WavConfig(device="cpu", stall_timeout_s=5), CheckpointSource(), STREAMING)
+    server._engine, server._metrics = StuckDecoder(), Code2WavMetrics()
+    now = [100.0]
+    server._clock = lambda: now[0]
+    server.check_health()
+    now[0] += 1000  # idle for long: no work pending, healthy
+    server.check_health()
+
+    async def scenario():
+        call = asyncio.ensure_future(server.decode(CodecChunk("r", 0, np.zeros((2, 16), np.int64), 0)))
+        await asyncio.to_thread(server._engine.entered.wait, 30)
+        now[0] += 4.9
+        server.check_health()  # pending, within the timeout
+        now[0] += 0.2
+        with pytest.raises(RuntimeError, match="no progress"):
+            server.check_health()
+        server._engine.release.set()
+        await call
+        server.check_health()  # the decode finished: healthy again
+
+    loop.run_until_complete(scenario())
+    server.__del__()
+
+
+def test_talker_health_sees_an_engine_that_stopped_stepping(loop, tiny_custom_voice):
+    from deployments.talker import TalkerServer
+
+    config = TalkerConfig(name="fake", model=str(tiny_custom_voice), device="cpu", warmup=False,
+                          engine_cls="tests.fake_engine:FakeTalkerEngine",
+                          engine_kwargs={"max_num_seqs": 2, "stall_seed": 666, "stall_timeout_s": 0.5})
+    server = TalkerServer.sync_init(config, STREAMING)
+    loop.run_until_complete(server.start())
+    try:
+        chunks = loop.run_until_complete(_collect(server.generate(_request(server, 6))))
+        assert sum(c.num_new for c in chunks) == 6
+        server.check_health()
+
+        async def stuck():
+            agen = server.generate(_request(server, 50, rid="stuck", seed=666))
+            task = asyncio.ensure_future(anext(agen))
+            while not server._engine.stats().stalled:  # the fault is injected by the request itself
+                await asyncio.sleep(0.01)
+            for _ in range(1000):  # the heartbeat goes stale once stall_timeout_s passes
+                try:
+                    server.check_health()
+                except RuntimeError as e:
+                    task.cancel()
+                    return str(e)
+                await asyncio.sleep(0.01)
+            raise AssertionError("check_health never noticed the stalled engine")
+
+        assert "no step" in loop.run_until_complete(stuck())
+    finally:
+        server.__del__()

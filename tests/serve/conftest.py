@@ -30,6 +30,9 @@ from tests.conftest import reference_clip
 
 APP = "tts"
 ZERO_CPU = {"ray_actor_options": {"num_cpus": 0}}
+STALL_SEED = 666  # a request with this seed stops the `fake` model's engine (tests/fake_engine.py)
+PAUSE_SEED = 777  # a request with this seed gets 4 frames from the `fake` engine, then waits forever
+BODY_READ_TIMEOUT_S = 5.0  # the test app's: half-sent bodies are answered 408 this long after they arrived
 
 
 def free_port() -> int:
@@ -106,13 +109,22 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
                 "max_ongoing_requests": 2, "max_queued_requests": 8,
                 "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
                                        "upscale_delay_s": 0.5, "downscale_delay_s": 2, "look_back_period_s": 1}}),
+            # a fake engine (tests/fake_engine.py) whose faults requests inject: health checks every second
+            # 2 streams at once, 1 queued at the handle: the admission test fills it with paused streams
+            {**model("fake", tiny_custom_voice, 2, deployment={"health_check_period_s": 1,
+                                                               "health_check_timeout_s": 5,
+                                                               "max_ongoing_requests": 2, "max_queued_requests": 1}),
+             "engine_cls": "tests.fake_engine:FakeTalkerEngine",
+             "engine_kwargs": {"max_num_seqs": 2, "max_seq_len": 512, "stall_seed": STALL_SEED,
+                               "stall_timeout_s": 1.0, "pause_seed": PAUSE_SEED, "pause_after_frames": 4}},
         ],
         "code2wav": {"device": "cpu", "cpu_threads": 1, "max_batch_size": 16, "deployment_config": ZERO_CPU},
         "streaming": {"first_chunk_frames": 2, "steady_chunk_frames": 8, "left_context_frames": 4},
         "ingress": {
             "voices_dir": str(voices_dir), "max_input_chars": 300, "max_ref_audio_bytes": 300_000,
             "max_ref_audio_seconds": 5.0, "request_timeout_s": 120, "max_request_bytes": 1_000_000,
-            "ref_audio_url_allowlist": [allowed_prefix], "deployment_config": ZERO_CPU,
+            "ref_audio_url_allowlist": [allowed_prefix], "body_read_timeout_s": BODY_READ_TIMEOUT_S, "allow_suppress_eos": True,
+            "deployment_config": ZERO_CPU,
         },
     }
 
@@ -167,6 +179,40 @@ def speech(**fields) -> dict:
     """A request body that always terminates on random weights: fixed length, no EOS."""
     return {"model": "cv", "input": "Hello from the tests.", "voice": "vivian", "max_new_tokens": 6,
             "suppress_eos": True, "seed": 1234, **fields}
+
+
+def replica_pids(deployment: str) -> list[int]:
+    """PIDs of this session's live replica processes of `deployment` (e.g. "TTSIngress", "Talker:cv").
+
+    Ray titles replica workers `ray::ServeReplica:<app>:<deployment>[.<method>]`; only descendants of this test
+    process count (other Ray clusters may run on the machine).
+    """
+    me, pids = os.getpid(), []
+    title = f"ray::ServeReplica:{APP}:{deployment}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        name = cmdline.split(b"\0")[0].split(b" ")[0]  # `ray::<actor>` idle, `ray::<actor>.<method>` busy
+        if (name == title or name.startswith(title + b".")) and _descends_from(int(entry), me):
+            pids.append(int(entry))
+    return pids
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+    return False
 
 
 def pcm_of(data: bytes) -> np.ndarray:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.conftest import engine_stats, speech, wait_for, wav_bytes
+from tests.serve.conftest import PAUSE_SEED, engine_stats, speech, wait_for, wav_bytes
 
 pytestmark = pytest.mark.serve
 
@@ -32,12 +32,12 @@ def _check_error(response: httpx.Response, status: int, param: str | None, fragm
     ({"language": "Klingon"}, 400, None, "unsupported language"),
     ({"task_type": "Base"}, 400, "task_type", "cannot do task_type Base"),
     ({"task_type": "Singing"}, 400, "task_type", "input should be"),
-    ({"input": ""}, 400, None, "empty"),
+    ({"input": ""}, 400, "input", "empty"),
     ({"input": "x" * 301}, 400, "input", "limit is 300"),
     ({"response_format": "ogg"}, 400, "response_format", "input should be"),
     ({"speed": 5.0}, 400, "speed", "less than or equal to 4"),
-    ({"max_new_tokens": 100000}, 400, "max_new_tokens", "above this model's limit"),
-    ({"max_new_tokens": 511}, 400, None, "exceeds the engine's max_seq_len"),  # raised by the Talker's engine
+    ({"max_new_tokens": 60000}, 400, "max_new_tokens", "above this model's limit"),
+    ({"max_new_tokens": 511}, 400, "max_new_tokens", "exceeds the model's max_seq_len"),  # checked by the ingress
     ({"temperature": -1}, 400, "temperature", "greater than or equal to 0"),
     ({"stream": False, "stream_format": "sse"}, 400, None, "cannot be combined"),
     ({"unknown_field": 1}, 400, "unknown_field", "extra inputs"),
@@ -88,30 +88,35 @@ def test_openai_client_raises_typed_errors(openai_client):
 
 
 def test_deadline_ends_requests(http):
-    long = speech(max_new_tokens=400, timeout_s=0.5)
-    _check_error(http.post("/v1/audio/speech", json=long), 504, None, "deadline")
-    with http.stream("POST", "/v1/audio/speech", json={**long, "stream_format": "sse", "response_format": "pcm"}) as r:
+    """A stream of the fake engine paused after 4 frames: mid-way for sure when its deadline passes."""
+    paused = speech(model="fake", seed=PAUSE_SEED, timeout_s=2, response_format="pcm")
+    _check_error(http.post("/v1/audio/speech", json=paused), 504, None, "deadline")
+    with http.stream("POST", "/v1/audio/speech", json={**paused, "stream_format": "sse"}) as r:
+        assert r.status_code == 200  # the first audio came before the deadline
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[0]["type"] == "speech.audio.delta"
     assert events[-1]["type"] == "speech.audio.error" and events[-1]["error"]["code"] == "timeout"
-    # the Talker was told to stop: its slot frees within a step or two (the abort crosses two processes)
-    wait_for(lambda: engine_stats("cv")["running"] == 0, 15, 0.02, "the timed-out request's slot to be freed")
+    # the Talker was told to stop: the engine drops the request at its next step
+    wait_for(lambda: engine_stats("fake")["running"] == 0, 30, 0.02, "the timed-out requests to leave the engine")
 
 
 def test_full_model_answers_fast_429_with_retry_after(base_url):
-    """`vd` admits 1 stream and queues 1: the other concurrent requests are refused at once."""
-    body = speech(model="vd", voice=None, instructions="A calm voice.", response_format="pcm", max_new_tokens=60)
+    """`fake` takes 2 streams and queues 1 at the handle; paused streams hold them until their deadline,
+    so of 6 concurrent requests exactly 3 are refused, at once."""
+    body = speech(model="fake", seed=PAUSE_SEED, timeout_s=10, response_format="pcm")
 
     async def run():
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-            return await asyncio.gather(*(client.post("/v1/audio/speech", json=body) for _ in range(5)))
+            return await asyncio.gather(*(client.post("/v1/audio/speech", json=body) for _ in range(6)))
 
     responses = asyncio.run(run())
     statuses = sorted(r.status_code for r in responses)
-    assert statuses.count(200) >= 1 and statuses.count(429) >= 2, statuses
-    refused = next(r for r in responses if r.status_code == 429)
-    assert refused.headers["retry-after"] == "1"
-    assert refused.json()["error"]["type"] == "rate_limit_error"
-    assert refused.elapsed.total_seconds() < 5
+    assert statuses == [429, 429, 429, 504, 504, 504], statuses
+    refused = [r for r in responses if r.status_code == 429]
+    for r in refused:
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
+    # refused without waiting for a slot: sooner than the admitted requests' own deadline
+    assert max(r.elapsed.total_seconds() for r in refused) < 10
 
 
 def test_voice_upload_errors(http):
@@ -129,3 +134,45 @@ def test_voice_upload_errors(http):
     r = http.post("/v1/audio/voices", json={"name": "x"})
     _check_error(r, 400, None, "multipart/form-data or JSON")
     _check_error(http.delete("/v1/audio/voices/nobody"), 404, "name", "no uploaded voice")
+
+
+def test_health_answers_head_and_responses_carry_one_request_id(http):
+    assert http.head("/health").status_code == 200
+    r = http.post("/v1/audio/speech", json=speech(response_format="pcm"))
+    assert r.status_code == 200 and len(r.headers.get_list("x-request-id")) == 1, r.headers
+    bad = http.post("/v1/audio/speech", json=speech(voice="nobody"))
+    assert bad.status_code == 400 and len(bad.headers.get_list("x-request-id")) == 1
+
+
+def test_absurd_reference_clips_are_refused(http):
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    def clip(seconds: float, rate: int) -> str:
+        buf = io.BytesIO()
+        sf.write(buf, np.zeros(max(1, int(seconds * rate)), np.float32), rate, format="WAV", subtype="PCM_16")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    body = speech(model="base", voice=None, x_vector_only_mode=True)
+    _check_error(http.post("/v1/audio/speech", json={**body, "ref_audio": clip(0.2, 24000)}), 400, "ref_audio",
+                 "at least 0.5 s")
+    _check_error(http.post("/v1/audio/speech", json={**body, "ref_audio": clip(3.0, 1)}), 400, "ref_audio",
+                 "sample rate of 1 Hz")
+    r = http.post("/v1/audio/voices", files={"audio_sample": ("a.wav", base64.b64decode(clip(2.0, 4000)), "audio/wav")},
+                  data={"name": "lowrate"})
+    _check_error(r, 400, "audio_sample", "at least 8000 Hz")
+
+
+def test_voice_names_are_case_insensitive_for_delete_too(http):
+    r = http.post("/v1/audio/voices", files={"audio_sample": ("a.wav", wav_bytes(1.0), "audio/wav")},
+                  data={"name": "CaseVoice"})
+    assert r.status_code == 200, r.text
+    assert http.delete("/v1/audio/voices/casevoice").json() == {"success": True, "name": "CaseVoice"}
+    _check_error(http.delete("/v1/audio/voices/CaseVoice"), 404, "name", "no uploaded voice")
+
+
+def test_malformed_multipart_upload_is_400(http):
+    r = http.post("/v1/audio/voices", content=b"--x\r\nnot a part", headers={"content-type": "multipart/form-data"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_multipart", r.text
