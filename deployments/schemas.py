@@ -36,9 +36,11 @@ class SpeechRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
     # OpenAI
-    model: str | None = Field(None, max_length=MAX_NAME_CHARS, description="served model name; may be omitted when the request is unambiguous")
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS,
+                              description="served model name; may be omitted when the request is unambiguous")
     input: str = Field(description="text to speak")
-    voice: str | None = Field(None, max_length=MAX_NAME_CHARS, description="preset speaker (CustomVoice) or uploaded voice (Base)")
+    voice: str | None = Field(None, max_length=MAX_NAME_CHARS,
+                              description="preset speaker (CustomVoice) or uploaded voice (Base)")
     response_format: ResponseFormat = "wav"
     speed: float = Field(1.0, ge=0.25, le=4.0, description="tempo, pitch preserved (streamed or not)")
     instructions: str | None = Field(None, description="style instruction (CustomVoice 1.7B) or voice description "
@@ -48,14 +50,17 @@ class SpeechRequest(BaseModel):
                                                           "sse = base64 `speech.audio.delta` events")
     # Qwen3-TTS
     task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None
-    language: str | None = Field(None, max_length=MAX_NAME_CHARS, description="'auto' (default) or a language of the checkpoint")
+    language: str | None = Field(None, max_length=MAX_NAME_CHARS,
+                                 description="'auto' (default) or a language of the checkpoint")
     ref_audio: str | None = Field(None, description="reference clip: base64, a data: URI, or an allowlisted URL")
     ref_text: str | None = Field(None, description="transcript of ref_audio (in-context cloning)")
     x_vector_only_mode: bool = Field(False, description="clone from the speaker embedding only (no transcript)")
     max_new_tokens: int | None = Field(None, ge=1, le=MAX_FRAMES, description="codec frames at most (80 ms each)")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    initial_codec_chunk_frames: int | None = Field(None, ge=1, le=MAX_FRAMES, description="frames of the first streamed chunk")
-    timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="deadline of this request (capped by the server's)")
+    initial_codec_chunk_frames: int | None = Field(None, ge=1, le=MAX_FRAMES,
+                                                   description="frames of the first streamed chunk")
+    timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S,
+                                    description="deadline of this request (capped by the server's)")
     # sampling (defaults: the checkpoint's generation_config.json)
     do_sample: bool | None = None
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)

@@ -123,7 +123,8 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
         "ingress": {
             "voices_dir": str(voices_dir), "max_input_chars": 300, "max_ref_audio_bytes": 300_000,
             "max_ref_audio_seconds": 5.0, "request_timeout_s": 120, "max_request_bytes": 1_000_000,
-            "ref_audio_url_allowlist": [allowed_prefix], "body_read_timeout_s": BODY_READ_TIMEOUT_S, "allow_suppress_eos": True,
+            "ref_audio_url_allowlist": [allowed_prefix], "body_read_timeout_s": BODY_READ_TIMEOUT_S,
+            "allow_suppress_eos": True,
             "deployment_config": ZERO_CPU,
         },
     }
