@@ -82,7 +82,10 @@ def test_uploaded_voice_survives_an_ingress_restart(http, serve_app):
     wait_for(lambda: _ready(base_url), 60, 0.25, "a new ingress replica")
     after = httpx.post(f"{base_url}/v1/audio/speech", json=body, timeout=120)
     assert after.status_code == 200, after.text
-    np.testing.assert_array_equal(pcm_of(after.content), pcm_of(before.content))  # same voice, same seed
+    # same voice, same seed: the same codes; the PCM within 1 LSB, since which chunks Code2Wav decodes together
+    # (batch padding) changes float rounding (docs/serving.md, "Known limits")
+    np.testing.assert_allclose(pcm_of(after.content).astype(np.int32), pcm_of(before.content).astype(np.int32),
+                               rtol=0, atol=1)
     assert prompt_file.stat().st_mtime_ns == computed_at  # read from disk, not computed again
     assert {v["name"] for v in httpx.get(f"{base_url}/v1/audio/voices").json()["uploaded_voices"]} == {"Me", "xv"}
 
