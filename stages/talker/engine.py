@@ -231,9 +231,9 @@ class TalkerEngine:
             self._loop()
         except BaseException as e:  # a device-level fault: fail every stream loudly rather than hang them
             self._error = e
-            logger.exception("talker engine failed")
+            logger.exception("talker engine failed")  # check_health reports it; Serve replaces the replica
             self._end_all(e)
-            raise
+            return
         self._end_all(RuntimeError("talker engine shut down"))
 
     def _setup(self, log: Callable[[str], None]) -> None:

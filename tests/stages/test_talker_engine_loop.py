@@ -156,3 +156,95 @@ def test_chunks_follow_the_requests_own_schedule(model, prompt):
     assert [c.num_new for c in chunks] == [1, 3, 3, 1]
     assert [c.context for c in chunks] == [0, 1, 2, 2]
     assert len(frames) == 8
+
+
+class FaultyRunner(FakeRunner):
+    """Admitting a request with seed 666 raises (a bad batch); a step with seed 777 running raises (device fault);
+    seed 555 makes steps wait until released (a request that stays running)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        import threading
+
+        self.release_hold = threading.Event()
+
+    def admit(self, batch) -> None:
+        if any(a.seed == 666 for a in batch):
+            raise ValueError("bad admission batch")
+        super().admit(batch)
+
+    def launch_step(self, b: int, attn_len: int) -> int:
+        seeds = {state[0] for state in self.rows[:b] if state is not None}
+        if 777 in seeds:
+            raise RuntimeError("device fault")
+        if 555 in seeds:
+            self.release_hold.wait(timeout=30)
+        return super().launch_step(b, attn_len)
+
+
+def _faulty_engine(model, **kw) -> TalkerEngine:
+    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, exact_prefill=False, **kw), FaultyRunner)
+    engine.start(log=lambda _m: None)
+    return engine
+
+
+def test_a_failed_admission_fails_only_its_batch(model, prompt):
+    engine = _faulty_engine(model, max_num_seqs=4, max_prefill_batch=1)
+    try:
+        async def main():
+            bad = asyncio.create_task(_collect(engine, SynthesisRequest("bad", prompt, max_frames=5, seed=666)))
+            with pytest.raises(ValueError, match="bad admission"):
+                await bad
+            return await _collect(engine, SynthesisRequest("after", prompt, max_frames=6, seed=3))
+        frames, reason, _ = asyncio.run(main())
+        stats, ready = engine.stats(), engine.ready
+    finally:
+        engine.shutdown()
+    assert len(frames) == 6 and reason is FinishReason.LENGTH  # the engine survived and serves the next one
+    assert ready and stats.running == 0 and stats.kv_reserved_tokens == 0
+
+
+async def _drain(stream):
+    return [c async for c in stream]
+
+
+def test_a_device_fault_fails_every_stream_and_new_requests(model, prompt):
+    engine = _faulty_engine(model, max_num_seqs=4)
+    try:
+        async def main():
+            streams = [engine.add_request(SynthesisRequest(f"r{seed}", prompt, max_frames=50, seed=seed))
+                       for seed in (1, 777)]
+            outcomes = []
+            for stream in streams:
+                try:
+                    await asyncio.wait_for(_drain(stream), 60)
+                    outcomes.append(stream.finish_reason)
+                except RuntimeError as e:
+                    outcomes.append(str(e))
+            with pytest.raises(RuntimeError, match="failed"):
+                engine.add_request(SynthesisRequest("late", prompt, max_frames=5, seed=2))
+            return outcomes
+        outcomes = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert outcomes == ["device fault", "device fault"]
+    assert not engine.ready
+    with pytest.raises(RuntimeError, match="failed"):
+        engine.check_health()
+
+
+def test_shutdown_ends_open_streams_with_an_error(model, prompt):
+    engine = _faulty_engine(model, max_num_seqs=2)
+
+    async def main():
+        stream = engine.add_request(SynthesisRequest("open", prompt, max_frames=200, seed=555))
+        engine.on_admit = None
+        first = asyncio.get_running_loop().run_in_executor(None, engine.shutdown)  # the loop holds 555's step
+        engine.runner.release_hold.set()
+        await first
+        async def drain():
+            return [c async for c in stream]
+
+        with pytest.raises(RuntimeError, match="shut down"):
+            await asyncio.wait_for(drain(), 60)  # a stream left open would hang here: bounded, it fails instead
+    asyncio.run(main())
