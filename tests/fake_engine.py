@@ -24,9 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stages.code2wav.chunking import ChunkSchedule, StreamChunker
-from stages.contract import CodecChunk, FinishReason, SynthesisRequest
-
-CODEBOOKS = 16
+from stages.contract import NUM_CODEBOOKS, CodecChunk, FinishReason, SynthesisRequest
 
 
 @dataclass(frozen=True)
@@ -186,7 +184,7 @@ class FakeTalkerEngine:
                 if s.request.seed == self.config.pause_seed and s.frames >= self.config.pause_after_frames:
                     continue
                 s.frames += 1
-                s.put(np.zeros((1, CODEBOOKS), dtype=np.int64))
+                s.put(np.zeros((1, NUM_CODEBOOKS), dtype=np.int64))
                 if s.frames >= s.request.max_frames:
                     s.put(FinishReason.LENGTH)
                     self._drop(s)

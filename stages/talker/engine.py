@@ -32,9 +32,14 @@ import numpy as np
 import torch
 
 from stages.code2wav.chunking import ChunkSchedule, StreamChunker
-from stages.contract import EngineOverloadedError, FinishReason, InvalidRequestError, SynthesisRequest
+from stages.contract import (
+    NUM_CODEBOOKS,
+    EngineOverloadedError,
+    FinishReason,
+    InvalidRequestError,
+    SynthesisRequest,
+)
 from stages.model import Qwen3TTS
-from stages.talker.frame import CODEBOOKS
 from stages.talker.paged_kv import PagedKVCache
 from stages.talker.prefill import build_prefill
 from stages.talker.prompt_plan import plan_prompt
@@ -264,7 +269,7 @@ class TalkerEngine:
         self._exact = model.device.type != "cuda" if cfg.exact_prefill is None else cfg.exact_prefill
         self._buckets = tuple(sorted({min(b, self.num_slots) for b in cfg.batch_buckets} | {self.num_slots}))
         # host bookkeeping per ticket (see Scheduler): frames of each running request, and positions launched
-        self._codes = np.zeros((self.num_slots, cfg.max_seq_len, CODEBOOKS), dtype=np.int16)
+        self._codes = np.zeros((self.num_slots, cfg.max_seq_len, NUM_CODEBOOKS), dtype=np.int16)
         self._launched_pos = np.zeros(self.num_slots, dtype=np.int64)
         self._launched_steps = np.zeros(self.num_slots, dtype=np.int64)
         self._by_ticket: list[Sequence | None] = [None] * self.num_slots
@@ -379,11 +384,11 @@ class TalkerEngine:
         eos_now = out[:, 0] == eos  # the frame's codebook 0 is EOS (sampled at prefill): nothing to hand out
         deliver = live & ~eos_now
         t_del = tickets[deliver]
-        self._codes[t_del, sched.frames[t_del]] = out[deliver, :CODEBOOKS]
+        self._codes[t_del, sched.frames[t_del]] = out[deliver, :NUM_CODEBOOKS]
         sched.frames[t_del] += 1
         self._frames += len(t_del)
         frames = sched.frames[tickets]
-        ended_eos = live & (eos_now | (out[:, CODEBOOKS] == eos))
+        ended_eos = live & (eos_now | (out[:, NUM_CODEBOOKS] == eos))
         ended_len = live & ~ended_eos & (frames >= sched.max_frames[tickets])
         cut = live & (frames >= sched.next_cut[tickets])
         deliveries, finished = [], []

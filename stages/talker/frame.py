@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import torch
 
+from stages.contract import NUM_CODEBOOKS
 from stages.kv_cache import ContiguousKV
 from stages.sampling import SamplingTensors, select_tokens
 from stages.talker.model import Talker
-
-CODEBOOKS = 16
 
 
 def new_code_predictor_cache(talker: Talker, batch: int) -> ContiguousKV:
     cp = talker.config.code_predictor.transformer
     w = talker.codec_head.weight
-    return ContiguousKV(cp.num_hidden_layers, batch, cp.num_key_value_heads, cp.head_dim, CODEBOOKS,
+    return ContiguousKV(cp.num_hidden_layers, batch, cp.num_key_value_heads, cp.head_dim, NUM_CODEBOOKS,
                         dtype=w.dtype, device=w.device)
 
 
@@ -39,13 +38,13 @@ def predict_frame_codes(
     inputs = torch.stack((hidden, talker.embed_codec(c0)), dim=1)  # [B, 2, H]
     positions = torch.arange(2, device=hidden.device).expand(b, 2)
     codes = [c0]
-    for group in range(CODEBOOKS - 1):
+    for group in range(NUM_CODEBOOKS - 1):
         cache.begin(inputs.shape[1])
         logits = cp.forward_step(inputs, positions, cache, group).float()
         cache.advance()
-        code = select(logits, params, seeds, frame_index * CODEBOOKS + group + 1)
+        code = select(logits, params, seeds, frame_index * NUM_CODEBOOKS + group + 1)
         codes.append(code)
-        if group < CODEBOOKS - 2:
+        if group < NUM_CODEBOOKS - 2:
             inputs = cp.model.codec_embedding[group](code)[:, None]  # [B, 1, H]
             positions = torch.full((b, 1), group + 2, device=hidden.device, dtype=torch.long)
     return torch.stack(codes, dim=1)

@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from stages.contract import SamplingParams
+from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.layers import LayerKernels
 from stages.model import Qwen3TTS
 from stages.reference import suppressed_ids_mask
 from stages.sampling import SamplingTensors, mask_talker_logits, select_tokens
-from stages.talker.frame import CODEBOOKS, new_code_predictor_cache, next_talker_input, predict_frame_codes
+from stages.talker.frame import new_code_predictor_cache, next_talker_input, predict_frame_codes
 from stages.talker.paged_attention import kernel_available
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from stages.talker.prefill import PrefillEmbeds
@@ -111,7 +111,7 @@ class _Staging:
     """A [rows, bytes] buffer with typed views per field (host pinned or device; same layout)."""
 
     def __init__(self, rows: int, width: int, text_rows: int, blocks: int, hidden: int, device, pin: bool):
-        ints = {"meta": len(_META), "blocks": blocks, "text": width, "codec": width, "frames": width * CODEBOOKS,
+        ints = {"meta": len(_META), "blocks": blocks, "text": width, "codec": width, "frames": width * NUM_CODEBOOKS,
                 "trailing": text_rows}
         floats = {"fparams": len(_FPARAMS), "x_vector": hidden}
         n_int, n_float = sum(ints.values()), sum(floats.values())
@@ -128,7 +128,7 @@ class _Staging:
         for name, n in floats.items():
             self.views[name] = as_float[:, at:at + n]
             at += n
-        self.views["frames"] = self.views["frames"].unflatten(1, (width, CODEBOOKS))
+        self.views["frames"] = self.views["frames"].unflatten(1, (width, NUM_CODEBOOKS))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.views[name]
@@ -171,9 +171,9 @@ class TalkerRunner:
         self.trailing = torch.zeros(rows, max_text_rows, cfg.hidden_size, dtype=self.dtype, device=dev)
         self.trailing_len = torch.zeros(rows, dtype=torch.long, device=dev)
         self.tts_pad = torch.zeros(cfg.hidden_size, dtype=self.dtype, device=dev)
-        self.out = torch.zeros(num_slots, CODEBOOKS + 1, dtype=torch.long, device=dev)
+        self.out = torch.zeros(num_slots, NUM_CODEBOOKS + 1, dtype=torch.long, device=dev)
         # two host copies of `out`: step N+1 is launched before the host reads step N
-        self.out_host = [torch.zeros(num_slots, CODEBOOKS + 1, dtype=torch.long, pin_memory=self.cuda)
+        self.out_host = [torch.zeros(num_slots, NUM_CODEBOOKS + 1, dtype=torch.long, pin_memory=self.cuda)
                          for _ in range(2)]
         self._out_events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
         self._out_turn = 0
@@ -366,7 +366,7 @@ class TalkerRunner:
             self.talker.codec_logits(h).float(), self.seen[rows], q.penalty, frames, q.min_frames, self.suppress,
             self.eos, q.suppress_eos,
         )
-        self.c0[rows] = select_tokens(logits, q.talker, q.seeds, frames * CODEBOOKS)
+        self.c0[rows] = select_tokens(logits, q.talker, q.seeds, frames * NUM_CODEBOOKS)
 
     # ---------------------------------------------------------------- decode
     def _decode_step(self, b: int, attn_len: int) -> None:
@@ -391,10 +391,10 @@ class TalkerRunner:
         self.frame_index[:b] += 1
         logits = self._mask(self.talker.codec_logits(hidden).float(), self.seen[:b], p.penalty,
                             self.frame_index[:b], p.min_frames, self.suppress, self.eos, p.suppress_eos)
-        next_c0 = self._select(logits, p.talker, p.seeds, self.frame_index[:b] * CODEBOOKS)
+        next_c0 = self._select(logits, p.talker, p.seeds, self.frame_index[:b] * NUM_CODEBOOKS)
         self.c0[:b] = next_c0
-        self.out[:b, :CODEBOOKS] = codes
-        self.out[:b, CODEBOOKS] = next_c0
+        self.out[:b, :NUM_CODEBOOKS] = codes
+        self.out[:b, NUM_CODEBOOKS] = next_c0
 
     def cp_cache(self, b: int):
         if b not in self.cp_caches:
