@@ -117,7 +117,7 @@ class Code2WavServer:
         self._decoding += len(chunks)
         t0 = time.perf_counter()
         try:
-            return self._engine.decode(chunks)
+            return self._engine.decode(chunks, checked=True)  # decode_many checked each chunk already
         finally:
             self._last_progress = self._clock()
             self._decoding -= len(chunks)

@@ -162,10 +162,15 @@ class Code2WavEngine:
             f"{torch.cuda.memory_reserved(self.device) / 2**30:.2f} GiB reserved on {self.device}")
 
     # ------------------------------------------------------------------ decode
-    def decode(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
-        """Float32 PCM of each chunk's new frames (`num_new * 1920` samples), in the order given."""
-        for i, c in enumerate(chunks):
-            self.check_chunk(c, i)
+    def decode(self, chunks: list[CodecChunk], checked: bool = False) -> list[np.ndarray]:
+        """Float32 PCM of each chunk's new frames (`num_new * 1920` samples), in the order given.
+
+        `checked=True`: the caller already ran `check_chunk` on each (the deployment does, to fail a malformed
+        chunk alone), so each chunk is validated once.
+        """
+        if not checked:
+            for i, c in enumerate(chunks):
+                self.check_chunk(c, i)
         self._waiting += 1
         with self._lock:
             self._waiting -= 1

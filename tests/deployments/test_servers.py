@@ -140,7 +140,7 @@ def test_code2wav_health_fails_when_pending_chunks_see_no_decode(loop):
         def check_chunk(self, chunk, index):
             pass
 
-        def decode(self, chunks):
+        def decode(self, chunks, checked=False):
             self.entered.set()
             self.release.wait(30)
             return [np.zeros(c.num_new * SAMPLES_PER_FRAME, np.float32) for c in chunks]
