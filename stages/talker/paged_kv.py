@@ -68,9 +68,6 @@ class DecodeContext:
     path, exact on any device).
     """
 
-    is_causal = False
-    mask = None
-
     def __init__(self, cache: PagedKVCache, positions: torch.Tensor, attn_len: int, kernel: bool):
         b = positions.shape[0]
         self.cache, self.positions, self.kernel = cache, positions, kernel

@@ -73,14 +73,11 @@ class SlotParams:
                 self.penalty, self.min_frames, self.suppress_eos, self.seeds]
 
     def rows(self, b: int) -> SlotParams:
-        t, s = self.talker, self.sub
-        return SlotParams(
-            SamplingTensors(t.do_sample[:b], t.temperature[:b], t.top_k[:b], t.top_p[:b]),
-            SamplingTensors(s.do_sample[:b], s.temperature[:b], s.top_k[:b], s.top_p[:b]),
-            self.penalty[:b], self.min_frames[:b], self.suppress_eos[:b], self.seeds[:b],
-        )
+        """Rows [0, b) as views (the decode step)."""
+        return self.index(slice(0, b))
 
-    def index(self, rows: torch.Tensor) -> SlotParams:
+    def index(self, rows: torch.Tensor | slice) -> SlotParams:
+        """The given rows: views for a slice, gathered copies for an index tensor (the prefill's rows)."""
         t, s = self.talker, self.sub
         return SlotParams(
             SamplingTensors(t.do_sample[rows], t.temperature[rows], t.top_k[rows], t.top_p[rows]),
