@@ -101,17 +101,33 @@ def test_deadline_ends_requests(http):
 
 
 def test_full_model_answers_fast_429_with_retry_after(base_url):
-    """`fake` takes 2 streams and queues 1 at the handle; paused streams hold them until their deadline,
-    so of 6 concurrent requests exactly 3 are refused, at once."""
+    """`fake` takes 2 streams and queues 1 at the handle; paused streams hold them until their deadline.
+
+    The two streams are admitted first (their first audio has arrived) so that the router knows the replica is
+    full; of 4 more concurrent requests, one then waits in the handle's queue and 3 are refused, at once."""
     body = speech(model="fake", seed=PAUSE_SEED, timeout_s=10, response_format="pcm")
+
+    async def hold(client: httpx.AsyncClient, admitted: asyncio.Event) -> str:
+        async with client.stream("POST", "/v1/audio/speech", json={**body, "stream": True, "stream_format": "sse"}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    admitted.set()
+                    last = json.loads(line[6:])
+            return last["type"]
 
     async def run():
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-            return await asyncio.gather(*(client.post("/v1/audio/speech", json=body) for _ in range(6)))
+            admitted = [asyncio.Event(), asyncio.Event()]
+            holders = [asyncio.create_task(hold(client, event)) for event in admitted]
+            await asyncio.gather(*(event.wait() for event in admitted))
+            burst = await asyncio.gather(*(client.post("/v1/audio/speech", json=body) for _ in range(4)))
+            return burst, await asyncio.gather(*holders)
 
-    responses = asyncio.run(run())
+    responses, held = asyncio.run(run())
+    assert held == ["speech.audio.error", "speech.audio.error"]  # both ended by their deadline
     statuses = sorted(r.status_code for r in responses)
-    assert statuses == [429, 429, 429, 504, 504, 504], statuses
+    assert statuses == [429, 429, 429, 504], statuses
     refused = [r for r in responses if r.status_code == 429]
     for r in refused:
         assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
