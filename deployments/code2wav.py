@@ -2,7 +2,9 @@
 
 `decode_many(chunks)` takes the chunks of many streams at once (an ingress replica's DecodeBatcher
 gathers them) and decodes them with the Code2Wav engine, on one thread that owns all of this replica's
-decoder work; the engine plans the forwards (padding buckets, CUDA graphs).
+decoder work; the engine plans the forwards (padding buckets, CUDA graphs). Calls that arrive while a
+decode runs (several ingress replicas, several calls in flight each) wait together and are decoded as one
+batch when the thread is free: the GPU sees a few large batches, not one small batch per call.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class Code2WavServer:
         self._clock = time.monotonic  # tests drive the heartbeat with their own clock
         self._last_progress = self._clock()
         self._metrics: Code2WavMetrics | None = None
+        # calls waiting for the decoder thread: their chunks and the future of their waves
+        self._waiting: list[tuple[list[CodecChunk], asyncio.Future]] = []
+        self._drainer: asyncio.Task | None = None
 
     async def start(self) -> None:
         cfg = self._config
@@ -94,9 +99,7 @@ class Code2WavServer:
                     continue
                 valid.append(i)
             if valid:
-                work = [resolved[i] for i in valid]
-                waves = await self._on_thread(self._decode_on_thread, work)
-                self._metrics.batch_size.observe(len(work))
+                waves = await self._decode_together([resolved[i] for i in valid])
                 for i, wave in zip(valid, waves, strict=True):
                     c = resolved[i]
                     answers[i] = DecodedChunk(c.request_id, c.seq, float_to_pcm16(wave), c.final, c.finish_reason)
@@ -112,6 +115,32 @@ class Code2WavServer:
         if isinstance(answer, Exception):
             raise answer
         return answer
+
+    async def _decode_together(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
+        """The waves of `chunks`, decoded in one batch with those of every call waiting meanwhile."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((chunks, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
+        return await asyncio.shield(future)  # a cancelled caller must not cancel the others' batch
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            calls, self._waiting = self._waiting, []
+            work = [chunk for chunks, _ in calls for chunk in chunks]
+            try:
+                waves = await self._on_thread(self._decode_on_thread, work)
+            except Exception as e:  # a failed batch fails every call in it
+                for _, future in calls:
+                    if not future.done():
+                        future.set_exception(e)
+                continue
+            self._metrics.batch_size.observe(len(work))
+            start = 0
+            for chunks, future in calls:
+                if not future.done():
+                    future.set_result(waves[start:start + len(chunks)])
+                start += len(chunks)
 
     def _decode_on_thread(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
         self._decoding += len(chunks)

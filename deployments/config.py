@@ -169,6 +169,9 @@ class DecodeBatchSettings(BaseConfig):
 
 
 class IngressConfig(_DeploymentOptions):
+    stage_transport: Literal["grpc", "object_ref"] = Field("grpc", description=(
+        "how chunks travel Talker -> ingress -> Code2Wav: Serve's gRPC transport by value, or Ray actor calls "
+        "forwarding object refs (deployments/transport.py)"))
     max_input_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1)
     max_instructions_chars: int = Field(C.DEFAULT_MAX_INSTRUCTIONS_CHARS, ge=1)
     max_ref_text_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1)

@@ -1,13 +1,14 @@
-"""DecodeBatcher: an ingress replica's chunk refs from all its streams, sent to Code2Wav in few calls.
+"""DecodeBatcher: an ingress replica's chunks from all its streams, sent to Code2Wav in few calls.
 
 A Ray Serve request costs about a millisecond of CPU in each process it crosses. One request per chunk
 left the Code2Wav replica handling requests rather than decoding once a few hundred streams were open
 (H100, 2026-11-21: decode calls waited 0.4-0.8 s and the GPU sat idle; docs/benchmarks.md). Here each
-stream's chunk refs join one queue, and a call to `Code2Wav.decode_many` takes everything queued (up to
-`max_chunks`) as soon as one of `max_calls_in_flight` call slots is free. An idle server sends a lone
+stream's chunks (values or refs: deployments/transport.py) join one queue, and a call to
+`Code2Wav.decode_many` takes everything queued (up to `max_chunks`) as soon as one of `max_calls_in_flight`
+call slots is free. An idle server sends a lone
 chunk at once, so batching costs no latency; a busy one sends bigger calls, not more of them.
 
-Code2Wav is stateless and the chunk refs stay valid (this process owns them), so a call whose replica
+Code2Wav is stateless and the chunks stay here (values, or refs this process owns), so a call whose replica
 died (killed, OOM, node lost) is sent once more: Serve routes it to another (or the replacement) replica
 and the streams whose decodes were on the dead one go on without a gap in their audio.
 """
@@ -21,33 +22,45 @@ import logging
 from ray.serve.handle import DeploymentHandle
 
 from deployments.protocol import DecodedChunk
+from stages.contract import SAMPLES_PER_FRAME, CodecChunk
 
 logger = logging.getLogger("ray.serve")
 
 
 class DecodeBatcher:
-    def __init__(self, code2wav: DeploymentHandle, max_chunks: int, max_calls_in_flight: int):
+    def __init__(self, code2wav: DeploymentHandle, max_chunks: int, max_calls_in_flight: int,
+                 max_answer_bytes: int | None = None):
+        """`code2wav`: the handle as the caller set its transport (deployments/transport.py `stage_handle`);
+        `max_answer_bytes`: the PCM one call may return (the gRPC transport's message limit), None = no limit."""
         self._handle = code2wav
         self._max_chunks = max_chunks
+        self._max_answer_bytes = max_answer_bytes
         self._slots = asyncio.Semaphore(max_calls_in_flight)
         self._queue: asyncio.Queue[tuple[object, asyncio.Future]] = asyncio.Queue()
         self._calls: set[asyncio.Task] = set()
         self.retries = 0  # calls sent again because their replica died
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def submit(self, chunk_ref) -> asyncio.Future:
+    def submit(self, chunk) -> asyncio.Future:
         """The decoded chunk, later. Cancelling the future drops the chunk if it has not left yet."""
         future: asyncio.Future[DecodedChunk] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((chunk_ref, future))
+        self._queue.put_nowait((chunk, future))
         return future
 
     async def _run(self) -> None:
+        carried = None  # the chunk that did not fit into the previous call's answer
         while True:
             await self._slots.acquire()
-            batch = [await self._queue.get()]
+            batch = [carried or await self._queue.get()]
+            carried, answer_bytes = None, _pcm_bytes(batch[0][0])
             while len(batch) < self._max_chunks and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            batch = [(ref, f) for ref, f in batch if not f.done()]  # streams that went away meanwhile
+                item = self._queue.get_nowait()
+                answer_bytes += _pcm_bytes(item[0])
+                if self._max_answer_bytes is not None and answer_bytes > self._max_answer_bytes:
+                    carried = item
+                    break
+                batch.append(item)
+            batch = [(chunk, f) for chunk, f in batch if not f.done()]  # streams that went away meanwhile
             if not batch:
                 self._slots.release()
                 continue
@@ -57,7 +70,7 @@ class DecodeBatcher:
 
     async def _call(self, batch: list[tuple[object, asyncio.Future]]) -> None:
         try:
-            answers = await self._decode([ref for ref, _ in batch])
+            answers = await self._decode([chunk for chunk, _ in batch])
         except Exception as e:  # refused (backpressure) or failed: every chunk of the call fails with it
             for _, future in batch:
                 if not future.done():
@@ -73,16 +86,16 @@ class DecodeBatcher:
         finally:
             self._slots.release()
 
-    async def _decode(self, refs: list) -> list:
+    async def _decode(self, chunks: list) -> list:
         from ray.exceptions import RayActorError
 
         try:
-            return await self._handle.decode_many.remote(refs)
+            return await self._handle.decode_many.remote(chunks)
         except RayActorError as e:  # the replica died with the call: stateless, so once more elsewhere
-            logger.warning(f"a Code2Wav replica died during a decode of {len(refs)} chunks; retrying once "
+            logger.warning(f"a Code2Wav replica died during a decode of {len(chunks)} chunks; retrying once "
                            f"({type(e).__name__})")
             self.retries += 1
-            return await self._handle.decode_many.remote(refs)
+            return await self._handle.decode_many.remote(chunks)
 
     async def close(self) -> None:
         self._task.cancel()
@@ -90,3 +103,8 @@ class DecodeBatcher:
             call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+
+
+def _pcm_bytes(chunk) -> int:
+    """The int16 PCM a chunk decodes to; 0 for a ref (its size is not known here, and refs are not limited)."""
+    return chunk.num_new * SAMPLES_PER_FRAME * 2 if isinstance(chunk, CodecChunk) else 0

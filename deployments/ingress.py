@@ -49,6 +49,7 @@ from deployments.protocol import DecodedChunk, ModelInfo
 from deployments.ref_audio import load_ref_audio, probe_audio, read_voice_upload
 from deployments.schemas import SpeechRequest
 from deployments.stream_encoders import encode, open_stream_encoder
+from deployments.transport import max_answer_bytes, stage_handle
 from deployments.voices import VOICE_NAME_PATTERN, VoiceStore
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME, TaskType, VoiceClonePrompt
 
@@ -135,8 +136,9 @@ class TTSIngress:
         self._routes = {name: _ModelRoute(name, handle) for name, handle in talkers.items()}
         self._names = {n.lower(): m.name for m in args.models for n in (m.name, *m.aliases)}
         self._code2wav = code2wav
-        self._decoder = DecodeBatcher(code2wav, args.ingress.decode_batch.max_chunks,
-                                      args.ingress.decode_batch.max_calls_in_flight)
+        transport = args.ingress.stage_transport
+        self._decoder = DecodeBatcher(stage_handle(code2wav, transport), args.ingress.decode_batch.max_chunks,
+                                      args.ingress.decode_batch.max_calls_in_flight, max_answer_bytes(transport))
         self._voices = VoiceStore(self._limits.voices_path)
         self._inline_voices: OrderedDict[str, VoiceClonePrompt] = OrderedDict()
         self._metrics = IngressMetrics()
@@ -178,7 +180,7 @@ class TTSIngress:
                 voice = await self._voice_prompt(body, info, voice_choice)
                 synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id)
                 chunks = stream_audio(self._routes[info.name].handle, self._decoder, synthesis, options,
-                                      self._args.streaming.max_pending_decodes)
+                                      self._args.streaming.max_pending_decodes, self._limits.stage_transport)
                 first = await anext(chunks, None)
         except BaseException as exc:  # noqa: BLE001 - every failure before the first audio is one JSON error
             if chunks is not None:

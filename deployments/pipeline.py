@@ -1,10 +1,9 @@
-"""The per-request pipeline: Talker stream -> chunk refs -> Code2Wav decodes, pipelined, audio in order.
+"""The per-request pipeline: Talker stream -> chunks -> Code2Wav decodes, pipelined, audio in order.
 
-Chunks never deserialize in the ingress: the Talker's stream is turned into an `ObjectRefGenerator`
-and each ref goes to the replica's `DecodeBatcher`, which forwards refs of many streams in one
-`Code2Wav.decode_many` call; Ray moves each chunk from the Talker's process to the Code2Wav replica
-that decodes it. Up to `depth` decodes are in flight per stream (overlapping generation); results are
-awaited in submission order.
+Each chunk of the Talker's stream goes to the replica's `DecodeBatcher`, which sends the chunks of many
+streams in one `Code2Wav.decode_many` call; with the "grpc" transport the chunk is a value, with
+"object_ref" a ref the ingress forwards unread (deployments/transport.py says where the bytes go). Up to
+`depth` decodes are in flight per stream (overlapping generation); results are awaited in submission order.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.decode_batcher import DecodeBatcher
 from deployments.protocol import DecodedChunk, GenerateOptions
+from deployments.transport import StageTransport, stage_handle, stream_items
 from stages.contract import SynthesisRequest
 
 _END = object()
@@ -23,21 +23,20 @@ _END = object()
 
 async def stream_audio(
     talker: DeploymentHandle, decoder: DecodeBatcher, request: SynthesisRequest, options: GenerateOptions,
-    depth: int,
+    depth: int, transport: StageTransport,
 ) -> AsyncIterator[DecodedChunk]:
     """Decoded chunks of one request, in stream order. Closing the iterator cancels the whole pipeline.
 
     Errors of either stage (e.g. the Talker rejecting the request) surface when the affected chunk is
     awaited; the first chunk therefore tells whether the request was accepted.
     """
-    generator = talker.options(stream=True).generate.remote(request, options)
+    generator = stage_handle(talker, transport).options(stream=True).generate.remote(request, options)
     pending: asyncio.Queue = asyncio.Queue(maxsize=depth)
 
     async def submit() -> None:
         try:
-            refs = await generator._to_object_ref_gen()
-            async for ref in refs:
-                await pending.put(decoder.submit(ref))
+            async for chunk in stream_items(generator, transport):
+                await pending.put(decoder.submit(chunk))
         except Exception as e:  # refusal (backpressure) or a failed stream: the consumer raises it in order
             await pending.put(e)
         await pending.put(_END)

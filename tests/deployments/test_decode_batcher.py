@@ -49,6 +49,31 @@ def test_lone_chunk_goes_at_once_and_busy_chunks_share_a_call():
     asyncio.run(main())
 
 
+def test_a_call_answers_at_most_max_answer_bytes_of_pcm():
+    """The gRPC transport's message limit: chunks that would overflow one answer go in the next call."""
+    import numpy as np
+
+    from stages.contract import SAMPLES_PER_FRAME, CodecChunk
+
+    def chunk(seq: int, frames: int) -> CodecChunk:
+        return CodecChunk("r", seq, np.zeros((frames, 16), dtype=np.int64), 0)
+
+    async def main():
+        handle = _Code2Wav()
+        frame_bytes = SAMPLES_PER_FRAME * 2
+        batcher = DecodeBatcher(handle, max_chunks=8, max_calls_in_flight=1, max_answer_bytes=10 * frame_bytes)
+        blocker = batcher.submit(chunk(0, 1))
+        await asyncio.sleep(0)
+        rest = [batcher.submit(chunk(seq, 4)) for seq in range(1, 5)]  # 16 frames: two calls of 8
+        for _ in range(3):
+            handle.release.put_nowait("ok")
+        await asyncio.gather(blocker, *rest)
+        assert [[c.seq for c in call] for call in handle.calls] == [[0], [1, 2], [3, 4]]
+        await batcher.close()
+
+    asyncio.run(main())
+
+
 def test_errors_reach_their_own_chunks_and_cancelled_chunks_are_not_sent():
     async def main():
         handle = _Code2Wav()

@@ -114,6 +114,41 @@ def test_code2wav_decodes_many_streams_in_one_call_like_single_decodes(loop, tal
         np.testing.assert_allclose(single.pcm, out.pcm, atol=2)  # batch padding is exact up to float noise
 
 
+def test_code2wav_decodes_calls_that_arrive_during_a_decode_as_one_batch(loop, talker, code2wav, monkeypatch):
+    """Several ingress replicas' calls: those waiting while the decoder thread is busy go into one engine call."""
+    import threading
+
+    chunks = loop.run_until_complete(_collect(talker.generate(_request(talker, 9, rid="together"))))
+    assert len(chunks) >= 3
+    engine = code2wav._engine
+    real_decode, entered, gate, batches = engine.decode, threading.Event(), threading.Event(), []
+
+    def gated(work, **kwargs):
+        batches.append(len(work))
+        entered.set()
+        gate.wait(60)  # the first batch holds the thread until the other calls are waiting
+        return real_decode(work, **kwargs)
+
+    monkeypatch.setattr(engine, "decode", gated)
+
+    async def run():
+        first = asyncio.ensure_future(code2wav.decode_many(chunks[:1]))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 60)
+        rest = [asyncio.ensure_future(code2wav.decode_many([c])) for c in chunks[1:]]
+        for _ in range(100):  # loop turns until every later call waits for the thread
+            if sum(len(c) for c, _ in code2wav._waiting) == len(rest):
+                break
+            await asyncio.sleep(0)
+        gate.set()
+        return await asyncio.gather(first, *rest)
+
+    answers = loop.run_until_complete(run())
+    assert batches == [1, len(chunks) - 1]
+    assert [a.seq for (a,) in answers] == [c.seq for c in chunks]
+    for chunk, (answer,) in zip(chunks, answers, strict=True):
+        assert answer.pcm.size == chunk.num_new * SAMPLES_PER_FRAME
+
+
 def test_code2wav_rejects_a_malformed_chunk_alone(loop, talker, code2wav):
     from stages.contract import CodecChunk
 
