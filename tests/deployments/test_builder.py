@@ -69,7 +69,9 @@ def test_high_concurrency_colocates_fractional_gpus():
     ingress = deployments["TTSIngress"]
     backpressure = ingress._deployment_config.backpressure_config
     assert (backpressure.status_code, backpressure.retry_after_s) == (429, 1)
-    assert ingress._deployment_config.autoscaling_config.max_replicas == 4
+    ingress_scaling = ingress._deployment_config.autoscaling_config
+    # several ingress event loops from the first request (issue 11), still room to grow
+    assert ingress_scaling.min_replicas == 4 and ingress_scaling.max_replicas > 4
 
 
 def test_split_pins_each_stage_to_its_gpu_and_uses_queue_depth_policies():
