@@ -26,12 +26,27 @@ logger = logging.getLogger("ray.serve")
 
 
 def replica_log(prefix: str) -> Log:
-    """A `log` callable for the stages' loaders: replica logs reach the `serve run` console."""
+    """A `log` callable for the stages' loaders: start-up progress reaches the `serve run` console.
+
+    Serve's logger writes to stderr (which Ray forwards to the console) unless the cluster runs with
+    `RAY_SERVE_LOG_TO_STDERR=0`, which `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` implies; then the lines also go to
+    stdout, or a two-minute start-up would print nothing until "ready".
+    """
+    to_stdout = not serve_logs_to_stderr()
 
     def log(message: str) -> None:
         logger.info(f"[{prefix}] {message}")
+        if to_stdout:
+            print(f"[{prefix}] {message}", flush=True)
 
     return log
+
+
+def serve_logs_to_stderr(env: dict[str, str] | None = None) -> bool:
+    """Serve's own rule (ray/serve/_private/constants.py, Ray 2.60: only "1" is true), from the public variables."""
+    env = os.environ if env is None else env
+    default = "0" if env.get("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0") == "1" else "1"
+    return env.get("RAY_SERVE_LOG_TO_STDERR", default) == "1"
 
 
 def resolve_checkpoint(source: CheckpointSource, log: Log = print) -> str:
