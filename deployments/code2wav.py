@@ -107,7 +107,7 @@ class Code2WavServer:
         finally:
             self._inflight -= n
             self._metrics.queued_chunks.set(self._inflight - self._decoding)
-            self._metrics.chunk_latency_ms.observe((time.perf_counter() - t0) * 1000)
+            self._metrics.call_latency_ms.observe((time.perf_counter() - t0) * 1000)
 
     async def decode(self, chunk: CodecChunk) -> DecodedChunk:
         """One chunk (tests, direct callers); the ingress sends batches through `decode_many`."""

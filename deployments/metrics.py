@@ -61,18 +61,20 @@ class TalkerMetrics:
                                       tag_keys=tags)
         self.frames = metrics.Counter("tts_talker_frames", description="Codec frames generated (80 ms each).",
                                       tag_keys=tags)
-        self.engine_batch_size = metrics.Histogram(
-            "tts_talker_batch_size", description="Mean running requests per decode step, per refresh interval.",
+        self.mean_batch_size = metrics.Histogram(
+            "tts_talker_mean_batch_size", description="Running requests per decode step, averaged over each "
+            "stats refresh (one observation per refresh, not per step).",
             boundaries=BATCH_BUCKETS, tag_keys=tags,
         )
-        for metric in (self.waiting, self.running, self.slots, self.kv_usage, self.frames, self.engine_batch_size):
+        for metric in (self.waiting, self.running, self.slots, self.kv_usage, self.frames, self.mean_batch_size):
             metric.set_default_tags({"model": model})
 
 
 class Code2WavMetrics:
     def __init__(self) -> None:
-        self.chunk_latency_ms = metrics.Histogram(
-            "tts_code2wav_chunk_latency_ms", description="Arrival of a chunk at Code2Wav to its PCM (queue + decode).",
+        self.call_latency_ms = metrics.Histogram(
+            "tts_code2wav_call_latency_ms", description="Arrival of a decode_many call (the chunks of many streams) "
+            "to its answer: wait for the decoder + decode; one observation per call.",
             boundaries=LATENCY_MS_BUCKETS,
         )
         self.batch_decode_ms = metrics.Histogram(

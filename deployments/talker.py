@@ -173,7 +173,7 @@ class TalkerServer:
             if s.frames > last_frames:
                 m.frames.inc(s.frames - last_frames)
             if s.steps > last_steps:
-                m.engine_batch_size.observe((s.frames - last_frames) / (s.steps - last_steps))
+                m.mean_batch_size.observe((s.frames - last_frames) / (s.steps - last_steps))
             last_steps, last_frames = s.steps, s.frames
             await asyncio.sleep(C.METRICS_REFRESH_INTERVAL_S)
 

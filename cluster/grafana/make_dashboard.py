@@ -170,9 +170,10 @@ panel("Frames generated",
       "Codec frames per second (ray_tts_talker_frames_total); 12.5 frames = 1 s of audio.",
       [(f"sum by (model) (rate(ray_tts_talker_frames_total{{{APP}, {MODEL}}}{RI}))", "{{model}}")])
 panel("Engine batch size",
-      "Mean running requests per decode step (ray_tts_talker_batch_size): mean and p90 of the per-refresh means.",
-      [(mean("ray_tts_talker_batch_size", f"{APP}, {MODEL}", "model"), "mean {{model}}"),
-       (q(0.9, "ray_tts_talker_batch_size", f"{APP}, {MODEL}", "model"), "p90 {{model}}")], w=12)
+      "Running requests per decode step, averaged per stats refresh (ray_tts_talker_mean_batch_size): mean and p90 "
+      "of those averages.",
+      [(mean("ray_tts_talker_mean_batch_size", f"{APP}, {MODEL}", "model"), "mean {{model}}"),
+       (q(0.9, "ray_tts_talker_mean_batch_size", f"{APP}, {MODEL}", "model"), "p90 {{model}}")], w=12)
 panel("Slot occupancy per replica",
       "running / slots per Talker replica: near 1 with waiting > 0 means the replica is the bottleneck.",
       [(f"sum by (replica) (ray_tts_talker_running{{{APP}, {MODEL}}}) / "
@@ -181,12 +182,13 @@ panel("Slot occupancy per replica",
 
 # ------------------------------------------------------------------ code2wav
 row("Code2Wav (codec decoder)")
-panel("Chunk latency",
-      "Arrival of a chunk at Code2Wav to its PCM, batch wait + decode (ray_tts_code2wav_chunk_latency_ms).",
-      [(q(0.5, "ray_tts_code2wav_chunk_latency_ms", APP, ""), "p50"),
-       (q(0.9, "ray_tts_code2wav_chunk_latency_ms", APP, ""), "p90"),
-       (q(0.99, "ray_tts_code2wav_chunk_latency_ms", APP, ""), "p99"),
-       (mean("ray_tts_code2wav_chunk_latency_ms", APP, ""), "mean")], unit="ms", w=6)
+panel("Decode call latency",
+      "Arrival of a decode_many call at Code2Wav to its answer, wait + decode, per call "
+      "(ray_tts_code2wav_call_latency_ms).",
+      [(q(0.5, "ray_tts_code2wav_call_latency_ms", APP, ""), "p50"),
+       (q(0.9, "ray_tts_code2wav_call_latency_ms", APP, ""), "p90"),
+       (q(0.99, "ray_tts_code2wav_call_latency_ms", APP, ""), "p99"),
+       (mean("ray_tts_code2wav_call_latency_ms", APP, ""), "mean")], unit="ms", w=6)
 panel("Batch decode time",
       "Decode time of one batch of chunks (ray_tts_code2wav_batch_decode_ms).",
       [(q(0.5, "ray_tts_code2wav_batch_decode_ms", APP, ""), "p50"),
