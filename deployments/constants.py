@@ -35,6 +35,9 @@ DEFAULT_TALKER_MAX_NUM_SEQS = _env_int("QWEN3_TTS_TALKER_MAX_NUM_SEQS", 32)
 TALKER_ONGOING_PER_SLOT = _env_float("QWEN3_TTS_TALKER_ONGOING_PER_SLOT", 1.5)
 TALKER_QUEUED_PER_SLOT = _env_float("QWEN3_TTS_TALKER_QUEUED_PER_SLOT", 1.0)
 TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S = _env_float("QWEN3_TTS_TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S", 120.0)
+# the ingress's default graceful_shutdown_timeout_s is the Talkers' longest plus this: when both stop together
+# (the app deleted or redeployed) the Talker's remaining streams end first, while the ingress can still say so
+INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S = _env_float("QWEN3_TTS_INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S", 10.0)
 TALKER_ENGINE_START_TIMEOUT_S = _env_float("QWEN3_TTS_TALKER_ENGINE_START_TIMEOUT_S", 1800.0)
 WARMUP_FRAMES = _env_int("QWEN3_TTS_WARMUP_FRAMES", 4)
 
