@@ -47,6 +47,8 @@ CODE2WAV_ONGOING_PER_BATCH_SLOT = _env_int("QWEN3_TTS_CODE2WAV_ONGOING_PER_BATCH
 DEFAULT_CODE2WAV_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_CODE2WAV_MAX_QUEUED_REQUESTS", 1024)
 # a batch decodes in milliseconds on a GPU and in well under a second on CPU; a minute means stuck
 CODE2WAV_STALL_TIMEOUT_S = _env_float("QWEN3_TTS_CODE2WAV_STALL_TIMEOUT_S", 60.0)
+# an ingress's decode call unanswered this long checks (every as long) that Code2Wav was not deleted
+CODE2WAV_CALL_PROBE_INTERVAL_S = _env_float("QWEN3_TTS_CODE2WAV_CALL_PROBE_INTERVAL_S", 2.0)
 
 # Ingress: Serve admits many connections (each a cheap coroutine: half-sent bodies, probes, open streams),
 # so that /health and /ready never wait behind speech; the ingress admits the costly work itself

@@ -10,6 +10,11 @@ chunk at once, so batching costs no latency; a busy one sends bigger calls, not 
 Code2Wav is stateless and the chunk refs stay valid (this process owns them), so a call whose replica
 died (killed, OOM, node lost) is sent once more: Serve routes it to another (or the replacement) replica
 and the streams whose decodes were on the dead one go on without a gap in their audio.
+
+A call still unanswered after `CODE2WAV_CALL_PROBE_INTERVAL_S` checks that the Code2Wav deployment still
+exists, and fails if it does not: Serve fails new calls to a deleted deployment at once, but calls already
+waiting for a replica would wait forever (the app deleted while streams decode; a Talker's death reaches
+its stream as an error chunk, which also goes through here).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 
 from ray.serve.handle import DeploymentHandle
 
+from deployments import constants as C
 from deployments.protocol import DecodedChunk
 
 logger = logging.getLogger("ray.serve")
@@ -77,12 +83,35 @@ class DecodeBatcher:
         from ray.exceptions import RayActorError
 
         try:
-            return await self._handle.decode_many.remote(refs)
+            return await self._answer(refs)
         except RayActorError as e:  # the replica died with the call: stateless, so once more elsewhere
             logger.warning(f"a Code2Wav replica died during a decode of {len(refs)} chunks; retrying once "
                            f"({type(e).__name__})")
             self.retries += 1
-            return await self._handle.decode_many.remote(refs)
+            return await self._answer(refs)
+
+    async def _answer(self, refs: list) -> list:
+        """One decode_many call; DeploymentUnavailableError if Code2Wav is deleted while the call waits."""
+        from ray.serve.exceptions import DeploymentUnavailableError
+
+        response = self._handle.decode_many.remote(refs)
+        answer = asyncio.ensure_future(_result(response))
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=C.CODE2WAV_CALL_PROBE_INTERVAL_S)
+                if done:
+                    return answer.result()
+                probe = self._handle.ready.remote()  # raises at once for a deleted deployment
+                try:
+                    await asyncio.wait_for(_result(probe), C.CODE2WAV_CALL_PROBE_INTERVAL_S)
+                except DeploymentUnavailableError:
+                    raise
+                except Exception:  # noqa: BLE001 - a busy replica, or none yet (a replacement starts): it exists
+                    probe.cancel()
+        finally:
+            if not answer.done():
+                answer.cancel()
+                response.cancel()
 
     async def close(self) -> None:
         self._task.cancel()
@@ -90,3 +119,7 @@ class DecodeBatcher:
             call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+
+
+async def _result(response):
+    return await response
