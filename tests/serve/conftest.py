@@ -106,11 +106,15 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
             model("base", tiny_base, 4),
             # one slot, one queued request: the admission tests fill it
             model("vd", tiny_voice_design, 1, deployment={"max_ongoing_requests": 1, "max_queued_requests": 1}),
-            # the autoscaling test's model: one slot per replica, scales 1 -> 2 -> 1 on queue depth
-            model("cv-scale", tiny_custom_voice, 1, deployment={
+            # the autoscaling test's model: the fake engine (paused streams hold the load for as long as the test
+            # needs), one slot per replica, scales 1 -> 2 -> 1 on queue depth. Serve averages the replicas' metrics
+            # over `look_back_period_s`, which must exceed `metrics_interval_s` (10 s, the deprecated field's default)
+            {**model("cv-scale", tiny_custom_voice, 1, deployment={
                 "max_ongoing_requests": 2, "max_queued_requests": 8,
                 "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                                       "upscale_delay_s": 0.5, "downscale_delay_s": 2, "look_back_period_s": 1}}),
+                                       "upscale_delay_s": 0.5, "downscale_delay_s": 1, "look_back_period_s": 10.5}}),
+             "engine_cls": "tests.fake_engine:FakeTalkerEngine",
+             "engine_kwargs": {"max_num_seqs": 1, "max_seq_len": 512, "pause_seed": PAUSE_SEED, "pause_after_frames": 4}},
             # a fake engine (tests/fake_engine.py) whose faults requests inject: health checks every second
             # 2 streams at once, 1 queued at the handle: the admission test fills it with paused streams
             {**model("fake", tiny_custom_voice, 2, deployment={"health_check_period_s": 1,
