@@ -76,15 +76,26 @@ def code2wav_deployment_options(config: Code2WavConfig) -> dict[str, Any]:
 
 
 def ingress_deployment_options(args: TTSServingArgs) -> dict[str, Any]:
+    """The ingress drains longer than any Talker (Serve's default, 20 s, is far shorter than a Talker's): when
+    the app is deleted or redeployed, every deployment stops at once, and an ingress killed first would cut its
+    clients' streams off while the Talkers still drain them (a stream that could have finished is lost; an SSE
+    client gets no error event). Outliving the Talkers, it ends each stream as its Talker ends it."""
     backpressure = args.ingress.backpressure
+    talker_drain_s = max(talker_deployment_options(m)["graceful_shutdown_timeout_s"] for m in args.models)
     defaults = {
         "name": C.INGRESS_DEPLOYMENT_NAME,
         "max_ongoing_requests": C.DEFAULT_INGRESS_MAX_ONGOING_REQUESTS,
         "max_queued_requests": C.DEFAULT_INGRESS_MAX_QUEUED_REQUESTS,
         "backpressure_config": {"status_code": backpressure.status_code, "retry_after_s": backpressure.retry_after_s},
+        "graceful_shutdown_timeout_s": talker_drain_s + C.INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S,
         "ray_actor_options": {"num_cpus": 1},
     }
-    return deep_merge(defaults, args.ingress.deployment_config)
+    options = deep_merge(defaults, args.ingress.deployment_config)
+    if options["graceful_shutdown_timeout_s"] <= talker_drain_s:
+        logger.warning(f"{options['name']}: graceful_shutdown_timeout_s {options['graceful_shutdown_timeout_s']} "
+                       f"does not exceed the Talkers' ({talker_drain_s}): deleting or redeploying the app cuts "
+                       "open streams off when the ingress stops, before their Talker has drained them")
+    return options
 
 
 def build_talker_deployment(config: TalkerConfig, streaming: StreamingConfig) -> Application:

@@ -35,6 +35,9 @@ DEFAULT_TALKER_MAX_NUM_SEQS = _env_int("QWEN3_TTS_TALKER_MAX_NUM_SEQS", 32)
 TALKER_ONGOING_PER_SLOT = _env_float("QWEN3_TTS_TALKER_ONGOING_PER_SLOT", 1.5)
 TALKER_QUEUED_PER_SLOT = _env_float("QWEN3_TTS_TALKER_QUEUED_PER_SLOT", 1.0)
 TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S = _env_float("QWEN3_TTS_TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S", 120.0)
+# the ingress's default graceful_shutdown_timeout_s is the Talkers' longest plus this: when both stop together
+# (the app deleted or redeployed) the Talker's remaining streams end first, while the ingress can still say so
+INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S = _env_float("QWEN3_TTS_INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S", 10.0)
 TALKER_ENGINE_START_TIMEOUT_S = _env_float("QWEN3_TTS_TALKER_ENGINE_START_TIMEOUT_S", 1800.0)
 WARMUP_FRAMES = _env_int("QWEN3_TTS_WARMUP_FRAMES", 4)
 
@@ -44,6 +47,8 @@ CODE2WAV_ONGOING_PER_BATCH_SLOT = _env_int("QWEN3_TTS_CODE2WAV_ONGOING_PER_BATCH
 DEFAULT_CODE2WAV_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_CODE2WAV_MAX_QUEUED_REQUESTS", 1024)
 # a batch decodes in milliseconds on a GPU and in well under a second on CPU; a minute means stuck
 CODE2WAV_STALL_TIMEOUT_S = _env_float("QWEN3_TTS_CODE2WAV_STALL_TIMEOUT_S", 60.0)
+# an ingress's decode call unanswered this long checks (every as long) that Code2Wav was not deleted
+CODE2WAV_CALL_PROBE_INTERVAL_S = _env_float("QWEN3_TTS_CODE2WAV_CALL_PROBE_INTERVAL_S", 2.0)
 
 # Ingress: Serve admits many connections (each a cheap coroutine: half-sent bodies, probes, open streams),
 # so that /health and /ready never wait behind speech; the ingress admits the costly work itself

@@ -11,6 +11,11 @@ chunk at once, so batching costs no latency; a busy one sends bigger calls, not 
 Code2Wav is stateless and the chunks stay here (values, or refs this process owns), so a call whose replica
 died (killed, OOM, node lost) is sent once more: Serve routes it to another (or the replacement) replica
 and the streams whose decodes were on the dead one go on without a gap in their audio.
+
+A call still unanswered after `CODE2WAV_CALL_PROBE_INTERVAL_S` checks that the Code2Wav deployment still
+exists, and fails if it does not: Serve fails new calls to a deleted deployment at once, but calls already
+waiting for a replica would wait forever (the app deleted while streams decode; a Talker's death reaches
+its stream as an error chunk, which also goes through here).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import logging
 
 from ray.serve.handle import DeploymentHandle
 
+from deployments import constants as C
 from deployments.protocol import DecodedChunk
 from stages.contract import SAMPLES_PER_FRAME, CodecChunk
 
@@ -90,12 +96,35 @@ class DecodeBatcher:
         from ray.exceptions import RayActorError
 
         try:
-            return await self._handle.decode_many.remote(chunks)
+            return await self._answer(chunks)
         except RayActorError as e:  # the replica died with the call: stateless, so once more elsewhere
             logger.warning(f"a Code2Wav replica died during a decode of {len(chunks)} chunks; retrying once "
                            f"({type(e).__name__})")
             self.retries += 1
-            return await self._handle.decode_many.remote(chunks)
+            return await self._answer(chunks)
+
+    async def _answer(self, chunks: list) -> list:
+        """One decode_many call; DeploymentUnavailableError if Code2Wav is deleted while the call waits."""
+        from ray.serve.exceptions import DeploymentUnavailableError
+
+        response = self._handle.decode_many.remote(chunks)
+        answer = asyncio.ensure_future(_result(response))
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=C.CODE2WAV_CALL_PROBE_INTERVAL_S)
+                if done:
+                    return answer.result()
+                probe = self._handle.ready.remote()  # raises at once for a deleted deployment
+                try:
+                    await asyncio.wait_for(_result(probe), C.CODE2WAV_CALL_PROBE_INTERVAL_S)
+                except DeploymentUnavailableError:
+                    raise
+                except Exception:  # a busy replica, or none yet (a replacement starts): it exists
+                    probe.cancel()
+        finally:
+            if not answer.done():
+                answer.cancel()
+                response.cancel()
 
     async def close(self) -> None:
         self._task.cancel()
@@ -108,3 +137,7 @@ class DecodeBatcher:
 def _pcm_bytes(chunk) -> int:
     """The int16 PCM a chunk decodes to; 0 for a ref (its size is not known here, and refs are not limited)."""
     return chunk.num_new * SAMPLES_PER_FRAME * 2 if isinstance(chunk, CodecChunk) else 0
+
+
+async def _result(response):
+    return await response

@@ -2,7 +2,9 @@
 
 `engine_cls: "tests.fake_engine:FakeTalkerEngine"` (config: `FakeTalkerEngineConfig`, from `engine_kwargs`)
 serves requests without a model: a step thread emits one all-zero frame per running request per step
-(valid codes for Code2Wav). Faults, chosen per request so a test drives them through the real HTTP API:
+(valid codes for Code2Wav). At most `max_num_seqs` requests run at once; the others wait (FIFO, admitted at
+the next step with a free slot) and count as `waiting`, as in the real engine. Faults, chosen per request so a
+test drives them through the real HTTP API:
 
 - `pause_seed`: a request with this seed gets `pause_after_frames` frames, then no more (the engine keeps
   stepping for the others): a stream that is mid-way for as long as a test needs, e.g. until its deadline.
@@ -111,6 +113,7 @@ class FakeTalkerEngine:
         self.model, self.config = model, config
         self._lock = threading.Lock()
         self._running: list[_Stream] = []
+        self._waiting: collections.deque[_Stream] = collections.deque()
         self._aborted: set[_Stream] = set()
         self._stop = threading.Event()
         self._ready = False
@@ -128,7 +131,7 @@ class FakeTalkerEngine:
     def shutdown(self) -> None:
         self._stop.set()
         with self._lock:
-            streams, self._running = self._running, []
+            streams, self._running, self._waiting = [*self._running, *self._waiting], [], collections.deque()
         for s in streams:
             s.put(RuntimeError("the talker engine shut down"))
 
@@ -139,9 +142,9 @@ class FakeTalkerEngine:
     def add_request(self, request: SynthesisRequest, schedule: ChunkSchedule | None = None) -> _Stream:
         stream = _Stream(self, request, asyncio.get_running_loop(), schedule)
         with self._lock:
-            if not self._running:
+            if not self._running and not self._waiting:
                 self.last_step = time.monotonic()  # idle until now: the heartbeat starts with the work
-            self._running.append(stream)
+            self._waiting.append(stream)  # admitted at the next step, when a slot is free
         return stream
 
     def abort(self, stream: _Stream) -> None:
@@ -156,14 +159,14 @@ class FakeTalkerEngine:
 
     def stats(self) -> FakeEngineStats:
         with self._lock:
-            running = len(self._running)
-        return FakeEngineStats(waiting=0, running=running, max_running=self.config.max_num_seqs,
+            running, waiting = len(self._running), len(self._waiting)
+        return FakeEngineStats(waiting=waiting, running=running, max_running=self.config.max_num_seqs,
                                kv_used_tokens=0, kv_total_tokens=self.config.max_num_seqs * self.config.max_seq_len,
                                steps=self.steps, frames=self.frames, stalled=self._stalled)
 
     def check_health(self) -> None:
         with self._lock:
-            pending = bool(self._running)
+            pending = bool(self._running or self._waiting)
         idle_for = time.monotonic() - self.last_step
         if pending and idle_for > self.config.stall_timeout_s:
             raise RuntimeError(f"talker engine made no step for {idle_for:.1f} s with work pending")
@@ -172,7 +175,10 @@ class FakeTalkerEngine:
         while not self._stop.wait(self.config.step_interval_s):
             with self._lock:
                 self._running = [s for s in self._running if s not in self._aborted]
+                self._waiting = collections.deque(s for s in self._waiting if s not in self._aborted)
                 self._aborted.clear()
+                while self._waiting and len(self._running) < self.config.max_num_seqs:
+                    self._running.append(self._waiting.popleft())
                 running = list(self._running)
             if not running:
                 continue

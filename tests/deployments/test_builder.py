@@ -44,6 +44,17 @@ def test_every_shipped_config_builds(config):
         assert d._deployment_config.max_ongoing_requests >= 1
 
 
+@pytest.mark.parametrize("config", ["local.yaml", "high_concurrency.yaml", "multi_model.yaml"])
+def test_ingress_drains_longer_than_every_talker(config):
+    """Deleting or redeploying the app stops every deployment at once: the Talkers' streams must end (their
+    replicas killed at their graceful timeout) while the ingress is still there to end them visibly."""
+    deployments = _deployments(build_app(_app_args(config)))
+    talkers = [d for name, d in deployments.items() if name.startswith(C.TALKER_DEPLOYMENT_PREFIX)]
+    drain = max(t._deployment_config.graceful_shutdown_timeout_s for t in talkers)
+    ingress = deployments[C.INGRESS_DEPLOYMENT_NAME]._deployment_config.graceful_shutdown_timeout_s
+    assert ingress == drain + C.INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S
+
+
 def test_local_config_is_cpu_embedded_and_fits_two_cores():
     args = TTSServingArgs.model_validate(_app_args("local.yaml"))
     assert all(m.model is None and m.device == "cpu" for m in args.models)

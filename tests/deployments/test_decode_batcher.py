@@ -9,17 +9,54 @@ import pytest
 from deployments.decode_batcher import DecodeBatcher
 
 
+class _Response:
+    """Stands in for a DeploymentResponse: awaitable once, cancellable."""
+
+    def __init__(self, answer):
+        self._answer, self.cancelled = answer, False
+
+    def __await__(self):
+        return self._answer().__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Ready:
+    """`Code2Wav.ready`, the probe of a call that waits: raises once the deployment is deleted, else no answer
+    (no replica: a replacement is starting)."""
+
+    def __init__(self):
+        self.deleted = False
+        self.probes = 0
+
+    def remote(self):
+        self.probes += 1
+        return _Response(self._answer)
+
+    async def _answer(self):
+        from ray.serve._private.common import DeploymentID
+        from ray.serve.exceptions import DeploymentUnavailableError
+
+        if self.deleted:
+            raise DeploymentUnavailableError(DeploymentID(name="Code2Wav", app_name="tts"))
+        await asyncio.Event().wait()
+
+
 class _Code2Wav:
     """Stands in for the Code2Wav handle: records each call's chunks; the test releases calls one by one."""
 
     def __init__(self):
         self.calls: list[list] = []
+        self.responses: list[_Response] = []
         self.release: asyncio.Queue = asyncio.Queue()
         self.decode_many = self
+        self.ready = _Ready()
 
     def remote(self, chunks: list):
         self.calls.append(list(chunks))
-        return self._answer(list(chunks))
+        self.responses.append(_Response(lambda: self._answer(list(chunks))))
+        return self.responses[-1]
 
     async def _answer(self, chunks: list):
         outcome = await self.release.get()
@@ -121,6 +158,38 @@ def test_a_call_whose_replica_died_is_sent_once_more():
         with pytest.raises(RuntimeError):
             await other
         assert handle.calls[2:] == [["b"], ["b"], ["c"]]
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def test_a_call_that_waits_fails_once_code2wav_is_deleted(monkeypatch):
+    """Serve leaves a call that waits for a replica waiting forever once its deployment is deleted (the app
+    deleted while streams decode); new calls to it fail at once, which the batcher's probe sees."""
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    from deployments import constants as C
+
+    monkeypatch.setattr(C, "CODE2WAV_CALL_PROBE_INTERVAL_S", 0.02)
+
+    async def main():
+        handle = _Code2Wav()
+        batcher = DecodeBatcher(handle, max_chunks=8, max_calls_in_flight=1)
+        slow = batcher.submit("a")  # no answer for several probe intervals: the deployment exists, it waits
+        while handle.ready.probes < 3:
+            await asyncio.sleep(0.01)
+        handle.release.put_nowait("ok")
+        assert await slow == "pcm:a"
+        stuck = batcher.submit("b")
+        while handle.ready.probes < 4:
+            await asyncio.sleep(0.01)
+        handle.ready.deleted = True
+        with pytest.raises(DeploymentUnavailableError):
+            await stuck
+        assert handle.responses[-1].cancelled  # the call that waited is given up, not left queued
+        queued = batcher.submit("c")  # the call slot is free again: later chunks fail too, rather than wait
+        with pytest.raises(DeploymentUnavailableError):
+            await queued
         await batcher.close()
 
     asyncio.run(main())

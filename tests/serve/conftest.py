@@ -8,10 +8,12 @@ self-contained (Ray >= 2.59 would otherwise write ~/.ray/auth_token and turn aut
 from __future__ import annotations
 
 import io
+import json
 import os
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
@@ -104,11 +106,15 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
             model("base", tiny_base, 4),
             # one slot, one queued request: the admission tests fill it
             model("vd", tiny_voice_design, 1, deployment={"max_ongoing_requests": 1, "max_queued_requests": 1}),
-            # the autoscaling test's model: one slot per replica, scales 1 -> 2 -> 1 on queue depth
-            model("cv-scale", tiny_custom_voice, 1, deployment={
+            # the autoscaling test's model: the fake engine (paused streams hold the load for as long as the test
+            # needs), one slot per replica, scales 1 -> 2 -> 1 on queue depth. Serve averages the replicas' metrics
+            # over `look_back_period_s`, which must exceed `metrics_interval_s` (10 s, the deprecated field's default)
+            {**model("cv-scale", tiny_custom_voice, 1, deployment={
                 "max_ongoing_requests": 2, "max_queued_requests": 8,
                 "autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                                       "upscale_delay_s": 0.5, "downscale_delay_s": 2, "look_back_period_s": 1}}),
+                                       "upscale_delay_s": 0.5, "downscale_delay_s": 1, "look_back_period_s": 10.5}}),
+             "engine_cls": "tests.fake_engine:FakeTalkerEngine",
+             "engine_kwargs": {"max_num_seqs": 1, "max_seq_len": 512, "pause_seed": PAUSE_SEED, "pause_after_frames": 4}},
             # a fake engine (tests/fake_engine.py) whose faults requests inject: health checks every second
             # 2 streams at once, 1 queued at the handle: the admission test fills it with paused streams
             {**model("fake", tiny_custom_voice, 2, deployment={"health_check_period_s": 1,
@@ -182,14 +188,14 @@ def speech(**fields) -> dict:
             "suppress_eos": True, "seed": 1234, **fields}
 
 
-def replica_pids(deployment: str) -> list[int]:
-    """PIDs of this session's live replica processes of `deployment` (e.g. "TTSIngress", "Talker:cv").
+def replica_pids(deployment: str, app: str = APP) -> list[int]:
+    """PIDs of this session's live replica processes of `deployment` (e.g. "TTSIngress", "Talker:cv") in `app`.
 
     Ray titles replica workers `ray::ServeReplica:<app>:<deployment>[.<method>]`; only descendants of this test
     process count (other Ray clusters may run on the machine).
     """
     me, pids = os.getpid(), []
-    title = f"ray::ServeReplica:{APP}:{deployment}".encode()
+    title = f"ray::ServeReplica:{app}:{deployment}".encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -214,6 +220,67 @@ def _descends_from(pid: int, ancestor: int) -> bool:
         except OSError:
             return False
     return False
+
+
+@dataclass
+class ClientStream:
+    """One streaming speech request, read to its end in a thread: what its client saw, and when it ended.
+
+    Raw streams count audio bytes; SSE streams (`stream_format: "sse"` in the body) also keep their events."""
+
+    url: str
+    body: dict
+    started: threading.Event = field(default_factory=threading.Event)  # audio in hand, or the request ended
+    done: threading.Event = field(default_factory=threading.Event)
+    received: int = 0  # audio bytes
+    events: list = field(default_factory=list)  # SSE events; the error body of a non-200 answer
+    status: int | None = None
+    error: BaseException | None = None  # what the client raised (raw: a cut-off stream is RemoteProtocolError)
+    ended_at: float | None = None  # time.monotonic() when the client saw the end
+
+    @property
+    def sse(self) -> bool:
+        return self.body.get("stream_format") == "sse"
+
+    def start(self) -> ClientStream:
+        threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        import httpx
+
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/audio/speech", json=self.body, timeout=120) as r:
+                self.status = r.status_code
+                if r.status_code != 200:
+                    self.events.append(r.read().decode(errors="replace")[:500])
+                elif self.sse:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            event = json.loads(line[6:])
+                            self.events.append(event)
+                            if event["type"] == "speech.audio.delta":
+                                self.received += len(event["audio"]) * 3 // 4
+                                self.started.set()
+                else:
+                    for data in r.iter_bytes():
+                        self.received += len(data)
+                        self.started.set()
+        except BaseException as e:  # noqa: BLE001 - what the client sees is the tests' subject
+            self.error = e
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
+            self.done.set()
+
+
+def open_streams(url: str, bodies: list[dict], timeout: float = 60) -> list[ClientStream]:
+    """Start one ClientStream per body; return once each has audio in hand (mid-stream for sure)."""
+    streams = [ClientStream(url, body).start() for body in bodies]
+    for s in streams:
+        assert s.started.wait(timeout), "no audio in time"
+        assert s.error is None and s.status == 200 and not s.done.is_set(), (s.status, s.error, s.events[-1:])
+    return streams
 
 
 def pcm_of(data: bytes) -> np.ndarray:

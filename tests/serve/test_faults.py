@@ -7,63 +7,25 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
 from stages.contract import SAMPLES_PER_FRAME
-from tests.serve.conftest import STALL_SEED, replica_pids, speech, wait_for
+from tests.serve.conftest import STALL_SEED, ClientStream, open_streams, replica_pids, speech, wait_for
 
 pytestmark = pytest.mark.serve
 
 FRAMES = 400  # long enough that every stream is mid-way when its replica is killed
 
 
-@dataclass
-class _Stream:
-    sse: bool
-    started: threading.Event = field(default_factory=threading.Event)
-    received: int = 0  # audio bytes
-    events: list = field(default_factory=list)
-    error: BaseException | None = None
-    status: int | None = None
-
-
-def _run(base_url: str, stream: _Stream, seed: int) -> None:
-    body = speech(response_format="pcm", stream=True, max_new_tokens=FRAMES, seed=seed,
-                  **({"stream_format": "sse"} if stream.sse else {}))
-    try:
-        with httpx.stream("POST", f"{base_url}/v1/audio/speech", json=body, timeout=120) as r:
-            stream.status = r.status_code
-            if stream.sse:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        event = json.loads(line[6:])
-                        stream.events.append(event)
-                        if event["type"] == "speech.audio.delta":
-                            stream.received += len(event["audio"]) * 3 // 4
-                            stream.started.set()
-            else:
-                for data in r.iter_bytes():
-                    stream.received += len(data)
-                    stream.started.set()
-    except BaseException as e:  # noqa: BLE001 - what the client sees is the test's subject
-        stream.error = e
-    finally:
-        stream.started.set()
-
-
-def _open_streams(base_url: str, raw: int, sse: int) -> tuple[list[_Stream], list[threading.Thread]]:
-    streams = [_Stream(sse=False) for _ in range(raw)] + [_Stream(sse=True) for _ in range(sse)]
-    threads = [threading.Thread(target=_run, args=(base_url, s, i), daemon=True) for i, s in enumerate(streams)]
-    for t in threads:
-        t.start()
-    for s in streams:  # every stream has audio in hand: the kill lands mid-stream
-        assert s.started.wait(60) and s.error is None and s.status == 200, (s.status, s.error)
-    return streams, threads
+def _open_streams(base_url: str, raw: int, sse: int) -> list[ClientStream]:
+    """Raw then SSE streams, each with audio in hand: the kill lands mid-stream."""
+    return open_streams(base_url, [
+        speech(response_format="pcm", stream=True, max_new_tokens=FRAMES, seed=i,
+               **({"stream_format": "sse"} if i >= raw else {}))
+        for i in range(raw + sse)])
 
 
 def _ready(base_url: str) -> bool:
@@ -79,10 +41,10 @@ def _kill(deployment: str) -> None:
 
 
 def test_killed_code2wav_replica_streams_complete_through_the_retry(base_url):
-    streams, threads = _open_streams(base_url, raw=3, sse=2)
+    streams = _open_streams(base_url, raw=3, sse=2)
     _kill("Code2Wav")
-    for t in threads:
-        t.join(150)
+    for s in streams:
+        assert s.done.wait(150), "a stream did not end"
     expected = FRAMES * SAMPLES_PER_FRAME * 2
     for s in streams:
         assert s.error is None, repr(s.error)
@@ -93,11 +55,11 @@ def test_killed_code2wav_replica_streams_complete_through_the_retry(base_url):
 
 
 def test_killed_talker_replica_streams_fail_visibly_and_ready_recovers(base_url):
-    streams, threads = _open_streams(base_url, raw=3, sse=2)
+    streams = _open_streams(base_url, raw=3, sse=2)
     _kill("Talker:cv")
     killed = time.monotonic()
-    for t in threads:
-        t.join(60)
+    for s in streams:
+        assert s.done.wait(60), "a stream did not end"
     for s in streams:
         assert s.received < FRAMES * SAMPLES_PER_FRAME * 2, "a stream completed although its Talker died"
         if s.sse:
