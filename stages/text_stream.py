@@ -50,9 +50,7 @@ class TextStream:
 
     def __init__(self, tokenizer: TextTokenizer):
         self._tok = tokenizer
-        specials = [t.content for t in tokenizer._tok.added_tokens_decoder.values()]
-        self._special_prefixes = frozenset(s[:k] for s in specials for k in range(1, len(s)))
-        self._special_max = max((len(s) for s in specials), default=1)
+        self._special_prefixes, self._special_max = _special_prefixes(tokenizer)
         self.segment = 0
         self._tail = ""  # text of this segment not released yet (starts at a safe cut)
         self._fresh = True  # nothing of this segment released yet: tokenize inside the template
@@ -144,6 +142,13 @@ class TextStream:
             if tail[p:] in self._special_prefixes:
                 return p
         return len(tail)
+
+
+@functools.lru_cache(maxsize=8)
+def _special_prefixes(tokenizer: TextTokenizer) -> tuple[frozenset[str], int]:
+    """Proper prefixes of the tokenizer's special tokens (matched in the raw text), and the longest's length."""
+    specials = [t.content for t in tokenizer._tok.added_tokens_decoder.values()]
+    return frozenset(s[:k] for s in specials for k in range(1, len(s))), max((len(s) for s in specials), default=1)
 
 
 @functools.cache

@@ -101,10 +101,13 @@ async def _codes(stream) -> np.ndarray:
 
 async def _feed(engine, request_id: str, pieces: list[str], wait: bool = True) -> None:
     """Append pieces one by one; before each, wait until the request has caught up with its text."""
+    sched = engine.scheduler
     for piece in pieces:
         if wait:
             await _barrier(engine)  # the last piece was handled: the request resumed if it could
-            await _until(lambda: _waiting(engine, request_id))
+            await _until(lambda: _waiting(engine, request_id) or sched.get(request_id) is None)
+            if sched.get(request_id) is None:
+                return  # it ended (max frames) before its text did
         engine.append_text(request_id, piece)
     engine.end_text(request_id)
 

@@ -48,11 +48,9 @@ def trained_tokenizer(tiny_tokenizer) -> TextTokenizer:
     tok.normalizer, tok.pre_tokenizer, tok.decoder = base.normalizer, base.pre_tokenizer, base.decoder
     corpus = [t * 3 for t in TEXTS] + ["the quick brown fox jumps over the lazy dog " * 5,
                                        "streaming text to speech with a large language model " * 5]
-    alphabet = [chr(c) for c in range(256)]
     from tokenizers.pre_tokenizers import ByteLevel
 
-    trainer = trainers.BpeTrainer(vocab_size=1800, initial_alphabet=ByteLevel.alphabet() or alphabet,
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=1800, initial_alphabet=ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
     specials = [t.content for t in tiny_tokenizer._tok.added_tokens_decoder.values()]
     fast = Qwen2TokenizerFast(tokenizer_object=tok)
