@@ -29,6 +29,10 @@ class EngineOverloadedError(RuntimeError):
     """An engine's waiting queue is full; the caller should shed load (HTTP 503 + Retry-After)."""
 
 
+class TextTimeoutError(TimeoutError):
+    """A live-text request waited longer than the engine's idle timeout for its next text; it has ended."""
+
+
 class TaskType(str, enum.Enum):
     CUSTOM_VOICE = "CustomVoice"
     VOICE_DESIGN = "VoiceDesign"

@@ -8,6 +8,7 @@ tokenized whole, as the official code does, so BPE merges across the boundaries 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from stages.config import ModelConfig
@@ -86,6 +87,34 @@ def build_prompt(
     task = infer_task(config, task)
     if not text or not text.strip():
         raise InvalidRequestError("input text is empty")
+    prompt = _prompt_without_text(config, tokenizer, task, speaker, language, instruct, voice)
+    role_ids, text_ids = tokenizer.target_ids(text)
+    if not text_ids:
+        raise InvalidRequestError("input text tokenizes to nothing")
+    if non_streaming_text is None:
+        non_streaming_text = task is not TaskType.BASE
+    return replace(prompt, text_ids=text_ids, role_ids=role_ids, non_streaming_text=non_streaming_text)
+
+
+def build_live_prompt(
+    config: ModelConfig,
+    tokenizer: TextTokenizer,
+    *,
+    task: TaskType | str | None = None,
+    speaker: str | None = None,
+    language: str | None = None,
+    instruct: str | None = None,
+    voice: VoiceClonePrompt | None = None,
+) -> TalkerPrompt:
+    """A prompt whose text arrives later (`TalkerEngine.open_request`): validated like `build_prompt`, no text
+    ids, and the streaming-text layout (the only one that can start before the text is complete) for every task."""
+    return _prompt_without_text(config, tokenizer, infer_task(config, task), speaker, language, instruct, voice)
+
+
+def _prompt_without_text(
+    config: ModelConfig, tokenizer: TextTokenizer, task: TaskType, speaker: str | None, language: str | None,
+    instruct: str | None, voice: VoiceClonePrompt | None,
+) -> TalkerPrompt:
     speaker_key = speaker.strip().lower() if speaker else None
     speaker_id = None
     if task is TaskType.CUSTOM_VOICE:
@@ -113,18 +142,11 @@ def build_prompt(
             instruct = None  # 0.6B CustomVoice: the official wrapper drops it silently; so do we
         if instruct:
             instruct_ids = tokenizer.instruct_ids(instruct)
-
-    role_ids, text_ids = tokenizer.target_ids(text)
-    if not text_ids:
-        raise InvalidRequestError("input text tokenizes to nothing")
-    if non_streaming_text is None:
-        non_streaming_text = task is not TaskType.BASE
     return TalkerPrompt(
-        text_ids=text_ids,
+        text_ids=(),
         language_id=resolve_language(config, language, speaker_key),
         speaker_id=speaker_id,
         instruct_ids=instruct_ids,
         voice=voice,
-        non_streaming_text=non_streaming_text,
-        role_ids=role_ids,
+        non_streaming_text=False,
     )

@@ -140,6 +140,7 @@ class StreamChunker:
         self._keep = keep
         self._pending = np.zeros((0, NUM_CODEBOOKS), dtype=np.int64)
         self._seq = 0
+        self._size_index = 0  # index into the schedule's sizes (== _seq unless `cut` restarted the ramp)
         self._emitted_frames = 0
         self._flushed = False
 
@@ -150,7 +151,7 @@ class StreamChunker:
     @property
     def frames_to_next_chunk(self) -> int:
         """Frames still missing before `push` can return the next chunk (>= 1)."""
-        return max(1, self.schedule.chunk_frames(self._seq) - len(self._pending))
+        return max(1, self.schedule.chunk_frames(self._size_index) - len(self._pending))
 
     def push(self, frames: np.ndarray) -> list[CodecChunk]:
         """Add frames ([n, 16] or one [16] frame); return the chunks they complete."""
@@ -159,9 +160,21 @@ class StreamChunker:
         frames = _as_frames(frames, "frames")
         self._pending = np.concatenate([self._pending, frames]) if len(self._pending) else frames
         out = []
-        while len(self._pending) >= (n := self.schedule.chunk_frames(self._seq)):
+        while len(self._pending) >= (n := self.schedule.chunk_frames(self._size_index)):
             out.append(self._emit(n, final=False, reason=None))
         return out
+
+    def cut(self) -> CodecChunk | None:
+        """Every pending frame now, as a non-final chunk (None: none pending), and the ramp starts over.
+
+        For a stream that pauses (live text waiting for more text): the listener gets all audio so far, and
+        after the pause, with its buffer empty, small chunks again.
+        """
+        if self._flushed:
+            raise RuntimeError(f"stream {self.request_id!r} was already flushed")
+        chunk = self._emit(len(self._pending), final=False, reason=None) if len(self._pending) else None
+        self._size_index = 0
+        return chunk
 
     def flush(self, finish_reason: FinishReason | None = None) -> CodecChunk | None:
         """The final chunk: every frame not yet emitted (maybe none), `final=True`. None once flushed."""
@@ -182,6 +195,7 @@ class StreamChunker:
                 self._history = np.concatenate([self._history, new])[-self._keep:]
         chunk = CodecChunk(self.request_id, self._seq, codes, ctx, final=final, finish_reason=reason)
         self._seq += 1
+        self._size_index += 1
         self._emitted_frames += n
         return chunk
 

@@ -14,6 +14,11 @@ One iteration of the loop:
 A request that finished by EOS in step N was also computed in step N+1 (launched before N was read); that
 frame is dropped, and its KV reservation includes that speculative position. Length limits are known ahead:
 no step is launched that no row can use.
+
+Live text (`open_request`, `append_text`, `flush_text`, `end_text`; docs/talker_engine.md, "Live text"): a
+request whose next text position has not arrived is parked before step N+1 is launched (off the rows, with
+its ticket and KV) and comes back at the end of the rows when its text arrives; appended text reaches the
+device rows in one staged copy per iteration.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -38,14 +43,17 @@ from stages.contract import (
     FinishReason,
     InvalidRequestError,
     SynthesisRequest,
+    TextTimeoutError,
 )
 from stages.model import Qwen3TTS
+from stages.talker.live_text import LiveText
 from stages.talker.paged_kv import PagedKVCache
-from stages.talker.prefill import build_prefill
+from stages.talker.prefill import build_prefill, prefill_length
 from stages.talker.prompt_plan import plan_prompt
 from stages.talker.runner import Admission, TalkerRunner
 from stages.talker.scheduler import Scheduler, Sequence
 from stages.talker.stream import ChunkStream
+from stages.text_stream import TextPiece, TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +75,7 @@ class TalkerEngineConfig:
     exact_prefill: bool | None = None  # reference prompt embeddings (bit-exact, slow); None: on CPU only
     attention_kernel: bool | None = None  # paged Triton decode attention; None: where available (CUDA)
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
+    text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
     schedule: ChunkSchedule = ChunkSchedule()  # default chunking of a stream (a request may bring its own)
 
     def __post_init__(self) -> None:
@@ -88,6 +97,8 @@ class EngineStats:
     prefills: int = 0  # batched prefills run (admissions)
     prefill_seconds: float = 0.0  # engine-thread time spent launching them (they never wait for the device)
     step_seconds: float = 0.0  # engine-thread time spent launching steps and reading their output
+    parked: int = 0  # live text: prefilled requests waiting for text, off the rows (they keep slot and KV)
+    held: int = 0  # live text: opened requests without the text their prefill needs (no slot, no KV)
 
 
 @dataclass
@@ -125,6 +136,10 @@ class TalkerEngine:
         self.runner: TalkerRunner | None = None
         self.scheduler: Scheduler | None = None
         self.on_admit: Callable[[list[str]], None] | None = None  # test hook: request ids admitted (engine thread)
+        self._texts: dict[str, TextStream] = {}  # live text being tokenized (event-loop side)
+        self._text_dirty: dict[int, Sequence] = {}  # live requests with text rows not written yet (engine thread)
+        self._expiry_at = float("inf")  # next time a request waiting for text may time out (engine thread)
+        self.parks = self.unparks = 0  # live text: requests parked / resumed (counters for tests and stats)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, log: Callable[[str], None] = print, timeout: float | None = None) -> None:
@@ -155,41 +170,133 @@ class TalkerEngine:
             raise RuntimeError("talker engine thread is not running")
         stats = self.stats()
         idle_for = time.monotonic() - self._progress_at
-        if (stats.running or stats.waiting) and idle_for > self.config.stall_timeout_s:
+        # parked requests may hold every slot while they wait for text (they time out): no device is stuck then
+        pending = stats.running or (stats.waiting and not stats.parked)
+        if pending and idle_for > self.config.stall_timeout_s:
             raise RuntimeError(f"talker engine made no progress for {idle_for:.0f} s with work pending")
 
     # ------------------------------------------------------------------ API (event-loop side)
     def add_request(self, request: SynthesisRequest, schedule: ChunkSchedule | None = None) -> ChunkStream:
         """Queue a request; its codec chunks arrive on the returned stream. Call from the asyncio loop."""
+        self._check_running()
+        self._validate(request)
+        plan = plan_prompt(self.model.config, request.prompt)  # host work, here rather than on the engine thread
+        seq = Sequence(request, 0, plan.length, plan.trailing_length, output=None, plan=plan)
+        if plan.trailing_length > self.config.max_text_rows:
+            raise InvalidRequestError(f"input text too long ({len(request.prompt.text_ids)} tokens)")
+        self._check_fits(seq)
+        stream = self._output(seq, schedule)
+        self._adds_sent += 1
+        self._commands.put(("add", seq))
+        self._wake.set()
+        return stream
+
+    def _check_running(self) -> None:
         if self._error is not None:
             raise RuntimeError("talker engine has failed") from self._error
         if self._stop:
             raise RuntimeError("talker engine is shut down")
+
+    @staticmethod
+    def _validate(request: SynthesisRequest) -> None:
         request.sampling.validate()
         if request.max_frames < 1:
             raise InvalidRequestError("max_new_tokens must be >= 1")
-        plan = plan_prompt(self.model.config, request.prompt)  # host work, here rather than on the engine thread
-        seq = Sequence(request, 0, plan.length, plan.trailing_length, output=None, plan=plan)
+
+    def _check_fits(self, seq: Sequence) -> None:
         if seq.max_positions > self.config.max_seq_len:
             raise InvalidRequestError(
-                f"request too long: prompt of {plan.length} positions + {request.max_frames} frames exceeds "
+                f"request too long: prompt of {seq.prompt_len} positions + {seq.request.max_frames} frames exceeds "
                 f"the engine's max_seq_len {self.config.max_seq_len}"
             )
-        if plan.trailing_length > self.config.max_text_rows:
-            raise InvalidRequestError(f"input text too long ({len(request.prompt.text_ids)} tokens)")
-        if self.scheduler is not None and not self.scheduler.can_ever_fit(seq):
+        sched = self.scheduler
+        if sched is not None and not sched.can_ever_fit(seq):
             raise InvalidRequestError("request needs more KV than the engine has")
-        if self._adds_queued + (self.scheduler.num_waiting if self.scheduler else 0) >= self.config.max_waiting:
+        waiting = sched.num_waiting + sched.num_held if sched is not None else 0
+        if self._adds_queued + waiting >= self.config.max_waiting:
             raise EngineOverloadedError(f"{self.config.max_waiting} requests already waiting")
+
+    def _output(self, seq: Sequence, schedule: ChunkSchedule | None) -> ChunkStream:
+        """The request's seed, stream and chunker."""
+        request = seq.request
         seq.seed = (request.seed if request.seed is not None else next(self._seed_counter)) & 0x7FFFFFFF
         stream = ChunkStream(request.request_id, asyncio.get_running_loop(), on_close=self.abort)
         chunker = StreamChunker(schedule or self.config.schedule, request.request_id,
                                 ref_codes=request.prompt.ref_codes)
         seq.output = _Output(stream, chunker)
-        self._adds_sent += 1
-        self._commands.put(("add", seq))
-        self._wake.set()
         return stream
+
+    # ------------------------------------------------------------------ live text (event-loop side)
+    def open_request(self, request: SynthesisRequest, schedule: ChunkSchedule | None = None,
+                     text: str = "") -> ChunkStream:
+        """Open a request whose text arrives while it runs; its chunks arrive on the returned stream.
+
+        `request.prompt` carries everything but the text (`text_ids=()`; `stages.prompts.build_live_prompt`) and
+        uses the streaming-text layout. Text then comes through `append_text` (pieces of any size), `flush_text`
+        and `end_text`. The request is prefilled once its first word is final, steps while text is ahead of it,
+        and waits off the rows (keeping its slot and KV) when it is not; `text_idle_timeout_s` without text
+        while it waits ends it with `TextTimeoutError`. `abort` works as for `add_request`.
+        KV: the request reserves prompt + `max_frames` + 2 positions like any other: in the streaming-text
+        layout the prompt's length does not depend on the text, and the text itself takes no KV position
+        beyond one per frame (it is added to the frames' inputs), so `max_frames` is the declared maximum.
+        """
+        self._check_running()
+        prompt = request.prompt
+        if prompt.non_streaming_text:
+            raise InvalidRequestError("live text needs the streaming-text layout (non_streaming_text=False)")
+        if prompt.text_ids:
+            raise InvalidRequestError("a live request's text comes through append_text, not its prompt")
+        if request.request_id in self._texts:
+            raise InvalidRequestError(f"request {request.request_id!r} is already open")
+        self._validate(request)
+        # the prefill's length does not depend on the text in this layout: one placeholder id sizes it
+        live = LiveText(prompt, self.model.config.text_ids.tts_eos, time.monotonic())
+        seq = Sequence(request, 0, prefill_length(replace(prompt, text_ids=(0,))), 0, output=None, live=live)
+        self._check_fits(seq)
+        stream = self._output(seq, schedule)
+        live.seed = seq.seed
+        stream.on_end = self._forget_text
+        self._texts[request.request_id] = TextStream(self.model.tokenizer)
+        self._adds_sent += 1
+        self._commands.put(("open", seq))
+        self._wake.set()
+        if text:
+            self.append_text(request.request_id, text)
+        return stream
+
+    def append_text(self, request_id: str, text: str) -> None:
+        """More text for an open request. Only ids that later text cannot change are sent to the engine (the
+        last word waits for the next one, or for `flush_text`/`end_text`)."""
+        self._send_text(request_id, self._text_stream(request_id).append(text))
+
+    def flush_text(self, request_id: str) -> None:
+        """Speak the text so far as if it ended here, without closing: the held-back tail is released and the
+        text so far is one utterance, spoken to its end (eos, then pad text rows, until the codec's EOS). Text
+        after it is the next utterance, spoken after it on the same stream (a new prefill of the same prompt,
+        in the request's slot and KV; `max_frames` counts all of them)."""
+        piece = self._text_stream(request_id).flush()
+        if piece is not None:
+            self._send_text(request_id, piece)
+
+    def end_text(self, request_id: str) -> None:
+        """The text is complete: the request finishes normally (codec EOS or `max_frames`)."""
+        piece = self._text_stream(request_id).end()
+        del self._texts[request_id]
+        self._send_text(request_id, piece)
+
+    def _text_stream(self, request_id: str) -> TextStream:
+        stream = self._texts.get(request_id)
+        if stream is None:
+            raise InvalidRequestError(f"request {request_id!r} is not open for text (unknown, ended or finished)")
+        return stream
+
+    def _send_text(self, request_id: str, piece: TextPiece | None) -> None:
+        # pieces without ids still count as text arriving (the idle timeout), so they are sent too
+        self._commands.put(("text", (request_id, piece)))
+        self._wake.set()
+
+    def _forget_text(self, request_id: str) -> None:
+        self._texts.pop(request_id, None)  # the stream ended (consumer's loop): appends now raise
 
     def run_on_device(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         """Run `fn` on the engine's device thread between steps (e.g. voice-clone encoders).
@@ -220,7 +327,7 @@ class TalkerEngine:
             kv_reserved_tokens=sched.reserved_positions,
             kv_total_tokens=sched.blocks.num_blocks * sched.blocks.block_size, steps=self._steps,
             frames=self._frames, prefills=self._prefills, prefill_seconds=self._prefill_seconds,
-            step_seconds=self._step_seconds,
+            step_seconds=self._step_seconds, parked=sched.num_parked, held=sched.num_held,
         )
 
     # ------------------------------------------------------------------ device thread
@@ -283,9 +390,10 @@ class TalkerEngine:
         sched = self.scheduler
         pending = None  # the launched step not yet read
         while not self._stop:
-            self._drain_commands(block=not (sched.running or sched.waiting or pending))
+            self._drain_commands(block=not (sched.running or sched.waiting or sched.restarts or pending))
             if self._stop:
                 break
+            self._expire_text_waits()
             self._admit()
             launched = self._launch()
             if pending is not None:
@@ -295,8 +403,9 @@ class TalkerEngine:
             self._process(pending)
 
     def _drain_commands(self, block: bool) -> None:
-        if block:
-            self._wake.wait()
+        if block:  # idle; requests waiting for text may time out meanwhile
+            timeout = self._expiry_at - time.monotonic() if self._expiry_at < float("inf") else None
+            self._wake.wait(None if timeout is None else max(timeout, 0.0))
         self._wake.clear()
         sched = self.scheduler
         while True:
@@ -307,12 +416,24 @@ class TalkerEngine:
             if kind == "add":
                 self._adds_drained += 1
                 sched.add(payload)
+            elif kind == "open":
+                self._adds_drained += 1
+                sched.hold(payload)
+                self._wait_for_text(payload)
+            elif kind == "text":
+                try:
+                    self._on_text(*payload)
+                except Exception as e:  # host-side trouble with one request's text: that request fails alone
+                    logger.exception("live text of request %s failed", payload[0])
+                    seq = sched.get(payload[0])
+                    if seq is not None:
+                        self._finish_live(seq, e)
             elif kind == "abort":
                 seq = sched.abort(payload)
-                if seq is not None and seq.row < 0:  # was waiting: it leaves with no prefill and no row
+                if seq is not None and seq.ticket < 0:  # was queued or held: it leaves with no prefill and no row
                     self._end(seq, FinishReason.ABORTED)
-                elif seq is not None:  # running: its row frees now; a step in flight still computes it (dropped)
-                    self._release([(seq, FinishReason.ABORTED)])
+                elif seq is not None:  # running: its row frees now (a step in flight still computes it: dropped);
+                    self._release([(seq, FinishReason.ABORTED)])  # parked: its slot and KV
             elif kind == "call":
                 fn, future = payload
                 if future.set_running_or_notify_cancel():
@@ -330,7 +451,7 @@ class TalkerEngine:
         try:
             runner.admit([
                 Admission(s.row, s.plan, s.request.sampling, s.seed, s.blocks,
-                          build_prefill(runner.talker, self.model.config, s.request.prompt) if self._exact else None)
+                          build_prefill(runner.talker, self.model.config, s.prefill_prompt) if self._exact else None)
                 for s in batch
             ])
         except Exception as e:  # this batch's requests fail; the engine and everyone else go on
@@ -345,8 +466,12 @@ class TalkerEngine:
             t = s.ticket
             self._by_ticket[t] = s
             self._launched_pos[t] = s.prompt_len
-            self._launched_steps[t] = 0
-            sched.next_cut[t] = s.output.chunker.frames_to_next_chunk
+            self._launched_steps[t] = sched.frames[t]  # 0, or (a live request's next segment) its frames so far
+            sched.next_cut[t] = sched.frames[t] + s.output.chunker.frames_to_next_chunk
+            if s.live is not None:  # its text rows follow in this iteration's text write
+                s.live.written = 0
+                sched.text_limit[t] = s.live.text_limit()
+                self._text_dirty[id(s)] = s
         self._prefills += 1
         self._prefill_seconds += time.perf_counter() - t0
         self._progress_at = time.monotonic()
@@ -357,12 +482,15 @@ class TalkerEngine:
         """Launch the next step for every running row, unless no row can use it: rows that already have a step
         launched for their last frame (max_frames) need none, and an idle GPU takes the next prefill at once."""
         sched, runner = self.scheduler, self.runner
-        n = sched.num_running
-        if n == 0:
+        if sched.num_running == 0:
             return None
         t0 = time.perf_counter()
-        tickets = np.fromiter((s.ticket for s in sched.running), dtype=np.int64, count=n)
-        if not (self._launched_steps[tickets] < sched.max_frames[tickets]).any():
+        tickets = np.fromiter((s.ticket for s in sched.running), dtype=np.int64, count=sched.num_running)
+        tickets = self._park_starved(tickets)  # live text: rows whose next text is not there leave first
+        if self._text_dirty:
+            self._write_text()
+        n = len(tickets)
+        if n == 0 or not (self._launched_steps[tickets] < sched.max_frames[tickets]).any():
             return None
         self._launched_steps[tickets] += 1
         positions = self._launched_pos[tickets]
@@ -390,8 +518,9 @@ class TalkerEngine:
         frames = sched.frames[tickets]
         ended_eos = live & (eos_now | (out[:, NUM_CODEBOOKS] == eos))
         ended_len = live & ~ended_eos & (frames >= sched.max_frames[tickets])
-        cut = live & (frames >= sched.next_cut[tickets])
-        deliveries, finished = [], []
+        starved = live & (frames >= sched.text_limit[tickets])  # live text: no frame until more text arrives
+        cut = live & ((frames >= sched.next_cut[tickets]) | starved)
+        deliveries, finished, segment_ends = [], [], []
         for i in np.flatnonzero(ended_eos | ended_len | cut):
             t = int(tickets[i])
             seq = self._by_ticket[t]
@@ -403,16 +532,24 @@ class TalkerEngine:
                 finished.append((seq, e))
                 continue
             o.pushed = int(frames[i])
-            if ended_eos[i] or ended_len[i]:
+            if ended_eos[i] and seq.live is not None and seq.live.speaks_on_after_eos():
+                chunks.append(o.chunker.cut())  # a flushed segment is spoken to its end; more text may follow
+                segment_ends.append(seq)
+            elif ended_eos[i] or ended_len[i]:
                 reason = FinishReason.EOS if ended_eos[i] else FinishReason.LENGTH
                 chunks.append(o.chunker.flush(reason))
                 finished.append((seq, reason))
             else:
+                if starved[i]:  # waiting for text: the listener gets every frame so far
+                    chunks.append(o.chunker.cut())
                 sched.next_cut[t] = frames[i] + o.chunker.frames_to_next_chunk
+            chunks = [c for c in chunks if c is not None]
             if chunks:
                 deliveries.append((o.stream, chunks))
         ChunkStream.deliver_many(deliveries)
         self._release(finished)
+        for seq in segment_ends:
+            self._next_segment(seq)
         self._step_seconds += time.perf_counter() - t0
 
     def _release(self, finished: list[tuple[Sequence, FinishReason | BaseException]]) -> None:
@@ -423,12 +560,174 @@ class TalkerEngine:
         before = sched.num_running
         for seq, _ in finished:
             self._by_ticket[seq.ticket] = None
+            self._text_dirty.pop(id(seq), None)
         for move in sched.release([s for s, _ in finished]):
             self.runner.move_row(move.src, move.dst, sched.running[move.dst].trailing_len)
         self._free_rows(before)
         # streams end only once the rows are free: a consumer that sees the end then reads stats sees them free
         for seq, outcome in finished:
             self._end(seq, outcome)
+
+    # ------------------------------------------------------------------ live text (engine thread)
+    def _on_text(self, request_id: str, piece: TextPiece | None) -> None:
+        """Text for a live request: it may become prefillable, resume where it waited, or finish."""
+        sched = self.scheduler
+        seq = sched.get(request_id)
+        if seq is None or seq.live is None or seq.aborted:
+            return  # finished meanwhile (EOS, length, timeout): its text is not needed any more
+        live = seq.live
+        live.last_text_at = time.monotonic()
+        if piece is None:
+            return
+        live.add(piece)
+        if live.longest_trailing() > self.config.max_text_rows:
+            self._finish_live(seq, InvalidRequestError(
+                f"input text too long (more than {self.config.max_text_rows} text positions in one utterance)"))
+            return
+        if seq.ticket >= 0:
+            sched.text_limit[seq.ticket] = live.text_limit()
+            self._text_dirty[id(seq)] = seq
+        if request_id in sched.held:
+            if live.can_prefill():
+                self._prepare_prefill(seq)
+                sched.enqueue(seq)
+            elif live.finished:  # ended without a word
+                self._finish_live(seq, InvalidRequestError("input text is empty"))
+        elif seq.restart and seq not in sched.restarts:  # between segments
+            if live.can_prefill():
+                self._prepare_prefill(seq)
+                sched.requeue(seq)
+            elif live.finished:
+                self._finish_live(seq, FinishReason.EOS)
+        elif (request_id in sched.parked and not seq.restart
+              and self._launched_steps[seq.ticket] < live.text_limit()):
+            self._unpark(seq)
+
+    def _prepare_prefill(self, seq: Sequence) -> None:
+        """The plan of the current segment's prefill; its trailing rows come through `write_text`."""
+        live = seq.live
+        seq.prompt = live.prefill_prompt()
+        plan = plan_prompt(self.model.config, seq.prompt)
+        seq.plan = replace(plan, trailing_ids=plan.trailing_ids[:0])
+        seq.trailing_len = 0
+        # each segment draws its own random stream (the counter restarts at frame 0 with every prefill)
+        seq.seed = (live.seed + live.first_segment * 0x9E3779B1) & 0x7FFFFFFF
+        live.waiting_since = None
+
+    def _park_starved(self, tickets: np.ndarray) -> np.ndarray:
+        """Running requests whose next step needs text not there yet leave the rows (state saved by ticket, KV
+        kept); the last rows fill their holes. Returns the tickets still running, by row."""
+        sched, runner = self.scheduler, self.runner
+        starved = self._launched_steps[tickets] >= sched.text_limit[tickets]
+        if not starved.any():
+            return tickets
+        seqs = [sched.running[r] for r in np.flatnonzero(starved)]
+        for seq in seqs:  # saved before any row moves into theirs (device order: after the step in flight)
+            runner.park_row(seq.row, seq.ticket)
+        before = sched.num_running
+        for move in sched.park(seqs):
+            runner.move_row(move.src, move.dst, sched.running[move.dst].trailing_len)
+        self._free_rows(before)
+        for seq in seqs:
+            self._wait_for_text(seq)
+        self.parks += len(seqs)
+        self._progress_at = time.monotonic()
+        return np.fromiter((s.ticket for s in sched.running), dtype=np.int64, count=sched.num_running)
+
+    def _unpark(self, seq: Sequence) -> None:
+        """A parked request has its next text: it continues at the end of the rows, where it stopped."""
+        sched = self.scheduler
+        row = sched.unpark(seq)
+        self.runner.unpark_row(seq.ticket, row)
+        live = seq.live
+        live.written = int(self._launched_steps[seq.ticket]) - live.frame_base  # its next text row is the first
+        seq.trailing_len = live.written
+        live.waiting_since = None
+        self._text_dirty[id(seq)] = seq
+        self.unparks += 1
+        self._progress_at = time.monotonic()
+
+    def _write_text(self) -> None:
+        """New trailing text rows of running live requests, all in one staged write."""
+        writes = []
+        for key, seq in list(self._text_dirty.items()):
+            if seq.row < 0:
+                continue  # parked: written once it has a row again
+            start, ids = seq.live.take_trailing()
+            if ids:
+                writes.append((seq.row, start, np.asarray(ids, dtype=np.int64)))
+            seq.trailing_len = seq.live.written
+            del self._text_dirty[key]
+        if writes:
+            self.runner.write_text(writes)
+
+    def _next_segment(self, seq: Sequence) -> None:
+        """A flushed segment was spoken to its end (codec EOS): the request leaves its row, keeps its slot and
+        KV, and prefills its next segment when that has text (or finishes if the text has ended)."""
+        sched = self.scheduler
+        before = sched.num_running
+        for move in sched.park([seq], restart=True):
+            self.runner.move_row(move.src, move.dst, sched.running[move.dst].trailing_len)
+        self._free_rows(before)
+        seq.restart = True  # also when it was parked already (waiting for text when its EOS was read)
+        sched.generation[seq.ticket] = next(sched._gen)  # the step launched after its EOS is dropped
+        live = seq.live
+        live.next_segment(int(sched.frames[seq.ticket]))
+        sched.text_limit[seq.ticket] = live.text_limit()
+        self._text_dirty.pop(id(seq), None)
+        if live.can_prefill():
+            self._prepare_prefill(seq)
+            sched.requeue(seq)
+        elif live.finished:
+            self._finish_live(seq, FinishReason.EOS)
+        else:
+            self._wait_for_text(seq)
+
+    def _wait_for_text(self, seq: Sequence) -> None:
+        now = time.monotonic()
+        seq.live.waiting_since = now
+        self._expiry_at = min(self._expiry_at, now + self.config.text_idle_timeout_s)
+
+    def _expire_text_waits(self) -> None:
+        """Requests that waited for text longer than `text_idle_timeout_s` end with `TextTimeoutError`."""
+        now = time.monotonic()
+        if now < self._expiry_at:
+            return
+        sched, timeout = self.scheduler, self.config.text_idle_timeout_s
+        self._expiry_at = float("inf")
+        expired = []
+        for seq in [*sched.held.values(), *sched.parked.values()]:
+            live = seq.live
+            if live is None or live.waiting_since is None:
+                continue
+            deadline = max(live.waiting_since, live.last_text_at) + timeout
+            if deadline <= now:
+                expired.append(seq)
+            else:
+                self._expiry_at = min(self._expiry_at, deadline)
+        for seq in expired:
+            self._finish_live(seq, TextTimeoutError(f"no text for {timeout:g} s: request {seq.request_id!r} ended"))
+        if expired:
+            self._progress_at = now
+
+    def _finish_live(self, seq: Sequence, outcome: FinishReason | BaseException) -> None:
+        """End a live request in any state: its frames so far are delivered first (an error ends it after them)."""
+        o, sched = seq.output, self.scheduler
+        if seq.ticket >= 0:
+            t = seq.ticket
+            frames = int(sched.frames[t])
+            chunks = o.chunker.push(self._codes[t, o.pushed:frames]) if frames > o.pushed else []
+            o.pushed = frames
+            chunks.append(o.chunker.flush(outcome) if isinstance(outcome, FinishReason) else o.chunker.cut())
+            chunks = [c for c in chunks if c is not None]
+            if chunks:
+                ChunkStream.deliver_many([(o.stream, chunks)])
+            sched.live[t] = False
+            self._release([(seq, outcome)])
+        else:
+            sched.abort(seq.request_id)  # held or queued: it leaves
+            self._end(seq, outcome)
+        self._text_dirty.pop(id(seq), None)
 
     def _free_rows(self, before: int) -> None:
         """Rows [running, before) are free now: their KV tables point at the scratch block again."""
@@ -452,6 +751,9 @@ class TalkerEngine:
             if kind == "add":
                 self._adds_drained += 1
                 sched.add(payload)
+            elif kind == "open":
+                self._adds_drained += 1
+                sched.hold(payload)
             elif kind == "call":
                 payload[1].set_exception(error)
         for seq in sched.drop_all():

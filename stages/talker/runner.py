@@ -14,6 +14,10 @@ of the prompt from ids, the prompt forward into the paged KV, the first codebook
 staged copy, as a CUDA graph per (batch, width) bucket where one fits. The first token reaches the host
 with the request's first decode step. Releasing a request copies nothing of anyone's KV: the last row's
 small state moves into the hole (`move_row`) and its KV stays where it is (stages/talker/paged_kv.py).
+
+Live text (docs/talker_engine.md): a request waiting for text leaves the rows; its small state is kept in a
+park slot (`park_row`/`unpark_row`), and text arriving later is projected into its trailing rows in one staged
+copy for all requests per loop iteration (`write_text`).
 """
 
 from __future__ import annotations
@@ -131,6 +135,39 @@ class _Staging:
         return self.views[name]
 
 
+class _IntStage:
+    """int64 values crossing to the device: a pinned host buffer per turn (two alternate) and one device buffer.
+    A host buffer is rewritten only once its last copy is done (an event; on CPU copies are synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self._host: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * 2
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._dev = torch.zeros(0, dtype=torch.long, device=device)
+        self._turn = 0
+
+    def host(self, n: int) -> np.ndarray:
+        """The next turn's host buffer, [n] (valid until `copy`)."""
+        t = self._turn
+        if self._events[t] is not None:
+            self._events[t].synchronize()  # its previous copy: long done, in practice
+        if self._host[t].numel() < n:
+            self._host[t] = torch.zeros(_round_up(2 * n, 1024), dtype=torch.long, pin_memory=self.cuda)
+        return self._host[t][:n].numpy()
+
+    def copy(self, n: int) -> torch.Tensor:
+        """Copy the first n values of this turn's host buffer to the device (non-blocking); the device view."""
+        if self._dev.numel() < n:
+            self._dev = torch.zeros(_round_up(2 * n, 1024), dtype=torch.long, device=self.device)
+        t = self._turn
+        self._dev[:n].copy_(self._host[t][:n], non_blocking=True)
+        if self.cuda:
+            self._events[t] = self._events[t] or torch.cuda.Event()
+            self._events[t].record()
+        self._turn ^= 1
+        return self._dev[:n]
+
+
 class TalkerRunner:
     """Sole owner of the talker's device state. Not thread-safe: one engine thread calls it."""
 
@@ -189,6 +226,8 @@ class TalkerRunner:
         self._host_stage = [_Staging(*stage, device="cpu", pin=self.cuda) for _ in range(2)]
         self._stage_turn = 0
         self._stage = _Staging(*stage, device=dev, pin=False)
+        self._parked: list[torch.Tensor] | None = None  # per-row state of parked requests, by park slot (lazy)
+        self._text_stage = _IntStage(dev)
         self._init_tts_pad()
         self._select, self._mask = select_tokens, mask_talker_logits
         if compile:
@@ -235,6 +274,43 @@ class TalkerRunner:
         rows of later steps write nowhere that matters."""
         self.kv.block_table[row] = self.kv.scratch_block
 
+    # ---------------------------------------------------------------- live text
+    def park_row(self, row: int, slot: int) -> None:
+        """The request in `row` leaves the rows: its small state goes to park slot `slot` (< num_slots; the
+        engine passes the request's ticket). Its trailing text is not kept: a request parks when it has read
+        all of it, and text arriving later is written to the row it resumes in (`write_text`)."""
+        if self._parked is None:
+            self._parked = [torch.empty_like(t[:self.num_slots]) for t in self._row_tensors()]
+        for t, p in zip(self._row_tensors(), self._parked, strict=True):
+            p[slot] = t[row]
+
+    def unpark_row(self, slot: int, row: int) -> None:
+        """The request parked in `slot` continues in the free row `row`, where it stopped."""
+        assert self._parked is not None
+        for t, p in zip(self._row_tensors(), self._parked, strict=True):
+            t[row] = p[slot]
+
+    @torch.no_grad()
+    def write_text(self, writes: list[tuple[int, int, np.ndarray]]) -> None:
+        """Text rows that arrived while requests run: for each (row, start, ids), trailing rows start.. of `row`
+        become P(ids), and its trailing length start + len(ids). One staged copy for all; no host sync."""
+        k = sum(len(ids) for _, _, ids in writes)
+        n = len(writes)
+        # >= 2 rows: a one-row product takes another kernel (GEMV) whose rounding differs from the prefill's
+        width = _round_up(max(k, 2), _WIDTH_MULTIPLE)
+        host = self._text_stage.host(3 * width + 2 * n)
+        ids, rows, pos = host[:width], host[width:2 * width], host[2 * width:3 * width]
+        ids[:], rows[:], pos[:] = NONE, self.scratch_row, 0  # padding entries write zeros into the scratch row
+        at = 0
+        for j, (row, start, text) in enumerate(writes):
+            m = len(text)
+            ids[at:at + m], rows[at:at + m], pos[at:at + m] = text, row, np.arange(start, start + m)
+            host[3 * width + j], host[3 * width + n + j] = row, start + m
+            at += m
+        dev = self._text_stage.copy(3 * width + 2 * n)
+        self.trailing[dev[width:2 * width], dev[2 * width:3 * width]] = embed_text_rows(self.talker, dev[None, :width])[0]
+        self.trailing_len[dev[3 * width:3 * width + n]] = dev[3 * width + n:]
+
     def attn_bucket(self, max_position: int) -> int:
         for b in self.length_buckets:
             if max_position < b:
@@ -268,7 +344,7 @@ class TalkerRunner:
             x = torch.zeros(nb, w, self.hidden.shape[1], dtype=self.dtype, device=self.device)
             for i, a in enumerate(batch):
                 x[i, :a.plan.length] = a.exact.prefill
-                self.trailing[a.row, :a.plan.trailing_length] = a.exact.trailing
+                self.trailing[a.row, :a.plan.trailing_length] = a.exact.trailing[:a.plan.trailing_length]
             self._prefill_compute(nb, w, tw, x)
         else:
             self._prefill_compute(nb, w, tw)

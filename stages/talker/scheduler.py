@@ -9,6 +9,13 @@ Torch-free (numpy only), so unit tests drive it without a model. It decides; the
 - per-request counters the engine updates every step (frames, limits, next chunk boundary) are numpy
   arrays indexed by a ticket that stays with the request while it runs, so a step's bookkeeping is a few
   vectorized operations and Python touches a request only at chunk boundaries and at its end.
+
+Live text (stages/talker/live_text.py) adds two states off the dense rows, so waiting costs the batch nothing:
+- held: opened, without the text its prefill needs yet: no slot, no KV, not queued (`hold`, then `enqueue`);
+- parked: prefilled, waiting for its next text position: it keeps its ticket (a slot: `max_num_seqs` counts
+  running + parked) and its KV blocks, and leaves the rows (`park`: the same hole filling as `release`); it
+  comes back at the end of the rows (`unpark`), or, between two segments of its text, through a new prefill
+  (`requeue`: such restarts are admitted before the queue, since they hold their slot and KV already).
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from stages.contract import SynthesisRequest
+from stages.contract import SynthesisRequest, TalkerPrompt
+from stages.talker.live_text import UNLIMITED, LiveText
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues are searched for the very request
 class Sequence:
     """One request's host-side state, from arrival to release."""
 
@@ -40,10 +48,17 @@ class Sequence:
     blocks: np.ndarray | None = None  # KV blocks owned while running
     aborted: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
+    live: LiveText | None = None  # text arriving while it runs (None: all text in `request.prompt`)
+    prompt: TalkerPrompt | None = None  # what its (next) prefill embeds, when not `request.prompt` (live text)
+    restart: bool = False  # parked between two segments: it resumes with a prefill, not where it stopped
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def prefill_prompt(self) -> TalkerPrompt:
+        return self.prompt if self.prompt is not None else self.request.prompt
 
     @property
     def max_positions(self) -> int:
@@ -87,6 +102,9 @@ class Scheduler:
         self.blocks = BlockAllocator(num_blocks, block_size)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # by row
+        self.held: dict[str, Sequence] = {}  # live text: opened, not prefillable yet (no slot, no KV)
+        self.parked: dict[str, Sequence] = {}  # live text: waiting for text with a ticket and KV, no row
+        self.restarts: collections.deque[Sequence] = collections.deque()  # parked, next segment ready to prefill
         self._by_id: dict[str, Sequence] = {}
         self._tickets = list(range(max_num_seqs))[::-1]  # a stack: low tickets first
         # per ticket, updated by the engine every step
@@ -95,6 +113,7 @@ class Scheduler:
         self.next_cut = np.zeros(max_num_seqs, dtype=np.int64)  # frames count at which the next chunk is due
         self.generation = np.zeros(max_num_seqs, dtype=np.int64)  # bumped when a ticket changes hands
         self.live = np.zeros(max_num_seqs, dtype=bool)  # running and neither finished nor aborted
+        self.text_limit = np.full(max_num_seqs, UNLIMITED, dtype=np.int64)  # steps launchable before text runs out
         self._gen = itertools.count(1)
 
     # ------------------------------------------------------------------ queue
@@ -115,12 +134,16 @@ class Scheduler:
         if seq is None or seq.aborted:
             return None
         seq.aborted = True
-        if seq.row < 0:
-            self.waiting.remove(seq)
+        if seq.ticket < 0:  # queued or held: it leaves now
+            if self.held.pop(request_id, None) is None:
+                self.waiting.remove(seq)
             del self._by_id[request_id]
-        else:
+        else:  # running or parked: released by the caller
             self.live[seq.ticket] = False
         return seq
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
 
     @property
     def num_waiting(self) -> int:
@@ -131,15 +154,32 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def num_parked(self) -> int:
+        return len(self.parked)
+
+    @property
+    def num_held(self) -> int:
+        return len(self.held)
+
+    @property
     def reserved_positions(self) -> int:
         """KV positions reserved by running requests (whole blocks)."""
         return (self.blocks.num_blocks - self.blocks.free) * self.blocks.block_size
 
     # ------------------------------------------------------------------ admission
     def admit(self) -> list[Sequence]:
-        """Pop waiting requests that fit (FIFO), give each a row, a ticket and its KV blocks."""
+        """Restarts first (they hold a slot and KV), then waiting requests that fit (FIFO): each gets a row,
+        a ticket and its KV blocks."""
         admitted: list[Sequence] = []
-        while (self.waiting and len(self.running) < self.max_num_seqs
+        while self.restarts and len(admitted) < self.max_prefill_batch:
+            seq = self.restarts.popleft()
+            del self.parked[seq.request_id]
+            seq.restart = False
+            seq.row = len(self.running)
+            self.running.append(seq)
+            self.generation[seq.ticket] = next(self._gen)
+            admitted.append(seq)
+        while (self.waiting and len(self.running) + len(self.parked) < self.max_num_seqs
                and len(admitted) < self.max_prefill_batch):
             seq = self.waiting[0]
             need = self.blocks.blocks_for(seq.max_positions)
@@ -153,42 +193,86 @@ class Scheduler:
             t = seq.ticket
             self.frames[t] = 0
             self.max_frames[t] = seq.request.max_frames
+            self.text_limit[t] = UNLIMITED
             self.generation[t] = next(self._gen)
             self.live[t] = True
             admitted.append(seq)
         return admitted
 
+    # ------------------------------------------------------------------ live text
+    def hold(self, seq: Sequence) -> None:
+        """A live request that cannot be prefilled yet (no text): known by id, not queued."""
+        self.held[seq.request_id] = seq
+        self._by_id[seq.request_id] = seq
+
+    def enqueue(self, seq: Sequence) -> None:
+        """A held request has the text its prefill needs: it joins the queue (FIFO)."""
+        del self.held[seq.request_id]
+        seq.enqueued_at = time.monotonic()
+        self.waiting.append(seq)
+
+    def park(self, seqs: Iterable[Sequence], restart: bool = False) -> list[RowMove]:
+        """Running requests leave their rows and keep ticket and KV blocks (rows stay dense, as in `release`).
+
+        `restart`: they resume with a new prefill (next segment) rather than where they stopped.
+        """
+        seqs = [s for s in seqs if s.row >= 0]
+        moves = self._leave_rows(seqs)
+        for seq in seqs:
+            seq.restart = restart
+            self.parked[seq.request_id] = seq
+        return moves
+
+    def unpark(self, seq: Sequence) -> int:
+        """A parked request continues in the next free row (the end of the dense rows); returns it."""
+        del self.parked[seq.request_id]
+        seq.row = len(self.running)
+        self.running.append(seq)
+        return seq.row
+
+    def requeue(self, seq: Sequence) -> None:
+        """A request parked between segments can prefill its next one: admitted before the queue."""
+        self.restarts.append(seq)
+
     # ------------------------------------------------------------------ release
     def release(self, seqs: Iterable[Sequence]) -> list[RowMove]:
-        """Free rows, tickets and blocks of finished/aborted requests; running rows stay dense in [0, n).
-
-        Survivors above the new end fill the holes below it, each moving at most once (`RowMove`).
-        """
-        gone = {id(s) for s in seqs if s.row >= 0}
-        if not gone:
-            return []
-        keep = len(self.running) - len(gone)
-        holes = [r for r in range(keep) if id(self.running[r]) in gone]
-        movers = [r for r in range(keep, len(self.running)) if id(self.running[r]) not in gone]
-        leaving = [s for s in self.running if id(s) in gone]
-        moves = [RowMove(src, dst) for dst, src in zip(holes, movers, strict=True)]
-        for move in moves:
-            self.running[move.dst] = self.running[move.src]
-            self.running[move.dst].row = move.dst
-        del self.running[keep:]
-        for seq in leaving:
+        """Free rows, tickets and blocks of finished/aborted requests (running or parked); running rows stay
+        dense in [0, n): survivors above the new end fill the holes below it, each moving at most once."""
+        seqs = list({id(s): s for s in seqs if s.ticket >= 0}.values())
+        moves = self._leave_rows([s for s in seqs if s.row >= 0])
+        for seq in seqs:
+            if self.parked.pop(seq.request_id, None) is not None and seq in self.restarts:
+                self.restarts.remove(seq)
             self.blocks.release(seq.blocks)
             self.live[seq.ticket] = False
             self.generation[seq.ticket] = 0
             self._tickets.append(seq.ticket)
             self._by_id.pop(seq.request_id, None)
-            seq.row, seq.ticket, seq.blocks = -1, -1, None
+            seq.ticket, seq.blocks, seq.restart = -1, None, False
+        return moves
+
+    def _leave_rows(self, seqs: list[Sequence]) -> list[RowMove]:
+        """Take running requests off their rows; the last rows fill the holes (`RowMove`s, each row at most once)."""
+        gone = {id(s) for s in seqs}
+        if not gone:
+            return []
+        keep = len(self.running) - len(gone)
+        holes = [r for r in range(keep) if id(self.running[r]) in gone]
+        movers = [r for r in range(keep, len(self.running)) if id(self.running[r]) not in gone]
+        moves = [RowMove(src, dst) for dst, src in zip(holes, movers, strict=True)]
+        for move in moves:
+            self.running[move.dst] = self.running[move.src]
+            self.running[move.dst].row = move.dst
+        del self.running[keep:]
+        for seq in seqs:
+            seq.row = -1
         return moves
 
     def drop_all(self) -> list[Sequence]:
         """Every waiting and running request, removed (engine failure or shutdown)."""
-        gone = [*self.running, *self.waiting]
-        self.release(list(self.running))
+        gone = [*self.running, *self.parked.values(), *self.waiting, *self.held.values()]
+        self.release([*self.running, *self.parked.values()])
         self.waiting.clear()
+        self.held.clear()
         self._by_id.clear()
         return gone

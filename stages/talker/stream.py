@@ -26,6 +26,7 @@ class ChunkStream:
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self._on_close = on_close
+        self.on_end: Callable[[str], None] | None = None  # called on the consumer's loop when the end arrives
         self._done = False
 
     # engine-thread side -------------------------------------------------
@@ -46,6 +47,8 @@ class ChunkStream:
         for stream, entries in batch:
             for entry in entries:
                 stream._queue.put_nowait(entry)
+                if stream.on_end is not None and isinstance(entry, tuple) and entry and entry[0] is _END:
+                    stream.on_end(stream.request_id)
 
     @staticmethod
     def end(reason: FinishReason | BaseException) -> tuple:

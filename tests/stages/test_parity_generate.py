@@ -178,3 +178,45 @@ def test_waveform_matches_official_decode(name, models, official):
     err = float(np.abs(ours[-n:] - theirs[-n:]).max())
     assert err <= 1e-4, f"waveform differs by {err:.3e}"
     assert float(np.abs(theirs).max()) > 1e-3  # the decode is not silent: the comparison means something
+
+
+@pytest.mark.parametrize("name", ["cv_streaming_text", "base_icl", "base_xvector"])
+def test_live_text_codes_identical(name, models, official, ref_wav_path):
+    """Text fed character by character into a live engine request, which waits parked before each word,
+    gives the official streaming-text codes (issue 14; tests/stages/test_talker_live_text.py has the rest)."""
+    import asyncio
+    import dataclasses
+
+    from stages.contract import SynthesisRequest
+    from stages.talker.engine import TalkerEngine, TalkerEngineConfig
+
+    model = models[JOBS[name]["ckpt"]]
+    whole = _prompt(model, name, ref_wav_path)
+    assert not whole.non_streaming_text
+    live = dataclasses.replace(whole, text_ids=())
+    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=512, max_num_seqs=2))
+    engine.start(log=lambda _m: None)
+    try:
+        async def main():
+            stream = engine.open_request(SynthesisRequest("live", live, GREEDY, FRAMES))
+
+            async def feed():  # the text is longer than FRAMES tokens: the request ends (length) before it does
+                sched = engine.scheduler
+                for ch in TEXT:
+                    await asyncio.wrap_future(engine.run_on_device(lambda: None))  # the last piece was handled
+                    while "live" not in sched.parked and "live" not in sched.held and sched.get("live") is not None:
+                        await asyncio.sleep(0.002)
+                    if sched.get("live") is None:
+                        return
+                    engine.append_text("live", ch)
+                engine.end_text("live")
+            feeder = asyncio.create_task(feed())
+            blocks = [c.codes[c.context:] async for c in stream]
+            await feeder
+            return np.concatenate(blocks)
+        codes = asyncio.run(main())
+        parks = engine.parks
+    finally:
+        engine.shutdown()
+    _assert_codes_equal(codes, official[name]["codes"].numpy(), official[name]["talker_logits"])
+    assert parks >= 5

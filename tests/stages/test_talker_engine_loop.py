@@ -248,3 +248,66 @@ def test_shutdown_ends_open_streams_with_an_error(model, prompt):
         with pytest.raises(RuntimeError, match="shut down"):
             await asyncio.wait_for(drain(), 60)  # a stream left open would hang here: bounded, it fails instead
     asyncio.run(main())
+
+
+class LiveFakeRunner(FakeRunner):
+    """FakeRunner with the live-text device calls: parked rows keep (seed, frame) by slot."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parked: dict[int, list[int]] = {}
+        self.text_rows = 0
+
+    def park_row(self, row: int, slot: int) -> None:
+        self.parked[slot] = list(self.rows[row])
+
+    def unpark_row(self, slot: int, row: int) -> None:
+        self.rows[row] = self.parked.pop(slot)
+
+    def write_text(self, writes) -> None:
+        self.text_rows += sum(len(ids) for _, _, ids in writes)
+
+
+def test_live_requests_park_and_resume_through_row_moves(model, prompt):
+    """12 live requests (text in random pieces at random times) and 4 plain ones through 5 rows: requests park,
+    resume, join and leave all the time, and every stream still receives exactly its own frames."""
+    import random
+
+    from stages.prompts import build_live_prompt
+
+    live_prompt = build_live_prompt(model.config, model.tokenizer, speaker="ryan", language="english")
+    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, exact_prefill=False, max_num_seqs=5),
+                          LiveFakeRunner)
+    engine.start(log=lambda _m: None)
+    rng = random.Random(5)
+    words = "one two three four five six seven eight nine ten eleven twelve".split()
+    try:
+        async def live(i):
+            stream = engine.open_request(SynthesisRequest(f"l{i}", live_prompt, max_frames=30, seed=100 + i))
+
+            async def feed():
+                for w in rng.sample(words, 6):
+                    for piece in (w[:2], w[2:] + " "):
+                        await asyncio.sleep(rng.random() * 0.01)
+                        engine.append_text(f"l{i}", piece)
+                engine.end_text(f"l{i}")
+            feeder = asyncio.create_task(feed())
+            frames = [c.codes[c.context:] async for c in stream]
+            await feeder
+            return 100 + i, 30, np.concatenate(frames), stream.finish_reason
+
+        async def plain(i):
+            frames, reason, _ = await _collect(engine, SynthesisRequest(f"p{i}", prompt, max_frames=20 + i, seed=i))
+            return i, 20 + i, frames, reason
+
+        async def main():
+            return await asyncio.gather(*[live(i) for i in range(12)], *[plain(i) for i in range(4)])
+        results = asyncio.run(main())
+        stats, parks, unparks = engine.stats(), engine.parks, engine.unparks
+    finally:
+        engine.shutdown()
+    for seed, n, frames, reason in results:
+        np.testing.assert_array_equal(frames, np.stack([frame_codes(seed, f) for f in range(n)]), err_msg=str(seed))
+        assert reason is FinishReason.LENGTH
+    assert parks >= 5 and unparks >= 5  # they really waited (typically ~25 times)
+    assert stats.running == stats.parked == stats.held == stats.waiting == 0 and stats.kv_reserved_tokens == 0

@@ -94,3 +94,59 @@ def test_tickets_change_generation_when_reused():
     s.admit()
     assert b.ticket == ticket and s.generation[ticket] != gen  # a step launched for `a` cannot be read as `b`'s
     assert np.array_equal(s.frames[[ticket]], [0])
+
+
+def test_parked_requests_leave_the_rows_and_keep_slot_and_kv():
+    """Live text: a parked request leaves the dense rows (the last row fills its hole), keeps its ticket and
+    blocks, still counts against max_num_seqs, and comes back at the end of the rows."""
+    s = Scheduler(max_num_seqs=3, num_blocks=100, block_size=16, max_prefill_batch=3, max_waiting=100)
+    a, b, c, d = (seq(x) for x in "abcd")
+    for x in (a, b, c, d):
+        s.add(x)
+    s.admit()
+    ticket, blocks = a.ticket, a.blocks
+    assert s.park([a]) == [RowMove(2, 0)]
+    assert [x.row for x in s.running] == [0, 1] and c.row == 0 and a.row == -1
+    assert a.ticket == ticket and a.blocks is blocks and s.num_parked == 1 and s.blocks.free == 100 - 6
+    assert s.admit() == []  # 2 running + 1 parked: the slots are full, d waits
+    assert s.unpark(a) == 2 and s.running[2] is a and s.num_parked == 0
+    s.park([b])
+    moves = s.release([b])  # a parked request releases without any row move
+    assert moves == [] and s.blocks.free == 100 - 4 and s.num_parked == 0
+    assert s.admit() == [d]
+
+
+def test_held_requests_take_nothing_until_enqueued():
+    s = Scheduler(max_num_seqs=1, num_blocks=100, block_size=16, max_prefill_batch=1, max_waiting=100)
+    h, w = seq("h"), seq("w")
+    s.hold(h)
+    s.add(w)
+    assert s.admit() == [w] and s.num_held == 1
+    s.release([w])
+    s.enqueue(h)
+    assert s.admit() == [h] and s.num_held == 0
+    held = seq("x")
+    s.hold(held)
+    assert s.abort("x") is held and s.num_held == 0 and s.get("x") is None
+
+
+def test_restarts_are_admitted_before_the_queue_in_their_own_slot():
+    """Between two segments a request is parked for a new prefill: requeued, it takes a row before the queue,
+    without new blocks or ticket; its frame count and ticket survive, its generation changes."""
+    s = Scheduler(max_num_seqs=2, num_blocks=100, block_size=16, max_prefill_batch=2, max_waiting=100)
+    a, b, q = seq("a"), seq("b"), seq("q")
+    for x in (a, b):
+        s.add(x)
+    s.admit()
+    s.frames[a.ticket] = 7
+    ticket, gen, free = a.ticket, int(s.generation[a.ticket]), s.blocks.free
+    s.park([a], restart=True)
+    s.add(q)
+    assert s.admit() == []  # a still holds its slot
+    s.requeue(a)
+    assert s.admit() == [a] and a.row == 1 and not a.restart
+    assert a.ticket == ticket and s.frames[ticket] == 7 and s.generation[ticket] != gen and s.blocks.free == free
+    s.park([a], restart=True)
+    s.requeue(a)
+    s.release([a])  # aborted while requeued: it leaves the restarts too
+    assert not s.restarts and s.admit() == [q]
