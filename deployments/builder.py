@@ -20,7 +20,8 @@ from deployments import constants as C
 from deployments.code2wav import DEFAULT_ENGINE_CLS as CODE2WAV_ENGINE
 from deployments.code2wav import Code2WavServer
 from deployments.config import CheckpointSource, Code2WavConfig, StreamingConfig, TalkerConfig, TTSServingArgs
-from deployments.ingress import TTSIngress
+from deployments.http_guard import BodyLimits
+from deployments.ingress import TTSIngress, make_fastapi_app, make_fastapi_ingress
 from deployments.loading import engine_config
 from deployments.talker import DEFAULT_ENGINE_CLS as TALKER_ENGINE
 from deployments.talker import TalkerServer
@@ -122,6 +123,12 @@ def build_app(args: TTSServingArgs) -> Application:
                   {"max_batch_size": args.code2wav.max_batch_size, **args.code2wav.engine_kwargs})
     talkers = {m.name: build_talker_deployment(m, args.streaming) for m in args.models}
     code2wav = build_code2wav_deployment(args.code2wav, args.codec_source, args.streaming)
+    return build_ingress_deployment(args, talkers, code2wav)
+
+
+def build_ingress_deployment(args: TTSServingArgs, talkers: dict[str, Application], code2wav: Application) -> Application:
+    """`TTSIngress` behind a FastAPI app made now, for this application (deployments/ingress/app.py)."""
     options = ingress_deployment_options(args)
     logger.info(f"{options['name']} deployment options: {options}")
-    return serve.deployment(TTSIngress, **options).bind(talkers, code2wav, args)
+    app = make_fastapi_app(BodyLimits(args.ingress.max_request_bytes, args.ingress.body_read_timeout_s))
+    return serve.deployment(make_fastapi_ingress(TTSIngress, app=app), **options).bind(talkers, code2wav, args)

@@ -30,24 +30,15 @@ class BodyLimits:
     read_timeout_s: float  # 408 when the whole body has not arrived by then
 
 
-# `@serve.ingress` pickles the FastAPI app; the middleware class travels by reference, so the replica's
-# TTSIngress.__init__ sets the limits here, in the real module (None: no guard, e.g. before start-up)
-_limits: BodyLimits | None = None
-
-
-def configure(limits: BodyLimits | None) -> None:
-    global _limits
-    _limits = limits
-
-
 class BodyGuard:
-    """Pure ASGI middleware (Starlette's BaseHTTPMiddleware would hide `receive` behind its own buffering)."""
+    """Pure ASGI middleware (Starlette's BaseHTTPMiddleware would hide `receive` behind its own buffering);
+    with `limits` None it passes every request through."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, limits: BodyLimits | None):
+        self.app, self.limits = app, limits
 
     async def __call__(self, scope, receive, send) -> None:
-        limits = _limits
+        limits = self.limits
         if scope["type"] != "http" or limits is None:
             await self.app(scope, receive, send)
             return

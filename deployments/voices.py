@@ -66,12 +66,17 @@ class VoiceStore:
         return self._read(name)
 
     def find(self, name: str) -> VoiceRecord | None:
-        """Case-insensitive lookup (request voices are case-insensitive, like preset speakers)."""
-        record = self.get(name)
+        """Case-insensitive lookup (request voices are case-insensitive, like preset speakers). Blocking: the
+        ingress calls it in a thread. A miss costs one directory listing (voice directories bear their names)."""
+        if not VOICE_NAME_PATTERN.match(name):
+            return None
+        record = self._read(name)
         if record is not None:
             return record
         lowered = name.lower()
-        return next((r for r in self.list() if r.name.lower() == lowered), None)
+        with os.scandir(self.root) as entries:
+            matches = sorted(e.name for e in entries if e.name.lower() == lowered and e.name != name)
+        return next((r for r in map(self._read, matches) if r is not None), None)
 
     def audio(self, record: VoiceRecord) -> bytes:
         return (self.root / record.name / "audio").read_bytes()

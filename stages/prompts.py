@@ -13,19 +13,21 @@ from pathlib import Path
 
 from stages.config import ModelConfig
 from stages.contract import InvalidRequestError, TalkerPrompt, TaskType, VoiceClonePrompt
+from stages.text_tokenizer import load_qwen2_tokenizer
 
 
 class TextTokenizer:
-    """The checkpoint's own Qwen2 BPE tokenizer (vocab.json, merges.txt, tokenizer_config.json)."""
+    """The checkpoint's own Qwen2 BPE tokenizer (vocab.json, merges.txt, tokenizer_config.json).
+
+    Built with the `tokenizers` library (stages/text_tokenizer.py), not transformers: it travels pickled to
+    the CPU ingress, which tokenizes requests without importing transformers.
+    """
 
     def __init__(self, checkpoint_dir: str | Path):
-        from transformers import Qwen2TokenizerFast  # heavy import, only where a tokenizer is needed
-
-        # the class is named explicitly: AutoTokenizer would read config.json (model_type qwen3_tts) and warn
-        self._tok = Qwen2TokenizerFast.from_pretrained(str(checkpoint_dir))
+        self._tok = load_qwen2_tokenizer(checkpoint_dir)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def target_ids(self, text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """-> (role ids, text ids) of the target template."""

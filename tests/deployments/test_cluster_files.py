@@ -170,12 +170,10 @@ def test_rayservice_worker_groups_declare_the_split_resources():
 
 
 def test_rayservice_readiness_uses_the_ready_route():
-    ingress_source = ast.parse((ROOT / "deployments" / "ingress.py").read_text())
-    get_routes = {d.args[0].value for node in ast.walk(ingress_source)
-                  if isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef) for d in node.decorator_list
-                  if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.func.attr == "get"
-                  and d.args and isinstance(d.args[0], ast.Constant)}
-    assert "/ready" in get_routes, "TTSIngress serves no GET /ready"
+    from deployments.ingress import ENDPOINTS, TTSIngress
+
+    ready = ENDPOINTS.get(("GET", "/ready"))
+    assert ready is not None and callable(getattr(TTSIngress, ready, None)), "TTSIngress serves no GET /ready"
     service = _rayservice()
     for group in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         (container,) = _containers(group["template"])

@@ -1,0 +1,40 @@
+"""Liveness and readiness of the app as one ingress replica sees it (`/health`, `/ready`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi.responses import JSONResponse
+from ray.serve.handle import DeploymentHandle
+
+from deployments import constants as C
+from deployments.ingress.routing import ModelRouter
+
+
+def health() -> dict:
+    """The replica answers: Serve's proxy reached it and its event loop runs."""
+    return {"status": "ok"}
+
+
+async def readiness(router: ModelRouter, code2wav: DeploymentHandle) -> JSONResponse:
+    """200 when every Talker and Code2Wav has a warmed-up replica and every model info is loaded, else 503;
+    the body says which deployment is ready."""
+    probes = {name: r.handle.ready.remote() for name, r in router.routes.items()}
+    probes[C.CODE2WAV_DEPLOYMENT_NAME] = code2wav.ready.remote()
+    state = {}
+    for name, response in probes.items():
+        try:
+            async with asyncio.timeout(C.READY_PROBE_TIMEOUT_S):
+                state[name] = bool(await response)
+        except Exception:  # noqa: BLE001 - not started, still warming up, or failing: not ready
+            response.cancel()
+            state[name] = False
+    for name, route in router.routes.items():
+        if state[name] and route.loaded is None:
+            try:
+                async with asyncio.timeout(C.READY_PROBE_TIMEOUT_S):
+                    await route.info()
+            except Exception:  # noqa: BLE001
+                state[name] = False
+    ready = all(state.values())
+    return JSONResponse({"ready": ready, "deployments": state}, status_code=200 if ready else 503)

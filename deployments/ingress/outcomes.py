@@ -1,0 +1,78 @@
+"""What became of each request: the client's JSON error for a failure, and the ingress's metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from fastapi.responses import JSONResponse
+
+from deployments.config import BackpressureSettings
+from deployments.errors import APIError, to_api_error
+from deployments.metrics import IngressMetrics
+from deployments.playback import PlaybackClock
+from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
+
+logger = logging.getLogger("ray.serve")
+
+# an error's HTTP status -> the `status` tag of tts_requests (others: "error" from 500 up, else "bad_request")
+_STATUS_TAGS = {400: "bad_request", 404: "not_found", 413: "bad_request", 429: "rejected", 503: "rejected",
+                504: "timeout"}
+
+
+class Outcomes:
+    """Request outcomes of one ingress replica, by served model name ("-" before a model is known)."""
+
+    def __init__(self, backpressure: BackpressureSettings, models: Iterable[str]):
+        self.metrics = IngressMetrics()
+        self._backpressure = backpressure
+        self._open_streams = dict.fromkeys(models, 0)
+
+    def error(self, exc: BaseException) -> APIError:
+        """The client's answer; a client error is one log line (never a traceback), ours is an ERROR."""
+        limits = self._backpressure
+        error = to_api_error(exc, overload_status=limits.status_code, retry_after_s=limits.retry_after_s)
+        if error.status >= 500 and error.status not in (503, 504):
+            logger.error(f"{error.status} {error.code}: {error.message}")
+        else:
+            logger.info(f"{error.status} {error.code}: {error.message[:200]}")
+        return error
+
+    def fail(self, exc: BaseException, model: str, stream: bool) -> JSONResponse:
+        """A request that ends before its audio: counted, and answered with its JSON error."""
+        error = self.error(exc)
+        self.count(model, _STATUS_TAGS.get(error.status, "error" if error.status >= 500 else "bad_request"), stream)
+        return error.response()
+
+    def count(self, model: str, status: str, stream: bool) -> None:
+        self.metrics.requests.inc(tags={"model": model, "status": status, "stream": str(stream).lower()})
+
+    def finish(self, model: str, started: float, stream: bool, frames: int, time_to_first: float | None = None) -> None:
+        """A request whose audio was all sent; `started` is its perf_counter at arrival."""
+        elapsed = time.perf_counter() - started
+        audio_s = frames * SAMPLES_PER_FRAME / SAMPLE_RATE
+        self.count(model, "ok", stream)
+        self.metrics.audio_seconds.inc(audio_s, tags={"model": model})
+        if audio_s > 0:
+            self.metrics.real_time_factor.observe(elapsed / audio_s, tags={"model": model})
+        if time_to_first is not None:
+            self.metrics.time_to_first_audio_ms.observe(time_to_first * 1000, tags={"model": model, "stream": "false"})
+
+    def first_stream_audio(self, model: str, started: float) -> None:
+        self.metrics.time_to_first_audio_ms.observe((time.perf_counter() - started) * 1000,
+                                                    tags={"model": model, "stream": "true"})
+
+    def stream_opened(self, model: str) -> None:
+        self._open_streams[model] += 1
+        self.metrics.open_streams.set(self._open_streams[model], tags={"model": model})
+
+    def stream_closed(self, model: str, playback: PlaybackClock) -> None:
+        """A stream's end, however it ended: the open-stream gauge and what its listener would have heard."""
+        self._open_streams[model] -= 1
+        self.metrics.open_streams.set(self._open_streams[model], tags={"model": model})
+        if playback.started is not None and playback.min_lead_s != float("inf"):
+            self.metrics.client_buffer_lead_s.observe(max(playback.min_lead_s, 0.0), tags={"model": model})
+        if playback.underruns:
+            self.metrics.client_underruns.inc(playback.underruns, tags={"model": model})
+            self.metrics.client_underrun_seconds.inc(playback.underrun_s, tags={"model": model})

@@ -1,0 +1,91 @@
+"""Served models: a request's `model` (or, without one, the request itself) -> that checkpoint's Talker.
+
+Each Talker deployment sends its `ModelInfo` (config, tokenizer, limits) once per ingress replica; the
+fetch starts when the replica starts, and concurrent requests share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from ray.serve.handle import DeploymentHandle
+
+from deployments.config import TalkerConfig
+from deployments.errors import to_api_error
+from deployments.planning import VoiceChoice, choose_voice, infer_model, resolve_model_name
+from deployments.protocol import ModelInfo
+from deployments.schemas import SpeechRequest
+from deployments.voices import VoiceRecord
+
+
+class ModelRoute:
+    """One served model: its Talker handle and, once fetched, its ModelInfo (shared by concurrent requests)."""
+
+    def __init__(self, name: str, handle: DeploymentHandle):
+        self.name, self.handle = name, handle
+        self._info: ModelInfo | None = None
+        self._fetch: asyncio.Future | None = None
+
+    @property
+    def loaded(self) -> ModelInfo | None:
+        """The ModelInfo if it has arrived, without waiting for it."""
+        return self._info
+
+    async def info(self) -> ModelInfo:
+        if self._info is None:
+            if self._fetch is None or (self._fetch.done() and self._fetch.exception() is not None):
+                self._fetch = asyncio.ensure_future(self.handle.info.remote())
+            self._info = await asyncio.shield(self._fetch)  # one fetch even if a waiting request is cancelled
+        return self._info
+
+
+class ModelRouter:
+    """The served models by name, lower-cased name and alias."""
+
+    def __init__(self, talkers: dict[str, DeploymentHandle], models: list[TalkerConfig]):
+        self.routes = {name: ModelRoute(name, handle) for name, handle in talkers.items()}
+        self._models = models
+        self._names = {n.lower(): m.name for m in models for n in (m.name, *m.aliases)}
+
+    def prefetch(self) -> None:
+        """Start fetching every model's info now (on the running loop); requests await them."""
+        for route in self.routes.values():
+            asyncio.ensure_future(route.info()).add_done_callback(_ignore_failure)
+
+    def handle(self, model: str) -> DeploymentHandle:
+        return self.routes[model].handle
+
+    async def route(self, body: SpeechRequest,
+                    find_voice: Callable[[str], VoiceRecord | None]) -> tuple[ModelInfo, VoiceChoice]:
+        """The model and voice of a request; `find_voice` looks up uploaded voices (without blocking)."""
+        if body.model:
+            info = await self.routes[resolve_model_name(body.model, self._names)].info()
+        else:
+            infos = await asyncio.gather(*(r.info() for r in self.routes.values()))
+            by_name = {i.name: i for i in infos}
+            info = by_name[infer_model(body, by_name, find_voice)]
+        return info, choose_voice(body, info, find_voice)
+
+    async def infos(self, timeout_s: float) -> list[ModelInfo]:
+        """Every model's info, or the APIError of the first that cannot be had within `timeout_s`."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return list(await asyncio.gather(*(r.info() for r in self.routes.values())))
+        except Exception as exc:  # noqa: BLE001
+            raise to_api_error(exc) from None
+
+    def describe(self) -> dict:
+        """The `/v1/models` body: every served model, with what its info says once it has arrived."""
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": created, "owned_by": "qwen3-tts-serve", "aliases": m.aliases,
+             **(info.describe() if (info := self.routes[m.name].loaded) is not None else {})}
+            for m in self._models
+        ]}
+
+
+def _ignore_failure(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: a failed prefetch is retried by the next request

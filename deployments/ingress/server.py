@@ -1,0 +1,120 @@
+"""TTSIngress: the OpenAI-compatible HTTP API of the app, a plain class (CPU only).
+
+Its methods answer the routes of `deployments/ingress/app.py`'s `ENDPOINTS`; `make_fastapi_ingress` turns
+the class into a Serve ingress when the application is built. A speech request is admitted, validated and
+tokenized (with the tokenizer each Talker sends once), routed by `model` to that checkpoint's Talker
+deployment, given its voice, and started: Code2Wav decodes of the Talker's chunks are pipelined
+(`deployments.pipeline`), and once the first audio is in hand a writer (deployments/ingress/speech.py)
+sends one body, raw chunked bytes, or SSE events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+from ray.serve.handle import DeploymentHandle
+
+from deployments.config import TTSServingArgs
+from deployments.decode_batcher import DecodeBatcher
+from deployments.errors import APIError
+from deployments.http_guard import OpenWork
+from deployments.ingress import health
+from deployments.ingress.outcomes import Outcomes
+from deployments.ingress.routing import ModelRouter
+from deployments.ingress.speech import SpeechJob, stream_response, whole_response
+from deployments.ingress.voices import Voices
+from deployments.pipeline import stream_audio
+from deployments.planning import build_request, check_limits, check_request
+from deployments.protocol import DecodedChunk
+from deployments.schemas import SpeechRequest
+from deployments.transport import max_answer_bytes, stage_handle
+from deployments.voices import VoiceStore
+
+
+class TTSIngress:
+    # The endpoint methods' docstrings are the OpenAPI document's operation descriptions: only `ready` has one.
+
+    async def __init__(self, talkers: dict[str, DeploymentHandle], code2wav: DeploymentHandle, args: TTSServingArgs):
+        limits = args.ingress
+        self._args, self._limits, self._code2wav = args, limits, code2wav
+        self._router = ModelRouter(talkers, args.models)
+        self._outcomes = Outcomes(limits.backpressure, self._router.routes)
+        self._work = OpenWork(limits.max_open_requests, limits.backpressure.retry_after_s,
+                              limits.backpressure.status_code)
+        self._decoder = DecodeBatcher(stage_handle(code2wav, limits.stage_transport), limits.decode_batch.max_chunks,
+                                      limits.decode_batch.max_calls_in_flight, max_answer_bytes(limits.stage_transport))
+        self._voices = Voices(VoiceStore(limits.voices_path), self._router, limits, self._work, self._outcomes)
+        self._router.prefetch()
+
+    # ------------------------------------------------------------------ speech
+    async def speech(self, body: SpeechRequest):
+        try:
+            self._work.acquire()  # admission of the costly part (deployments/http_guard.py)
+        except APIError as exc:
+            return self._outcomes.fail(exc, "-", body.streaming)
+        try:
+            return await self._speech(body)
+        finally:
+            self._work.release()  # a stream holds its own count while it is sent
+
+    async def _speech(self, body: SpeechRequest) -> Response:
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(body.timeout_s or self._limits.request_timeout_s, self._limits.request_timeout_s)
+        request_id = f"speech-{uuid.uuid4().hex}"
+        model = "-"  # metric tag: a served name only (never a client-chosen string)
+        chunks: AsyncIterator[DecodedChunk] | None = None
+        try:
+            check_limits(body, self._limits)
+            # validation first, then the client's deadline: a tiny `timeout_s` must not hide a 400. Routing
+            # waits only for a model's info (fetched once per replica) and a voice lookup on disk (in a
+            # thread), bounded by the server's deadline.
+            async with asyncio.timeout(self._limits.request_timeout_s):
+                find_voice = await self._voices.finder(body)
+                info, voice_choice = await self._router.route(body, find_voice)
+            model = info.name
+            check_request(body, info, self._args)
+            async with asyncio.timeout_at(deadline):
+                voice = await self._voices.prompt(body, info, voice_choice)
+                synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id)
+                chunks = stream_audio(self._router.handle(info.name), self._decoder, synthesis, options,
+                                      self._args.streaming.max_pending_decodes, self._limits.stage_transport)
+                first = await anext(chunks, None)
+        except BaseException as exc:  # noqa: BLE001 - every failure before the first audio is one JSON error
+            if chunks is not None:
+                await chunks.aclose()
+            if isinstance(exc, asyncio.CancelledError):
+                self._outcomes.count(model, "cancelled", body.streaming)
+                raise
+            return self._outcomes.fail(exc, model, body.streaming)
+        job = SpeechJob(body, model, chunks, first, deadline, started,
+                        usage_in=len(synthesis.prompt.text_ids) + len(synthesis.prompt.instruct_ids or ()))
+        headers: dict[str, str] = {}  # Serve's proxy adds X-Request-Id (the client's own, or a new one)
+        if body.streaming:
+            return stream_response(job, self._outcomes, self._work, headers)
+        return await whole_response(job, self._outcomes, headers)
+
+    # ------------------------------------------------------------------ models, voices, health
+    async def models(self):
+        return self._router.describe()
+
+    async def list_voices(self):
+        return await self._voices.listing()
+
+    async def upload_voice(self, request: Request):
+        return await self._voices.upload(request)
+
+    async def delete_voice(self, name: str):
+        return await self._voices.delete(name)
+
+    async def health(self):
+        return health.health()
+
+    async def ready(self):
+        """200 only when every Talker and Code2Wav has a warmed-up replica and every model info is loaded."""
+        return await health.readiness(self._router, self._code2wav)

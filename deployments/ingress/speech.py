@@ -1,0 +1,134 @@
+"""Writing an accepted speech request's audio: one whole body, or a stream of raw bytes or SSE events.
+
+Both writers take a `SpeechJob` whose decoded-chunk pipeline already produced its first chunk (so every
+failure before audio was a JSON error), run within the request's deadline, and record the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi.responses import Response, StreamingResponse
+
+from deployments.audio_formats import MEDIA_TYPES
+from deployments.errors import StreamAborted, to_api_error
+from deployments.http_guard import OpenWork
+from deployments.ingress import sse
+from deployments.ingress.outcomes import Outcomes
+from deployments.playback import PlaybackClock
+from deployments.protocol import DecodedChunk
+from deployments.schemas import SpeechRequest
+from deployments.stream_encoders import encode, open_stream_encoder
+from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
+
+logger = logging.getLogger("ray.serve")
+
+
+@dataclass
+class SpeechJob:
+    """One accepted speech request: its decoded-chunk pipeline (first chunk already in hand) and bookkeeping."""
+
+    body: SpeechRequest
+    model: str
+    chunks: AsyncIterator[DecodedChunk]
+    first: DecodedChunk | None
+    deadline: float  # event-loop time
+    started: float  # perf_counter at arrival
+    usage_in: int  # prompt text (+ instruction) tokens
+
+
+async def whole_response(job: SpeechJob, outcomes: Outcomes, headers: dict[str, str]) -> Response:
+    """All the audio in one body of `response_format`, usage in X-* headers; a failure is a JSON error."""
+    pieces, finish = [], None
+    try:
+        async with asyncio.timeout_at(job.deadline):
+            chunk = job.first
+            while chunk is not None:
+                pieces.append(chunk.pcm)
+                finish = chunk.finish_reason or finish
+                chunk = await anext(job.chunks, None)
+    except BaseException as exc:  # noqa: BLE001
+        await job.chunks.aclose()
+        if isinstance(exc, asyncio.CancelledError):
+            outcomes.count(job.model, "cancelled", False)
+            raise
+        return outcomes.fail(exc, job.model, False)
+    pcm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int16)
+    frames = pcm.size // SAMPLES_PER_FRAME
+    data = await asyncio.to_thread(encode, pcm, job.body.response_format, speed=job.body.speed)
+    outcomes.finish(job.model, job.started, False, frames, time_to_first=time.perf_counter() - job.started)
+    headers.update({"X-Usage-Input-Tokens": str(job.usage_in), "X-Usage-Output-Tokens": str(frames),
+                    "X-Audio-Duration-S": f"{round(pcm.size / job.body.speed) / SAMPLE_RATE:.3f}",
+                    "X-Finish-Reason": finish.value if finish else "unknown"})
+    return Response(content=data, media_type=MEDIA_TYPES[job.body.response_format], headers=headers)
+
+
+def stream_response(job: SpeechJob, outcomes: Outcomes, work: OpenWork, headers: dict[str, str]) -> StreamingResponse:
+    """The audio as it comes: raw encoded bytes, or SSE events (`stream_format: sse`)."""
+    sse_events = job.body.stream_format == "sse"
+    return StreamingResponse(_stream(job, outcomes, work),
+                             media_type=sse.MEDIA_TYPE if sse_events else MEDIA_TYPES[job.body.response_format],
+                             headers=headers)
+
+
+async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIterator[bytes]:
+    as_sse, model = job.body.stream_format == "sse", job.model
+    frames, status, finish, audio_sent = 0, "ok", None, False
+    playback = PlaybackClock()
+    work.acquire(check=False)  # the stream holds its own count while it is sent (deployments/http_guard.py)
+    outcomes.stream_opened(model)
+    try:
+        encoder = open_stream_encoder(job.body.response_format, speed=job.body.speed)
+        cheap = job.body.response_format in ("pcm", "wav") and job.body.speed == 1.0
+
+        async def encoded(step, *args) -> bytes:  # FFmpeg's work leaves the event loop; pcm/wav cost nothing
+            return step(*args) if cheap else await asyncio.to_thread(step, *args)
+
+        chunk, unsent_s = job.first, 0.0
+        while True:
+            if chunk is not None:
+                frames += chunk.pcm.size // SAMPLES_PER_FRAME
+                finish = chunk.finish_reason or finish
+                unsent_s += chunk.pcm.size / SAMPLE_RATE / job.body.speed
+                data = await encoded(encoder.push, chunk.pcm)
+            else:
+                data = await encoded(encoder.finish)
+            if data:  # a stream may end with an empty final chunk; a codec may hold a short chunk back
+                playback.sent(unsent_s)
+                unsent_s = 0.0
+                yield sse.delta(data) if as_sse else data
+                if not audio_sent:
+                    audio_sent = True
+                    outcomes.first_stream_audio(model, job.started)
+            if chunk is None:
+                break
+            async with asyncio.timeout_at(job.deadline):
+                chunk = await anext(job.chunks, None)
+        if as_sse:
+            yield sse.done(job.usage_in, frames, finish)
+    except asyncio.CancelledError:
+        status = "cancelled"  # the client went away: closing `chunks` below aborts the Talker
+        raise
+    except BaseException as exc:  # noqa: BLE001 - mid-stream: the status line is sent, end the stream
+        error = to_api_error(exc)
+        status = "timeout" if error.status == 504 else "error"
+        logger.warning(f"{model}: stream failed after {frames} frames: {error.message}")
+        if as_sse:
+            yield sse.error(error)
+        else:
+            # raw bytes can only say "failed" through their framing: the response ends without its
+            # terminating chunk, so clients see an incomplete read rather than a short clip that looks whole
+            raise StreamAborted(error.message) from None
+    finally:
+        await job.chunks.aclose()
+        work.release()
+        outcomes.stream_closed(model, playback)
+        if status == "ok":
+            outcomes.finish(model, job.started, True, frames)
+        else:
+            outcomes.count(model, status, True)

@@ -1,0 +1,154 @@
+"""Voices in the ingress: the clone prompt a speech request uses, and the `/v1/audio/voices` endpoints.
+
+Uploaded voices live on disk (deployments/voices.py, `VoiceStore`); every read and write of it runs in a
+thread, never on the event loop. A Base Talker computes clone prompts; the ingress caches them (uploaded
+voices on disk per checkpoint fingerprint, inline `ref_audio` clips in memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+from fastapi import Request
+from ray.serve.handle import DeploymentHandle
+
+from deployments import constants as C
+from deployments.config import IngressConfig
+from deployments.errors import APIError, bad_request, plain, shown, unwrap
+from deployments.http_guard import OpenWork
+from deployments.ingress.outcomes import Outcomes
+from deployments.ingress.routing import ModelRouter
+from deployments.planning import VoiceChoice
+from deployments.protocol import ModelInfo
+from deployments.ref_audio import load_ref_audio, probe_audio, read_voice_upload
+from deployments.schemas import SpeechRequest
+from deployments.voices import VOICE_NAME_PATTERN, VoiceRecord, VoiceStore
+from stages.contract import TaskType, VoiceClonePrompt
+
+logger = logging.getLogger("ray.serve")
+
+VoiceFinder = Callable[[str], VoiceRecord | None]  # uploaded voice by name (case-insensitive), or None
+
+
+class Voices:
+    def __init__(self, store: VoiceStore, router: ModelRouter, limits: IngressConfig, work: OpenWork,
+                 outcomes: Outcomes):
+        self._store, self._router, self._limits = store, router, limits
+        self._work, self._outcomes = work, outcomes
+        self._inline: OrderedDict[str, VoiceClonePrompt] = OrderedDict()
+
+    # ------------------------------------------------------------------ speech requests
+    async def finder(self, body: SpeechRequest) -> VoiceFinder:
+        """The uploaded voices `body` may name, read from disk in a thread, as the lookup that request
+        planning (deployments/planning.py) calls synchronously."""
+        names = {n for n in (body.voice, (body.voice or "").strip()) if _could_be_uploaded(n)}
+        found = await asyncio.to_thread(lambda: {n: self._store.find(n) for n in names}) if names else {}
+
+        def find(name: str) -> VoiceRecord | None:
+            if name in found:
+                return found[name]
+            if _could_be_uploaded(name):  # planning asked about a name it does not take from the request
+                raise LookupError(f"voice {name!r} was not looked up before planning")
+            return None
+
+        return find
+
+    async def prompt(self, body: SpeechRequest, info: ModelInfo, choice: VoiceChoice) -> VoiceClonePrompt | None:
+        """The clone prompt of a Base request: its own clip (cached in memory) or an uploaded voice's."""
+        handle = self._router.handle(info.name)
+        if choice.inline:
+            audio, _mime = await load_ref_audio(body.ref_audio, self._limits)
+            probe_audio(audio, self._limits.max_ref_audio_seconds)
+            ref_text = (body.ref_text or "").strip() or None
+            key = hashlib.sha256(audio).hexdigest() + json.dumps([ref_text, body.x_vector_only_mode, info.fingerprint])
+            prompt = self._inline.get(key)
+            if prompt is None:
+                prompt = await _create_voice(handle, audio, ref_text, body.x_vector_only_mode, "ref_audio")
+                self._inline[key] = prompt
+                while len(self._inline) > C.INLINE_VOICE_CACHE_SIZE:
+                    self._inline.popitem(last=False)
+            self._inline.move_to_end(key)
+            return prompt
+        if choice.uploaded is not None:
+            record = choice.uploaded
+            prompt = await asyncio.to_thread(self._store.prompt, record, info.fingerprint)
+            if prompt is None:  # a model added after the upload: compute once, keep it
+                audio = await asyncio.to_thread(self._store.audio, record)
+                prompt = await _create_voice(handle, audio, record.ref_text, record.x_vector_only_mode, "voice")
+                await asyncio.to_thread(self._store.put_prompt, record, info.fingerprint, prompt)
+            return prompt
+        return None
+
+    # ------------------------------------------------------------------ /v1/audio/voices
+    async def listing(self) -> dict:
+        infos = await self._router.infos(self._limits.request_timeout_s)
+        uploaded = await asyncio.to_thread(self._store.list)
+        voices_of = {TaskType.VOICE_DESIGN: [C.DEFAULT_VOICE_NAME], TaskType.BASE: [r.name for r in uploaded]}
+        per_model = {i.name: {"task_type": i.task.value, "voices": voices_of.get(i.task, i.speakers)} for i in infos}
+        presets = sorted({s for i in infos for s in i.speakers})
+        return {"voices": presets, "uploaded_voices": [r.public() for r in uploaded], "models": per_model}
+
+    async def upload(self, request: Request):
+        try:
+            with self._work.admit():
+                return await self._upload(request)
+        except Exception as exc:  # noqa: BLE001 - a full Talker is 429 JSON + Retry-After, as for speech
+            return self._outcomes.error(exc).response()
+
+    async def _upload(self, request: Request) -> dict:
+        async with asyncio.timeout(self._limits.request_timeout_s):
+            name, audio, mime, ref_text, x_vector_only = await read_voice_upload(request, self._limits)
+            if ref_text is not None and len(ref_text) > self._limits.max_ref_text_chars:
+                raise bad_request(f"ref_text is {len(ref_text)} characters; the limit is "
+                                  f"{self._limits.max_ref_text_chars}", "ref_text", code="input_too_long")
+            if not VOICE_NAME_PATTERN.match(name):
+                raise bad_request(f"voice name {shown(name)} must match {VOICE_NAME_PATTERN.pattern}", "name")
+            infos = await self._router.infos(self._limits.request_timeout_s)
+            if name.lower() == C.DEFAULT_VOICE_NAME or any(name.lower() in i.speakers for i in infos):
+                raise bad_request(f"voice name {shown(name)} is taken by a preset voice", "name", code="name_taken")
+            existing = await asyncio.to_thread(self._store.list)
+            if name not in {r.name for r in existing} and len(existing) >= self._limits.max_uploaded_voices:
+                raise bad_request(f"there are already {len(existing)} uploaded voices (the limit)", "name",
+                                  code="too_many_voices")
+            probe_audio(audio, self._limits.max_ref_audio_seconds, "audio_sample")
+            base = [i for i in infos if i.task is TaskType.BASE]
+            if not base:
+                raise bad_request(f"uploaded voices are for Base (voice clone) models; none is served "
+                                  f"(served: {[i.name for i in infos]})", code="unsupported_task")
+            x_vector_only = x_vector_only or ref_text is None
+            prompts = await asyncio.gather(*(
+                _create_voice(self._router.handle(i.name), audio, ref_text, x_vector_only, "audio_sample")
+                for i in base))
+            record = await asyncio.to_thread(
+                self._store.save, name, audio, ref_text, x_vector_only, mime,
+                {i.fingerprint: p for i, p in zip(base, prompts, strict=True)})
+        logger.info(f"voice {name!r} uploaded ({len(audio)} bytes, prompts for {[i.name for i in base]})")
+        return {"success": True, "voice": record.public()}
+
+    async def delete(self, name: str) -> dict:
+        record = await asyncio.to_thread(self._store.find, name) if name else None  # case-insensitive, as in use
+        if record is None or not await asyncio.to_thread(self._store.delete, record.name):
+            raise APIError(404, f"no uploaded voice named {shown(name)}", param="name", code="voice_not_found")
+        return {"success": True, "name": record.name}
+
+
+def _could_be_uploaded(name: str | None) -> bool:
+    """False for a name no uploaded voice can have (not a valid voice name, or the default voice's)."""
+    return bool(name) and VOICE_NAME_PATTERN.match(name) is not None and name.lower() != C.DEFAULT_VOICE_NAME
+
+
+async def _create_voice(handle: DeploymentHandle, audio: bytes, ref_text: str | None, x_vector_only: bool,
+                        param: str) -> VoiceClonePrompt:
+    """The Base Talker computes the clone prompt; audio it cannot use (ValueError) is the client's fault."""
+    try:
+        return await handle.create_voice.remote(audio, ref_text, x_vector_only)
+    except Exception as exc:  # noqa: BLE001
+        inner = unwrap(exc)
+        if isinstance(inner, ValueError):
+            raise bad_request(f"{param}: {plain(inner)}", param, code="invalid_audio") from None
+        raise

@@ -1,0 +1,79 @@
+"""The ingress class is built from a plain class and an endpoint map (no cluster): routes, pickling, voices."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import pytest
+from ray import cloudpickle
+
+from deployments.http_guard import BodyLimits
+from deployments.ingress import ENDPOINTS, TTSIngress, make_fastapi_app, make_fastapi_ingress
+from deployments.ingress.voices import Voices
+from deployments.openapi import build_openapi
+from deployments.schemas import SpeechRequest
+from deployments.voices import VoiceStore
+
+
+def _routes(app) -> set[tuple[str, str]]:
+    doc = build_openapi(app)
+    return {(method.upper(), path) for path, methods in doc["paths"].items() for method in methods}
+
+
+def test_every_endpoint_is_routed_to_its_method():
+    app = make_fastapi_app(BodyLimits(1000, 1.0))
+    make_fastapi_ingress(TTSIngress, app=app)
+    assert _routes(app) == set(ENDPOINTS)
+    assert all(inspect.iscoroutinefunction(getattr(TTSIngress, name)) for name in ENDPOINTS.values())
+
+
+def test_building_twice_leaves_the_class_as_written():
+    signatures = {name: inspect.signature(getattr(TTSIngress, name)) for name in set(ENDPOINTS.values())}
+    docs = []
+    for _ in range(2):
+        app = make_fastapi_app(None)
+        make_fastapi_ingress(TTSIngress, app=app)
+        docs.append(build_openapi(app))
+    assert docs[0] == docs[1]
+    assert {name: inspect.signature(getattr(TTSIngress, name)) for name in signatures} == signatures
+    assert not any(hasattr(getattr(TTSIngress, name), "_serve_cls") for name in signatures)
+
+
+def test_the_server_class_pickles_by_reference():
+    # importable code, not a by-value copy of the class and the helpers its methods use
+    assert len(cloudpickle.dumps(TTSIngress)) < 200
+    assert len(cloudpickle.dumps(make_fastapi_ingress(TTSIngress, app=make_fastapi_app(None)))) > 0
+
+
+def test_voice_lookups_run_off_the_event_loop(tmp_path):
+    store = VoiceStore(tmp_path)
+    store.save("Alice", b"RIFF", None, True, "audio/wav", {})
+    looked_up = []
+
+    def find(name, _find=store.find):
+        looked_up.append((name, _on_event_loop()))
+        return _find(name)
+
+    store.find = find
+    voices = Voices(store, router=None, limits=None, work=None, outcomes=None)
+
+    async def plan(voice):
+        return await voices.finder(SpeechRequest.model_validate({"input": "x", "voice": voice}))
+
+    finder = asyncio.run(plan(" alice "))
+    assert finder("alice").name == "Alice" and finder(" alice ") is None
+    assert finder("default") is None and finder("") is None and finder("not a name!") is None
+    with pytest.raises(LookupError):
+        finder("bob")  # planning may only ask about the request's own voice
+    assert looked_up == [("alice", False)]
+    assert asyncio.run(plan("vivian"))("vivian") is None
+    assert asyncio.run(plan("Default"))("Default") is None and len(looked_up) == 2  # no disk read for it
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

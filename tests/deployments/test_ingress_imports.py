@@ -1,0 +1,48 @@
+"""The CPU ingress stays light: its replica process tokenizes requests without importing transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+from deployments.protocol import ModelInfo
+from stages.config import GenerationDefaults, ModelConfig
+from stages.prompts import TextTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# what an ingress replica does: import its class, receive a Talker's ModelInfo, plan (tokenize) a request
+REPLICA = """
+import json, pickle, sys
+import deployments.ingress
+info = pickle.loads(sys.stdin.buffer.read())
+loaded = {m: m in sys.modules for m in ("transformers", "torch")}
+from deployments.config import TTSServingArgs
+from deployments.planning import build_request, choose_voice
+from deployments.schemas import SpeechRequest
+args = TTSServingArgs.model_validate({"models": [{"name": info.name}]})
+body = SpeechRequest.model_validate({"input": "Hello there, 42 times!", "voice": "vivian", "instructions": "calm"})
+request, _ = build_request(body, info, choose_voice(body, info, lambda name: None), None, args, "r")
+print(json.dumps({"loaded": loaded, "transformers": "transformers" in sys.modules,
+                  "text_ids": list(request.prompt.text_ids), "instruct_ids": list(request.prompt.instruct_ids)}))
+"""
+
+
+def test_ingress_tokenizes_without_transformers(tiny_custom_voice):
+    tokenizer = TextTokenizer(tiny_custom_voice)
+    info = ModelInfo(name="cv", aliases=(), config=ModelConfig.from_file(tiny_custom_voice / "config.json"),
+                     generation=GenerationDefaults.from_file(tiny_custom_voice / "generation_config.json"),
+                     tokenizer=tokenizer, max_seq_len=512, fingerprint="cv", default_max_new_tokens=300)
+    result = subprocess.run([sys.executable, "-c", REPLICA], input=pickle.dumps(info), capture_output=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    out = json.loads(result.stdout.decode().strip().splitlines()[-1])
+    # importing the ingress and unpickling a Talker's ModelInfo load neither library
+    assert out["loaded"] == {"transformers": False, "torch": False}
+    assert out["transformers"] is False  # nor does tokenizing and planning a request
+    assert out["text_ids"] == list(tokenizer.target_ids("Hello there, 42 times!")[1])
+    assert out["instruct_ids"] == list(tokenizer.instruct_ids("calm"))
