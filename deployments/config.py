@@ -192,6 +192,9 @@ class IngressConfig(_DeploymentOptions):
     )
     voices_dir: str | None = Field(None, description="uploaded voices (shared storage when there are several nodes)")
     max_uploaded_voices: int = Field(C.DEFAULT_MAX_UPLOADED_VOICES, ge=0)
+    max_contexts_per_connection: int = Field(C.DEFAULT_MAX_CONTEXTS_PER_CONNECTION, ge=1, description=(
+        "contexts (utterances) open at once on one `/v1/audio/speech/stream` WebSocket; each also counts in "
+        "max_open_requests"))
     allow_suppress_eos: bool = Field(False, description=(
         "accept `suppress_eos` (benchmarks, random-weight tests); off in production: it lets any client force "
         "maximum-length generation"))

@@ -54,7 +54,11 @@ class TalkerMetrics:
         tags = ("model",)
         self.waiting = metrics.Gauge("tts_talker_waiting", description="Requests waiting for an engine slot.",
                                      tag_keys=tags)
-        self.running = metrics.Gauge("tts_talker_running", description="Requests in engine slots.", tag_keys=tags)
+        self.running = metrics.Gauge("tts_talker_running", description="Requests in engine slots (live-text ones "
+                                     "waiting for text included: they keep their slot).", tag_keys=tags)
+        self.waiting_for_text = metrics.Gauge(
+            "tts_talker_waiting_for_text", description="Live-text requests (WebSocket contexts) waiting for their "
+            "client's next text: in a slot without stepping, or not yet prefilled.", tag_keys=tags)
         self.slots = metrics.Gauge("tts_talker_slots", description="Engine slots (max running requests).",
                                    tag_keys=tags)
         self.kv_usage = metrics.Gauge("tts_talker_kv_usage", description="Fraction of KV-cache positions reserved.",
@@ -66,7 +70,8 @@ class TalkerMetrics:
             "stats refresh (one observation per refresh, not per step).",
             boundaries=BATCH_BUCKETS, tag_keys=tags,
         )
-        for metric in (self.waiting, self.running, self.slots, self.kv_usage, self.frames, self.mean_batch_size):
+        for metric in (self.waiting, self.running, self.waiting_for_text, self.slots, self.kv_usage, self.frames,
+                       self.mean_batch_size):
             metric.set_default_tags({"model": model})
 
 

@@ -23,14 +23,20 @@ _END = object()
 
 async def stream_audio(
     talker: DeploymentHandle, decoder: DecodeBatcher, request: SynthesisRequest, options: GenerateOptions,
-    depth: int, transport: StageTransport,
+    depth: int, transport: StageTransport, mailbox=None,
 ) -> AsyncIterator[DecodedChunk]:
     """Decoded chunks of one request, in stream order. Closing the iterator cancels the whole pipeline.
+
+    With `mailbox` (a `TextMailbox`) the request is live: `Talker.generate_live` takes its text from there.
 
     Errors of either stage (e.g. the Talker rejecting the request) surface when the affected chunk is
     awaited; the first chunk therefore tells whether the request was accepted.
     """
-    generator = stage_handle(talker, transport).options(stream=True).generate.remote(request, options)
+    talker = stage_handle(talker, transport).options(stream=True)
+    if mailbox is None:
+        generator = talker.generate.remote(request, options)
+    else:
+        generator = talker.generate_live.remote(request, options, mailbox)
     pending: asyncio.Queue = asyncio.Queue(maxsize=depth)
 
     async def submit() -> None:

@@ -123,18 +123,26 @@ def choose_voice(body: SpeechRequest, info: ModelInfo, find_voice) -> VoiceChoic
     return VoiceChoice(uploaded=record)
 
 
-def check_limits(body: SpeechRequest, limits: IngressConfig) -> None:
-    """Size limits and server switches, checked before anything costly happens."""
+def check_limits(body: SpeechRequest, limits: IngressConfig, live: bool = False) -> None:
+    """Size limits and server switches, checked before anything costly happens. A live request (WebSocket
+    context) may open without text: its text comes later (`check_live_text`)."""
     for field, limit in (("input", limits.max_input_chars), ("instructions", limits.max_instructions_chars),
                          ("ref_text", limits.max_ref_text_chars)):
         value = getattr(body, field) or ""
         if len(value) > limit:
             raise bad_request(f"{field} is {len(value)} characters; the limit is {limit}", field,
                               code="input_too_long")
-    if not body.input.strip():
+    if not live and not body.input.strip():
         raise bad_request("input text is empty", "input", code="empty_input")
     if body.suppress_eos and not limits.allow_suppress_eos:
         raise bad_request("suppress_eos is disabled on this server", "suppress_eos")
+
+
+def check_live_text(total_chars: int, limits: IngressConfig) -> None:
+    """A live context's text so far (all its pieces) within `max_input_chars`."""
+    if total_chars > limits.max_input_chars:
+        raise bad_request(f"the context's text would be {total_chars} characters; the limit is "
+                          f"{limits.max_input_chars}", "text", code="input_too_long")
 
 
 def check_request(body: SpeechRequest, info: ModelInfo, args: TTSServingArgs) -> SamplingParams:
@@ -161,26 +169,31 @@ def check_request(body: SpeechRequest, info: ModelInfo, args: TTSServingArgs) ->
 
 def build_request(
     body: SpeechRequest, info: ModelInfo, choice: VoiceChoice, voice: VoiceClonePrompt | None,
-    args: TTSServingArgs, request_id: str,
+    args: TTSServingArgs, request_id: str, live: bool = False, idle_timeout_s: float | None = None,
 ) -> tuple[SynthesisRequest, GenerateOptions]:
     """The engine's request. Its length is checked here against the model's `max_seq_len` (prompt
     positions + frames), so a request that cannot fit is a 400 from the ingress, never an exception
-    (and a logged traceback) in the Talker."""
-    from stages.prompts import build_prompt
+    (and a logged traceback) in the Talker.
+
+    `live`: a request whose text arrives while it runs (`Talker.generate_live`): its prompt has no text and
+    the streaming-text layout, whose length does not depend on the text."""
+    from stages.prompts import build_live_prompt, build_prompt
     from stages.talker.prefill import prefill_length
 
     sampling = check_request(body, info, args)
     if voice is not None and body.x_vector_only_mode and voice.icl:
         voice = VoiceClonePrompt(x_vector=voice.x_vector)
+    kw = dict(task=info.task, speaker=choice.speaker, language=body.language, instruct=body.instructions, voice=voice)
     try:
-        prompt = build_prompt(
-            info.config, info.tokenizer, body.input, task=info.task, speaker=choice.speaker,
-            language=body.language, instruct=body.instructions, voice=voice,
-        )
+        if live:
+            prompt = build_live_prompt(info.config, info.tokenizer, **kw)
+        else:
+            prompt = build_prompt(info.config, info.tokenizer, body.input, **kw)
     except InvalidRequestError as e:
         raise bad_request(str(e)) from None
 
-    prompt_len = prefill_length(prompt)
+    # a live prompt's length is that of any text in its layout: one placeholder id sizes it
+    prompt_len = prefill_length(dataclasses.replace(prompt, text_ids=(0,)) if live else prompt)
     room = info.max_seq_len - prompt_len - 2  # frames that fit: the engine needs prompt + frames + 2 positions
     if body.max_new_tokens is not None:
         if body.max_new_tokens > room:
@@ -201,5 +214,6 @@ def build_request(
     request = SynthesisRequest(request_id=request_id, prompt=prompt, sampling=sampling, max_frames=max_frames,
                                seed=body.seed)
     options = GenerateOptions(first_chunk_frames=body.initial_codec_chunk_frames,
-                              fit_max_frames=body.max_new_tokens is None)
+                              fit_max_frames=body.max_new_tokens is None and not live,
+                              text_idle_timeout_s=idle_timeout_s)
     return request, options

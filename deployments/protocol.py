@@ -56,6 +56,7 @@ class GenerateOptions:
 
     first_chunk_frames: int | None = None  # None: the configured schedule
     fit_max_frames: bool = False  # True: shorten max_frames to what fits the engine's max_seq_len
+    text_idle_timeout_s: float | None = None  # live text: the request's own idle timeout (<= the engine's)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ tokenizer crash), and NaN/infinity are refused.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -134,3 +134,71 @@ class VoiceUploadJSON(BaseModel):
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
         return check_unicode(value)
+
+
+# ---------------------------------------------------------------------------------------------- WebSocket
+# `/v1/audio/speech/stream` (deployments/ingress/live.py, docs/websocket.md): JSON text messages from the client.
+# A context is one utterance stream; its id tags its audio frames, so it is short and plain.
+ContextId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+MAX_TEXT_PIECE_CHARS = 65536  # one message's text; the context's total is limited by `ingress.max_input_chars`
+
+
+class LiveOpen(SpeechRequest):
+    """`open`: the fields of `POST /v1/audio/speech` (`input` = text to start with, optional) and a context id."""
+
+    type: Literal["open"]
+    context_id: ContextId
+    input: str = Field("", description="text to start with (more comes with `append`)")
+    idle_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description=(
+        "end the context (error `text_timeout`) when no text came for this long while it waits for text; "
+        "at most the server's"))
+
+    @model_validator(mode="after")
+    def _no_http_only_fields(self) -> LiveOpen:
+        for name in ("stream", "stream_format", "timeout_s"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"`{name}` does not apply on the WebSocket (contexts always stream; "
+                                 "`idle_timeout_s` bounds their waits)")
+        return self
+
+
+class _LiveControl(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        return check_unicode(value)
+
+
+class LiveAppend(_LiveControl):
+    """`append`: more text, in pieces of any size (a token, a character)."""
+
+    type: Literal["append"]
+    context_id: ContextId
+    text: str = Field(max_length=MAX_TEXT_PIECE_CHARS)
+
+
+class LiveFlush(_LiveControl):
+    """`flush`: speak the text so far to its end now, as if it ended; text after it is spoken after it."""
+
+    type: Literal["flush"]
+    context_id: ContextId
+
+
+class LiveEnd(_LiveControl):
+    """`end`: the context's text is complete (optionally with a last piece); `done` follows its audio."""
+
+    type: Literal["end"]
+    context_id: ContextId
+    text: str = Field("", max_length=MAX_TEXT_PIECE_CHARS)
+
+
+class LiveCancel(_LiveControl):
+    """`cancel`: stop the context now; its engine slot is freed and `done` says `cancelled`."""
+
+    type: Literal["cancel"]
+    context_id: ContextId
+
+
+LiveMessage = Annotated[LiveOpen | LiveAppend | LiveFlush | LiveEnd | LiveCancel, Field(discriminator="type")]

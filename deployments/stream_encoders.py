@@ -10,6 +10,7 @@ gapless tag).
 
 from __future__ import annotations
 
+import asyncio
 import io
 
 import numpy as np
@@ -122,6 +123,21 @@ class FFmpegEncoder(StreamEncoder):
 def open_stream_encoder(fmt: str, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> StreamEncoder:
     """An encoder for one stream of `fmt` (a key of FORMATS) at `speed` (1.0 = as generated)."""
     return _open(fmt, sample_rate, speed, seekable=False)
+
+
+class AsyncStreamEncoder:
+    """A stream encoder for an event loop: FFmpeg's work (and a time-stretch) runs in a thread, so one stream's
+    encoding never stalls the others; raw pcm/wav at speed 1 costs nothing and runs inline."""
+
+    def __init__(self, fmt: str, speed: float = 1.0):
+        self._encoder = open_stream_encoder(fmt, speed=speed)
+        self._inline = fmt in ("pcm", "wav") and speed == 1.0
+
+    async def push(self, pcm: np.ndarray) -> bytes:
+        return self._encoder.push(pcm) if self._inline else await asyncio.to_thread(self._encoder.push, pcm)
+
+    async def finish(self) -> bytes:
+        return self._encoder.finish() if self._inline else await asyncio.to_thread(self._encoder.finish)
 
 
 def encode(pcm: np.ndarray, response_format: str, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> bytes:

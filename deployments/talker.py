@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -24,7 +25,16 @@ from deployments.config import StreamingConfig, TalkerConfig
 from deployments.loading import build_engine, load_model, replica_log
 from deployments.metrics import TalkerMetrics
 from deployments.protocol import GenerateOptions, ModelInfo
-from stages.contract import CodecChunk, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
+from stages.contract import (
+    CodecChunk,
+    InvalidRequestError,
+    SamplingParams,
+    SynthesisRequest,
+    TaskType,
+    VoiceClonePrompt,
+)
+
+logger = logging.getLogger("ray.serve")
 
 DEFAULT_ENGINE_CLS = "stages.talker.engine:TalkerEngine"
 
@@ -106,6 +116,49 @@ class TalkerServer:
         finally:
             await stream.aclose()  # no-op after a normal end; aborts the request otherwise
 
+    async def generate_live(
+        self, request: SynthesisRequest, options: GenerateOptions, mailbox
+    ) -> AsyncGenerator[CodecChunk, None]:
+        """`generate` for a request whose text arrives while it runs (a WebSocket context).
+
+        `request.prompt` has no text (`stages.prompts.build_live_prompt`); the text comes from `mailbox` (the
+        calling ingress replica's `TextMailbox`, deployments/text_mailbox.py), where the ingress puts the
+        context's append/flush/end events; a task here takes them as they arrive and hands them to the engine,
+        which waits for text without stepping the request. Cancelling ends it as for `generate`.
+        """
+        schedule = self._schedule
+        if options.first_chunk_frames is not None:
+            schedule = dataclasses.replace(schedule, first_chunk_frames=options.first_chunk_frames)
+        stream = self._engine.open_request(request, schedule, idle_timeout_s=options.text_idle_timeout_s)
+        pump = asyncio.get_running_loop().create_task(self._pump_text(request.request_id, mailbox))
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            pump.cancel()
+            await stream.aclose()
+
+    async def _pump_text(self, request_id: str, mailbox) -> None:
+        """Mailbox -> engine for one live request, until its `end` (or until it ends: then appends refuse)."""
+        engine = self._engine
+        try:
+            while events := await mailbox.take.remote(request_id):
+                for event in events:
+                    if event.kind == "append":
+                        engine.append_text(request_id, event.text)
+                    elif event.kind == "flush":
+                        engine.flush_text(request_id)
+                    else:
+                        engine.end_text(request_id)
+                        return
+        except InvalidRequestError:  # the request ended first (max_frames, error): text after it is moot
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the mailbox is gone: its ingress replica, and so the client, are gone
+            logger.warning(f"live text of {request_id} lost (its ingress is gone?): {e!r}")
+        engine.abort(request_id)  # the box was closed (the ingress ended the context) or lost
+
     async def create_voice(self, audio: bytes, ref_text: str | None, x_vector_only: bool) -> VoiceClonePrompt:
         """Reference clip (+ transcript) -> the Base model's voice-clone prompt (speaker + codec encoders).
 
@@ -135,7 +188,8 @@ class TalkerServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         s = self._engine.stats()
-        return {"waiting": float(s.waiting), "running": float(s.running), "slots": float(s.max_running)}
+        # a live request waiting for text keeps its slot (parked); one not prefilled yet (held) takes none
+        return {"waiting": float(s.waiting), "running": float(s.running + s.parked), "slots": float(s.max_running)}
 
     def __del__(self) -> None:
         if self._metrics_task is not None:
@@ -167,7 +221,8 @@ class TalkerServer:
         while True:
             s = self._engine.stats()
             m.waiting.set(s.waiting)
-            m.running.set(s.running)
+            m.running.set(s.running + s.parked)
+            m.waiting_for_text.set(s.parked + s.held)
             m.slots.set(s.max_running)
             m.kv_usage.set(s.kv_reserved_tokens / s.kv_total_tokens if s.kv_total_tokens else 0.0)
             if s.frames > last_frames:

@@ -29,6 +29,16 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_words(self, text: str) -> tuple[list[int], list[int | None], list[tuple[int, int]]]:
+        """-> (ids, the pre-tokenizer word of each id, each id's character offsets): where live text may be cut
+        (stages/text_stream.py)."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.word_ids, enc.offsets
+
+    def added_tokens(self) -> list[str]:
+        """The texts of the added (special) tokens, e.g. `<|im_start|>`."""
+        return [t.content for t in self._tok.get_added_tokens_decoder().values()]
+
     def target_ids(self, text: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """-> (role ids, text ids) of the target template."""
         ids = self.encode(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")

@@ -115,8 +115,7 @@ class TextStream:
     def _stable(self) -> tuple[list[int], tuple[int, ...] | None, int]:
         """-> (ids before the last safe cut, role ids, the cut's offset in the tail); cut 0: none yet."""
         prefix = _ROLE_PREFIX if self._fresh else ""
-        enc = self._tok._tok(prefix + self._tail, add_special_tokens=False, return_offsets_mapping=True)
-        ids, words, offsets = enc["input_ids"], enc.word_ids(), enc["offset_mapping"]
+        ids, words, offsets = self._tok.encode_words(prefix + self._tail)
         first = _ROLE_IDS if self._fresh else 0
         role = tuple(ids[:_ROLE_IDS]) if self._fresh else None
         limit = self._special_prefix_start()
@@ -147,7 +146,7 @@ class TextStream:
 @functools.lru_cache(maxsize=8)
 def _special_prefixes(tokenizer: TextTokenizer) -> tuple[frozenset[str], int]:
     """Proper prefixes of the tokenizer's special tokens (matched in the raw text), and the longest's length."""
-    specials = [t.content for t in tokenizer._tok.added_tokens_decoder.values()]
+    specials = tokenizer.added_tokens()
     return frozenset(s[:k] for s in specials for k in range(1, len(s))), max((len(s) for s in specials), default=1)
 
 

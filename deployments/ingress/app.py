@@ -26,13 +26,15 @@ from deployments.http_guard import BodyGuard, BodyLimits
 TITLE, VERSION = "Qwen3-TTS on Ray Serve", "0.1.0"
 
 # (HTTP method, path) -> the server method that answers it. Methods of one path served by the same server
-# method become one route (GET and HEAD /health). The order is the OpenAPI document's.
+# method become one route (GET and HEAD /health). The order is the OpenAPI document's ("WEBSOCKET" routes are
+# not in it: docs/websocket.md describes their messages).
 ENDPOINTS: dict[tuple[str, str], str] = {
     ("POST", "/v1/audio/speech"): "speech",
     ("GET", "/v1/models"): "models",
     ("GET", "/v1/audio/voices"): "list_voices",
     ("POST", "/v1/audio/voices"): "upload_voice",
     ("DELETE", "/v1/audio/voices/{name}"): "delete_voice",
+    ("WEBSOCKET", "/v1/audio/speech/stream"): "speech_stream",  # live text in (deployments/ingress/live.py)
     ("GET", "/health"): "health",
     ("HEAD", "/health"): "health",
     ("GET", "/ready"): "ready",
@@ -57,7 +59,10 @@ def make_fastapi_ingress(cls: type, *, app: FastAPI, endpoints: dict[tuple[str, 
     for (http_method, path), name in endpoints.items():
         routes.setdefault((path, name), []).append(http_method)
     for (path, name), http_methods in routes.items():
-        app.api_route(path, methods=http_methods)(_endpoint(cls, name))
+        if http_methods == ["WEBSOCKET"]:
+            app.add_api_websocket_route(path, _endpoint(cls, name))
+        else:
+            app.api_route(path, methods=http_methods)(_endpoint(cls, name))
     return serve.ingress(app)(cls)
 
 

@@ -17,7 +17,7 @@ from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
 logger = logging.getLogger("ray.serve")
 
 # an error's HTTP status -> the `status` tag of tts_requests (others: "error" from 500 up, else "bad_request")
-_STATUS_TAGS = {400: "bad_request", 404: "not_found", 413: "bad_request", 429: "rejected", 503: "rejected",
+_STATUS_TAGS = {400: "bad_request", 404: "not_found", 408: "timeout", 413: "bad_request", 429: "rejected", 503: "rejected",
                 504: "timeout"}
 
 
@@ -41,9 +41,13 @@ class Outcomes:
 
     def fail(self, exc: BaseException, model: str, stream: bool) -> JSONResponse:
         """A request that ends before its audio: counted, and answered with its JSON error."""
+        return self.failed(exc, model, stream).response()
+
+    def failed(self, exc: BaseException, model: str, stream: bool) -> APIError:
+        """A failed request (or WebSocket context), counted: -> the error its client gets."""
         error = self.error(exc)
         self.count(model, _STATUS_TAGS.get(error.status, "error" if error.status >= 500 else "bad_request"), stream)
-        return error.response()
+        return error
 
     def count(self, model: str, status: str, stream: bool) -> None:
         self.metrics.requests.inc(tags={"model": model, "status": status, "stream": str(stream).lower()})

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import Request
+from fastapi import Request, WebSocket
 from fastapi.responses import Response
 from ray.serve.handle import DeploymentHandle
 
@@ -24,16 +24,19 @@ from deployments.decode_batcher import DecodeBatcher
 from deployments.errors import APIError
 from deployments.http_guard import OpenWork
 from deployments.ingress import health
+from deployments.ingress.live import LiveSession
 from deployments.ingress.outcomes import Outcomes
 from deployments.ingress.routing import ModelRouter
 from deployments.ingress.speech import SpeechJob, stream_response, whole_response
 from deployments.ingress.voices import Voices
 from deployments.pipeline import stream_audio
-from deployments.planning import build_request, check_limits, check_request
-from deployments.protocol import DecodedChunk
+from deployments.planning import VoiceChoice, build_request, check_limits, check_request
+from deployments.protocol import DecodedChunk, ModelInfo
 from deployments.schemas import SpeechRequest
+from deployments.text_mailbox import new_mailbox
 from deployments.transport import max_answer_bytes, stage_handle
 from deployments.voices import VoiceStore
+from stages.contract import SynthesisRequest
 
 
 class TTSIngress:
@@ -49,7 +52,12 @@ class TTSIngress:
         self._decoder = DecodeBatcher(stage_handle(code2wav, limits.stage_transport), limits.decode_batch.max_chunks,
                                       limits.decode_batch.max_calls_in_flight, max_answer_bytes(limits.stage_transport))
         self._voices = Voices(VoiceStore(limits.voices_path), self._router, limits, self._work, self._outcomes)
+        self._mailbox = None  # this replica's TextMailbox, made with its first WebSocket context
         self._router.prefetch()
+
+    @property
+    def args(self) -> TTSServingArgs:
+        return self._args
 
     # ------------------------------------------------------------------ speech
     async def speech(self, body: SpeechRequest):
@@ -71,19 +79,12 @@ class TTSIngress:
         chunks: AsyncIterator[DecodedChunk] | None = None
         try:
             check_limits(body, self._limits)
-            # validation first, then the client's deadline: a tiny `timeout_s` must not hide a 400. Routing
-            # waits only for a model's info (fetched once per replica) and a voice lookup on disk (in a
-            # thread), bounded by the server's deadline.
-            async with asyncio.timeout(self._limits.request_timeout_s):
-                find_voice = await self._voices.finder(body)
-                info, voice_choice = await self._router.route(body, find_voice)
+            # validation first, then the client's deadline: a tiny `timeout_s` must not hide a 400
+            info, voice_choice = await self.route(body)
             model = info.name
             check_request(body, info, self._args)
             async with asyncio.timeout_at(deadline):
-                voice = await self._voices.prompt(body, info, voice_choice)
-                synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id)
-                chunks = stream_audio(self._router.handle(info.name), self._decoder, synthesis, options,
-                                      self._args.streaming.max_pending_decodes, self._limits.stage_transport)
+                synthesis, chunks = await self.start(body, info, voice_choice, request_id)
                 first = await anext(chunks, None)
         except BaseException as exc:  # noqa: BLE001 - every failure before the first audio is one JSON error
             if chunks is not None:
@@ -98,6 +99,34 @@ class TTSIngress:
         if body.streaming:
             return stream_response(job, self._outcomes, self._work, headers)
         return await whole_response(job, self._outcomes, headers)
+
+    async def route(self, body: SpeechRequest) -> tuple[ModelInfo, VoiceChoice]:
+        """The request's model and voice. Waits only for a model's info (fetched once per replica) and a voice
+        lookup on disk (in a thread), bounded by the server's deadline."""
+        async with asyncio.timeout(self._limits.request_timeout_s):
+            find_voice = await self._voices.finder(body)
+            return await self._router.route(body, find_voice)
+
+    async def start(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, request_id: str,
+                    mailbox=None, idle_timeout_s: float | None = None,
+                    ) -> tuple[SynthesisRequest, AsyncIterator[DecodedChunk]]:
+        """The engine's request and its decoded-chunk pipeline (nothing runs until the first chunk is awaited).
+        With `mailbox` the request is live: its text comes through the mailbox (deployments/ingress/live.py)."""
+        voice = await self._voices.prompt(body, info, voice_choice)
+        synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id,
+                                           live=mailbox is not None, idle_timeout_s=idle_timeout_s)
+        chunks = stream_audio(self._router.handle(info.name), self._decoder, synthesis, options,
+                              self._args.streaming.max_pending_decodes, self._limits.stage_transport, mailbox)
+        return synthesis, chunks
+
+    # ------------------------------------------------------------------ live text (WebSocket)
+    async def speech_stream(self, websocket: WebSocket):
+        await LiveSession(websocket, self, self._live_mailbox, self._outcomes, self._work).run()
+
+    def _live_mailbox(self):
+        if self._mailbox is None:
+            self._mailbox = new_mailbox()
+        return self._mailbox
 
     # ------------------------------------------------------------------ models, voices, health
     async def models(self):

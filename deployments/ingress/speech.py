@@ -23,7 +23,7 @@ from deployments.ingress.outcomes import Outcomes
 from deployments.playback import PlaybackClock
 from deployments.protocol import DecodedChunk
 from deployments.schemas import SpeechRequest
-from deployments.stream_encoders import encode, open_stream_encoder
+from deployments.stream_encoders import AsyncStreamEncoder, encode
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
 
 logger = logging.getLogger("ray.serve")
@@ -83,21 +83,16 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
     work.acquire(check=False)  # the stream holds its own count while it is sent (deployments/http_guard.py)
     outcomes.stream_opened(model)
     try:
-        encoder = open_stream_encoder(job.body.response_format, speed=job.body.speed)
-        cheap = job.body.response_format in ("pcm", "wav") and job.body.speed == 1.0
-
-        async def encoded(step, *args) -> bytes:  # FFmpeg's work leaves the event loop; pcm/wav cost nothing
-            return step(*args) if cheap else await asyncio.to_thread(step, *args)
-
+        encoder = AsyncStreamEncoder(job.body.response_format, job.body.speed)
         chunk, unsent_s = job.first, 0.0
         while True:
             if chunk is not None:
                 frames += chunk.pcm.size // SAMPLES_PER_FRAME
                 finish = chunk.finish_reason or finish
                 unsent_s += chunk.pcm.size / SAMPLE_RATE / job.body.speed
-                data = await encoded(encoder.push, chunk.pcm)
+                data = await encoder.push(chunk.pcm)
             else:
-                data = await encoded(encoder.finish)
+                data = await encoder.finish()
             if data:  # a stream may end with an empty final chunk; a codec may hold a short chunk back
                 playback.sent(unsent_s)
                 unsent_s = 0.0

@@ -228,14 +228,14 @@ class TalkerEngine:
 
     # ------------------------------------------------------------------ live text (event-loop side)
     def open_request(self, request: SynthesisRequest, schedule: ChunkSchedule | None = None,
-                     text: str = "") -> ChunkStream:
+                     text: str = "", idle_timeout_s: float | None = None) -> ChunkStream:
         """Open a request whose text arrives while it runs; its chunks arrive on the returned stream.
 
         `request.prompt` carries everything but the text (`text_ids=()`; `stages.prompts.build_live_prompt`) and
         uses the streaming-text layout. Text then comes through `append_text` (pieces of any size), `flush_text`
         and `end_text`. The request is prefilled once its first word is final, steps while text is ahead of it,
-        and waits off the rows (keeping its slot and KV) when it is not; `text_idle_timeout_s` without text
-        while it waits ends it with `TextTimeoutError`. `abort` works as for `add_request`.
+        and waits off the rows (keeping its slot and KV) when it is not; `idle_timeout_s` (at most, and by
+        default, the engine's `text_idle_timeout_s`) without text while it waits ends it with `TextTimeoutError`. `abort` works as for `add_request`.
         KV: the request reserves prompt + `max_frames` + 2 positions like any other: in the streaming-text
         layout the prompt's length does not depend on the text, and the text itself takes no KV position
         beyond one per frame (it is added to the frames' inputs), so `max_frames` is the declared maximum.
@@ -250,7 +250,11 @@ class TalkerEngine:
             raise InvalidRequestError(f"request {request.request_id!r} is already open")
         self._validate(request)
         # the prefill's length does not depend on the text in this layout: one placeholder id sizes it
-        live = LiveText(prompt, self.model.config.text_ids.tts_eos, time.monotonic())
+        idle_limit = self.config.text_idle_timeout_s
+        if idle_timeout_s is not None and not 0 < idle_timeout_s:
+            raise InvalidRequestError("the text idle timeout must be > 0")
+        live = LiveText(prompt, self.model.config.text_ids.tts_eos, time.monotonic(),
+                        min(idle_timeout_s or idle_limit, idle_limit))
         seq = Sequence(request, 0, prefill_length(replace(prompt, text_ids=(0,))), 0, output=None, live=live)
         self._check_fits(seq)
         stream = self._output(seq, schedule)
@@ -686,26 +690,27 @@ class TalkerEngine:
     def _wait_for_text(self, seq: Sequence) -> None:
         now = time.monotonic()
         seq.live.waiting_since = now
-        self._expiry_at = min(self._expiry_at, now + self.config.text_idle_timeout_s)
+        self._expiry_at = min(self._expiry_at, now + seq.live.idle_timeout_s)
 
     def _expire_text_waits(self) -> None:
-        """Requests that waited for text longer than `text_idle_timeout_s` end with `TextTimeoutError`."""
+        """Requests that waited for text longer than their idle timeout end with `TextTimeoutError`."""
         now = time.monotonic()
         if now < self._expiry_at:
             return
-        sched, timeout = self.scheduler, self.config.text_idle_timeout_s
+        sched = self.scheduler
         self._expiry_at = float("inf")
         expired = []
         for seq in [*sched.held.values(), *sched.parked.values()]:
             live = seq.live
             if live is None or live.waiting_since is None:
                 continue
-            deadline = max(live.waiting_since, live.last_text_at) + timeout
+            deadline = max(live.waiting_since, live.last_text_at) + live.idle_timeout_s
             if deadline <= now:
                 expired.append(seq)
             else:
                 self._expiry_at = min(self._expiry_at, deadline)
         for seq in expired:
+            timeout = seq.live.idle_timeout_s
             self._finish_live(seq, TextTimeoutError(f"no text for {timeout:g} s: request {seq.request_id!r} ended"))
         if expired:
             self._progress_at = now

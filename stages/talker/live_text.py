@@ -44,6 +44,7 @@ class LiveText:
     prompt: TalkerPrompt  # the request's prompt, without text (voice, language, instruction)
     eos_id: int  # tts_eos, the track position after a closed segment's text
     last_text_at: float  # monotonic time of the last text received (the idle timeout counts from here)
+    idle_timeout_s: float  # waiting this long for text ends the request (TextTimeoutError)
     segments: collections.deque[Segment] = field(default_factory=collections.deque)
     first_segment: int = 0  # number of segments[0]
     ended: bool = False  # `end` received: no segment follows the last one

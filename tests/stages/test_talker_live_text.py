@@ -266,6 +266,28 @@ def test_idle_timeout_ends_a_request_whose_text_does_not_arrive(cv):
     assert stats.parked == stats.held == 0 and stats.kv_reserved_tokens == 0
 
 
+def test_a_request_may_bring_a_shorter_idle_timeout(cv):
+    """`open_request(idle_timeout_s=...)` ends that request alone; the engine's own (long) timeout still holds for
+    the other, which finishes normally. A timeout that is not > 0 is refused."""
+    live, _ = _prompts(cv, "cv")
+    engine = _engine(cv, max_num_seqs=2, text_idle_timeout_s=600.0)
+    try:
+        async def main():
+            with pytest.raises(InvalidRequestError, match="idle timeout"):
+                engine.open_request(SynthesisRequest("bad", live, GREEDY, 8), idle_timeout_s=0.0)
+            short = engine.open_request(SynthesisRequest("short", live, GREEDY, 8), idle_timeout_s=0.3)
+            other = engine.open_request(SynthesisRequest("other", live, GREEDY, 8), text=TEXT)
+            with pytest.raises(TextTimeoutError, match="no text for 0.3 s"):
+                async for _ in short:
+                    pass
+            engine.end_text("other")  # only after `short` timed out: `other` waited for text meanwhile
+            return await _codes(other), other.finish_reason
+        codes, reason = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert reason in (FinishReason.EOS, FinishReason.LENGTH) and len(codes) > 0
+
+
 def test_flush_then_end_speaks_the_text_so_far_as_a_whole(cv):
     """flush releases the held-back last word and closes the utterance: with nothing after it, the codes are
     those of the text so far sent whole (its eos row, then pad rows)."""

@@ -40,23 +40,19 @@ def tiny_tokenizer(tiny_custom_voice) -> TextTokenizer:
 @pytest.fixture(scope="module")
 def trained_tokenizer(tiny_tokenizer) -> TextTokenizer:
     """A BPE with many merges over the Qwen2 normalizer + pre-tokenizer and the same special tokens."""
-    from tokenizers import Tokenizer, models, trainers
-    from transformers import Qwen2TokenizerFast
+    from tokenizers import AddedToken, Tokenizer, models, trainers
+    from tokenizers.pre_tokenizers import ByteLevel
 
-    base = tiny_tokenizer._tok.backend_tokenizer
+    base = tiny_tokenizer._tok
     tok = Tokenizer(models.BPE())
     tok.normalizer, tok.pre_tokenizer, tok.decoder = base.normalizer, base.pre_tokenizer, base.decoder
     corpus = [t * 3 for t in TEXTS] + ["the quick brown fox jumps over the lazy dog " * 5,
                                        "streaming text to speech with a large language model " * 5]
-    from tokenizers.pre_tokenizers import ByteLevel
-
     trainer = trainers.BpeTrainer(vocab_size=1800, initial_alphabet=ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
-    specials = [t.content for t in tiny_tokenizer._tok.added_tokens_decoder.values()]
-    fast = Qwen2TokenizerFast(tokenizer_object=tok)
-    fast.add_special_tokens({"additional_special_tokens": specials})
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tiny_tokenizer.added_tokens()])
     out = object.__new__(TextTokenizer)
-    out._tok = fast
+    out._tok = tok
     assert len(out.encode("the quick brown fox")) < 8  # merges really happen
     return out
 

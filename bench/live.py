@@ -1,0 +1,144 @@
+"""Live text over the WebSocket (`/v1/audio/speech/stream`): text fed a word at a time, as an LLM writes it.
+
+Each connection speaks utterances one after another: `open`, then one word every `--word-interval-s`
+(0.1 s, an LLM writing ~13 tokens/s), then `end`. Per utterance: time from the first word sent to the first
+audio received, and whether it plays gap-free (a player that starts at its first audio and plays in real
+time never falls more than 100 ms behind: bench/loadgen/metrics.py). Per level (connections at once):
+p50/p95 of that time, the gap-free share, audio-s/s.
+
+    python -m bench.live --url http://127.0.0.1:8000 --connections 1,64 --utterances 4 --out results/live
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.loadgen.metrics import CONTINUITY_THRESHOLD_S, Stats, audio_seconds, continuity
+from bench.loadgen.sentences import load_sentences
+from deployments.ingress.live import parse_audio_frame
+
+
+@dataclass
+class Utterance:
+    words: int
+    first_audio_s: float | None = None  # first word sent -> first audio received
+    audio_s: float = 0.0
+    max_deficit_s: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    arrivals: list[tuple[float, float]] = field(default_factory=list)  # (arrival, audio seconds) per frame
+
+
+async def _utterance(ws, cid: str, text: str, args) -> Utterance:
+    words = text.split()
+    u = Utterance(len(words))
+    await ws.send(json.dumps({"type": "open", "context_id": cid, "model": args.model, "voice": args.voice,
+                              "response_format": "pcm", "max_new_tokens": args.frames, "suppress_eos": True}))
+
+    async def feed() -> float:
+        t0 = time.perf_counter()
+        for i, word in enumerate(words):
+            if i:
+                await asyncio.sleep(max(0.0, t0 + i * args.word_interval_s - time.perf_counter()))
+            await ws.send(json.dumps({"type": "append", "context_id": cid, "text": (" " if i else "") + word}))
+        await ws.send(json.dumps({"type": "end", "context_id": cid}))
+        return t0
+
+    feeder = asyncio.create_task(feed())
+    try:
+        async for raw in ws:
+            now = time.perf_counter()
+            if isinstance(raw, bytes):
+                _, audio = parse_audio_frame(raw)
+                u.arrivals.append((now, audio_seconds(len(audio))))
+                continue
+            message = json.loads(raw)
+            if message["type"] == "done":
+                u.finish_reason = message["finish_reason"]
+                break
+            if message["type"] == "error":
+                u.error = message["error"]["message"]
+                break
+    finally:
+        t0 = await feeder if feeder.done() or u.error is None else None
+        feeder.cancel()
+    if u.arrivals and t0 is not None:
+        u.first_audio_s = u.arrivals[0][0] - t0
+        u.audio_s = sum(a for _, a in u.arrivals)
+        u.max_deficit_s = continuity([t for t, _ in u.arrivals], [a for _, a in u.arrivals]).max_deficit_s
+    u.arrivals = []
+    return u
+
+
+async def _connection(url: str, index: int, texts: list[str], args) -> list[Utterance]:
+    from websockets.asyncio.client import connect
+
+    out = []
+    async with connect(url, max_size=None) as ws:
+        for k in range(args.utterances):
+            out.append(await _utterance(ws, f"c{index}-{k}", texts[(index + k) % len(texts)], args))
+    return out
+
+
+async def run_level(url: str, connections: int, texts: list[str], args) -> dict:
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(_connection(url, i, texts, args) for i in range(connections)))
+    wall = time.perf_counter() - t0
+    utterances = [u for r in results for u in r]
+    ok = [u for u in utterances if u.error is None and u.first_audio_s is not None]
+    first = Stats.of(u.first_audio_s * 1000 for u in ok)
+    gap_free = [u.max_deficit_s <= CONTINUITY_THRESHOLD_S for u in ok]
+    return {
+        "connections": connections, "utterances": len(utterances), "errors": len(utterances) - len(ok),
+        "first_word_to_audio_ms": asdict(first),
+        "gap_free_share": sum(gap_free) / len(gap_free) if gap_free else None,
+        "audio_s_per_s": sum(u.audio_s for u in ok) / wall, "wall_s": wall,
+        "error_examples": sorted({u.error for u in utterances if u.error})[:3],
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--connections", default="1,64", help="levels: connections at once")
+    p.add_argument("--utterances", type=int, default=4, help="utterances per connection, one after another")
+    p.add_argument("--word-interval-s", type=float, default=0.1)
+    p.add_argument("--frames", type=int, default=75, help="max_new_tokens of each utterance (EOS suppressed)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--voice", default="vivian")
+    p.add_argument("--out", type=Path, default=None, help="directory for live.json and live.md")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    url = args.url.replace("http://", "ws://").replace("https://", "wss://").rstrip("/") + "/v1/audio/speech/stream"
+    texts = [s.text for s in load_sentences(language="en")]
+    levels = []
+    for c in (int(x) for x in args.connections.split(",")):
+        level = asyncio.run(run_level(url, c, texts, args))
+        first = level["first_word_to_audio_ms"]
+        print(f"c={c}: first word -> audio p50 {first['p50'] or 0:.0f} ms, p95 {first['p95'] or 0:.0f} ms; gap-free "
+              f"{(level['gap_free_share'] or 0) * 100:.0f}%; {level['audio_s_per_s']:.1f} audio-s/s; "
+              f"{level['errors']} errors {level['error_examples']}", flush=True)
+        levels.append(level)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        doc = {"command": "python -m bench.live " + " ".join(argv or []), "word_interval_s": args.word_interval_s,
+               "frames": args.frames, "levels": levels}
+        (args.out / "live.json").write_text(json.dumps(doc, indent=1))
+        rows = [f"| {lv['connections']} | {lv['first_word_to_audio_ms']['p50'] or 0:.0f} / "
+                f"{lv['first_word_to_audio_ms']['p95'] or 0:.0f} | {(lv['gap_free_share'] or 0) * 100:.0f}% | "
+                f"{lv['audio_s_per_s']:.1f} | {lv['errors']} |" for lv in levels]
+        (args.out / "live.md").write_text("| connections | first word -> audio p50 / p95 (ms) | gap-free | "
+                                          "audio-s/s | errors |\n|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

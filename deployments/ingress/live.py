@@ -1,0 +1,283 @@
+"""`/v1/audio/speech/stream`: a WebSocket for text that arrives as it is written (docs/websocket.md).
+
+One `LiveSession` per connection. Each `open` starts a context: one live request on its model's Talker
+(`Talker.generate_live`), whose text the session puts in this ingress replica's `TextMailbox` as the client
+sends it (in order: a message's put is awaited before the next message is read), and whose audio a task
+of its own encodes and sends as binary frames tagged with the context id. A bad message is answered with
+an error message and changes nothing; a context that fails ends with an error message; the socket and the
+other contexts go on. When the client leaves, every context it had open is cancelled (its Talker request
+aborted, its slot freed).
+
+Binary frame: one byte n, the context id (n ASCII bytes), then audio bytes of the context's
+`response_format` (a stream: concatenated, the frames of a context are one file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import WebSocket
+from pydantic import TypeAdapter, ValidationError
+from starlette.websockets import WebSocketDisconnect
+
+from deployments.errors import APIError, bad_request
+from deployments.http_guard import OpenWork
+from deployments.ingress.outcomes import Outcomes
+from deployments.planning import check_limits, check_live_text, check_request
+from deployments.playback import PlaybackClock
+from deployments.protocol import DecodedChunk
+from deployments.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen
+from deployments.stream_encoders import AsyncStreamEncoder
+from deployments.text_mailbox import TextEvent
+from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
+
+if TYPE_CHECKING:
+    from deployments.ingress.server import TTSIngress
+
+logger = logging.getLogger("ray.serve")
+
+_MESSAGES = TypeAdapter(LiveMessage)
+
+
+def audio_frame(context_id: str, audio: bytes) -> bytes:
+    """The binary WebSocket message of one piece of a context's audio."""
+    tag = context_id.encode("ascii")
+    return bytes([len(tag)]) + tag + audio
+
+
+def parse_audio_frame(frame: bytes) -> tuple[str, bytes]:
+    """-> (context id, audio bytes) of a binary message (clients; the tests and the benchmark use it)."""
+    n = frame[0]
+    return frame[1:1 + n].decode("ascii"), frame[1 + n:]
+
+
+@dataclass
+class _Context:
+    id: str
+    request_id: str
+    model: str
+    body: LiveOpen
+    tokenizer: object  # the model's TextTokenizer: usage counts the text's tokens at the end
+    text: list[str] = field(default_factory=list)
+    chars: int = 0
+    ended: bool = False  # `end` received: no more text
+    cancelled: bool = False  # `cancel` received
+    first_text_at: float | None = None  # perf_counter of its first text: first audio is timed from here
+    task: asyncio.Task | None = None
+
+
+class LiveSession:
+    """One WebSocket connection and the contexts open on it."""
+
+    def __init__(self, websocket: WebSocket, ingress: TTSIngress, mailbox: Callable[[], object],
+                 outcomes: Outcomes, work: OpenWork):
+        self._ws, self._ingress, self._mailbox = websocket, ingress, mailbox
+        self._outcomes, self._work = outcomes, work
+        self._limits = ingress.args.ingress
+        self._contexts: dict[str, _Context] = {}
+        self._send_lock = asyncio.Lock()  # whole messages, one at a time, from the contexts' tasks
+        self._closing = False
+
+    async def run(self) -> None:
+        await self._ws.accept()
+        try:
+            while True:
+                message = await self._ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if message.get("text") is None:
+                    await self._error(None, bad_request("messages to the server are JSON text; binary messages "
+                                                        "are not accepted", code="invalid_message"))
+                    continue
+                await self._handle(message["text"])
+        except WebSocketDisconnect:
+            pass
+        finally:
+            await self._close_all()
+
+    # ------------------------------------------------------------------ client messages
+    async def _handle(self, raw: str) -> None:
+        try:
+            message = _MESSAGES.validate_json(raw)
+        except ValidationError as e:
+            await self._error(_context_id_of(raw), _invalid(e))
+            return
+        if isinstance(message, LiveOpen):
+            await self._open(message)
+            return
+        ctx = self._contexts.get(message.context_id)
+        if ctx is None:
+            await self._error(message.context_id, APIError(
+                404, f"no open context {message.context_id!r} (never opened, or it has ended)", param="context_id",
+                code="context_not_found"))
+            return
+        if isinstance(message, LiveCancel):
+            ctx.cancelled = True
+            ctx.task.cancel()
+            return
+        if ctx.ended:
+            await self._error(ctx.id, bad_request(f"context {ctx.id!r} has ended its text; open a new context",
+                                                  "type", code="context_ended"))
+            return
+        events: list[TextEvent] = []
+        text = message.text if isinstance(message, (LiveAppend, LiveEnd)) else ""
+        if text:
+            try:
+                check_live_text(ctx.chars + len(text), self._limits)
+            except APIError as error:
+                await self._error(ctx.id, error)  # the piece is dropped; the context goes on
+                return
+            ctx.text.append(text)
+            ctx.chars += len(text)
+            ctx.first_text_at = ctx.first_text_at or time.perf_counter()
+            events.append(TextEvent("append", text))
+        if isinstance(message, LiveFlush):
+            events.append(TextEvent("flush"))
+        elif isinstance(message, LiveEnd):
+            ctx.ended = True
+            events.append(TextEvent("end"))
+        if events:
+            # awaited: the next message's events are put after these (one caller's actor calls start in order,
+            # but an async actor does not promise to run them in order)
+            await self._mailbox().put.remote(ctx.request_id, events)
+
+    async def _open(self, body: LiveOpen) -> None:
+        cid = body.context_id
+        if cid in self._contexts:
+            await self._error(cid, bad_request(f"context {cid!r} is already open", "context_id", code="context_exists"))
+            return
+        if len(self._contexts) >= self._limits.max_contexts_per_connection:
+            await self._error(cid, APIError(429, f"{self._limits.max_contexts_per_connection} contexts are already "
+                                            "open on this connection", code="too_many_contexts"))
+            return
+        model, request_id, mailbox = "-", f"live-{uuid.uuid4().hex}", None
+        try:
+            self._work.acquire()  # admission, as for an HTTP request (429 when the replica is full)
+        except APIError as error:
+            await self._error(cid, error)
+            return
+        try:
+            check_limits(body, self._limits, live=True)
+            check_live_text(len(body.input), self._limits)
+            info, voice_choice = await self._ingress.route(body)
+            model = info.name
+            check_request(body, info, self._ingress.args)
+            mailbox = self._mailbox()
+            await mailbox.open.remote(request_id)
+            _, chunks = await self._ingress.start(body, info, voice_choice, request_id, mailbox, body.idle_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - every failure to open is one error message
+            self._work.release()
+            if mailbox is not None:
+                mailbox.close.remote(request_id)
+            await self._error(cid, self._outcomes.failed(exc, model, True))
+            return
+        ctx = _Context(cid, request_id, model, body, info.tokenizer)
+        self._contexts[cid] = ctx
+        self._outcomes.stream_opened(model)
+        await self._send_json({"type": "opened", "context_id": cid, "model": model, "request_id": request_id})
+        ctx.task = asyncio.get_running_loop().create_task(self._speak(ctx, chunks))
+        if body.input:
+            ctx.text.append(body.input)
+            ctx.chars, ctx.first_text_at = len(body.input), time.perf_counter()
+            await mailbox.put.remote(request_id, [TextEvent("append", body.input)])
+
+    # ------------------------------------------------------------------ a context's audio
+    async def _speak(self, ctx: _Context, chunks: AsyncIterator[DecodedChunk]) -> None:
+        frames, finish, status, audio_sent = 0, None, "ok", False
+        encoder = AsyncStreamEncoder(ctx.body.response_format, ctx.body.speed)
+        try:
+            async for chunk in chunks:
+                frames += chunk.pcm.size // SAMPLES_PER_FRAME
+                finish = chunk.finish_reason or finish
+                if data := await encoder.push(chunk.pcm):
+                    await self._send_bytes(audio_frame(ctx.id, data))
+                    if not audio_sent and ctx.first_text_at is not None:
+                        audio_sent = True
+                        self._outcomes.first_stream_audio(ctx.model, ctx.first_text_at)
+            if data := await encoder.finish():
+                await self._send_bytes(audio_frame(ctx.id, data))
+            await self._send_json(self._done(ctx, frames, finish.value if finish else "unknown"))
+        except asyncio.CancelledError:
+            status = "cancelled"
+            if not ctx.cancelled or self._closing:
+                raise  # the connection is closing: nobody to tell
+            await self._send_json(self._done(ctx, frames, "cancelled"))
+        except Exception as exc:  # noqa: BLE001 - this context failed; the socket and the others go on
+            error = self._outcomes.error(exc)
+            status = "timeout" if error.status in (408, 504) else "error"
+            await self._error(ctx.id, error)
+        finally:
+            await chunks.aclose()  # aborts the Talker's request when it has not ended
+            self._mailbox().close.remote(ctx.request_id)
+            self._work.release()
+            self._outcomes.stream_closed(ctx.model, PlaybackClock())  # waits for text are the client's, not gaps
+            if status == "ok":
+                self._outcomes.finish(ctx.model, ctx.first_text_at or time.perf_counter(), True, frames)
+            else:
+                self._outcomes.count(ctx.model, status, True)
+            self._contexts.pop(ctx.id, None)
+
+    def _done(self, ctx: _Context, frames: int, finish_reason: str) -> dict:
+        input_tokens = len(ctx.tokenizer.encode("".join(ctx.text))) if ctx.text else 0
+        return {"type": "done", "context_id": ctx.id, "finish_reason": finish_reason,
+                "usage": {"input_tokens": input_tokens, "output_tokens": frames,
+                          "total_tokens": input_tokens + frames},
+                "audio_seconds": round(frames * SAMPLES_PER_FRAME / SAMPLE_RATE / ctx.body.speed, 3)}
+
+    async def _close_all(self) -> None:
+        self._closing = True
+        tasks = [ctx.task for ctx in self._contexts.values() if ctx.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ sending
+    async def _error(self, context_id: str | None, error: APIError) -> None:
+        await self._send_json({"type": "error", "context_id": context_id, "status": error.status, **error.body()})
+
+    async def _send_json(self, message: dict) -> None:
+        await self._send(self._ws.send_text, json.dumps(message))
+
+    async def _send_bytes(self, data: bytes) -> None:
+        await self._send(self._ws.send_bytes, data)
+
+    async def _send(self, send, data) -> None:
+        if self._closing:
+            return
+        async with self._send_lock:
+            try:
+                await send(data)
+            except (WebSocketDisconnect, RuntimeError, OSError):  # the client is gone: the receive loop ends all
+                self._closing = True
+
+
+def _context_id_of(raw: str) -> str | None:
+    """The context id of a message that failed validation, when it has a usable one (to tag the error)."""
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        cid = json.loads(raw).get("context_id")
+        if isinstance(cid, str) and len(cid) <= 64:
+            return cid
+    return None
+
+
+def _invalid(e: ValidationError) -> APIError:
+    first = e.errors()[0] if e.errors() else {}
+    if first.get("type") == "json_invalid":
+        return bad_request("message is not valid JSON", code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in _MESSAGE_TYPES:  # the union's tag: the message's own type, not a field
+        loc = loc[1:]
+    where = ".".join(loc)
+    return bad_request(f"{where or 'message'}: {first.get('msg', 'invalid value')}", where or None,
+                       code="invalid_message")
+
+
+_MESSAGE_TYPES = ("open", "append", "flush", "end", "cancel")

@@ -1,0 +1,242 @@
+"""`/v1/audio/speech/stream` with a real WebSocket client (the `websockets` library) against the served app.
+
+Each test waits on messages (opened, audio, done, error) or on the Talker engine's own counters (a context
+parked waiting for text, a slot freed), never on a timer alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from deployments.ingress.live import parse_audio_frame
+from stages.contract import SAMPLES_PER_FRAME
+from tests.serve.conftest import engine_stats, wait_for, wav_bytes
+
+RECV_TIMEOUT_S = 120.0  # a loaded 2-core machine runs the tiny models slowly; every wait is for a message
+TEXT = "Hello from the tests, one piece at a time."
+
+
+@dataclass
+class Received:
+    """Everything a connection received, by context."""
+
+    audio: dict[str, bytearray] = field(default_factory=dict)
+    messages: list[dict] = field(default_factory=list)
+    unclaimed: list[dict] = field(default_factory=list)  # received on the way, not yet returned by a wait
+
+    def of(self, context_id: str, kind: str) -> list[dict]:
+        return [m for m in self.messages if m.get("context_id") == context_id and m["type"] == kind]
+
+
+class Client:
+    def __init__(self, base_url: str):
+        from websockets.sync.client import connect
+
+        self._connection = connect(base_url.replace("http://", "ws://") + "/v1/audio/speech/stream", max_size=None)
+        self.ws = self._connection.__enter__()
+        self.got = Received()
+
+    def send(self, **message) -> None:
+        self.ws.send(json.dumps(message))
+
+    def open(self, context_id: str, **fields) -> dict:
+        body = {"model": "cv", "voice": "vivian", "response_format": "pcm", "suppress_eos": True, "seed": 7,
+                "max_new_tokens": 8, **fields}
+        self.send(type="open", context_id=context_id, **body)
+        return self.until(lambda m: m.get("context_id") == context_id and m["type"] in ("opened", "error"))
+
+    def until(self, predicate) -> dict:
+        """The first unclaimed JSON message that matches `predicate`, received now or earlier (audio is collected
+        on the way); a message is returned once."""
+        for message in self.got.unclaimed:
+            if predicate(message):
+                self.got.unclaimed.remove(message)
+                return message
+        while True:
+            raw = self.ws.recv(timeout=RECV_TIMEOUT_S)
+            if isinstance(raw, bytes):
+                cid, audio = parse_audio_frame(raw)
+                self.got.audio.setdefault(cid, bytearray()).extend(audio)
+                continue
+            message = json.loads(raw)
+            self.got.messages.append(message)
+            if predicate(message):
+                return message
+            self.got.unclaimed.append(message)
+
+    def done(self, context_id: str) -> dict:
+        """The context's next unclaimed `done` (or `error`)."""
+        return self.until(lambda m: m.get("context_id") == context_id and m["type"] in ("done", "error"))
+
+    def pcm(self, context_id: str) -> np.ndarray:
+        return np.frombuffer(bytes(self.got.audio.get(context_id, b"")), dtype=np.int16)
+
+    def close(self) -> None:
+        self._connection.__exit__(None, None, None)
+
+
+@pytest.fixture
+def client(base_url):
+    c = Client(base_url)
+    yield c
+    c.close()
+
+
+def _idle(model: str = "cv") -> bool:
+    s = engine_stats(model)
+    return s["running"] == s["parked"] == s["held"] == 0 and s["kv_reserved_tokens"] == 0
+
+
+def _parked(model: str = "cv", n: int = 1) -> bool:
+    return engine_stats(model)["parked"] >= n
+
+
+def test_text_appended_token_by_token_speaks_like_the_whole_text(client):
+    """Character-by-character appends give the audio of the same text sent in one piece (same seed): the
+    engine tokenizes the pieces as the whole text and holds back what could still merge."""
+    assert client.open("whole")["type"] == "opened"
+    client.send(type="end", context_id="whole", text=TEXT)
+    whole = client.done("whole")
+    assert whole["type"] == "done", whole
+    assert whole["finish_reason"] == "length" and whole["usage"]["output_tokens"] == 8
+    assert whole["usage"]["input_tokens"] > 5 and whole["audio_seconds"] == pytest.approx(0.64)
+
+    assert client.open("pieces")["type"] == "opened"
+    for ch in TEXT:
+        client.send(type="append", context_id="pieces", text=ch)
+    client.send(type="end", context_id="pieces")
+    pieces = client.done("pieces")
+    assert pieces["type"] == "done" and pieces["usage"] == whole["usage"]
+    a, b = client.pcm("whole"), client.pcm("pieces")
+    assert a.size == b.size == 8 * SAMPLES_PER_FRAME
+    # the same codes; Code2Wav's batch may differ between the two, so a float rounding step at most
+    assert np.abs(a.astype(np.int32) - b).max() <= 2, "piecewise text spoke different audio"
+
+
+def test_a_context_waits_for_text_and_flush_speaks_what_it_has(client):
+    """Without its next text a context parks in the engine (no audio past its text); `flush` releases the held
+    last word and closes the utterance, which then plays to its end without `end`."""
+    assert client.open("waits", max_new_tokens=40)["type"] == "opened"
+    client.send(type="append", context_id="waits", text="Hello there")
+    wait_for(_parked, 120, message="the context parked, waiting for text")
+    client.send(type="flush", context_id="waits")
+    done = client.done("waits")
+    assert done["type"] == "done" and done["finish_reason"] == "length", done
+    assert client.pcm("waits").size == 40 * SAMPLES_PER_FRAME
+    wait_for(_idle, 60, message="the slot freed")
+
+
+def test_cancel_mid_utterance_frees_the_engine_slot(client):
+    assert client.open("c1", max_new_tokens=200)["type"] == "opened"
+    client.send(type="append", context_id="c1", text="Some words, and then")
+    wait_for(_parked, 120, message="the context parked, waiting for text")
+    client.send(type="cancel", context_id="c1")
+    done = client.done("c1")
+    assert done["type"] == "done" and done["finish_reason"] == "cancelled", done
+    wait_for(_idle, 60, message="the cancelled context's slot and KV freed")
+    # its id is free again: a later message for it is an error, a new open works
+    client.send(type="append", context_id="c1", text="more")
+    assert client.until(lambda m: m["type"] == "error")["error"]["code"] == "context_not_found"
+
+
+def test_two_contexts_interleave_on_one_socket(client):
+    assert client.open("a", max_new_tokens=6, seed=1)["type"] == "opened"
+    assert client.open("b", voice="ryan", max_new_tokens=10, seed=2)["type"] == "opened"
+    for word in TEXT.split(" "):
+        client.send(type="append", context_id="a", text=word + " ")
+        client.send(type="append", context_id="b", text=word + " ")
+    client.send(type="end", context_id="b")
+    client.send(type="end", context_id="a")
+    a, b = client.done("a"), client.done("b")
+    assert a["type"] == b["type"] == "done", (a, b)
+    assert a["usage"]["output_tokens"] == 6 and b["usage"]["output_tokens"] == 10
+    assert client.pcm("a").size == 6 * SAMPLES_PER_FRAME and client.pcm("b").size == 10 * SAMPLES_PER_FRAME
+
+
+def test_bad_messages_are_answered_and_nothing_else_changes(client):
+    assert client.open("ok", max_new_tokens=6)["type"] == "opened"
+    client.send(type="append", context_id="ok", text="First words of a")
+    bad = [
+        ("not json", "invalid_json"),
+        (json.dumps({"type": "shout", "context_id": "ok"}), "invalid_message"),
+        (json.dumps({"type": "append", "context_id": "ok"}), "invalid_message"),  # no text
+        (json.dumps({"type": "append", "context_id": "nope", "text": "x"}), "context_not_found"),
+        (json.dumps({"type": "open", "context_id": "ok", "voice": "vivian"}), "context_exists"),
+        (json.dumps({"type": "open", "context_id": "v", "model": "cv", "voice": "nobody"}), "voice_not_found"),
+        (json.dumps({"type": "open", "context_id": "s", "model": "cv", "voice": "vivian", "stream": True}),
+         "invalid_message"),
+        (json.dumps({"type": "append", "context_id": "ok", "text": "x" * 400}), "input_too_long"),  # limit 300
+    ]
+    for raw, code in bad:
+        client.ws.send(raw)
+        error = client.until(lambda m: m["type"] == "error")
+        assert error["error"]["code"] == code, (raw, error)
+    client.ws.send(b"\x00binary")
+    assert client.until(lambda m: m["type"] == "error")["error"]["code"] == "invalid_message"
+    client.send(type="end", context_id="ok", text=" sentence.")
+    done = client.done("ok")
+    assert done["type"] == "done" and done["usage"]["output_tokens"] == 6
+    assert client.pcm("ok").size == 6 * SAMPLES_PER_FRAME
+
+
+def test_client_disconnect_aborts_everything_it_had_open(base_url):
+    c = Client(base_url)
+    assert c.open("x", max_new_tokens=200)["type"] == "opened"
+    assert c.open("y", max_new_tokens=200, voice="ryan")["type"] == "opened"
+    c.send(type="append", context_id="x", text="Waiting for the rest of")
+    c.send(type="append", context_id="y", text="Also waiting for")
+    wait_for(lambda: _parked(n=2), 120, message="both contexts parked")
+    c.close()
+    wait_for(_idle, 60, message="the departed client's contexts aborted")
+
+
+def test_idle_timeout_ends_a_context_whose_text_stops(client):
+    assert client.open("slow", max_new_tokens=100, idle_timeout_s=0.5)["type"] == "opened"
+    client.send(type="append", context_id="slow", text="Only these words and")
+    error = client.done("slow")
+    assert error["type"] == "error" and error["status"] == 408 and error["error"]["code"] == "text_timeout", error
+    assert 0 < client.pcm("slow").size < 100 * SAMPLES_PER_FRAME  # what it spoke before it waited was sent
+    wait_for(_idle, 60, message="the timed-out context's slot freed")
+    assert client.open("next", max_new_tokens=4)["type"] == "opened"  # the socket goes on
+    client.send(type="end", context_id="next", text="Next.")
+    assert client.done("next")["type"] == "done"
+
+
+def test_voice_design_and_uploaded_base_voices_and_an_encoded_format(client, http):
+    from tests.audio_decode import decode
+
+    clip = wav_bytes(1.5, seed=5)
+    r = http.post("/v1/audio/voices", files={"audio_sample": ("a.wav", clip, "audio/wav")},
+                  data={"name": "wsvoice", "ref_text": "A reference sentence."})
+    assert r.status_code in (200, 201), r.text
+    assert client.open("vd", model="vd", voice=None, instructions="A calm, low voice.", max_new_tokens=5,
+                       response_format="mp3")["type"] == "opened"
+    assert client.open("base", model="base", voice="wsvoice", max_new_tokens=5)["type"] == "opened"
+    for cid in ("vd", "base"):
+        client.send(type="append", context_id=cid, text="Spoken as it ")
+        client.send(type="end", context_id=cid, text="arrives.")
+    for cid in ("vd", "base"):
+        done = client.done(cid)
+        assert done["type"] == "done" and done["usage"]["output_tokens"] == 5, done
+    assert client.pcm("base").size == 5 * SAMPLES_PER_FRAME
+    audio, rate = decode(bytes(client.got.audio["vd"]), "mp3")
+    assert rate == 24000 and abs(audio.shape[0] / rate - 0.4) < 0.06  # 5 frames, within the codec's padding
+
+
+def test_live_benchmark_measures_an_utterance(base_url):
+    """`python -m bench.live`'s level runner against the app: one connection, two short utterances."""
+    import asyncio
+    import types
+
+    from bench.live import run_level
+
+    args = types.SimpleNamespace(model="cv", voice="vivian", frames=4, word_interval_s=0.01, utterances=2)
+    url = base_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    level = asyncio.run(run_level(url, 1, ["Hello there, listener.", "A second short utterance."], args))
+    assert level["utterances"] == 2 and level["errors"] == 0, level
+    assert level["first_word_to_audio_ms"]["n"] == 2 and level["first_word_to_audio_ms"]["p50"] > 0
+    assert level["audio_s_per_s"] > 0 and level["gap_free_share"] is not None
