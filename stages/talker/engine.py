@@ -235,7 +235,8 @@ class TalkerEngine:
         uses the streaming-text layout. Text then comes through `append_text` (pieces of any size), `flush_text`
         and `end_text`. The request is prefilled once its first word is final, steps while text is ahead of it,
         and waits off the rows (keeping its slot and KV) when it is not; `idle_timeout_s` (at most, and by
-        default, the engine's `text_idle_timeout_s`) without text while it waits ends it with `TextTimeoutError`. `abort` works as for `add_request`.
+        default, the engine's `text_idle_timeout_s`) without text while it waits ends it with `TextTimeoutError`.
+        `abort` works as for `add_request`.
         KV: the request reserves prompt + `max_frames` + 2 positions like any other: in the streaming-text
         layout the prompt's length does not depend on the text, and the text itself takes no KV position
         beyond one per frame (it is added to the frames' inputs), so `max_frames` is the declared maximum.
