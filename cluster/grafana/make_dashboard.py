@@ -158,9 +158,11 @@ panel("Underrun time",
 row("Talker (engine)")
 panel("Engine streams: running / waiting / slots",
       "Per model, summed over Talker replicas: requests in engine slots (ray_tts_talker_running), waiting for a "
-      "slot (ray_tts_talker_waiting, the autoscaling signal) and slots (ray_tts_talker_slots).",
+      "slot (ray_tts_talker_waiting, the autoscaling signal), live-text requests parked waiting for their next "
+      "text (ray_tts_talker_waiting_for_text; they keep their slot) and slots (ray_tts_talker_slots).",
       [(f"sum by (model) (ray_tts_talker_running{{{APP}, {MODEL}}})", "running {{model}}"),
        (f"sum by (model) (ray_tts_talker_waiting{{{APP}, {MODEL}}})", "waiting {{model}}"),
+       (f"sum by (model) (ray_tts_talker_waiting_for_text{{{APP}, {MODEL}}})", "waiting for text {{model}}"),
        (f"sum by (model) (ray_tts_talker_slots{{{APP}, {MODEL}}})", "slots {{model}}")])
 panel("KV cache usage",
       "Reserved fraction of KV-cache positions per Talker replica (ray_tts_talker_kv_usage).",
