@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         levels.append(level)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        doc = {"command": "python -m bench.live " + " ".join(argv or []), "word_interval_s": args.word_interval_s,
+        doc = {"command": "python -m bench.live " + shlex.join(sys.argv[1:] if argv is None else argv),
+               "word_interval_s": args.word_interval_s,
                "frames": args.frames, "levels": levels}
         (args.out / "live.json").write_text(json.dumps(doc, indent=1))
         rows = [f"| {lv['connections']} | {lv['first_word_to_audio_ms']['p50'] or 0:.0f} / "
