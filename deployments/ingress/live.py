@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from fastapi import WebSocket
 from pydantic import TypeAdapter, ValidationError
@@ -39,8 +39,16 @@ from deployments.stream_encoders import AsyncStreamEncoder
 from deployments.text_mailbox import TextEvent
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
 
-if TYPE_CHECKING:
-    from deployments.ingress.server import TTSIngress
+
+class LiveIngress(Protocol):
+    """What a session needs of the ingress (`deployments.ingress.server.TTSIngress`)."""
+
+    @property
+    def args(self) -> Any: ...
+
+    async def route(self, body) -> tuple[Any, Any]: ...
+
+    async def start(self, body, info, choice, request_id: str, mailbox=None, idle_timeout_s: float | None = None): ...
 
 logger = logging.getLogger("ray.serve")
 
@@ -77,7 +85,7 @@ class _Context:
 class LiveSession:
     """One WebSocket connection and the contexts open on it."""
 
-    def __init__(self, websocket: WebSocket, ingress: TTSIngress, mailbox: Callable[[], object],
+    def __init__(self, websocket: WebSocket, ingress: LiveIngress, mailbox: Callable[[], object],
                  outcomes: Outcomes, work: OpenWork):
         self._ws, self._ingress, self._mailbox = websocket, ingress, mailbox
         self._outcomes, self._work = outcomes, work

@@ -17,8 +17,20 @@ from deployments.voices import VoiceStore
 
 
 def _routes(app) -> set[tuple[str, str]]:
+    """HTTP routes as the OpenAPI document lists them, and the WebSocket routes (which it cannot list)."""
+    from fastapi.routing import APIWebSocketRoute
+
     doc = build_openapi(app)
-    return {(method.upper(), path) for path, methods in doc["paths"].items() for method in methods}
+    http = {(method.upper(), path) for path, methods in doc["paths"].items() for method in methods}
+    def websockets(routes):
+        for r in routes:
+            if isinstance(r, APIWebSocketRoute):
+                yield r.path
+            inner = getattr(r, "original_router", None)  # a router included in the app
+            if inner is not None:
+                yield from websockets(inner.routes)
+
+    return http | {("WEBSOCKET", path) for path in websockets(app.routes)}
 
 
 def test_every_endpoint_is_routed_to_its_method():
