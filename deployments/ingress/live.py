@@ -20,12 +20,13 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import WebSocket
 from pydantic import TypeAdapter, ValidationError
+from ray.actor import ActorHandle
 from starlette.websockets import WebSocketDisconnect
 
 from deployments.errors import APIError, bad_request
@@ -85,8 +86,9 @@ class _Context:
 class LiveSession:
     """One WebSocket connection and the contexts open on it."""
 
-    def __init__(self, websocket: WebSocket, ingress: LiveIngress, mailbox: Callable[[], object],
-                 outcomes: Outcomes, work: OpenWork):
+    def __init__(self, websocket: WebSocket, ingress: LiveIngress, mailbox: ActorHandle, outcomes: Outcomes,
+                 work: OpenWork):
+        """`mailbox`: the ingress replica's TextMailbox actor (deployments/text_mailbox.py)."""
         self._ws, self._ingress, self._mailbox = websocket, ingress, mailbox
         self._outcomes, self._work = outcomes, work
         self._limits = ingress.args.ingress
@@ -155,7 +157,7 @@ class LiveSession:
         if events:
             # awaited: the next message's events are put after these (one caller's actor calls start in order,
             # but an async actor does not promise to run them in order)
-            await self._mailbox().put.remote(ctx.request_id, events)
+            await self._mailbox.put.remote(ctx.request_id, events)
 
     async def _open(self, body: LiveOpen) -> None:
         cid = body.context_id
@@ -178,7 +180,7 @@ class LiveSession:
             info, voice_choice = await self._ingress.route(body)
             model = info.name
             check_request(body, info, self._ingress.args)
-            mailbox = self._mailbox()
+            mailbox = self._mailbox
             await mailbox.open.remote(request_id)
             _, chunks = await self._ingress.start(body, info, voice_choice, request_id, mailbox, body.idle_timeout_s)
         except Exception as exc:  # noqa: BLE001 - every failure to open is one error message
@@ -224,7 +226,7 @@ class LiveSession:
             await self._error(ctx.id, error)
         finally:
             await chunks.aclose()  # aborts the Talker's request when it has not ended
-            self._mailbox().close.remote(ctx.request_id)
+            self._mailbox.close.remote(ctx.request_id)
             self._work.release()
             self._outcomes.stream_closed(ctx.model, PlaybackClock())  # waits for text are the client's, not gaps
             if status == "ok":

@@ -52,8 +52,12 @@ class TTSIngress:
         self._decoder = DecodeBatcher(stage_handle(code2wav, limits.stage_transport), limits.decode_batch.max_chunks,
                                       limits.decode_batch.max_calls_in_flight, max_answer_bytes(limits.stage_transport))
         self._voices = Voices(VoiceStore(limits.voices_path), self._router, limits, self._work, self._outcomes)
-        self._mailbox = None  # this replica's TextMailbox, made with its first WebSocket context
         self._router.prefetch()
+        # this replica's TextMailbox (WebSocket live text), started with the replica: made with the first
+        # WebSocket context instead, it cost that context's first audio seconds (an actor's worker start;
+        # H100 run of 2026-11-22, docs/benchmarks.md "Live text")
+        self._mailbox = new_mailbox()
+        await self._mailbox.open_boxes.remote()
 
     @property
     def args(self) -> TTSServingArgs:
@@ -121,12 +125,7 @@ class TTSIngress:
 
     # ------------------------------------------------------------------ live text (WebSocket)
     async def speech_stream(self, websocket: WebSocket):
-        await LiveSession(websocket, self, self._live_mailbox, self._outcomes, self._work).run()
-
-    def _live_mailbox(self):
-        if self._mailbox is None:
-            self._mailbox = new_mailbox()
-        return self._mailbox
+        await LiveSession(websocket, self, self._mailbox, self._outcomes, self._work).run()
 
     # ------------------------------------------------------------------ models, voices, health
     async def models(self):
