@@ -4,8 +4,8 @@
 #   bash bench/gpu_serve_runbook.sh [STAGE ...]        STAGE: setup closed open live collect stop all (default: all)
 #
 #   setup   install the Ray bundle (+ soxr: .gpubundle/wheels/ or .whl/), write a full-size random checkpoint on the GPU, write
-#           the Serve config (1 GPU: configs/high_concurrency.yaml, co-located; 2+ GPUs: configs/split.yaml,
-#           one raylet per GPU), start `serve run` in its own session (it outlives this command while the
+#           the Serve config (1 GPU: configs/high_concurrency.yaml, co-located; 2+ GPUs: configs/split.yaml;
+#           one raylet per GPU for split.yaml and configs/replicas.yaml), start `serve run` in its own session (it outlives this command while the
 #           machine stays warm) and wait for GET /ready. Every step is skipped when already done.
 #   closed  closed-loop sweep c = $CONCURRENCY (stops at the first level with failures)
 #   open    open-loop Poisson sweep r = $RATES (same stop rule)
@@ -54,7 +54,10 @@ OUT="$(cd "$OUT" && pwd)"
 
 say() { echo "[runbook +$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-gpus() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
+gpus() {  # the GPUs this run may use: CUDA_VISIBLE_DEVICES when set, else every GPU of the host
+  if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .
+  else nvidia-smi -L 2>/dev/null | grep -c '^GPU'; fi
+}
 answers() {  # answers PATH [any]: 200 (or, with "any", any HTTP status) from $URL/PATH
   python3 - "$URL/$1" "${2:-}" <<'PY'
 import sys, urllib.error, urllib.request
@@ -112,7 +115,8 @@ launch() {  # runs under setsid: everything it starts belongs to its own session
   echo $$ > "$W/serve.pid"
   # a background job starts with SIGINT ignored; give `serve run` its Ctrl-C back (graceful shutdown)
   local run=(python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' serve run)
-  if [ "$(gpus)" -ge 2 ] && grep -q 'gpu_0' "$W/serve.yaml"; then
+  # one raylet per GPU for configs that place by node: pinned (gpu_k resources) or one pair per GPU (replicas.yaml)
+  if [ "$(gpus)" -ge 2 ] && grep -qE 'gpu_0|max_replicas_per_node' "$W/serve.yaml"; then
     ray start --head --port="$RAY_PORT" --num-gpus=0 --include-dashboard=false --disable-usage-stats || exit 1
     for k in $(seq 0 $(( $(gpus) - 1 ))); do
       CUDA_VISIBLE_DEVICES=$k ray start --address="127.0.0.1:$RAY_PORT" --num-gpus=1 --resources="{\"gpu_$k\": 1}" \
@@ -143,6 +147,22 @@ stage_setup() {
     --fail-on "Failed to update the deployments" --fail-on "Deploying app 'tts' failed"
   local rc=$?
   if [ $rc -ne 0 ]; then say "server not ready (rc $rc); serve.log tail:"; tail -n 60 "$W/serve.log"; collect; exit 5; fi
+  if [ "$(gpus)" -ge 2 ] && grep -qE 'gpu_0|max_replicas_per_node' "$W/serve.yaml"; then
+    # /ready needs one warmed replica per deployment; a scale-out measurement needs all of them running
+    timeout $(( $(left) - 60 )) python3 - "127.0.0.1:$RAY_PORT" <<'PY' || { say "not every replica came up"; collect; exit 5; }
+import sys, time
+import ray
+from ray import serve
+ray.init(address=sys.argv[1], logging_level="ERROR")
+while True:
+    app = serve.status().applications["tts"]
+    pending = {n: d.status for n, d in app.deployments.items() if d.status != "HEALTHY"}
+    if app.status == "RUNNING" and not pending:
+        print("every replica running:", {n: d.replica_states for n, d in app.deployments.items()}, flush=True)
+        break
+    time.sleep(2)
+PY
+  fi
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
 }
 

@@ -33,7 +33,7 @@ def _deployments(app) -> dict:
 
 
 @pytest.mark.parametrize("config", ["local.yaml", "local_all.yaml", "high_concurrency.yaml", "split.yaml",
-                                    "multi_model.yaml"])
+                                    "multi_model.yaml", "replicas.yaml"])
 def test_every_shipped_config_builds(config):
     args = TTSServingArgs.model_validate(_app_args(config))
     deployments = _deployments(build_app(args))
@@ -63,6 +63,21 @@ def test_local_config_is_cpu_embedded_and_fits_two_cores():
     cpus = sum(d.ray_actor_options.get("num_cpus", 1) for d in deployments.values())
     assert cpus <= 2
     assert not any(d.ray_actor_options.get("num_gpus") for d in deployments.values())
+
+
+def test_replicas_config_is_high_concurrency_with_one_pair_per_gpu_raylet():
+    """configs/replicas.yaml scales the co-located pair out: the same engines, N replicas of each stage, at most
+    one of each per Ray node (one raylet per GPU), so each GPU holds exactly one Talker and one Code2Wav."""
+    one, many = (_deployments(build_app(_app_args(c))) for c in ("high_concurrency.yaml", "replicas.yaml"))
+    for name in ("Talker:qwen3-tts", "Code2Wav"):
+        a, b = one[name], many[name]
+        assert b._deployment_config.num_replicas == 2 and b._replica_config.max_replicas_per_node == 1
+        assert b.ray_actor_options == a.ray_actor_options
+        strip = [c.model_copy(update={"deployment_config": {}}) if hasattr(c, "deployment_config") else c
+                 for c in b.init_args]
+        assert strip == [c.model_copy(update={"deployment_config": {}}) if hasattr(c, "deployment_config") else c
+                         for c in a.init_args]  # the same engines and streaming
+    assert many["TTSIngress"]._deployment_config.autoscaling_config.min_replicas == 8
 
 
 def test_high_concurrency_colocates_fractional_gpus():
