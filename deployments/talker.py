@@ -100,7 +100,7 @@ class TalkerServer:
         Cancelling the consumer (client gone, deadline) aborts the request in the engine, which frees
         its slot at the next step.
         """
-        from stages.talker.prefill import prefill_length
+        from stages.talker.layout import prefill_length
 
         options = options or GenerateOptions()
         if options.fit_max_frames:  # the engine needs prompt + frames + 2 positions (one speculative step)

@@ -46,9 +46,10 @@ from stages.contract import (
     TextTimeoutError,
 )
 from stages.model import Qwen3TTS
+from stages.talker.layout import prefill_length
 from stages.talker.live_text import LiveText
 from stages.talker.paged_kv import PagedKVCache
-from stages.talker.prefill import build_prefill, prefill_length
+from stages.talker.prefill import build_prefill
 from stages.talker.prompt_plan import plan_prompt
 from stages.talker.runner import Admission, TalkerRunner
 from stages.talker.scheduler import Scheduler, Sequence

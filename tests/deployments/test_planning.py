@@ -171,7 +171,7 @@ def test_task_of_models(infos):
 def test_requests_too_long_for_max_seq_len_are_refused_in_the_ingress(infos, args):
     """Prompt + frames beyond max_seq_len is a 400 here (the Talker never sees it); without max_new_tokens,
     a prompt that leaves fewer than `min_fitted_frames` is refused rather than answered with a few frames."""
-    from stages.talker.prefill import prefill_length
+    from stages.talker.layout import prefill_length
 
     info = infos["base"]
     long_ref = VoiceClonePrompt(np.zeros(info.config.talker.hidden_size, np.float32),

@@ -73,7 +73,7 @@ def test_talker_options_first_chunk_and_fit_max_frames(loop, talker):
     chunks = loop.run_until_complete(_collect(talker.generate(request, GenerateOptions(1, fit_max_frames=True))))
     assert chunks[0].num_new == 1
     total = sum(c.num_new for c in chunks)
-    from stages.talker.prefill import prefill_length
+    from stages.talker.layout import prefill_length
 
     assert total == 64 - prefill_length(request.prompt) - 2  # what fits max_seq_len (+1 speculative step)
     info = loop.run_until_complete(talker.info())

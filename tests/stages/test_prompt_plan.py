@@ -9,7 +9,8 @@ import torch
 from stages.contract import VoiceClonePrompt
 from stages.model import Qwen3TTS
 from stages.prompts import build_prompt
-from stages.talker.prefill import build_prefill, prefill_length, trailing_length
+from stages.talker.layout import prefill_length, trailing_length
+from stages.talker.prefill import build_prefill
 from stages.talker.prompt_plan import embed_rows, embed_text_rows, frame_codes_of, plan_prompt
 
 

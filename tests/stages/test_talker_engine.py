@@ -12,7 +12,8 @@ from stages.model import Qwen3TTS
 from stages.prompts import build_prompt
 from stages.reference import ReferenceGenerator
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig
-from stages.talker.prefill import build_prefill, prefill_length, trailing_length
+from stages.talker.layout import prefill_length, trailing_length
+from stages.talker.prefill import build_prefill
 
 GREEDY = SamplingParams(do_sample=False, subtalker_do_sample=False, suppress_eos=True)
 SAMPLED = SamplingParams(suppress_eos=True)  # official defaults: temperature 0.9, top-k 50, penalty 1.05
