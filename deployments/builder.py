@@ -19,7 +19,13 @@ from ray.serve import Application
 from deployments import constants as C
 from deployments.code2wav import DEFAULT_ENGINE_CLS as CODE2WAV_ENGINE
 from deployments.code2wav import Code2WavServer
-from deployments.config import CheckpointSource, Code2WavConfig, StreamingConfig, TalkerConfig, TTSServingArgs
+from deployments.config import (
+    CheckpointSource,
+    Code2WavDeploymentConfig,
+    StreamingConfig,
+    TalkerDeploymentConfig,
+    TTSServingArgs,
+)
 from deployments.http_guard import BodyLimits
 from deployments.ingress import TTSIngress, make_fastapi_app, make_fastapi_ingress
 from deployments.loading import engine_config
@@ -51,7 +57,7 @@ def _with_policy(options: dict[str, Any], policy: str, target: float) -> dict[st
     return options
 
 
-def talker_deployment_options(config: TalkerConfig) -> dict[str, Any]:
+def talker_deployment_options(config: TalkerDeploymentConfig) -> dict[str, Any]:
     slots = config.max_num_seqs
     defaults = {
         "name": config.deployment_name,
@@ -65,7 +71,7 @@ def talker_deployment_options(config: TalkerConfig) -> dict[str, Any]:
     return _with_policy(deep_merge(defaults, config.deployment_config), TALKER_POLICY, max(1.0, 0.75 * slots))
 
 
-def code2wav_deployment_options(config: Code2WavConfig) -> dict[str, Any]:
+def code2wav_deployment_options(config: Code2WavDeploymentConfig) -> dict[str, Any]:
     defaults = {
         "name": C.CODE2WAV_DEPLOYMENT_NAME,
         "max_ongoing_requests": config.max_batch_size * C.CODE2WAV_ONGOING_PER_BATCH_SLOT,
@@ -99,13 +105,14 @@ def ingress_deployment_options(args: TTSServingArgs) -> dict[str, Any]:
     return options
 
 
-def build_talker_deployment(config: TalkerConfig, streaming: StreamingConfig) -> Application:
+def build_talker_deployment(config: TalkerDeploymentConfig, streaming: StreamingConfig) -> Application:
     options = talker_deployment_options(config)
     logger.info(f"{options['name']} deployment options: {options}")
     return serve.deployment(TalkerServer, **options).bind(config, streaming)
 
 
-def build_code2wav_deployment(config: Code2WavConfig, source: CheckpointSource, streaming: StreamingConfig) -> Application:
+def build_code2wav_deployment(config: Code2WavDeploymentConfig, source: CheckpointSource,
+                              streaming: StreamingConfig) -> Application:
     options = code2wav_deployment_options(config)
     logger.info(f"{options['name']} deployment options: {options}")
     return serve.deployment(Code2WavServer, **options).bind(config, source, streaming)

@@ -18,7 +18,7 @@ from ray import ObjectRef
 
 from deployments import constants as C
 from deployments.audio_formats import float_to_pcm16
-from deployments.config import CheckpointSource, Code2WavConfig, StreamingConfig
+from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
 from deployments.loading import build_engine, load_model, replica_log
 from deployments.metrics import Code2WavMetrics
 from deployments.protocol import DecodedChunk
@@ -28,17 +28,18 @@ DEFAULT_ENGINE_CLS = "stages.code2wav.engine:Code2WavEngine"
 
 
 class Code2WavServer:
-    async def __init__(self, config: Code2WavConfig, source: CheckpointSource, streaming: StreamingConfig):
+    async def __init__(self, config: Code2WavDeploymentConfig, source: CheckpointSource, streaming: StreamingConfig):
         self._setup(config, source, streaming)
         await self.start()
 
     @classmethod
-    def sync_init(cls, config: Code2WavConfig, source: CheckpointSource, streaming: StreamingConfig) -> Code2WavServer:
+    def sync_init(cls, config: Code2WavDeploymentConfig, source: CheckpointSource,
+                  streaming: StreamingConfig) -> Code2WavServer:
         server = cls.__new__(cls)
         server._setup(config, source, streaming)
         return server
 
-    def _setup(self, config: Code2WavConfig, source: CheckpointSource, streaming: StreamingConfig) -> None:
+    def _setup(self, config: Code2WavDeploymentConfig, source: CheckpointSource, streaming: StreamingConfig) -> None:
         self._config, self._source, self._streaming = config, source, streaming
         self._engine = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="code2wav")  # the decoder's only thread

@@ -76,7 +76,7 @@ class _RuntimeOptions(_DeploymentOptions):
     warmup: bool = Field(True, description="run one real request before reporting ready")
 
 
-class TalkerConfig(_RuntimeOptions):
+class TalkerDeploymentConfig(_RuntimeOptions):
     """One served checkpoint: its own `Talker:<name>` deployment, routed to by the request's `model`."""
 
     name: str = Field(pattern=NAME_PATTERN, description="the `model` clients ask for")
@@ -119,7 +119,7 @@ class TalkerConfig(_RuntimeOptions):
         return {**self.engine_kwargs, "max_num_seqs": self.max_num_seqs}
 
 
-class Code2WavConfig(_RuntimeOptions):
+class Code2WavDeploymentConfig(_RuntimeOptions):
     """The shared codec decoder: one deployment decodes chunks of every model (same 12 Hz codec)."""
 
     model: str | None = Field(None, description="checkpoint whose speech_tokenizer/ to load; None = the first model's")
@@ -220,8 +220,8 @@ class IngressConfig(_DeploymentOptions):
 class TTSServingArgs(BaseConfig):
     """Everything `build_app` needs: the served models, the shared codec, streaming and ingress settings."""
 
-    models: list[TalkerConfig] = Field(min_length=1)
-    code2wav: Code2WavConfig = Field(default_factory=Code2WavConfig)
+    models: list[TalkerDeploymentConfig] = Field(min_length=1)
+    code2wav: Code2WavDeploymentConfig = Field(default_factory=Code2WavDeploymentConfig)
     streaming: StreamingConfig = Field(default_factory=StreamingConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 

@@ -49,7 +49,7 @@ def serve_logs_to_stderr(env: dict[str, str] | None = None) -> bool:
     return env.get("RAY_SERVE_LOG_TO_STDERR", default) == "1"
 
 
-def resolve_checkpoint(source: CheckpointSource, log: Log = print) -> str:
+def checkpoint_location(source: CheckpointSource, log: Log = print) -> str:
     """A path or Hugging Face id that `Qwen3TTS.load` accepts; writes the embedded checkpoint if needed.
 
     `${VAR}` and `~` in `model` are expanded here, in the replica (its runtime_env sets the variables).
@@ -116,7 +116,7 @@ async def load_model(options: _RuntimeOptions, source: CheckpointSource, log: Lo
 
     from stages.model import Qwen3TTS
 
-    path = await asyncio.to_thread(resolve_checkpoint, source, log)
+    path = await asyncio.to_thread(checkpoint_location, source, log)
     device, dtype = resolve_device_dtype(options)
     configure_torch(options, device)
     model = await asyncio.to_thread(Qwen3TTS.load, path, device, dtype, log=log, **parts)
@@ -124,10 +124,12 @@ async def load_model(options: _RuntimeOptions, source: CheckpointSource, log: Lo
 
 
 def engine_config(engine_path: str, engine_kwargs: dict[str, Any]) -> tuple[type, Any]:
-    """-> (engine class, its config). `engine_path` names the class; the config dataclass is `<Class>Config`
-    in the same module. Unknown or invalid `engine_kwargs` raise ValueError."""
+    """-> (engine class, its config). `engine_path` names the class; the class names its config dataclass in
+    its `config_cls` attribute. Unknown or invalid `engine_kwargs` raise ValueError."""
     engine_cls = import_object(engine_path)
-    config_cls = getattr(importlib.import_module(engine_cls.__module__), f"{engine_cls.__name__}Config")
+    config_cls = getattr(engine_cls, "config_cls", None)
+    if config_cls is None:
+        raise ValueError(f"engine {engine_path} has no `config_cls` attribute (the dataclass of its engine_kwargs)")
     try:
         return engine_cls, config_cls(**engine_kwargs)
     except TypeError as e:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from deployments import constants as C
-from deployments.config import StreamingConfig, TalkerConfig
+from deployments.config import StreamingConfig, TalkerDeploymentConfig
 from deployments.loading import build_engine, load_model, replica_log
 from deployments.metrics import TalkerMetrics
 from deployments.protocol import GenerateOptions, ModelInfo
@@ -42,18 +42,18 @@ DEFAULT_ENGINE_CLS = "stages.talker.engine:TalkerEngine"
 class TalkerServer:
     """Owns a loaded checkpoint (talker, tokenizer, voice encoders for Base) and its engine."""
 
-    async def __init__(self, config: TalkerConfig, streaming: StreamingConfig):
+    async def __init__(self, config: TalkerDeploymentConfig, streaming: StreamingConfig):
         self._setup(config, streaming)
         await self.start()
 
     @classmethod
-    def sync_init(cls, config: TalkerConfig, streaming: StreamingConfig) -> TalkerServer:
+    def sync_init(cls, config: TalkerDeploymentConfig, streaming: StreamingConfig) -> TalkerServer:
         """Build without Serve (tests): `server = TalkerServer.sync_init(...); await server.start()`."""
         server = cls.__new__(cls)
         server._setup(config, streaming)
         return server
 
-    def _setup(self, config: TalkerConfig, streaming: StreamingConfig) -> None:
+    def _setup(self, config: TalkerDeploymentConfig, streaming: StreamingConfig) -> None:
         self._config = config
         self._streaming = streaming
         self._engine = None

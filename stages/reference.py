@@ -7,7 +7,6 @@ prompt -> prefill -> [sample c0 -> code predictor (c1..c15) -> next input] per f
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -15,43 +14,9 @@ import torch
 from stages.contract import NUM_CODEBOOKS, SamplingParams, TalkerPrompt
 from stages.kv_cache import ContiguousKV
 from stages.model import Qwen3TTS
-from stages.sampling import SamplingTensors, mask_talker_logits, select_tokens
+from stages.sampling import SamplingRows, mask_talker_logits, select_tokens, suppressed_ids_mask
 from stages.talker.frame import new_code_predictor_cache, next_talker_input, predict_frame_codes
 from stages.talker.prefill import build_prefill
-
-
-@dataclass
-class TalkerSampling:
-    """SamplingParams as [1]-row tensors for the batched sampling functions."""
-
-    talker: SamplingTensors
-    sub: SamplingTensors
-    penalty: torch.Tensor
-    min_frames: torch.Tensor
-    suppress_eos: torch.Tensor
-
-    @classmethod
-    def from_params(cls, p: SamplingParams, device: torch.device) -> TalkerSampling:
-        def t(v, dtype):
-            return torch.tensor([v], dtype=dtype, device=device)
-
-        big = 1 << 30  # top_k 0 means "off": keep everything
-        return cls(
-            talker=SamplingTensors(t(p.do_sample, torch.bool), t(p.temperature, torch.float32),
-                                   t(p.top_k or big, torch.long), t(p.top_p, torch.float32)),
-            sub=SamplingTensors(t(p.subtalker_do_sample, torch.bool), t(p.subtalker_temperature, torch.float32),
-                                t(p.subtalker_top_k or big, torch.long), t(p.subtalker_top_p, torch.float32)),
-            penalty=t(p.repetition_penalty, torch.float32),
-            min_frames=t(p.min_frames, torch.long),
-            suppress_eos=t(p.suppress_eos, torch.bool),
-        )
-
-
-def suppressed_ids_mask(vocab_size: int, codebook_size: int, eos_id: int, device: torch.device) -> torch.Tensor:
-    """[V] bool: control ids (>= codebook size) except EOS can never be sampled."""
-    mask = torch.arange(vocab_size, device=device) >= codebook_size
-    mask[eos_id] = False
-    return mask
 
 
 class ReferenceGenerator:
@@ -70,7 +35,7 @@ class ReferenceGenerator:
     ) -> Iterator[np.ndarray]:
         """Yield frames (codes [16] int64) until EOS or `max_frames`."""
         talker, device = self.talker, self.model.device
-        params = TalkerSampling.from_params(sampling, device)
+        params = SamplingRows.from_params([sampling], device)
         emb = build_prefill(talker, self.model.config, prompt)
         length = emb.prefill.shape[0]
         tcfg = talker.config.transformer

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from stages.contract import SamplingParams
+
 _MASK32 = 0xFFFFFFFF
+TOP_K_OFF = 1 << 30  # top_k 0 means "off": a k this large keeps every id
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +54,43 @@ class SamplingTensors:
     temperature: torch.Tensor  # float32
     top_k: torch.Tensor  # int64; >= vocab disables
     top_p: torch.Tensor  # float32; 1.0 disables
+
+
+@dataclass
+class SamplingRows:
+    """`SamplingParams` of a batch's rows as [rows]-shaped device tensors: what the sampling functions take."""
+
+    talker: SamplingTensors
+    sub: SamplingTensors
+    penalty: torch.Tensor  # float32
+    min_frames: torch.Tensor  # int64
+    suppress_eos: torch.Tensor  # bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device) -> SamplingRows:
+        def t(values, dtype):
+            return torch.tensor(list(values), dtype=dtype, device=device)
+
+        return cls(
+            talker=SamplingTensors(t((p.do_sample for p in params), torch.bool),
+                                   t((p.temperature for p in params), torch.float32),
+                                   t((p.top_k or TOP_K_OFF for p in params), torch.long),
+                                   t((p.top_p for p in params), torch.float32)),
+            sub=SamplingTensors(t((p.subtalker_do_sample for p in params), torch.bool),
+                                t((p.subtalker_temperature for p in params), torch.float32),
+                                t((p.subtalker_top_k or TOP_K_OFF for p in params), torch.long),
+                                t((p.subtalker_top_p for p in params), torch.float32)),
+            penalty=t((p.repetition_penalty for p in params), torch.float32),
+            min_frames=t((p.min_frames for p in params), torch.long),
+            suppress_eos=t((p.suppress_eos for p in params), torch.bool),
+        )
+
+
+def suppressed_ids_mask(vocab_size: int, codebook_size: int, eos_id: int, device: torch.device) -> torch.Tensor:
+    """[V] bool: control ids (>= codebook size) except EOS can never be sampled."""
+    mask = torch.arange(vocab_size, device=device) >= codebook_size
+    mask[eos_id] = False
+    return mask
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

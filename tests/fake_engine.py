@@ -1,6 +1,6 @@
 """A fake talker engine behind the engine interface TalkerServer uses, with injectable faults.
 
-`engine_cls: "tests.fake_engine:FakeTalkerEngine"` (config: `FakeTalkerEngineConfig`, from `engine_kwargs`)
+`engine_cls: "tests.fake_engine:FakeTalkerEngine"` (its `config_cls`, `FakeTalkerEngineConfig`, from `engine_kwargs`)
 serves requests without a model: a step thread emits one all-zero frame per running request per step
 (valid codes for Code2Wav). At most `max_num_seqs` requests run at once; the others wait (FIFO, admitted at
 the next step with a free slot) and count as `waiting`, as in the real engine. Faults, chosen per request so a
@@ -22,6 +22,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -109,6 +110,8 @@ class _Stream:
 
 
 class FakeTalkerEngine:
+
+    config_cls: ClassVar[type] = FakeTalkerEngineConfig  # what `engine_kwargs` configure (deployments/loading.py)
     def __init__(self, model, config: FakeTalkerEngineConfig = FakeTalkerEngineConfig()):
         self.model, self.config = model, config
         self._lock = threading.Lock()

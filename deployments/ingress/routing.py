@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from ray.serve.handle import DeploymentHandle
 
-from deployments.config import TalkerConfig
+from deployments.config import TalkerDeploymentConfig
 from deployments.errors import to_api_error
 from deployments.planning import VoiceChoice, choose_voice, infer_model, resolve_model_name
 from deployments.protocol import ModelInfo
@@ -44,7 +44,7 @@ class ModelRoute:
 class ModelRouter:
     """The served models by name, lower-cased name and alias."""
 
-    def __init__(self, talkers: dict[str, DeploymentHandle], models: list[TalkerConfig]):
+    def __init__(self, talkers: dict[str, DeploymentHandle], models: list[TalkerDeploymentConfig]):
         self.routes = {name: ModelRoute(name, handle) for name, handle in talkers.items()}
         self._models = models
         self._names = {n.lower(): m.name for m in models for n in (m.name, *m.aliases)}

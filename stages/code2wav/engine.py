@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -90,6 +91,8 @@ class Code2WavEngine:
     The engine owns the decoder: with `fast_kernels` on a CUDA device it switches the instance to the
     fused kernels of `stages.code2wav.fast` (off: back to the eager modules).
     """
+
+    config_cls: ClassVar[type] = Code2WavEngineConfig  # what `engine_kwargs` configure (deployments/loading.py)
 
     def __init__(self, decoder: Code2WavDecoder, config: Code2WavEngineConfig = Code2WavEngineConfig()):
         self.decoder, self.config = decoder.eval(), config

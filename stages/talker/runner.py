@@ -34,15 +34,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.layers import LayerKernels
 from stages.model import Qwen3TTS
-from stages.reference import suppressed_ids_mask
-from stages.sampling import SamplingTensors, mask_talker_logits, select_tokens
+from stages.sampling import (
+    TOP_K_OFF,
+    SamplingRows,
+    SamplingTensors,
+    mask_talker_logits,
+    select_tokens,
+    suppressed_ids_mask,
+)
 from stages.talker.frame import new_code_predictor_cache, next_talker_input, predict_frame_codes
 from stages.talker.paged_attention import kernel_available
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from stages.talker.prefill import PrefillEmbeds
 from stages.talker.prompt_plan import NONE, PromptPlan, embed_rows, embed_text_rows
 
-_TOP_K_OFF = 1 << 30
 PREFILL_WIDTH_BUCKETS = (16, 32, 64, 128)  # graphed prefill widths (CustomVoice/VoiceDesign prompts fit)
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # graphed prefill batches (the engine admits <= 16 per step)
 PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)
@@ -50,21 +55,16 @@ _WIDTH_MULTIPLE = 16  # eager prefill pads widths to this: fewer distinct shapes
 
 
 @dataclass
-class SlotParams:
-    """Sampling parameters of every row, [rows]-shaped device tensors."""
+class SlotParams(SamplingRows):
+    """Sampling parameters of every engine row (written in place by admissions), and each row's seed."""
 
-    talker: SamplingTensors
-    sub: SamplingTensors
-    penalty: torch.Tensor
-    min_frames: torch.Tensor
-    suppress_eos: torch.Tensor
     seeds: torch.Tensor
 
     @classmethod
     def empty(cls, n: int, device: torch.device) -> SlotParams:
         def sampling() -> SamplingTensors:
             return SamplingTensors(torch.zeros(n, dtype=torch.bool, device=device),
-                                   torch.ones(n, device=device), torch.full((n,), _TOP_K_OFF, device=device),
+                                   torch.ones(n, device=device), torch.full((n,), TOP_K_OFF, device=device),
                                    torch.ones(n, device=device))
 
         return cls(sampling(), sampling(), torch.ones(n, device=device),
@@ -361,7 +361,7 @@ class TalkerRunner:
         trailing, blocks, x_vector = s["trailing"].numpy(), s["blocks"].numpy(), s["x_vector"].numpy()
         for i in range(nb):
             if i >= len(batch):  # padding: the scratch row, a 1-row prompt with no parts
-                meta[i] = (self.scratch_row, 1, 1, 0, 0, _TOP_K_OFF, _TOP_K_OFF, 0, 0, 1, NONE)
+                meta[i] = (self.scratch_row, 1, 1, 0, 0, TOP_K_OFF, TOP_K_OFF, 0, 0, 1, NONE)
                 fp[i] = (1.0, 1.0, 1.0, 1.0, 1.0, 0.0)
                 text[i, :width] = NONE
                 codec[i, :width] = NONE
@@ -371,8 +371,8 @@ class TalkerRunner:
                 continue
             a = batch[i]
             p, plan = a.params, a.plan
-            meta[i] = (a.row, plan.length, plan.trailing_length, a.seed, p.min_frames, p.top_k or _TOP_K_OFF,
-                       p.subtalker_top_k or _TOP_K_OFF, p.do_sample, p.subtalker_do_sample, p.suppress_eos,
+            meta[i] = (a.row, plan.length, plan.trailing_length, a.seed, p.min_frames, p.top_k or TOP_K_OFF,
+                       p.subtalker_top_k or TOP_K_OFF, p.do_sample, p.subtalker_do_sample, p.suppress_eos,
                        plan.x_vector_row)
             fp[i] = (p.temperature, p.top_p, p.subtalker_temperature, p.subtalker_top_p, p.repetition_penalty, 0.0)
             L, T = plan.length, plan.trailing_length

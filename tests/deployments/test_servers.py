@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from deployments.code2wav import Code2WavServer
-from deployments.config import CheckpointSource, Code2WavConfig, StreamingConfig, TalkerConfig
+from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig, TalkerDeploymentConfig
 from deployments.protocol import GenerateOptions
 from stages.contract import SAMPLES_PER_FRAME, FinishReason, SamplingParams, SynthesisRequest
 from stages.prompts import build_prompt
@@ -31,7 +31,7 @@ def loop():
 def talker(loop, tiny_custom_voice):
     from deployments.talker import TalkerServer
 
-    config = TalkerConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
+    config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
                           engine_kwargs={"max_num_seqs": 4, "max_seq_len": 64})
     server = TalkerServer.sync_init(config, STREAMING)
     loop.run_until_complete(server.start())
@@ -41,7 +41,7 @@ def talker(loop, tiny_custom_voice):
 
 @pytest.fixture(scope="module")
 def code2wav(loop, tiny_custom_voice):
-    server = Code2WavServer.sync_init(Code2WavConfig(device="cpu", max_batch_size=8),
+    server = Code2WavServer.sync_init(Code2WavDeploymentConfig(device="cpu", max_batch_size=8),
                                       CheckpointSource(model=str(tiny_custom_voice)), STREAMING)
     loop.run_until_complete(server.start())
     yield server
@@ -180,7 +180,8 @@ def test_code2wav_health_fails_when_pending_chunks_see_no_decode(loop):
             self.release.wait(30)
             return [np.zeros(c.num_new * SAMPLES_PER_FRAME, np.float32) for c in chunks]
 
-    server = Code2WavServer.sync_init(Code2WavConfig(device="cpu", stall_timeout_s=5), CheckpointSource(), STREAMING)
+    server = Code2WavServer.sync_init(Code2WavDeploymentConfig(device="cpu", stall_timeout_s=5), CheckpointSource(),
+                                      STREAMING)
     server._engine, server._metrics = StuckDecoder(), Code2WavMetrics()
     now = [100.0]
     server._clock = lambda: now[0]
@@ -207,7 +208,7 @@ def test_code2wav_health_fails_when_pending_chunks_see_no_decode(loop):
 def test_talker_health_sees_an_engine_that_stopped_stepping(loop, tiny_custom_voice):
     from deployments.talker import TalkerServer
 
-    config = TalkerConfig(name="fake", model=str(tiny_custom_voice), device="cpu", warmup=False,
+    config = TalkerDeploymentConfig(name="fake", model=str(tiny_custom_voice), device="cpu", warmup=False,
                           engine_cls="tests.fake_engine:FakeTalkerEngine",
                           engine_kwargs={"max_num_seqs": 2, "stall_seed": 666, "stall_timeout_s": 0.5})
     server = TalkerServer.sync_init(config, STREAMING)

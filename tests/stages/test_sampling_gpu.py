@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.reference import suppressed_ids_mask
-from stages.sampling import SamplingTensors, mask_talker_logits, select_tokens, uniform_from_counter
+from stages.sampling import SamplingTensors, mask_talker_logits, select_tokens, suppressed_ids_mask, uniform_from_counter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
