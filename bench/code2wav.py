@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from stages.code2wav.chunking import ChunkSchedule, StreamChunker
+from stages.chunking import ChunkSchedule, StreamChunker
 from stages.code2wav.config import DecoderConfig
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from stages.code2wav.model import Code2WavDecoder, randomize_codebooks_

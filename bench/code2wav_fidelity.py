@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages.code2wav.chunking import ChunkSchedule, StreamChunker, receptive_field_frames
+from stages.chunking import ChunkSchedule, StreamChunker, receptive_field_frames
 from stages.code2wav.config import DecoderConfig
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from stages.code2wav.model import Code2WavDecoder, randomize_codebooks_

@@ -36,7 +36,7 @@ import torch
 
 from bench.loadgen.metrics import continuity
 from bench.loadgen.sentences import load_sentences
-from stages.code2wav.chunking import CODEBOOK_SIZE, ChunkSchedule
+from stages.chunking import CODEBOOK_SIZE, ChunkSchedule
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from stages.contract import CodecChunk, SamplingParams, SynthesisRequest
 from stages.model import Qwen3TTS

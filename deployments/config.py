@@ -129,7 +129,7 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
 
 
 class StreamingConfig(BaseConfig):
-    """How a stream of frames is cut into chunks for Code2Wav: `stages.code2wav.chunking.ChunkSchedule`.
+    """How a stream of frames is cut into chunks for Code2Wav: `stages.chunking.ChunkSchedule`.
 
     Unset fields take the schedule's defaults (a small first chunk, a geometric ramp, steady chunks).
     """
@@ -143,8 +143,8 @@ class StreamingConfig(BaseConfig):
     max_pending_decodes: int = Field(C.DEFAULT_MAX_PENDING_DECODES, ge=1, description="decodes in flight per stream")
 
     def schedule(self):
-        """-> stages.code2wav.chunking.ChunkSchedule (raises ValueError on an inconsistent schedule)."""
-        from stages.code2wav.chunking import ChunkSchedule
+        """-> stages.chunking.ChunkSchedule (raises ValueError on an inconsistent schedule)."""
+        from stages.chunking import ChunkSchedule
 
         fields = self.model_dump(exclude={"max_pending_decodes"}, exclude_none=True)
         if "ramp" in fields:

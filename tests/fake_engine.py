@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from stages.code2wav.chunking import ChunkSchedule, StreamChunker
+from stages.chunking import ChunkSchedule, StreamChunker
 from stages.contract import NUM_CODEBOOKS, CodecChunk, FinishReason, SynthesisRequest
 
 

@@ -17,7 +17,7 @@ DEPLOYMENTS_MAY_IMPORT = frozenset({
     "stages.config",  # checkpoint facts (ModelConfig, GenerationDefaults)
     "stages.prompts",  # tokenizer and prompt building on the ingress
     "stages.voice.prompt",  # voice-clone prompts from reference audio
-    "stages.code2wav.chunking",  # the chunk schedule
+    "stages.chunking",  # the chunk schedule
     "stages.talker.layout",  # prefill_length: planning on the ingress, admission on the Talker replica
     "stages.model",  # loading a checkpoint
     "stages.random_checkpoint",  # writing the embedded default

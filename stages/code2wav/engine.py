@@ -20,8 +20,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from stages.chunking import ChunkSchedule
 from stages.code2wav import fast
-from stages.code2wav.chunking import ChunkSchedule
 from stages.code2wav.model import Code2WavDecoder
 from stages.contract import CODEBOOK_SIZE, CodecChunk
 

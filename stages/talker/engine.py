@@ -37,7 +37,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from stages.code2wav.chunking import ChunkSchedule, StreamChunker
+from stages.chunking import ChunkSchedule, StreamChunker
 from stages.contract import (
     NUM_CODEBOOKS,
     EngineOverloadedError,

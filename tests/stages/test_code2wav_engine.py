@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from stages.code2wav.chunking import ChunkSchedule, StreamChunker, receptive_field_frames
+from stages.chunking import ChunkSchedule, StreamChunker, receptive_field_frames
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from stages.contract import CodecChunk, FinishReason
 from tests.code2wav_reference import decode_chunks

@@ -232,7 +232,7 @@ def test_run_on_device_runs_between_steps_and_propagates_errors(model, prompts):
 
 def test_engine_cuts_chunks_by_the_schedule_with_left_context(model, prompts):
     """Chunks are cut in the engine: sizes follow the schedule, each carries the frames before it as context."""
-    from stages.code2wav.chunking import ChunkSchedule
+    from stages.chunking import ChunkSchedule
 
     schedule = ChunkSchedule(first_chunk_frames=1, steady_chunk_frames=4, left_context_frames=3)
     engine = _engine(model, max_num_seqs=2)

@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from stages.code2wav.chunking import ChunkSchedule
+from stages.chunking import ChunkSchedule
 from stages.contract import FinishReason, SamplingParams, SynthesisRequest
 from stages.model import Qwen3TTS
 from stages.prompts import build_prompt

@@ -1,4 +1,5 @@
-"""Cutting a stream of codec frames into CodecChunks with left context.
+"""Cutting a stream of codec frames into CodecChunks with left context: the streaming schedule both stages
+share (the Talker engine cuts chunks with it, Code2Wav decodes them).
 
 A stream's chunks: the first is small (time to first audio), the next ones grow (the ramp) up to the
 steady size, and the rest of the stream is flushed as one final partial chunk. Every chunk carries the
