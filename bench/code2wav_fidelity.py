@@ -148,7 +148,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     if args.checkpoint:
-        from stages.model import Qwen3TTS
+        from stages.qwen3_tts import Qwen3TTS
 
         decoder = Qwen3TTS.load(args.checkpoint, args.device, "float32", talker=False, decoder=True,
                                 voice=False).decoder.eval()

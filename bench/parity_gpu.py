@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages.model import Qwen3TTS
 from stages.prompts import build_prompt
+from stages.qwen3_tts import Qwen3TTS
 from stages.reference import ReferenceGenerator
 from tests.stages.test_parity_generate import FRAMES, GREEDY, JOBS, TEXT, _teacher_forced_logits
 

@@ -39,8 +39,8 @@ from bench.loadgen.sentences import load_sentences
 from stages.chunking import CODEBOOK_SIZE, ChunkSchedule
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from stages.contract import CodecChunk, SamplingParams, SynthesisRequest
-from stages.model import Qwen3TTS
 from stages.prompts import build_prompt
+from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import write_random_checkpoint
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig
 

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from stages.contract import SamplingParams, SynthesisRequest
-from stages.model import Qwen3TTS
 from stages.prompts import build_prompt
+from stages.qwen3_tts import Qwen3TTS
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig
 
 

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from stages.contract import SamplingParams
-from stages.model import Qwen3TTS
 from stages.prompts import build_prompt
+from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import write_random_checkpoint
 from stages.sampling import mask_talker_logits, select_tokens
 from stages.talker.prompt_plan import plan_prompt

@@ -20,8 +20,8 @@ from deployments import constants as C
 from deployments.audio_formats import float_to_pcm16
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
 from deployments.loading import build_engine, load_model, replica_log
+from deployments.messages import DecodedChunk
 from deployments.metrics import Code2WavMetrics
-from deployments.protocol import DecodedChunk
 from stages.contract import NUM_CODEBOOKS, CodecChunk
 
 DEFAULT_ENGINE_CLS = "stages.code2wav.engine:Code2WavEngine"

@@ -27,7 +27,7 @@ import logging
 from ray.serve.handle import DeploymentHandle
 
 from deployments import constants as C
-from deployments.protocol import DecodedChunk
+from deployments.messages import DecodedChunk
 from stages.contract import SAMPLES_PER_FRAME, CodecChunk
 
 logger = logging.getLogger("ray.serve")

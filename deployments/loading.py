@@ -110,11 +110,11 @@ def configure_torch(options: _RuntimeOptions, device: str) -> None:
 async def load_model(options: _RuntimeOptions, source: CheckpointSource, log: Log, **parts: bool) -> tuple[Any, str]:
     """Resolve the checkpoint, pick device/dtype, configure torch and load the asked-for parts off the loop.
 
-    Returns (the loaded `stages.model.Qwen3TTS`, device). `parts`: talker=, decoder=, voice=.
+    Returns (the loaded `stages.qwen3_tts.Qwen3TTS`, device). `parts`: talker=, decoder=, voice=.
     """
     import asyncio
 
-    from stages.model import Qwen3TTS
+    from stages.qwen3_tts import Qwen3TTS
 
     path = await asyncio.to_thread(checkpoint_location, source, log)
     device, dtype = resolve_device_dtype(options)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from ray.serve.handle import DeploymentHandle
 
 from deployments.decode_batcher import DecodeBatcher
-from deployments.protocol import DecodedChunk, GenerateOptions
+from deployments.messages import DecodedChunk, GenerateOptions
 from deployments.transport import StageTransport, stage_handle, stream_items
 from stages.contract import SynthesisRequest
 

@@ -23,8 +23,8 @@ import numpy as np
 from deployments import constants as C
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
 from deployments.loading import build_engine, load_model, replica_log
+from deployments.messages import GenerateOptions, ModelInfo
 from deployments.metrics import TalkerMetrics
-from deployments.protocol import GenerateOptions, ModelInfo
 from stages.contract import (
     CodecChunk,
     InvalidRequestError,

@@ -19,7 +19,7 @@ DEPLOYMENTS_MAY_IMPORT = frozenset({
     "stages.voice.prompt",  # voice-clone prompts from reference audio
     "stages.chunking",  # the chunk schedule
     "stages.talker.layout",  # prefill_length: planning on the ingress, admission on the Talker replica
-    "stages.model",  # loading a checkpoint
+    "stages.qwen3_tts",  # loading a checkpoint
     "stages.random_checkpoint",  # writing the embedded default
     "stages.talker.engine",  # DEFAULT_ENGINE_CLS
     "stages.code2wav.engine",  # DEFAULT_ENGINE_CLS

@@ -32,9 +32,9 @@ from starlette.websockets import WebSocketDisconnect
 from deployments.errors import APIError, bad_request
 from deployments.http_guard import OpenWork
 from deployments.ingress.outcomes import Outcomes
-from deployments.planning import check_limits, check_live_text, check_request
+from deployments.messages import DecodedChunk
 from deployments.playback import PlaybackClock
-from deployments.protocol import DecodedChunk
+from deployments.request_builder import check_limits, check_live_text, check_request
 from deployments.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen
 from deployments.stream_encoders import AsyncStreamEncoder
 from deployments.text_mailbox import TextEvent

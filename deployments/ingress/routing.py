@@ -14,8 +14,8 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import TalkerDeploymentConfig
 from deployments.errors import to_api_error
-from deployments.planning import VoiceChoice, choose_voice, infer_model, resolve_model_name
-from deployments.protocol import ModelInfo
+from deployments.messages import ModelInfo
+from deployments.request_builder import VoiceChoice, choose_voice, infer_model, resolve_model_name
 from deployments.schemas import SpeechRequest
 from deployments.voices import VoiceRecord
 

@@ -29,9 +29,9 @@ from deployments.ingress.outcomes import Outcomes
 from deployments.ingress.routing import ModelRouter
 from deployments.ingress.speech import SpeechJob, stream_response, whole_response
 from deployments.ingress.voices import Voices
+from deployments.messages import DecodedChunk, ModelInfo
 from deployments.pipeline import stream_audio
-from deployments.planning import VoiceChoice, build_request, check_limits, check_request
-from deployments.protocol import DecodedChunk, ModelInfo
+from deployments.request_builder import VoiceChoice, build_request, check_limits, check_request
 from deployments.schemas import SpeechRequest
 from deployments.text_mailbox import new_mailbox
 from deployments.transport import max_answer_bytes, stage_handle

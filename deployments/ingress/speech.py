@@ -20,8 +20,8 @@ from deployments.errors import StreamAborted, to_api_error
 from deployments.http_guard import OpenWork
 from deployments.ingress import sse
 from deployments.ingress.outcomes import Outcomes
+from deployments.messages import DecodedChunk
 from deployments.playback import PlaybackClock
-from deployments.protocol import DecodedChunk
 from deployments.schemas import SpeechRequest
 from deployments.stream_encoders import AsyncStreamEncoder, encode
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME

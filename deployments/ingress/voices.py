@@ -23,9 +23,9 @@ from deployments.errors import APIError, bad_request, plain, shown, unwrap
 from deployments.http_guard import OpenWork
 from deployments.ingress.outcomes import Outcomes
 from deployments.ingress.routing import ModelRouter
-from deployments.planning import VoiceChoice
-from deployments.protocol import ModelInfo
+from deployments.messages import ModelInfo
 from deployments.ref_audio import load_ref_audio, probe_audio, read_voice_upload
+from deployments.request_builder import VoiceChoice
 from deployments.schemas import SpeechRequest
 from deployments.voices import VOICE_NAME_PATTERN, VoiceRecord, VoiceStore
 from stages.contract import TaskType, VoiceClonePrompt
@@ -45,7 +45,7 @@ class Voices:
     # ------------------------------------------------------------------ speech requests
     async def finder(self, body: SpeechRequest) -> VoiceFinder:
         """The uploaded voices `body` may name, read from disk in a thread, as the lookup that request
-        planning (deployments/planning.py) calls synchronously."""
+        planning (deployments/request_builder.py) calls synchronously."""
         names = {n for n in (body.voice, (body.voice or "").strip()) if _could_be_uploaded(n)}
         found = await asyncio.to_thread(lambda: {n: self._store.find(n) for n in names}) if names else {}
 

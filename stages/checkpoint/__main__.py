@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from stages.model import Qwen3TTS
+from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import write_random_checkpoint
 
 

@@ -46,7 +46,7 @@ from stages.contract import (
     SynthesisRequest,
     TextTimeoutError,
 )
-from stages.model import Qwen3TTS
+from stages.qwen3_tts import Qwen3TTS
 from stages.talker.layout import prefill_length
 from stages.talker.live_text import LiveText
 from stages.talker.paged_kv import PagedKVCache

@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.layers import LayerKernels
-from stages.model import Qwen3TTS
+from stages.qwen3_tts import Qwen3TTS
 from stages.sampling import (
     TOP_K_OFF,
     SamplingRows,

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from stages.contract import InvalidRequestError, VoiceClonePrompt
-from stages.model import Qwen3TTS
+from stages.qwen3_tts import Qwen3TTS
 from stages.voice.audio import AudioInput, load_reference_audio
 
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deployments.protocol import ModelInfo
+from deployments.messages import ModelInfo
 from stages.config import GenerationDefaults, ModelConfig
 from stages.prompts import TextTokenizer
 
@@ -23,7 +23,7 @@ import deployments.ingress
 info = pickle.loads(sys.stdin.buffer.read())
 loaded = {m: m in sys.modules for m in ("transformers", "torch")}
 from deployments.config import TTSServingArgs
-from deployments.planning import build_request, choose_voice
+from deployments.request_builder import build_request, choose_voice
 from deployments.schemas import SpeechRequest
 args = TTSServingArgs.model_validate({"models": [{"name": info.name}]})
 body = SpeechRequest.model_validate({"input": "Hello there, 42 times!", "voice": "vivian", "instructions": "calm"})

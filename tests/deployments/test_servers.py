@@ -9,7 +9,7 @@ import pytest
 
 from deployments.code2wav import Code2WavServer
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig, TalkerDeploymentConfig
-from deployments.protocol import GenerateOptions
+from deployments.messages import GenerateOptions
 from stages.contract import SAMPLES_PER_FRAME, FinishReason, SamplingParams, SynthesisRequest
 from stages.prompts import build_prompt
 

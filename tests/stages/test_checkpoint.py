@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from stages.checkpoint import CheckpointError, resolve_checkpoint
 from stages.config import ModelConfig
-from stages.model import Qwen3TTS
+from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import KINDS, SIZES, codec_config, main_config
 
 

@@ -36,7 +36,7 @@ def snr_db(ref: np.ndarray, out: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def decoder(tiny_custom_voice):
-    from stages.model import Qwen3TTS
+    from stages.qwen3_tts import Qwen3TTS
 
     model = Qwen3TTS.load(tiny_custom_voice, "cpu", "float32", talker=False, decoder=True, voice=False)
     return model.decoder

@@ -16,8 +16,8 @@ import torch
 
 from stages.contract import SamplingParams, TalkerPrompt
 from stages.kv_cache import ContiguousKV
-from stages.model import Qwen3TTS
 from stages.prompts import build_prompt
+from stages.qwen3_tts import Qwen3TTS
 from stages.reference import ReferenceGenerator
 from stages.talker.frame import new_code_predictor_cache, next_talker_input
 from stages.talker.prefill import build_prefill

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from stages.contract import VoiceClonePrompt
-from stages.model import Qwen3TTS
 from stages.prompts import build_prompt
+from stages.qwen3_tts import Qwen3TTS
 from stages.talker.layout import prefill_length, trailing_length
 from stages.talker.prefill import build_prefill
 from stages.talker.prompt_plan import embed_rows, embed_text_rows, frame_codes_of, plan_prompt

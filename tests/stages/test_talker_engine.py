@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from stages.contract import FinishReason, InvalidRequestError, SamplingParams, SynthesisRequest
-from stages.model import Qwen3TTS
 from stages.prompts import build_prompt
+from stages.qwen3_tts import Qwen3TTS
 from stages.reference import ReferenceGenerator
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig
 from stages.talker.layout import prefill_length, trailing_length

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from stages.contract import FinishReason, SamplingParams, SynthesisRequest
-from stages.model import Qwen3TTS
 from stages.prompts import build_prompt
+from stages.qwen3_tts import Qwen3TTS
 from stages.reference import ReferenceGenerator
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig
 

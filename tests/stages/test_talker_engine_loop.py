@@ -14,8 +14,8 @@ import pytest
 
 from stages.chunking import ChunkSchedule
 from stages.contract import FinishReason, SamplingParams, SynthesisRequest
-from stages.model import Qwen3TTS
 from stages.prompts import build_prompt
+from stages.qwen3_tts import Qwen3TTS
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig
 
 EOS = 2150

@@ -21,8 +21,8 @@ from stages.contract import (
     TextTimeoutError,
     VoiceClonePrompt,
 )
-from stages.model import Qwen3TTS
 from stages.prompts import build_live_prompt, build_prompt
+from stages.qwen3_tts import Qwen3TTS
 from stages.reference import ReferenceGenerator
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig
 

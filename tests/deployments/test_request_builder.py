@@ -7,8 +7,8 @@ import pytest
 
 from deployments.config import TTSServingArgs
 from deployments.errors import APIError
-from deployments.planning import build_request, check_limits, choose_voice, infer_model, resolve_model_name
-from deployments.protocol import ModelInfo
+from deployments.messages import ModelInfo
+from deployments.request_builder import build_request, check_limits, choose_voice, infer_model, resolve_model_name
 from deployments.schemas import SpeechRequest
 from deployments.voices import VoiceRecord
 from stages.config import GenerationDefaults, ModelConfig

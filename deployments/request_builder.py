@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from deployments import constants as C
 from deployments.config import IngressConfig, TTSServingArgs
 from deployments.errors import APIError, bad_request, shown
-from deployments.protocol import GenerateOptions, ModelInfo
+from deployments.messages import GenerateOptions, ModelInfo
 from deployments.schemas import SpeechRequest
 from deployments.voices import VoiceRecord
 from stages.contract import InvalidRequestError, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
