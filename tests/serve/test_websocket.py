@@ -117,12 +117,17 @@ def test_text_appended_token_by_token_speaks_like_the_whole_text(client):
     assert np.abs(a.astype(np.int32) - b).max() <= 2, "piecewise text spoke different audio"
 
 
+def _open_parked(client, context_id: str, frames: int, text: str) -> None:
+    """Open a context, send it `text` and wait until the engine parks it, waiting for more."""
+    assert client.open(context_id, max_new_tokens=frames)["type"] == "opened"
+    client.send(type="append", context_id=context_id, text=text)
+    wait_for(_parked, 120, message="the context parked, waiting for text")
+
+
 def test_a_context_waits_for_text_and_flush_speaks_what_it_has(client):
     """Without its next text a context parks in the engine (no audio past its text); `flush` releases the held
     last word and closes the utterance, which then plays to its end without `end`."""
-    assert client.open("waits", max_new_tokens=40)["type"] == "opened"
-    client.send(type="append", context_id="waits", text="Hello there")
-    wait_for(_parked, 120, message="the context parked, waiting for text")
+    _open_parked(client, "waits", 40, "Hello there")
     client.send(type="flush", context_id="waits")
     done = client.done("waits")
     assert done["type"] == "done" and done["finish_reason"] == "length", done
@@ -131,9 +136,7 @@ def test_a_context_waits_for_text_and_flush_speaks_what_it_has(client):
 
 
 def test_cancel_mid_utterance_frees_the_engine_slot(client):
-    assert client.open("c1", max_new_tokens=200)["type"] == "opened"
-    client.send(type="append", context_id="c1", text="Some words, and then")
-    wait_for(_parked, 120, message="the context parked, waiting for text")
+    _open_parked(client, "c1", 200, "Some words, and then")
     client.send(type="cancel", context_id="c1")
     done = client.done("c1")
     assert done["type"] == "done" and done["finish_reason"] == "cancelled", done
