@@ -4,20 +4,18 @@ Profiled on an H100 (bf16, batch 64 x 75 frames, docs/code2wav.md), the eager vo
 time outside the convolutions' arithmetic: SnakeBeta as five broadcast kernels with four temporaries,
 the conv biases added by separate non-vectorized broadcast kernels, a left-padded copy of every causal
 conv input, and one cuDNN fallback kernel (no tensor cores) for the dilation-9 conv at 384 channels.
-`enable_fast_kernels(decoder)` re-routes each VocoderBlock and the final SnakeBeta + conv of that
-instance to:
+`enable_fast_kernels(decoder)` gives that decoder instance `FusedVocoderKernels` (its `kernels` seam, as
+the talker's layers take `LayerKernels`), which run each VocoderBlock and the final SnakeBeta + conv as:
 - one Triton SnakeBeta kernel (fp32 math, one read, one write) that also adds the previous conv's bias
   and writes the next conv's zero padding, so no padded copy is made;
 - dilated convs as 2-D convs over a (time / dilation, dilation) view (same arithmetic, tensor-core
   kernels), convs without bias;
 - one Triton kernel for `x + bias + conv(h) + bias` at the end of each residual unit.
-Parameters and module names are untouched. The output equals the eager decoder up to rounding (fp32
-inside the kernels, rounded once); use the eager modules (`disable_fast_kernels`) for bit parity.
+Parameters and modules are untouched. The output equals the eager decoder up to rounding (fp32 inside the
+kernels, rounded once); use the eager modules (`disable_fast_kernels`) for bit parity.
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 import torch.nn.functional as F
@@ -140,8 +138,8 @@ def _residual_unit(unit: ResidualUnit, x: torch.Tensor, x_bias: torch.Tensor | N
     return residual(x, F.conv1d(h, conv2.weight), x_bias, conv2.bias)
 
 
-def _vocoder_block_forward(self: VocoderBlock, x: torch.Tensor) -> torch.Tensor:
-    act, up, *units = self.block
+def _vocoder_block(block: VocoderBlock, x: torch.Tensor) -> torch.Tensor:
+    act, up, *units = block.block
     h = F.conv_transpose1d(snake(x, act), up.conv.weight, None, stride=up.conv.stride)
     if up.trim:
         h = h[..., : h.shape[-1] - up.trim]
@@ -152,36 +150,32 @@ def _vocoder_block_forward(self: VocoderBlock, x: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _padded_snake_forward(self: SnakeBeta, x: torch.Tensor) -> torch.Tensor:
-    return snake(x, self, self._fast_left_pad)
+class FusedVocoderKernels:
+    """The vocoder stack (input conv, VocoderBlocks, SnakeBeta, output conv) on the fused kernels above."""
 
-
-def _prepadded_conv_forward(self: CausalConv1d, x: torch.Tensor) -> torch.Tensor:  # x already left-padded
-    return self.conv(x)
+    def vocoder(self, layers, h: torch.Tensor) -> torch.Tensor:
+        first, *blocks, act, last = layers
+        h = first(h)
+        for block in blocks:
+            h = _vocoder_block(block, h)
+        return last.conv(snake(h, act, last.left_pad))  # SnakeBeta writes the output conv's left padding
 
 
 def enable_fast_kernels(decoder: Code2WavDecoder) -> bool:
-    """Switch this decoder instance to the fused kernels (CUDA + Triton only). Returns whether it did."""
+    """Give this decoder instance the fused kernels (CUDA + Triton only). Returns whether it did."""
     if not available(next(decoder.parameters()).device):
         return False
-    for module in decoder.modules():
-        if isinstance(module, VocoderBlock):
-            act, up, *units = module.block
-            if not all(u.conv2.left_pad == 0 and u.conv1.conv.padding == (0,) for u in units):
-                raise ValueError("unexpected residual unit layout")
-            module.forward = types.MethodType(_vocoder_block_forward, module)
-    act, conv = decoder.decoder[-2], decoder.decoder[-1]
-    if isinstance(act, SnakeBeta) and isinstance(conv, CausalConv1d):
-        act._fast_left_pad = conv.left_pad
-        act.forward = types.MethodType(_padded_snake_forward, act)
-        conv.forward = types.MethodType(_prepadded_conv_forward, conv)
-    decoder._fast_kernels = True
+    first, *blocks, act, last = decoder.decoder
+    if not (isinstance(first, CausalConv1d) and all(isinstance(b, VocoderBlock) for b in blocks)
+            and isinstance(act, SnakeBeta) and isinstance(last, CausalConv1d)):
+        raise ValueError("unexpected vocoder layout")
+    for block in blocks:
+        if not all(u.conv2.left_pad == 0 and u.conv1.conv.padding == (0,) for u in block.block[2:]):
+            raise ValueError("unexpected residual unit layout")
+    decoder.kernels = FusedVocoderKernels()
     return True
 
 
 def disable_fast_kernels(decoder: Code2WavDecoder) -> None:
     """Back to the eager modules (bit-exact with the official decoder)."""
-    for module in decoder.modules():
-        if "forward" in module.__dict__:
-            del module.forward
-    decoder._fast_kernels = False
+    decoder.kernels = None

@@ -7,6 +7,8 @@ The whole stack is causal: decoding a prefix of frames gives a prefix of the sam
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -16,10 +18,18 @@ from stages.code2wav.quantizer import SplitResidualDequantizer
 from stages.code2wav.transformer import PreTransformer
 
 
+class VocoderKernels(Protocol):
+    """Another implementation of the vocoder stack (`decoder.decoder`) with the same parameters and result up to
+    rounding: `stages/code2wav/fast.py`'s fused kernels for serving. None on a decoder = its eager modules."""
+
+    def vocoder(self, layers: nn.ModuleList, h: torch.Tensor) -> torch.Tensor: ...
+
+
 class Code2WavDecoder(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.cfg = cfg
+        self.kernels: VocoderKernels | None = None  # eager modules (bit parity) unless the engine sets fused ones
         self.quantizer = SplitResidualDequantizer(
             cfg.num_quantizers, cfg.num_semantic_quantizers, cfg.codebook_size, cfg.codebook_dim
         )
@@ -51,8 +61,11 @@ class Code2WavDecoder(nn.Module):
         h = self.pre_transformer(h.transpose(1, 2)).transpose(1, 2)  # attention runs over frames
         for upsampler, convnext in self.upsample:
             h = convnext(upsampler(h))  # [B, latent_dim, T * prod(upsampling_ratios)]
-        for layer in self.decoder:
-            h = layer(h)
+        if self.kernels is not None:
+            h = self.kernels.vocoder(self.decoder, h)
+        else:
+            for layer in self.decoder:
+                h = layer(h)
         return h.clamp(-1.0, 1.0)
 
 
