@@ -120,7 +120,7 @@ async def read_voice_upload(request: Request, limits: IngressConfig) -> VoiceUpl
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
         try:
             form = await request.form()
-        except Exception:  # noqa: BLE001 - Starlette's HTTPException or python-multipart's parse errors
+        except Exception:  # Starlette's HTTPException or python-multipart's parse errors
             raise bad_request("the multipart/form-data body could not be parsed", code="invalid_multipart") from None
         upload = form.get("audio_sample")
         if upload is None or isinstance(upload, str):

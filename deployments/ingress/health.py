@@ -26,7 +26,7 @@ async def readiness(router: ModelRouter, code2wav: DeploymentHandle) -> JSONResp
         try:
             async with asyncio.timeout(C.READY_PROBE_TIMEOUT_S):
                 state[name] = bool(await response)
-        except Exception:  # noqa: BLE001 - not started, still warming up, or failing: not ready
+        except Exception:  # not started, still warming up, or failing: not ready
             response.cancel()
             state[name] = False
     for name, route in router.routes.items():
@@ -34,7 +34,7 @@ async def readiness(router: ModelRouter, code2wav: DeploymentHandle) -> JSONResp
             try:
                 async with asyncio.timeout(C.READY_PROBE_TIMEOUT_S):
                     await route.info()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 state[name] = False
     ready = all(state.values())
     return JSONResponse({"ready": ready, "deployments": state}, status_code=200 if ready else 503)

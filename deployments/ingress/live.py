@@ -183,7 +183,7 @@ class LiveSession:
             mailbox = self._mailbox
             await mailbox.open.remote(request_id)
             _, chunks = await self._ingress.start(body, info, voice_choice, request_id, mailbox, body.idle_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - every failure to open is one error message
+        except Exception as exc:  # every failure to open is one error message
             self._work.release()
             if mailbox is not None:
                 mailbox.close.remote(request_id)
@@ -220,7 +220,7 @@ class LiveSession:
             if not ctx.cancelled or self._closing:
                 raise  # the connection is closing: nobody to tell
             await self._send_json(self._done(ctx, frames, "cancelled"))
-        except Exception as exc:  # noqa: BLE001 - this context failed; the socket and the others go on
+        except Exception as exc:  # this context failed; the socket and the others go on
             error = self._outcomes.error(exc)
             status = "timeout" if error.status in (408, 504) else "error"
             await self._error(ctx.id, error)

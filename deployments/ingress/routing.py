@@ -73,7 +73,7 @@ class ModelRouter:
         try:
             async with asyncio.timeout(timeout_s):
                 return list(await asyncio.gather(*(r.info() for r in self.routes.values())))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise to_api_error(exc) from None
 
     def describe(self) -> dict:

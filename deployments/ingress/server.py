@@ -90,7 +90,7 @@ class TTSIngress:
             async with asyncio.timeout_at(deadline):
                 synthesis, chunks = await self.start(body, info, voice_choice, request_id)
                 first = await anext(chunks, None)
-        except BaseException as exc:  # noqa: BLE001 - every failure before the first audio is one JSON error
+        except BaseException as exc:  # every failure before the first audio is one JSON error
             if chunks is not None:
                 await chunks.aclose()
             if isinstance(exc, asyncio.CancelledError):

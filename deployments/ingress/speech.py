@@ -52,7 +52,7 @@ async def whole_response(job: SpeechJob, outcomes: Outcomes, headers: dict[str, 
                 pieces.append(chunk.pcm)
                 finish = chunk.finish_reason or finish
                 chunk = await anext(job.chunks, None)
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         await job.chunks.aclose()
         if isinstance(exc, asyncio.CancelledError):
             outcomes.count(job.model, "cancelled", False)
@@ -109,7 +109,7 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
     except asyncio.CancelledError:
         status = "cancelled"  # the client went away: closing `chunks` below aborts the Talker
         raise
-    except BaseException as exc:  # noqa: BLE001 - mid-stream: the status line is sent, end the stream
+    except BaseException as exc:  # mid-stream: the status line is sent, end the stream
         error = to_api_error(exc)
         status = "timeout" if error.status == 504 else "error"
         logger.warning(f"{model}: stream failed after {frames} frames: {error.message}")

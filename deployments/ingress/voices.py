@@ -97,7 +97,7 @@ class Voices:
         try:
             with self._work.admit():
                 return await self._upload(request)
-        except Exception as exc:  # noqa: BLE001 - a full Talker is 429 JSON + Retry-After, as for speech
+        except Exception as exc:  # a full Talker is 429 JSON + Retry-After, as for speech
             return self._outcomes.error(exc).response()
 
     async def _upload(self, request: Request) -> dict:
@@ -147,7 +147,7 @@ async def _create_voice(handle: DeploymentHandle, audio: bytes, ref_text: str | 
     """The Base Talker computes the clone prompt; audio it cannot use (ValueError) is the client's fault."""
     try:
         return await handle.create_voice.remote(audio, ref_text, x_vector_only)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         inner = unwrap(exc)
         if isinstance(inner, ValueError):
             raise bad_request(f"{param}: {plain(inner)}", param, code="invalid_audio") from None

@@ -266,7 +266,7 @@ class ClientStream:
                     for data in r.iter_bytes():
                         self.received += len(data)
                         self.started.set()
-        except BaseException as e:  # noqa: BLE001 - what the client sees is the tests' subject
+        except BaseException as e:  # what the client sees is the tests' subject
             self.error = e
         finally:
             self.ended_at = time.monotonic()
