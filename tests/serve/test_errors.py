@@ -103,13 +103,14 @@ def test_deadline_ends_requests(http):
 def test_full_model_answers_fast_429_with_retry_after(base_url):
     """`fake` takes 2 streams and queues 1 at the handle; paused streams hold them until their deadline.
 
-    The two streams are admitted first (their first audio has arrived) so that the router knows the replica is
-    full; of 4 more concurrent requests, one then waits in the handle's queue and 3 are refused, at once."""
+    The two streams are admitted first, one after the other (each one's first audio has arrived), so that the
+    router knows the replica is full; of 4 more concurrent requests, one then waits in the handle's queue and 3
+    are refused, at once."""
     body = speech(model="fake", seed=PAUSE_SEED, timeout_s=10, response_format="pcm")
 
     async def hold(client: httpx.AsyncClient, admitted: asyncio.Event) -> str:
         async with client.stream("POST", "/v1/audio/speech", json={**body, "stream": True, "stream_format": "sse"}) as r:
-            assert r.status_code == 200
+            assert r.status_code == 200, (r.status_code, (await r.aread())[:300])
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     admitted.set()
@@ -119,8 +120,15 @@ def test_full_model_answers_fast_429_with_retry_after(base_url):
     async def run():
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
             admitted = [asyncio.Event(), asyncio.Event()]
-            holders = [asyncio.create_task(hold(client, event)) for event in admitted]
-            await asyncio.gather(*(event.wait() for event in admitted))
+            holders = []
+            for event in admitted:  # one at a time: two at once can race Serve's router into a 429 of its own
+                holder = asyncio.create_task(hold(client, event))
+                holders.append(holder)
+                waiter = asyncio.ensure_future(event.wait())
+                await asyncio.wait({waiter, holder}, return_when=asyncio.FIRST_COMPLETED)
+                if not event.is_set():
+                    waiter.cancel()
+                    raise AssertionError(f"a holding stream ended before its first audio: {holder.result()!r}")
             burst = await asyncio.gather(*(client.post("/v1/audio/speech", json=body) for _ in range(4)))
             return burst, await asyncio.gather(*holders)
 
