@@ -110,8 +110,8 @@ class _Stream:
 
 
 class FakeTalkerEngine:
-
     config_cls: ClassVar[type] = FakeTalkerEngineConfig  # what `engine_kwargs` configure (deployments/loading.py)
+
     def __init__(self, model, config: FakeTalkerEngineConfig = FakeTalkerEngineConfig()):
         self.model, self.config = model, config
         self._lock = threading.Lock()

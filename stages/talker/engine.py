@@ -113,8 +113,8 @@ class _Output:
 
 
 class TalkerEngine:
-
     config_cls: ClassVar[type] = TalkerEngineConfig  # what `engine_kwargs` configure (deployments/loading.py)
+
     def __init__(self, model: Qwen3TTS, config: TalkerEngineConfig = TalkerEngineConfig(),
                  runner_factory: Callable[..., TalkerRunner] = TalkerRunner):
         """`runner_factory` builds the device side (`TalkerRunner`'s signature); tests pass a fake."""
