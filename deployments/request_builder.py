@@ -16,6 +16,8 @@ from deployments.messages import GenerateOptions, ModelInfo
 from deployments.schemas import SpeechRequest
 from deployments.voices import VoiceRecord
 from stages.contract import InvalidRequestError, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
+from stages.prompts import build_live_prompt, build_prompt
+from stages.talker.layout import prefill_length
 
 
 @dataclass(frozen=True)
@@ -177,9 +179,6 @@ def build_request(
 
     `live`: a request whose text arrives while it runs (`Talker.generate_live`): its prompt has no text and
     the streaming-text layout, whose length does not depend on the text."""
-    from stages.prompts import build_live_prompt, build_prompt
-    from stages.talker.layout import prefill_length
-
     sampling = check_request(body, info, args)
     if voice is not None and body.x_vector_only_mode and voice.icl:
         voice = VoiceClonePrompt(x_vector=voice.x_vector)

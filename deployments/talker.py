@@ -25,6 +25,7 @@ from deployments.config import StreamingConfig, TalkerDeploymentConfig
 from deployments.loading import build_engine, load_model, replica_log
 from deployments.messages import GenerateOptions, ModelInfo
 from deployments.metrics import TalkerMetrics
+from stages.chunking import ChunkSchedule
 from stages.contract import (
     CodecChunk,
     InvalidRequestError,
@@ -33,6 +34,7 @@ from stages.contract import (
     TaskType,
     VoiceClonePrompt,
 )
+from stages.talker.layout import prefill_length
 
 logger = logging.getLogger("ray.serve")
 
@@ -100,16 +102,11 @@ class TalkerServer:
         Cancelling the consumer (client gone, deadline) aborts the request in the engine, which frees
         its slot at the next step.
         """
-        from stages.talker.layout import prefill_length
-
         options = options or GenerateOptions()
         if options.fit_max_frames:  # the engine needs prompt + frames + 2 positions (one speculative step)
             room = self._info.max_seq_len - prefill_length(request.prompt) - 2
             request = dataclasses.replace(request, max_frames=max(1, min(request.max_frames, room)))
-        schedule = self._schedule
-        if options.first_chunk_frames is not None:
-            schedule = dataclasses.replace(schedule, first_chunk_frames=options.first_chunk_frames)
-        stream = self._engine.add_request(request, schedule)  # chunks are cut in the engine loop
+        stream = self._engine.add_request(request, self._schedule_for(options))  # chunks are cut in the engine loop
         try:
             async for chunk in stream:
                 yield chunk
@@ -126,10 +123,8 @@ class TalkerServer:
         context's append/flush/end events; a task here takes them as they arrive and hands them to the engine,
         which waits for text without stepping the request. Cancelling ends it as for `generate`.
         """
-        schedule = self._schedule
-        if options.first_chunk_frames is not None:
-            schedule = dataclasses.replace(schedule, first_chunk_frames=options.first_chunk_frames)
-        stream = self._engine.open_request(request, schedule, idle_timeout_s=options.text_idle_timeout_s)
+        stream = self._engine.open_request(request, self._schedule_for(options),
+                                           idle_timeout_s=options.text_idle_timeout_s)
         pump = asyncio.get_running_loop().create_task(self._pump_text(request.request_id, mailbox))
         try:
             async for chunk in stream:
@@ -158,6 +153,12 @@ class TalkerServer:
         except Exception as e:  # the mailbox is gone: its ingress replica, and so the client, are gone
             logger.warning(f"live text of {request_id} lost (its ingress is gone?): {e!r}")
         engine.abort(request_id)  # the box was closed (the ingress ended the context) or lost
+
+    def _schedule_for(self, options: GenerateOptions) -> ChunkSchedule:
+        """The deployment's chunk schedule, with the request's own first chunk when it asks for one."""
+        if options.first_chunk_frames is None:
+            return self._schedule
+        return dataclasses.replace(self._schedule, first_chunk_frames=options.first_chunk_frames)
 
     async def create_voice(self, audio: bytes, ref_text: str | None, x_vector_only: bool) -> VoiceClonePrompt:
         """Reference clip (+ transcript) -> the Base model's voice-clone prompt (speaker + codec encoders).

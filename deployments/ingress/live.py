@@ -228,11 +228,9 @@ class LiveSession:
             await chunks.aclose()  # aborts the Talker's request when it has not ended
             self._mailbox.close.remote(ctx.request_id)
             self._work.release()
-            self._outcomes.stream_closed(ctx.model, PlaybackClock())  # waits for text are the client's, not gaps
-            if status == "ok":
-                self._outcomes.finish(ctx.model, ctx.first_text_at or time.perf_counter(), True, frames)
-            else:
-                self._outcomes.count(ctx.model, status, True)
+            # a fresh clock: waits for text are the client's, not gaps
+            self._outcomes.stream_ended(ctx.model, status, ctx.first_text_at or time.perf_counter(), frames,
+                                        PlaybackClock())
             self._contexts.pop(ctx.id, None)
 
     def _done(self, ctx: _Context, frames: int, finish_reason: str) -> dict:

@@ -71,8 +71,9 @@ class Outcomes:
         self._open_streams[model] += 1
         self.metrics.open_streams.set(self._open_streams[model], tags={"model": model})
 
-    def stream_closed(self, model: str, playback: PlaybackClock) -> None:
-        """A stream's end, however it ended: the open-stream gauge and what its listener would have heard."""
+    def stream_ended(self, model: str, status: str, started: float, frames: int, playback: PlaybackClock) -> None:
+        """A stream's end, however it ended: the open-stream gauge, what its listener would have heard, and its
+        count by `status` ("ok": with its audio)."""
         self._open_streams[model] -= 1
         self.metrics.open_streams.set(self._open_streams[model], tags={"model": model})
         if playback.started is not None and playback.min_lead_s != float("inf"):
@@ -80,3 +81,7 @@ class Outcomes:
         if playback.underruns:
             self.metrics.client_underruns.inc(playback.underruns, tags={"model": model})
             self.metrics.client_underrun_seconds.inc(playback.underrun_s, tags={"model": model})
+        if status == "ok":
+            self.finish(model, started, True, frames)
+        else:
+            self.count(model, status, True)

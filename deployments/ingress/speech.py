@@ -122,8 +122,4 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
     finally:
         await job.chunks.aclose()
         work.release()
-        outcomes.stream_closed(model, playback)
-        if status == "ok":
-            outcomes.finish(model, job.started, True, frames)
-        else:
-            outcomes.count(model, status, True)
+        outcomes.stream_ended(model, status, job.started, frames, playback)

@@ -417,18 +417,10 @@ class TalkerEngine:
             self._wake.wait(None if timeout is None else max(timeout, 0.0))
         self._wake.clear()
         sched = self.scheduler
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._adds_drained += 1
-                sched.add(payload)
-            elif kind == "open":
-                self._adds_drained += 1
-                sched.hold(payload)
-                self._wait_for_text(payload)
+        for kind, payload in self._queued_commands():
+            if self._take_new_request(kind, payload):
+                if kind == "open":
+                    self._wait_for_text(payload)
             elif kind == "text":
                 try:
                     self._on_text(*payload)
@@ -450,6 +442,25 @@ class TalkerEngine:
                         future.set_result(fn())
                     except Exception as e:  # the caller's error, not the engine's
                         future.set_exception(e)
+
+    def _queued_commands(self):
+        """(kind, payload) of every command queued now, in order, without waiting."""
+        while True:
+            try:
+                yield self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _take_new_request(self, kind: str, payload) -> bool:
+        """An `add` (queued for admission) or `open` (held until its text) command: taken into the scheduler."""
+        if kind == "add":
+            self.scheduler.add(payload)
+        elif kind == "open":
+            self.scheduler.hold(payload)
+        else:
+            return False
+        self._adds_drained += 1
+        return True
 
     def _admit(self) -> None:
         sched, runner = self.scheduler, self.runner
@@ -753,18 +764,8 @@ class TalkerEngine:
         sched = self.scheduler
         if sched is None:
             return
-        while True:  # adds still in the command queue
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
-                self._adds_drained += 1
-                sched.add(payload)
-            elif kind == "open":
-                self._adds_drained += 1
-                sched.hold(payload)
-            elif kind == "call":
+        for kind, payload in self._queued_commands():  # requests still in the command queue end below too
+            if not self._take_new_request(kind, payload) and kind == "call":
                 payload[1].set_exception(error)
         for seq in sched.drop_all():
             seq.output.stream.fail(error)

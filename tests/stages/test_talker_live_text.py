@@ -8,7 +8,9 @@ in the streaming-text layout, which the oracle parity tests tie to the official 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -41,10 +43,15 @@ def base(tiny_base) -> Qwen3TTS:
     return Qwen3TTS.load(tiny_base, dtype="float32", decoder=False, voice=False)
 
 
-def _engine(model, **overrides) -> TalkerEngine:
+@contextlib.contextmanager
+def _engine(model, **overrides) -> Iterator[TalkerEngine]:
+    """A started engine, shut down when the block ends."""
     engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, **overrides))
     engine.start(log=lambda _m: None)
-    return engine
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
 
 
 def _voice(model, ref_frames: int = 0) -> VoiceClonePrompt:
@@ -134,8 +141,7 @@ def test_piecewise_text_gives_the_codes_of_the_whole_text(cv, base, mode, how, t
     live, whole = _prompts(model, mode)
     frames = 40
     reference = ReferenceGenerator(model).generate_codes(whole(text), GREEDY, frames)
-    engine = _engine(model, max_num_seqs=2)
-    try:
+    with _engine(model, max_num_seqs=2) as engine:
         async def main():
             stream = engine.open_request(SynthesisRequest("live", live, GREEDY, frames))
             feeder = asyncio.create_task(_feed(engine, "live", _pieces(model, text, how)))
@@ -144,8 +150,6 @@ def test_piecewise_text_gives_the_codes_of_the_whole_text(cv, base, mode, how, t
             return codes, stream.finish_reason
         codes, reason = asyncio.run(main())
         stats, parks = engine.stats(), engine.parks
-    finally:
-        engine.shutdown()
     np.testing.assert_array_equal(codes, reference)
     assert reason is FinishReason.LENGTH
     words = len(text.split())
@@ -158,8 +162,7 @@ def test_piecewise_text_gives_the_codes_of_the_whole_text(cv, base, mode, how, t
 def test_live_text_equals_the_whole_text_through_the_engine_too(cv):
     """Same as above against the engine's own whole-text run, with a long first piece and a fast feeder."""
     live, whole = _prompts(cv, "cv")
-    engine = _engine(cv, max_num_seqs=2)
-    try:
+    with _engine(cv, max_num_seqs=2) as engine:
         async def main():
             a = await _codes(engine.add_request(SynthesisRequest("whole", whole(TEXT), GREEDY, 30)))
             stream = engine.open_request(SynthesisRequest("live", live, GREEDY, 30), text=TEXT[:17])
@@ -168,8 +171,6 @@ def test_live_text_equals_the_whole_text_through_the_engine_too(cv):
             await feeder
             return a, b
         a, b = asyncio.run(main())
-    finally:
-        engine.shutdown()
     np.testing.assert_array_equal(a, b)
 
 
@@ -181,16 +182,16 @@ def test_a_waiting_request_costs_the_others_nothing(cv):
                          language="english")
     ref_other = ReferenceGenerator(cv).generate_codes(other, GREEDY, 40)
     ref_live = ReferenceGenerator(cv).generate_codes(whole(TEXT), GREEDY, 25)
-    engine = _engine(cv, max_num_seqs=2)
     launches = []  # (rows stepped, live request parked) per launched step
-    runner_launch = engine.runner.launch_step
+    with _engine(cv, max_num_seqs=2) as engine:
+        runner_launch = engine.runner.launch_step
 
-    def launch_step(b, attn_len):
-        launches.append((engine.scheduler.num_running, "live" in engine.scheduler.parked))
-        return runner_launch(b, attn_len)
+        def launch_step(b, attn_len):
+            launches.append((engine.scheduler.num_running, "live" in engine.scheduler.parked))
+            return runner_launch(b, attn_len)
 
-    engine.runner.launch_step = launch_step
-    try:
+        engine.runner.launch_step = launch_step
+
         async def main():
             stream = engine.open_request(SynthesisRequest("live", live, GREEDY, 25), text=TEXT[:13])
             await _until(lambda: "live" in engine.scheduler.parked)  # caught up with "Hello there,"
@@ -202,8 +203,6 @@ def test_a_waiting_request_costs_the_others_nothing(cv):
             engine.end_text("live")
             return await _codes(stream), await o
         live_codes, other_codes = asyncio.run(main())
-    finally:
-        engine.shutdown()
     np.testing.assert_array_equal(other_codes, ref_other)
     np.testing.assert_array_equal(live_codes, ref_live)
     alone = [n for n, parked in launches if parked]
@@ -214,8 +213,7 @@ def test_a_waiting_request_costs_the_others_nothing(cv):
 def test_abort_while_waiting_frees_the_slot_and_kv(cv):
     live, _ = _prompts(cv, "cv")
     other = build_prompt(cv.config, cv.tokenizer, "Hello.", speaker="ryan", language="english")
-    engine = _engine(cv, max_num_seqs=1)
-    try:
+    with _engine(cv, max_num_seqs=1) as engine:
         async def main():
             held = engine.open_request(SynthesisRequest("held", live, GREEDY, 30))  # no text: no slot, no KV
             parked = engine.open_request(SynthesisRequest("parked", live, GREEDY, 30), text="Hello there, ")
@@ -232,8 +230,6 @@ def test_abort_while_waiting_frees_the_slot_and_kv(cv):
             return results, after
         (held_result, parked_result), after = asyncio.run(main())
         stats = engine.stats()
-    finally:
-        engine.shutdown()
     assert held_result[1] is FinishReason.ABORTED and len(held_result[0]) == 0
     assert parked_result[1] is FinishReason.ABORTED and len(parked_result[0]) > 0  # its frames so far came out
     assert len(after) == 5
@@ -243,8 +239,7 @@ def test_abort_while_waiting_frees_the_slot_and_kv(cv):
 def test_idle_timeout_ends_a_request_whose_text_does_not_arrive(cv):
     live, whole = _prompts(cv, "cv")
     ref = ReferenceGenerator(cv).generate_codes(whole(TEXT), GREEDY, 30)
-    engine = _engine(cv, max_num_seqs=2, text_idle_timeout_s=0.5)
-    try:
+    with _engine(cv, max_num_seqs=2, text_idle_timeout_s=0.5) as engine:
         async def main():
             parked = engine.open_request(SynthesisRequest("parked", live, GREEDY, 30), text=TEXT[:13])
             held = engine.open_request(SynthesisRequest("held", live, GREEDY, 30))
@@ -258,8 +253,6 @@ def test_idle_timeout_ends_a_request_whose_text_does_not_arrive(cv):
             return out
         (p_codes, p_reason), (h_codes, h_reason) = asyncio.run(main())
         stats = engine.stats()
-    finally:
-        engine.shutdown()
     assert p_reason is h_reason is FinishReason.ERROR
     assert len(h_codes) == 0 and 0 < len(p_codes) < 30
     np.testing.assert_array_equal(p_codes, ref[:len(p_codes)])  # every frame it made was delivered first
@@ -270,8 +263,7 @@ def test_a_request_may_bring_a_shorter_idle_timeout(cv):
     """`open_request(idle_timeout_s=...)` ends that request alone; the engine's own (long) timeout still holds for
     the other, which finishes normally. A timeout that is not > 0 is refused."""
     live, _ = _prompts(cv, "cv")
-    engine = _engine(cv, max_num_seqs=2, text_idle_timeout_s=600.0)
-    try:
+    with _engine(cv, max_num_seqs=2, text_idle_timeout_s=600.0) as engine:
         async def main():
             with pytest.raises(InvalidRequestError, match="idle timeout"):
                 engine.open_request(SynthesisRequest("bad", live, GREEDY, 8), idle_timeout_s=0.0)
@@ -283,8 +275,6 @@ def test_a_request_may_bring_a_shorter_idle_timeout(cv):
             engine.end_text("other")  # only after `short` timed out: `other` waited for text meanwhile
             return await _codes(other), other.finish_reason
         codes, reason = asyncio.run(main())
-    finally:
-        engine.shutdown()
     assert reason in (FinishReason.EOS, FinishReason.LENGTH) and len(codes) > 0
 
 
@@ -294,8 +284,7 @@ def test_flush_then_end_speaks_the_text_so_far_as_a_whole(cv):
     live, whole = _prompts(cv, "cv")
     text = "Hello there, assis"
     ref = ReferenceGenerator(cv).generate_codes(whole(text), GREEDY, 30)
-    engine = _engine(cv, max_num_seqs=1)
-    try:
+    with _engine(cv, max_num_seqs=1) as engine:
         async def main():
             stream = engine.open_request(SynthesisRequest("f", live, GREEDY, 30), text=text)
             await _until(lambda: _waiting(engine, "f"))  # waits: "assis" is held back (it may grow)
@@ -305,16 +294,13 @@ def test_flush_then_end_speaks_the_text_so_far_as_a_whole(cv):
             engine.end_text("f")
             return await task, stream.finish_reason
         codes, reason = asyncio.run(main())
-    finally:
-        engine.shutdown()
     np.testing.assert_array_equal(codes, ref)
     assert reason is FinishReason.LENGTH
 
 
 def test_an_utterance_longer_than_the_text_rows_fails_cleanly(cv):
     live, _ = _prompts(cv, "cv")
-    engine = _engine(cv, max_num_seqs=1, max_text_rows=8)
-    try:
+    with _engine(cv, max_num_seqs=1, max_text_rows=8) as engine:
         async def main():
             stream = engine.open_request(SynthesisRequest("long", live, GREEDY, 30))
             engine.append_text("long", "one two three four five six seven eight nine ten")
@@ -322,15 +308,12 @@ def test_an_utterance_longer_than_the_text_rows_fails_cleanly(cv):
                 await _codes(stream)
         asyncio.run(main())
         stats = engine.stats()
-    finally:
-        engine.shutdown()
     assert stats.held == stats.parked == stats.running == 0 and stats.kv_reserved_tokens == 0
 
 
 def test_live_requests_are_validated_at_open(cv):
     live, whole = _prompts(cv, "cv")
-    engine = _engine(cv, max_num_seqs=1)
-    try:
+    with _engine(cv, max_num_seqs=1) as engine:
         async def main():
             with pytest.raises(InvalidRequestError, match="streaming-text"):
                 engine.open_request(SynthesisRequest("a", build_prompt(cv.config, cv.tokenizer, "Hi", speaker="ryan",
@@ -346,8 +329,6 @@ def test_live_requests_are_validated_at_open(cv):
             with pytest.raises(InvalidRequestError, match="empty"):
                 await _codes(stream)
         asyncio.run(main())
-    finally:
-        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -376,8 +357,7 @@ def test_flush_speaks_each_utterance_whole_on_one_stream(eos_cv, when):
     ref1 = ReferenceGenerator(eos_cv).generate_codes(whole(text1), params, max_frames)
     assert 2 <= len(ref1) < 30, "the patched model should end the first utterance early"
     ref2 = ReferenceGenerator(eos_cv).generate_codes(whole(text2), params, max_frames - len(ref1))
-    engine = _engine(eos_cv, max_num_seqs=1)
-    try:
+    with _engine(eos_cv, max_num_seqs=1) as engine:
         async def main():
             stream = engine.open_request(SynthesisRequest("s", live, params, max_frames), text=text1)
             engine.flush_text("s")
@@ -390,8 +370,6 @@ def test_flush_speaks_each_utterance_whole_on_one_stream(eos_cv, when):
             engine.end_text("s")
             return await task, stream.finish_reason, engine.stats()
         codes, reason, stats = asyncio.run(main())
-    finally:
-        engine.shutdown()
     np.testing.assert_array_equal(codes, np.concatenate([ref1, ref2]))
     assert reason is (FinishReason.EOS if len(ref1) + len(ref2) < max_frames else FinishReason.LENGTH)
     assert stats.prefills == 2 and stats.kv_reserved_tokens == 0
