@@ -114,6 +114,15 @@ class ChunkSchedule:
                 done, i = done + n, i + 1
         return sorted(lengths)
 
+    def chunk_sizes(self) -> list[int]:
+        """Distinct new-frame counts of the non-final chunks (first, ramp, steady): what a stateful decoder,
+        which skips the context, decodes."""
+        sizes, i = set(), 0
+        while (n := self.chunk_frames(i)) not in sizes or i <= len(self.ramp or ()):
+            sizes.add(n)
+            i += 1
+        return sorted(sizes)
+
     def context_overhead(self, total_frames: int, ref_frames: int = 0) -> float:
         """Decoded frames / new frames for a stream: the price of stateless decoding (1.0 = none)."""
         plan = self.plan(total_frames, ref_frames)

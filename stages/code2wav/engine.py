@@ -1,11 +1,17 @@
-"""Code2WavEngine: stateless, batched decoding of CodecChunks from many streams (buckets, CUDA graphs).
+"""Code2WavEngine: batched decoding of CodecChunks from many streams (buckets, CUDA graphs), stateless or
+stateful.
 
-`decode(chunks)` decodes each chunk's `codes` (left context + new frames) and returns the float32 samples
-of its new frames only. Chunks of any lengths batch together: they are sorted by length and split into
-forwards by a small cost model (padded work + a fixed cost per forward); each forward right-pads its
-chunks with code 0 to a length bucket and its batch to a batch bucket, which is exact because every
-decoder layer is causal. On CUDA, `warmup()` captures one graph per (batch bucket, length bucket); other
-shapes run eagerly. The decoder's dtype is the serving dtype (bf16), fp32 for parity.
+`decode(chunks)` returns the float32 samples of each chunk's new frames only. Stateless (the default), it
+decodes each chunk's `codes` (left context + new frames). Stateful (`stateful=True`), it keeps each stream's
+decoder state on the device between its chunks (stages/code2wav/stateful.py) and decodes only the new
+frames of a chunk that continues its stream; a chunk whose stream state it lacks (first chunk, another
+replica had the stream, evicted) is decoded from zero state over its context, i.e. statelessly
+(stages/code2wav/stream_slots.py). Chunks of any lengths batch together: they are sorted by length and
+split into forwards by a small cost model (padded work + a fixed cost per forward); each forward right-pads
+its chunks with code 0 to a length bucket and its batch to a batch bucket, which is exact because every
+decoder layer is causal (and the stateful decoder saves each row's state at its own length). On CUDA,
+`warmup()` captures one graph per (batch bucket, length bucket); other shapes run eagerly. The decoder's
+dtype is the serving dtype (bf16), fp32 for parity.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch
 from stages.chunking import ChunkSchedule
 from stages.code2wav import fast
 from stages.code2wav.model import Code2WavDecoder
+from stages.code2wav.stateful import DecoderStates, StatefulDecoder, check_layout
+from stages.code2wav.stream_slots import SlotRow, StreamSlots
 from stages.contract import CODEBOOK_SIZE, CodecChunk
 
 DEFAULT_LENGTH_BUCKETS = tuple(ChunkSchedule().decode_lengths())  # (2, 6, 14, 30, 50)
@@ -46,6 +54,8 @@ class Code2WavEngineConfig:
     fast_kernels: bool = True  # fused Triton SnakeBeta etc. on CUDA (stages/code2wav/fast.py); False: eager modules
     max_frames_per_forward: int = 4096  # padded batch x padded length of one forward
     forward_overhead_frames: int = 64  # cost of one forward in frames of work (batching plan; ~2 ms on H100)
+    stateful: bool = False  # carry each stream's decoder state between its chunks: decode new frames only
+    state_slots: int = 512  # streams whose state is kept (least recently used beyond); ~2.6 MB each (bf16)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # lists from YAML/JSON
@@ -53,6 +63,8 @@ class Code2WavEngineConfig:
                 object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
         if self.max_batch_size < 1 or self.max_frames_per_forward < 1 or self.forward_overhead_frames < 0:
             raise ValueError("max_batch_size and max_frames_per_forward must be >= 1, forward_overhead_frames >= 0")
+        if self.state_slots < 1:
+            raise ValueError("state_slots must be >= 1")
         if not self.batch_buckets or min(self.batch_buckets) < 1:
             raise ValueError("batch_buckets must be non-empty and >= 1")
         if self.length_buckets and min(self.length_buckets) < 1:
@@ -60,8 +72,18 @@ class Code2WavEngineConfig:
 
     @classmethod
     def for_schedule(cls, schedule: ChunkSchedule, ref_frames: tuple[int, ...] = (), **kwargs) -> Code2WavEngineConfig:
-        """Length buckets = the schedule's chunk lengths (and first-chunk lengths for these reference lengths)."""
-        return cls(length_buckets=tuple(schedule.decode_lengths(ref_frames)), **kwargs)
+        """Length buckets = the lengths the schedule's chunks decode at (`decode_lengths`)."""
+        stateful = kwargs.get("stateful", cls.stateful)
+        return cls(length_buckets=tuple(decode_lengths(schedule, stateful, ref_frames)), **kwargs)
+
+
+def decode_lengths(schedule: ChunkSchedule, stateful: bool, ref_frames: tuple[int, ...] = ()) -> list[int]:
+    """The decode lengths worth a CUDA graph: stateless, context + new frames of each chunk; stateful, the
+    new frames of each chunk size, plus the longest stateless length for chunks decoded fresh with context."""
+    stateless = schedule.decode_lengths(ref_frames)
+    if not stateful:
+        return stateless
+    return sorted(set(schedule.chunk_sizes()) | {max(stateless)})
 
 
 @dataclass(frozen=True)
@@ -71,18 +93,25 @@ class Code2WavStats:
     forwards: int
     graph_forwards: int
     new_frames: int  # frames whose samples were returned
-    decoded_frames: int  # context + new frames of the chunks (what a stateful decoder would not redo)
+    decoded_frames: int  # frames decoded: context + new, or new only for chunks continued from their state
     padded_frames: int  # batch x length of the forwards (padding included): the work done
     busy_s: float  # wall time inside decode()
     queued: int  # decode() calls waiting for the engine right now
     graphs: int
+    continued: int = 0  # stateful: chunks decoded from their stream's state (new frames only)
+    fresh: int = 0  # stateful: chunks decoded from zero state over their context (first chunks, misses)
+    evicted: int = 0  # stateful: streams whose state gave its slot to another stream
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     codes: torch.Tensor  # [B, 16, T] static input
+    rows: tuple[torch.Tensor, ...]  # stateful: slots, fresh, lengths [B] static inputs; else ()
     wav: torch.Tensor  # [B, 1, T * 1920] static output (valid until the next replay of any graph)
+
+
+_STATELESS = SlotRow(0, True, 0)  # every chunk decoded over its context, in one wave
 
 
 class Code2WavEngine:
@@ -108,6 +137,12 @@ class Code2WavEngine:
         self.batch_buckets = tuple(sorted({b for b in config.batch_buckets if b < config.max_batch_size}
                                           | {config.max_batch_size}))
         self.length_buckets = tuple(sorted(set(config.length_buckets)))
+        self.stateful = config.stateful
+        if config.stateful:
+            check_layout(decoder)
+            self._states = DecoderStates(decoder, config.state_slots)
+            self._stateful_decoder = StatefulDecoder(decoder, self._states)
+            self._slots = StreamSlots(config.state_slots)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._lock = threading.Lock()
         self._waiting = 0
@@ -124,7 +159,8 @@ class Code2WavEngine:
                 self._capture(log)
             else:
                 with torch.inference_mode():
-                    self.decoder(torch.zeros(1, self.num_codebooks, 2, dtype=torch.long, device=self.device))
+                    self._run(torch.zeros(1, self.num_codebooks, 2, dtype=torch.long, device=self.device),
+                              self._row_inputs(1, 2))
                 log(f"[code2wav] eager warm-up on {self.device} ({self.dtype}, fast kernels {self.fast_kernels}) "
                     f"in {time.perf_counter() - t0:.2f} s")
             return time.perf_counter() - t0
@@ -147,16 +183,17 @@ class Code2WavEngine:
         gen = torch.Generator(device=self.device).manual_seed(0)
         for i, (b, t) in enumerate(shapes):
             codes = torch.randint(0, CODEBOOK_SIZE, (b, self.num_codebooks, t), generator=gen, device=self.device)
+            rows = self._row_inputs(b, t)
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 for _ in range(2):  # kernels, cuDNN plans, allocator, outside the capture
-                    self.decoder(codes)
+                    self._run(codes, rows)
             current.wait_stream(side)
             torch.cuda.empty_cache()  # the warm-up's activations must not sit beside the graph pool
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                wav = self.decoder(codes)
-            self._graphs[(b, t)] = _Graph(graph, codes, wav)
+                wav = self._run(codes, rows)
+            self._graphs[(b, t)] = _Graph(graph, codes, rows, wav)
             if (i + 1) % max(1, len(shapes) // 8) == 0 or i + 1 == len(shapes):
                 log(f"[code2wav] captured {i + 1}/{len(shapes)} graphs ({time.perf_counter() - t0:.1f} s)")
         torch.cuda.synchronize(self.device)
@@ -204,46 +241,86 @@ class Code2WavEngine:
     def _decode(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
         spf = self.samples_per_frame
         out: list[np.ndarray | None] = [None] * len(chunks)
-        todo = [i for i, c in enumerate(chunks) if c.num_new > 0]
-        for i, c in enumerate(chunks):
-            if c.num_new <= 0:
+        if self.stateful:
+            rows = self._slots.assign(chunks)
+        else:
+            rows = [_STATELESS if c.num_new > 0 else None for c in chunks]
+        for i, row in enumerate(rows):
+            if row is None:
                 out[i] = np.zeros(0, dtype=np.float32)
-        pieces, order = [], []
-        for idx, b_pad, t_pad in self._plan([chunks[i].codes.shape[0] for i in todo]):
-            group = [todo[k] for k in idx]
-            pieces.append(self._forward([chunks[i] for i in group], b_pad, t_pad))
-            order.extend(group)
-        if pieces:
-            flat = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).cpu().numpy()
-            offset = 0
-            for i in order:
-                n = chunks[i].num_new * spf
-                out[i] = flat[offset:offset + n]
-                offset += n
+        try:
+            for wave in range(1 + max((r.wave for r in rows if r is not None), default=-1)):
+                todo = [i for i, r in enumerate(rows) if r is not None and r.wave == wave]
+                pieces, order = [], []
+                lengths = [chunks[i].codes.shape[0] - rows[i].start(chunks[i]) for i in todo]
+                for idx, b_pad, t_pad in self._plan(lengths):
+                    group = [todo[k] for k in idx]
+                    pieces.append(self._forward([(chunks[i], rows[i]) for i in group], b_pad, t_pad))
+                    order.extend(group)
+                if pieces:
+                    flat = (torch.cat(pieces) if len(pieces) > 1 else pieces[0]).cpu().numpy()
+                    offset = 0
+                    for i in order:
+                        n = chunks[i].num_new * spf
+                        out[i] = flat[offset:offset + n]
+                        offset += n
+        except BaseException:
+            if self.stateful:  # states may be half-written: these streams start over (fresh) next time
+                for c in chunks:
+                    self._slots.forget(c.request_id)
+            raise
+        if self.stateful:
+            self._slots.release(chunks)
         c = self._counts
         c["batches"] += 1
         c["chunks"] += len(chunks)
-        c["new_frames"] += sum(chunks[i].num_new for i in todo)
-        c["decoded_frames"] += sum(chunks[i].codes.shape[0] for i in todo)
+        decoded = [(ch, r) for ch, r in zip(chunks, rows, strict=True) if r is not None]
+        c["new_frames"] += sum(ch.num_new for ch, _ in decoded)
+        c["decoded_frames"] += sum(ch.codes.shape[0] - r.start(ch) for ch, r in decoded)
         return out  # type: ignore[return-value]
 
-    def _forward(self, chunks: list[CodecChunk], b_pad: int, t_pad: int) -> torch.Tensor:  # -> [sum new * spf] f32
+    def _forward(self, items: list[tuple[CodecChunk, SlotRow]], b_pad: int, t_pad: int) -> torch.Tensor:
+        """One forward of these chunks, padded to [b_pad, t_pad]: the new frames' samples, [sum new * spf] f32."""
         spf = self.samples_per_frame
         codes = np.zeros((b_pad, self.num_codebooks, t_pad), dtype=np.int64)
-        for r, c in enumerate(chunks):
-            codes[r, :, :c.codes.shape[0]] = c.codes.T
+        for r, (c, row) in enumerate(items):
+            part = c.codes[row.start(c):]
+            codes[r, :, :part.shape[0]] = part.T
+        rows = ()
+        if self.stateful:
+            slots = np.full(b_pad, self._slots.scratch, dtype=np.int64)
+            fresh = np.ones(b_pad, dtype=np.bool_)
+            lengths = np.zeros(b_pad, dtype=np.int64)
+            for r, (c, row) in enumerate(items):
+                slots[r], fresh[r], lengths[r] = row.slot, row.fresh, c.codes.shape[0] - row.start(c)
+            rows = tuple(map(torch.from_numpy, (slots, fresh, lengths)))
         graph = self._graphs.get((b_pad, t_pad))
         if graph is not None:
             graph.codes.copy_(torch.from_numpy(codes))
+            for static, value in zip(graph.rows, rows, strict=True):
+                static.copy_(value)
             graph.graph.replay()
             wav = graph.wav
             self._counts["graph_forwards"] += 1
         else:
-            wav = self.decoder(torch.from_numpy(codes).to(self.device))
+            wav = self._run(torch.from_numpy(codes).to(self.device), tuple(t.to(self.device) for t in rows))
         self._counts["forwards"] += 1
         self._counts["padded_frames"] += b_pad * t_pad
         # copy out now: a graph's output buffer is overwritten by the next replay
-        return torch.cat([wav[r, 0, c.context * spf:c.codes.shape[0] * spf] for r, c in enumerate(chunks)]).float()
+        return torch.cat([wav[r, 0, row.offset(c) * spf:(row.offset(c) + c.num_new) * spf]
+                          for r, (c, row) in enumerate(items)]).float()
+
+    def _run(self, codes: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The decoder on device tensors: stateless, or stateful over (slots, fresh, lengths)."""
+        return self._stateful_decoder(codes, *rows) if self.stateful else self.decoder(codes)
+
+    def _row_inputs(self, batch: int, length: int) -> tuple[torch.Tensor, ...]:
+        """Stateful row inputs for warm-up and capture: every row fresh, on the scratch slot."""
+        if not self.stateful:
+            return ()
+        return (torch.full((batch,), self._slots.scratch, dtype=torch.long, device=self.device),
+                torch.ones(batch, dtype=torch.bool, device=self.device),
+                torch.full((batch,), length, dtype=torch.long, device=self.device))
 
     # ------------------------------------------------------------------ batching plan
     def _plan(self, lengths: list[int]) -> list[tuple[list[int], int, int]]:
@@ -292,4 +369,7 @@ class Code2WavEngine:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> Code2WavStats:
-        return Code2WavStats(**self._counts, busy_s=self._busy, queued=self._waiting, graphs=len(self._graphs))
+        slots = self._slots.counts if self.stateful else {}
+        return Code2WavStats(**self._counts, busy_s=self._busy, queued=self._waiting, graphs=len(self._graphs),
+                             continued=slots.get("continued", 0), fresh=slots.get("fresh", 0),
+                             evicted=slots.get("evicted", 0))

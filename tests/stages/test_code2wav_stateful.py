@@ -1,0 +1,207 @@
+"""Stateful Code2Wav decoding: chunks continued from their stream's carried state equal the whole decode.
+
+CPU, fp32, the tiny random checkpoint. The stream (180 frames) is longer than the tiny decoder's receptive
+field (154 frames), so a left-context decode is only approximate there while the stateful one is exact; the
+misses (first chunk, gaps, late chunks, eviction, failures) decode exactly as the stateless engine does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from stages.chunking import ChunkSchedule, StreamChunker
+from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig, decode_lengths
+from stages.code2wav.stateful import DecoderStates, carried_convs
+from stages.code2wav.stream_slots import StreamSlots
+from stages.contract import CodecChunk, FinishReason
+
+SPF = 1920
+TOL = 1e-5
+STREAM_FRAMES = 180
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_custom_voice):
+    from stages.qwen3_tts import Qwen3TTS
+
+    return Qwen3TTS.load(tiny_custom_voice, "cpu", "float32", talker=False, decoder=True, voice=False).decoder
+
+
+@pytest.fixture(scope="module")
+def streams() -> list[np.ndarray]:
+    rng = np.random.default_rng(11)
+    return [rng.integers(0, 2048, (n, 16), dtype=np.int64) for n in (STREAM_FRAMES, 97, 40)]
+
+
+@pytest.fixture(scope="module")
+def fulls(decoder, streams) -> list[np.ndarray]:
+    with torch.inference_mode():
+        return [decoder(torch.from_numpy(s).T[None])[0, 0].numpy() for s in streams]
+
+
+@pytest.fixture(scope="module")
+def stateless(decoder) -> Code2WavEngine:
+    return Code2WavEngine(decoder, Code2WavEngineConfig())
+
+
+def stateful_engine(decoder, slots: int = 8, **kwargs) -> Code2WavEngine:
+    return Code2WavEngine(decoder, Code2WavEngineConfig(stateful=True, state_slots=slots, **kwargs))
+
+
+def chunks_of(frames: np.ndarray, rid: str, schedule: ChunkSchedule = ChunkSchedule(first_chunk_frames=1),
+              ref: np.ndarray | None = None) -> list[CodecChunk]:
+    chunker = StreamChunker(schedule, rid, ref_codes=ref)
+    return [*chunker.push(frames), chunker.flush(FinishReason.EOS)]
+
+
+def test_stream_equals_whole_decode_beyond_the_receptive_field(decoder, streams, fulls, stateless):
+    engine = stateful_engine(decoder)
+    chunks = chunks_of(streams[0], "a")
+    out = np.concatenate([engine.decode([c])[0] for c in chunks])
+    assert out.shape == fulls[0].shape
+    assert np.abs(out - fulls[0]).max() < TOL
+    # the stateless decode of the same chunks is off by far more (context shorter than the receptive field)
+    stateless_out = np.concatenate(stateless.decode(chunks))
+    assert np.abs(stateless_out - fulls[0]).max() > 10 * TOL
+    s = engine.stats()
+    assert (s.fresh, s.continued, s.evicted) == (1, sum(c.num_new > 0 for c in chunks[1:]), 0)
+    assert s.decoded_frames == s.new_frames == STREAM_FRAMES
+    assert len(engine._slots) == 0  # the final chunk freed the slot
+
+
+def test_interleaved_streams_batched_with_padding_are_each_exact(decoder, streams, fulls):
+    engine = stateful_engine(decoder)
+    per_stream = [chunks_of(s, f"r{i}", ChunkSchedule(first_chunk_frames=2 + i)) for i, s in enumerate(streams)]
+    outs: list[list[np.ndarray]] = [[] for _ in streams]
+    step = 0
+    while any(per_stream):
+        # each call takes the next chunk of every other stream: rows of different lengths, positions and slots
+        batch = [(i, q.pop(0)) for i, q in enumerate(per_stream) if q and ((i + step) % 2 == 0 or step > 6)]
+        step += 1
+        for (i, _), pcm in zip(batch, engine.decode([c for _, c in batch]), strict=True):
+            outs[i].append(pcm)
+    for i, full in enumerate(fulls):
+        assert np.abs(np.concatenate(outs[i]) - full).max() < TOL, f"stream {i}"
+    assert engine.stats().fresh == len(streams)
+
+
+def test_several_chunks_of_one_stream_in_one_call_run_in_order(decoder, streams, fulls):
+    engine = stateful_engine(decoder)
+    chunks = chunks_of(streams[1], "a") + chunks_of(streams[2], "b")
+    out = engine.decode(chunks)  # one call: every chunk of both streams
+    a = len(chunks_of(streams[1], "a"))
+    assert np.abs(np.concatenate(out[:a]) - fulls[1]).max() < TOL
+    assert np.abs(np.concatenate(out[a:]) - fulls[2]).max() < TOL
+    assert engine.stats().forwards >= a - 1  # one wave per chunk of the longer stream
+
+
+def test_misses_decode_like_the_stateless_engine(decoder, streams, stateless):
+    engine = stateful_engine(decoder)
+    chunks = chunks_of(streams[0], "a")
+    first = engine.decode(chunks[:2])
+    # chunk 2 went elsewhere: chunk 3 starts over from its left context, then the stream continues
+    gap = engine.decode([chunks[3]])[0]
+    np.testing.assert_allclose(gap, stateless.decode([chunks[3]])[0], atol=TOL)
+    late = engine.decode([chunks[2]])[0]  # arrives after its successor: decoded aside, state untouched
+    np.testing.assert_allclose(late, stateless.decode([chunks[2]])[0], atol=TOL)
+    s = engine.stats()
+    assert (s.fresh, s.continued) == (3, 1)
+    after_gap = engine.decode([chunks[4]])[0]  # continues from chunk 3's state
+    assert engine.stats().continued == 2
+    assert len(first) == 2 and after_gap.shape == (chunks[4].num_new * SPF,)
+
+
+def test_eviction_bounds_the_slots_and_falls_back(decoder, streams, stateless):
+    engine = stateful_engine(decoder, slots=1)
+    a, b = chunks_of(streams[1], "a"), chunks_of(streams[2], "b")
+    for ca, cb in zip(a[:4], b[:4], strict=True):  # alternate: each stream takes the only slot from the other
+        for c in (ca, cb):
+            np.testing.assert_allclose(engine.decode([c])[0], stateless.decode([c])[0], atol=TOL)
+    s = engine.stats()
+    assert s.continued == 0 and s.fresh == 8 and s.evicted == 7
+    assert len(engine._slots) == 1
+
+
+def test_icl_reference_as_context_of_the_first_chunk(decoder, streams):
+    ref, gen = streams[2][:20], streams[1]  # within the default 25 frames of reference context
+    engine = stateful_engine(decoder)
+    out = np.concatenate(engine.decode(chunks_of(gen, "icl", ref=ref)))
+    with torch.inference_mode():  # the official decode: cat(ref, generated), reference samples cut
+        whole = decoder(torch.from_numpy(np.concatenate([ref, gen])).T[None])[0, 0].numpy()[20 * SPF:]
+    assert np.abs(out - whole).max() < TOL
+
+
+def test_a_failed_forward_starts_the_streams_over(decoder, streams, stateless, monkeypatch):
+    engine = stateful_engine(decoder)
+    chunks = chunks_of(streams[0], "a")
+    engine.decode(chunks[:2])
+    real_run = engine._run
+
+    def failing(*args):
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(engine, "_run", failing)
+    with pytest.raises(RuntimeError):
+        engine.decode([chunks[2]])
+    monkeypatch.setattr(engine, "_run", real_run)
+    assert len(engine._slots) == 0
+    np.testing.assert_allclose(engine.decode([chunks[3]])[0], stateless.decode([chunks[3]])[0], atol=TOL)
+
+
+def test_state_shapes_and_graph_lengths(decoder):
+    cfg = decoder.cfg
+    states = DecoderStates(decoder, 3)
+    convs = carried_convs(decoder)
+    assert convs["pre_conv"] == (cfg.codebook_dim, 2)
+    assert convs["decoder.0.2"][1] == 6 * 9  # k7, dilation 9
+    assert states.keys.shape == (cfg.num_hidden_layers, 4, cfg.num_key_value_heads, cfg.sliding_window - 1,
+                                 cfg.head_dim)
+    assert states.bytes_per_slot > 0
+    schedule = ChunkSchedule(first_chunk_frames=1)
+    assert decode_lengths(schedule, stateful=True) == [1, 2, 4, 8, 16, 25, 50]
+    assert decode_lengths(schedule, stateful=False) == schedule.decode_lengths()
+    assert schedule.chunk_sizes() == [1, 2, 4, 8, 16, 25]
+    assert ChunkSchedule(ramp=(4, 4, 8)).chunk_sizes() == [2, 4, 8, 25]
+    with pytest.raises(ValueError):
+        Code2WavEngineConfig(stateful=True, state_slots=0)
+
+
+# ---- StreamSlots (torch-free) ---------------------------------------------------------------------------
+def _chunk(rid: str, seq: int, new: int = 2, ctx: int = 0, final: bool = False) -> CodecChunk:
+    return CodecChunk(rid, seq, np.zeros((ctx + new, 16), dtype=np.int64), ctx, final=final)
+
+
+def test_slots_continue_only_the_next_chunk():
+    slots = StreamSlots(2)
+    [r0] = slots.assign([_chunk("a", 0)])
+    assert (r0.slot, r0.fresh, r0.wave) == (0, True, 0)
+    r1, r2, r3 = slots.assign([_chunk("a", 1, ctx=2), _chunk("a", 2, ctx=2), _chunk("b", 0)])
+    assert (r1.fresh, r1.wave, r1.start(_chunk("a", 1, ctx=2))) == (False, 0, 2)
+    assert (r2.fresh, r2.wave, r2.slot) == (False, 1, 0)
+    assert (r3.slot, r3.fresh) == (1, True)
+    [late] = slots.assign([_chunk("a", 1, ctx=2)])
+    assert (late.slot, late.fresh, late.offset(_chunk("a", 1, ctx=2))) == (slots.scratch, True, 2)
+    [skip] = slots.assign([_chunk("a", 5)])
+    assert (skip.slot, skip.fresh) == (0, True)
+    [cont] = slots.assign([_chunk("a", 6)])
+    assert not cont.fresh
+
+
+def test_slots_evict_least_recent_never_one_in_use_and_free_on_final():
+    slots = StreamSlots(2)
+    slots.assign([_chunk("a", 0), _chunk("b", 0)])
+    slots.assign([_chunk("a", 1)])  # b is now least recently used
+    [c] = slots.assign([_chunk("c", 0)])
+    assert c.slot == 1 and slots.counts["evicted"] == 1
+    # both slots serve this call: the third new stream decodes on scratch without keeping state
+    rows = slots.assign([_chunk("a", 2), _chunk("c", 1), _chunk("d", 0)])
+    assert [r.slot for r in rows] == [0, 1, slots.scratch]
+    assert [r.fresh for r in rows] == [False, False, True]
+    empty_final = _chunk("a", 3, new=0, final=True)
+    assert slots.assign([empty_final]) == [None]
+    slots.release([empty_final])
+    assert len(slots) == 1
+    [d] = slots.assign([_chunk("d", 1)])
+    assert d.slot == 0 and d.fresh and slots.counts["evicted"] == 1
