@@ -3,19 +3,23 @@
 Measures, with the default chunk schedule (first 2 -> doubling -> steady 25, left context 50):
 - audio-seconds decoded per second at each batch size, for (a) steady chunks (context + 25 new frames) and
   (b) the schedule's mix of chunks (first, ramp, steady and final chunks of `--utterance-frames` streams);
-- the same steady chunks without left context (what a stateful decoder would cost);
+- the same steady chunks without left context;
+- streams: `batch` streams at staggered points of their schedule, each call decoding the next chunk of every
+  stream (new request ids as streams restart), which is what a stateful engine (`--stateful`) continues;
 - latency of one first chunk at batch 1 (plain and Base ICL with reference context), end to end;
 - FLOPs per decoded frame, the context overhead (decoded / new frames) and achieved TFLOP/s, and
   whether one device keeps up with `--target` audio-s/s.
 Writes JSON and a markdown table to `--out` and prints the table last.
 
     python -m bench.code2wav                 # from the repo root; H100, bf16, CUDA graphs (~3-5 min)
+    python -m bench.code2wav --stateful      # the stateful engine (steady/mixed chunks are then all misses)
     python -m bench.code2wav --tiny          # CPU smoke test, tiny decoder
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import platform
@@ -80,6 +84,35 @@ def mixed_batches(rng: np.random.Generator, schedule: ChunkSchedule, utterance: 
     return [[plan[int(k)] for k in rng.integers(0, len(plan), batch)] for _ in range(count)]
 
 
+def stream_calls(rng: np.random.Generator, schedule: ChunkSchedule, utterance: int, batch: int,
+                 calls: int) -> list[list[CodecChunk]]:
+    """`calls` decode calls over `batch` concurrent streams, each call holding the next chunk of every stream.
+
+    Stream i starts at chunk i of the plan (staggered, so every call mixes first, ramp, steady and final
+    chunks); a stream that ends starts again under a new request id."""
+    stream = rng.integers(0, 2048, (utterance, 16), dtype=np.int64)
+    chunker = StreamChunker(schedule, "s")
+    plan = [c for c in [*chunker.push(stream), chunker.flush()] if c.num_new > 0]
+    out = []
+    for k in range(calls):
+        call = []
+        for i in range(batch):
+            n = k + i
+            call.append(dataclasses.replace(plan[n % len(plan)], request_id=f"s{i}.{n // len(plan)}"))
+        out.append(call)
+    return out
+
+
+def time_calls(engine: Code2WavEngine, calls: list[list[CodecChunk]]) -> tuple[float, int]:
+    """Seconds and new frames over the calls, decoded once each in order (stream state carries over)."""
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for call in calls:
+        engine.decode(call)
+    sync(engine.device)
+    return time.perf_counter() - t0, sum(c.num_new for call in calls for c in call)
+
+
 def flops_per_frame(decoder: Code2WavDecoder, frames: int) -> float:
     dev = next(decoder.parameters()).device
     codes = torch.zeros(1, decoder.cfg.num_quantizers, frames, dtype=torch.long, device=dev)
@@ -101,6 +134,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=None, help="minimum timing per point (default 2; --tiny 0)")
     ap.add_argument("--no-graphs", action="store_true", help="eager only")
     ap.add_argument("--no-fast-kernels", action="store_true", help="the eager modules (no fused Triton kernels)")
+    ap.add_argument("--stateful", action="store_true", help="the stateful engine (carried decoder state)")
     ap.add_argument("--max-frames-per-forward", type=int, default=8192,
                     help="engine limit on padded batch x length per forward (activation memory)")
     ap.add_argument("--target", type=float, default=1000.0, help="audio-s/s to keep up with")
@@ -125,10 +159,13 @@ def main() -> None:
     fpf = flops_per_frame(decoder, L + steady)  # before the engine switches kernels (FLOPs are the same)
     max_b = max(batch_sizes)
     lengths = sorted({*schedule.decode_lengths(ref_frames=(L,)), steady})  # + no-context steady chunks
+    if args.stateful:
+        lengths = sorted({*schedule.chunk_sizes(), L + steady})
     engine = Code2WavEngine(decoder, Code2WavEngineConfig(
         max_batch_size=max_b, batch_buckets=tuple(batch_sizes), length_buckets=tuple(lengths),
         cuda_graphs=not args.no_graphs, fast_kernels=not args.no_fast_kernels,
-        max_frames_per_forward=args.max_frames_per_forward,
+        max_frames_per_forward=args.max_frames_per_forward, stateful=args.stateful,
+        state_slots=2 * max_b,
     ))
     print(f"decoder built, {fpf / 1e9:.2f} GFLOP per decoded frame (FlopCounterMode, T={L + steady}); "
           f"schedule {[schedule.chunk_frames(i) for i in range(6)]}..., left context {L}", flush=True)
@@ -151,6 +188,10 @@ def main() -> None:
         before = engine.stats()
         t_mixed = time_decode(engine, mixed, min_s, min_iters)
         after = engine.stats()
+        plan_len = len([n for _, n in plan if n])
+        time_calls(engine, stream_calls(rng, schedule, args.utterance_frames, b, plan_len))  # warm, then timed
+        t_streams, new_streams = time_calls(engine, stream_calls(rng, schedule, args.utterance_frames, b,
+                                                                 max(2, 4 if args.tiny else 6) * plan_len))
         calls = after.batches - before.batches
         new_mixed = (after.new_frames - before.new_frames) / calls
         padded_mixed = (after.padded_frames - before.padded_frames) / calls
@@ -162,12 +203,14 @@ def main() -> None:
             mixed_ms=t_mixed * 1e3, mixed_audio_s_per_s=new_mixed * FRAME_S / t_mixed,
             mixed_padded_over_new=padded_mixed / new_mixed, mixed_forwards=(after.forwards - before.forwards) / calls,
             mixed_tflops=padded_mixed * fpf / t_mixed / 1e12,
+            streams_audio_s_per_s=new_streams * FRAME_S / t_streams,
         )
         rows.append(row)
         print(f"batch {b:>4}: steady {row['steady_audio_s_per_s']:8.1f} audio-s/s ({row['steady_ms']:.1f} ms, "
               f"{row['steady_tflops']:.1f} TFLOP/s) | no context {row['no_context_audio_s_per_s']:8.1f} | mixed "
               f"{row['mixed_audio_s_per_s']:8.1f} audio-s/s ({row['mixed_ms']:.1f} ms, {row['mixed_forwards']:.1f} "
-              f"forwards, padded/new {row['mixed_padded_over_new']:.2f})", flush=True)
+              f"forwards, padded/new {row['mixed_padded_over_new']:.2f}) | streams "
+              f"{row['streams_audio_s_per_s']:8.1f} audio-s/s", flush=True)
 
     latency = {}
     for name, ctx in (("first chunk", 0), ("first chunk, ICL (reference context)", L), ("steady chunk", L)):
@@ -184,6 +227,7 @@ def main() -> None:
         print(f"latency, {name} ({ctx} + {n_new} frames, batch 1): p50 {latency[name]['p50_ms']:.2f} ms, "
               f"p90 {latency[name]['p90_ms']:.2f} ms", flush=True)
 
+    best_streams = max(rows, key=lambda r: r["streams_audio_s_per_s"])
     best = max(rows, key=lambda r: r["mixed_audio_s_per_s"])
     need_tflops = args.target / FRAME_S * best["mixed_padded_over_new"] * fpf / 1e12
     verdict = (f"best mixed throughput {best['mixed_audio_s_per_s']:.0f} audio-s/s at batch {best['batch']} "
@@ -192,11 +236,13 @@ def main() -> None:
                f"{best['mixed_padded_over_new']:.2f} (context + padding) x {fpf / 1e9:.2f} GFLOP/frame = "
                f"{need_tflops:.0f} TFLOP/s needed; achieved {best['mixed_tflops']:.0f} TFLOP/s; "
                f"context alone costs x{mix_overhead:.2f} over {args.utterance_frames}-frame streams "
-               f"(x{(L + steady) / steady:.2f} in steady state)")
+               f"(x{(L + steady) / steady:.2f} in steady state). Streams ({'stateful' if args.stateful else 'stateless'}"
+               f"): best {best_streams['streams_audio_s_per_s']:.0f} audio-s/s at batch {best_streams['batch']}")
     print(verdict)
     stats = engine.stats()
     meta = dict(command=command, device=device_name, torch=torch.__version__, dtype=str(dtype), date=date,
-                tiny=args.tiny, fast_kernels=engine.fast_kernels,
+                tiny=args.tiny, fast_kernels=engine.fast_kernels, stateful=args.stateful,
+                stateful_counts=dict(continued=stats.continued, fresh=stats.fresh, evicted=stats.evicted),
                 schedule=dict(first=args.first, steady=steady, left_context=L),
                 utterance_frames=args.utterance_frames, flops_per_frame=fpf, warmup_s=warmup_s,
                 graphs=stats.graphs, gpu_reserved_gib=meta_mem, max_frames_per_forward=args.max_frames_per_forward,
@@ -210,13 +256,15 @@ def main() -> None:
              f"schedule: first {args.first} -> doubling -> steady {steady}, left context {L}; "
              f"{fpf / 1e9:.2f} GFLOP/frame; fused kernels {engine.fast_kernels}; {stats.graphs} CUDA graphs captured in "
              f"{warmup_s:.1f} s", "",
+             f"engine: {'stateful' if args.stateful else 'stateless'}", "",
              "| batch | steady audio-s/s | steady ms | steady TFLOP/s | no-context audio-s/s | mixed audio-s/s "
-             "| mixed ms | mixed padded/new | mixed TFLOP/s |", "|---|---|---|---|---|---|---|---|---|"]
+             "| mixed ms | mixed padded/new | mixed TFLOP/s | streams audio-s/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['steady_audio_s_per_s']:.1f} | {r['steady_ms']:.1f} | "
                      f"{r['steady_tflops']:.1f} | {r['no_context_audio_s_per_s']:.1f} | "
                      f"{r['mixed_audio_s_per_s']:.1f} | {r['mixed_ms']:.1f} | {r['mixed_padded_over_new']:.2f} | "
-                     f"{r['mixed_tflops']:.1f} |")
+                     f"{r['mixed_tflops']:.1f} | {r['streams_audio_s_per_s']:.1f} |")
     lines += ["", "| latency, batch 1 | frames | p50 ms | p90 ms |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['frames']} | {v['p50_ms']:.2f} | {v['p90_ms']:.2f} |" for k, v in latency.items()]
     lines += ["", verdict]

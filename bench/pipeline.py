@@ -183,7 +183,8 @@ async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
     if not args.no_code2wav:
         loop = asyncio.get_running_loop()
         config = Code2WavEngineConfig.for_schedule(schedule, max_batch_size=args.decode_batch,
-                                                   cuda_graphs=not args.no_graphs)
+                                                   cuda_graphs=not args.no_graphs, stateful=args.stateful_code2wav,
+                                                   state_slots=max(args.slots, 1))
         c2w = await loop.run_in_executor(executor, Code2WavEngine, model.decoder, config)
         await loop.run_in_executor(executor, c2w.warmup, print)
         decoder = Decoder(c2w, executor, args.decode_batch)
@@ -243,6 +244,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the talker's layer math and sampling")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--no-code2wav", action="store_true", help="talker only (first audio = first chunk cut)")
+    ap.add_argument("--stateful-code2wav", action="store_true",
+                    help="Code2Wav carries each stream's decoder state (decodes new frames only)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--decode-priority", choices=["high", "normal"], default="high",
                     help="CUDA stream priority of the Code2Wav thread")

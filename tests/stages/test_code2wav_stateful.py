@@ -20,6 +20,7 @@ from stages.contract import CodecChunk, FinishReason
 SPF = 1920
 TOL = 1e-5
 STREAM_FRAMES = 180
+FIRST_1 = ChunkSchedule(first_chunk_frames=1)  # the serving configs' schedule
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def stateful_engine(decoder, slots: int = 8, **kwargs) -> Code2WavEngine:
     return Code2WavEngine(decoder, Code2WavEngineConfig(stateful=True, state_slots=slots, **kwargs))
 
 
-def chunks_of(frames: np.ndarray, rid: str, schedule: ChunkSchedule = ChunkSchedule(first_chunk_frames=1),
+def chunks_of(frames: np.ndarray, rid: str, schedule: ChunkSchedule = FIRST_1,
               ref: np.ndarray | None = None) -> list[CodecChunk]:
     chunker = StreamChunker(schedule, rid, ref_codes=ref)
     return [*chunker.push(frames), chunker.flush(FinishReason.EOS)]
@@ -205,3 +206,45 @@ def test_slots_evict_least_recent_never_one_in_use_and_free_on_final():
     assert len(slots) == 1
     [d] = slots.assign([_chunk("d", 1)])
     assert d.slot == 0 and d.fresh and slots.counts["evicted"] == 1
+
+
+# ---- CUDA graphs and fused kernels (GPU only) -----------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("fast_kernels", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_stateful_streams_match_the_whole_decode(decoder, streams, fulls, dtype, fast_kernels, monkeypatch):
+    """Three streams interleaved through graphed forwards (padding rows and padded lengths included) against
+    the whole fp32 CPU decode: fp32 within 1e-4, bf16 within the serving dtype's own rounding (SNR > 30 dB)."""
+    import copy
+
+    from stages.code2wav import fast
+
+    monkeypatch.setattr(fast, "CONV2D_MIN_CHANNELS", 0)  # the tiny decoder's channels: cover the 2-D path too
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    schedule = ChunkSchedule(first_chunk_frames=1)
+    cfg = Code2WavEngineConfig.for_schedule(schedule, max_batch_size=4, batch_buckets=(1, 2, 4),
+                                            fast_kernels=fast_kernels, stateful=True, state_slots=4)
+    engine = Code2WavEngine(copy.deepcopy(decoder).to("cuda", dtype), cfg)
+    assert engine.fast_kernels == fast_kernels
+    engine.warmup(log=print)
+    assert engine.stats().graphs == len(engine.graph_shapes()) > 0
+    per_stream = [chunks_of(s, f"r{i}", schedule) for i, s in enumerate(streams)]
+    outs: list[list[np.ndarray]] = [[] for _ in streams]
+    step = 0
+    while any(per_stream):
+        batch = [(i, q.pop(0)) for i, q in enumerate(per_stream) if q and ((i + step) % 2 == 0 or step > 4)]
+        step += 1
+        for (i, _), pcm in zip(batch, engine.decode([c for _, c in batch]), strict=True):
+            outs[i].append(pcm)
+    for i, full in enumerate(fulls):
+        out = np.concatenate(outs[i])
+        diff = float(np.abs(out - full).max())
+        noise = float(np.sum((out.astype(np.float64) - full) ** 2))
+        snr = 10 * np.log10(float(np.sum(full.astype(np.float64) ** 2)) / max(noise, 1e-30))
+        print(f"stateful {dtype} fast={fast_kernels} stream {i}: max diff {diff:.2e}, SNR {snr:.1f} dB")
+        assert diff <= (1e-4 if dtype == torch.float32 else 5e-2), diff
+        assert snr > (80 if dtype == torch.float32 else 30)
+    s = engine.stats()
+    assert s.graph_forwards == s.forwards and s.continued > 0 and s.fresh == len(streams)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# GPU run for frame speed (issue 12): the stateful Code2Wav decoder's GPU tests, Code2Wav throughput stateless vs
+# stateful, and both engines in one process with either decoder. On the GPU machine, from the repo root:
+#   bash bench/gpu_frame_speed.sh [tests] [code2wav] [pipeline] [pipeline_stateless]
+# No Ray needed (nothing to carry). Results (logs, JSON) land in $OUT; the random 1.7B checkpoint in $W.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+OUT=${OUT:-bench/out}; mkdir -p "$OUT"
+W=${W:-.gpucache}; CKPT=$W/1.7b-custom_voice
+STEPS=${*:-tests code2wav pipeline}
+LEVELS=${LEVELS:-1,64,256}
+C2W_BATCHES=${C2W_BATCHES:-32,64,128,256}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+t0=$(date +%s)
+checkpoint() {
+  if [ ! -f "$CKPT/config.json" ]; then
+    python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice --device cuda 2>&1 | tail -2
+  fi
+}
+for step in $STEPS; do
+  case $step in
+    tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_code2wav_stateful.py \
+             tests/stages/test_code2wav_engine.py 2>&1 | tee "$OUT/gpu_tests.log" \
+             | grep -E "passed|failed|error|max diff|Error|assert" | tail -24 ;;
+    code2wav) python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --out "$OUT/c2w_stateless" \
+                2>&1 | tee "$OUT/c2w_stateless.log" | grep -E "^batch|latency|streams|best" | tail -8
+              python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --stateful \
+                --out "$OUT/c2w_stateful" 2>&1 | tee "$OUT/c2w_stateful.log" | grep -E "^batch|latency|best|captured in" | tail -9 ;;
+    pipeline) checkpoint
+              python3 -m bench.pipeline --checkpoint "$CKPT" --levels "$LEVELS" --compile --slots 512 \
+                --first-chunk-frames 1 --stateful-code2wav --out "$OUT/pipeline_stateful.json" 2>&1 \
+                | tee "$OUT/pipeline_stateful.log" | grep -vE "^\[talker\] captured" | tail -8 ;;
+    pipeline_stateless) checkpoint
+              python3 -m bench.pipeline --checkpoint "$CKPT" --levels "$LEVELS" --compile --slots 512 \
+                --first-chunk-frames 1 --out "$OUT/pipeline_stateless.json" 2>&1 \
+                | tee "$OUT/pipeline_stateless.log" | grep -vE "^\[talker\] captured" | tail -6 ;;
+  esac
+  echo "$step done +$(( $(date +%s) - t0 ))s"
+done
