@@ -81,7 +81,9 @@ def mixed_batches(rng: np.random.Generator, schedule: ChunkSchedule, utterance: 
     stream = rng.integers(0, 2048, (utterance, 16), dtype=np.int64)
     chunker = StreamChunker(schedule, "mix")
     plan = [*chunker.push(stream), chunker.flush()]
-    return [[plan[int(k)] for k in rng.integers(0, len(plan), batch)] for _ in range(count)]
+    # one request id per chunk: a stateful engine decodes each fresh, over its context (its fallback path)
+    return [[dataclasses.replace(plan[int(k)], request_id=f"mix{j}") for j, k in
+             enumerate(rng.integers(0, len(plan), batch))] for _ in range(count)]
 
 
 def stream_calls(rng: np.random.Generator, schedule: ChunkSchedule, utterance: int, batch: int,
@@ -113,6 +115,25 @@ def time_calls(engine: Code2WavEngine, calls: list[list[CodecChunk]]) -> tuple[f
     return time.perf_counter() - t0, sum(c.num_new for call in calls for c in call)
 
 
+def profile_streams(decoder: Code2WavDecoder, engine: Code2WavEngine, rng: np.random.Generator,
+                    schedule: ChunkSchedule, utterance: int, batch: int, out: str) -> None:
+    """Top CUDA kernels of eager streams calls (same kernels as the graphs replay) at `batch`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eager = Code2WavEngine(decoder, dataclasses.replace(engine.config, cuda_graphs=False))
+    plan_len = len(schedule.plan(utterance))
+    calls = stream_calls(rng, schedule, utterance, batch, 2 * plan_len)
+    time_calls(eager, calls[:plan_len])
+    cuda = engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        time_calls(eager, calls[plan_len:])
+    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25)
+    print(f"profile: {plan_len} eager streams calls at batch {batch} ({'stateful' if engine.stateful else 'stateless'})\n"
+          + table, flush=True)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, f"profile_b{batch}.txt").write_text(table)
+
+
 def flops_per_frame(decoder: Code2WavDecoder, frames: int) -> float:
     dev = next(decoder.parameters()).device
     codes = torch.zeros(1, decoder.cfg.num_quantizers, frames, dtype=torch.long, device=dev)
@@ -135,6 +156,9 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true", help="eager only")
     ap.add_argument("--no-fast-kernels", action="store_true", help="the eager modules (no fused Triton kernels)")
     ap.add_argument("--stateful", action="store_true", help="the stateful engine (carried decoder state)")
+    ap.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the table: torch profiler over eager streams calls at the largest batch, top kernels")
     ap.add_argument("--max-frames-per-forward", type=int, default=8192,
                     help="engine limit on padded batch x length per forward (activation memory)")
     ap.add_argument("--target", type=float, default=1000.0, help="audio-s/s to keep up with")
@@ -153,6 +177,7 @@ def main() -> None:
           f"{torch.__version__}, {dtype}\ndate: {date}", flush=True)
     t_start = time.perf_counter()
 
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     decoder = build_decoder(args.tiny, str(device), dtype)
     L, steady = args.left_context, args.steady
     schedule = ChunkSchedule(first_chunk_frames=args.first, steady_chunk_frames=steady, left_context_frames=L)
@@ -239,6 +264,8 @@ def main() -> None:
                f"(x{(L + steady) / steady:.2f} in steady state). Streams ({'stateful' if args.stateful else 'stateless'}"
                f"): best {best_streams['streams_audio_s_per_s']:.0f} audio-s/s at batch {best_streams['batch']}")
     print(verdict)
+    if args.profile:
+        profile_streams(decoder, engine, rng, schedule, args.utterance_frames, max_b, args.out)
     stats = engine.stats()
     meta = dict(command=command, device=device_name, torch=torch.__version__, dtype=str(dtype), date=date,
                 tiny=args.tiny, fast_kernels=engine.fast_kernels, stateful=args.stateful,

@@ -26,6 +26,9 @@ for step in $STEPS; do
                 2>&1 | tee "$OUT/c2w_stateless.log" | grep -E "^batch|latency|streams|best" | tail -8
               python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --stateful \
                 --out "$OUT/c2w_stateful" 2>&1 | tee "$OUT/c2w_stateful.log" | grep -E "^batch|latency|best|captured in" | tail -9 ;;
+    c2w_tuned) python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --stateful --cudnn-benchmark \
+                 --profile --out "$OUT/c2w_stateful_tuned" 2>&1 | tee "$OUT/c2w_stateful_tuned.log" \
+                 | grep -E "^batch|best|captured in" | tail -6 ;;
     pipeline) checkpoint
               python3 -m bench.pipeline --checkpoint "$CKPT" --levels "$LEVELS" --compile --slots 512 \
                 --first-chunk-frames 1 --stateful-code2wav --out "$OUT/pipeline_stateful.json" 2>&1 \
