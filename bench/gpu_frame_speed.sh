@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU run for frame speed (issue 12): the stateful Code2Wav decoder's GPU tests, Code2Wav throughput stateless vs
 # stateful, and both engines in one process with either decoder. On the GPU machine, from the repo root:
-#   bash bench/gpu_frame_speed.sh [tests] [code2wav] [pipeline] [pipeline_stateless]
+#   bash bench/gpu_frame_speed.sh [tests] [code2wav] [c2w_tuned] [talker_profile] [pipeline] [pipeline_stateless]
 # No Ray needed (nothing to carry). Results (logs, JSON) land in $OUT; the random 1.7B checkpoint in $W.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
@@ -29,6 +29,10 @@ for step in $STEPS; do
     c2w_tuned) python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --stateful --cudnn-benchmark \
                  --profile --out "$OUT/c2w_stateful_tuned" 2>&1 | tee "$OUT/c2w_stateful_tuned.log" \
                  | grep -E "^batch|best|captured in" | tail -6 ;;
+    talker_profile) checkpoint
+              python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,256} --steps 30 --compile \
+                --max-seq-len 1024 --profile --out "$OUT/talker_profile.json" 2>&1 | tee "$OUT/talker_profile.log" \
+                | grep -vE "^\[talker\] captured|^\{" | tail -40 ;;
     pipeline) checkpoint
               python3 -m bench.pipeline --checkpoint "$CKPT" --levels "$LEVELS" --compile --slots 512 \
                 --first-chunk-frames 1 --stateful-code2wav --out "$OUT/pipeline_stateful.json" 2>&1 \

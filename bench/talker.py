@@ -69,6 +69,35 @@ def time_steps(runner: TalkerRunner, bucket: int, attn_len: int, steps: int) -> 
     return (time.perf_counter() - t0) / steps * 1e3, outs
 
 
+def profile_steps(runner: TalkerRunner, bucket: int, attn_len: int, step_ms: float, out: str | None,
+                  steps: int = 10) -> dict:
+    """Kernels per step, their summed device time per step (busy) against the step's wall time, top kernels.
+
+    Wall minus busy is time the GPU waited between kernels: launch boundaries inside the graphs and the host's
+    read-back between steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        time_steps(runner, bucket, attn_len, steps)
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in events)
+    kernels = sum(e.count for e in events if not e.key.startswith("Memcpy") and not e.key.startswith("Memset"))
+    top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
+    summary = {"kernels_per_step": round(kernels / steps), "busy_ms_per_step": round(total_us / steps / 1e3, 3),
+               "wall_ms_per_step": round(step_ms, 3),
+               "top": [{"kernel": e.key[:90], "ms_per_step": round(e.self_device_time_total / steps / 1e3, 3),
+                        "calls_per_step": round(e.count / steps, 1)} for e in top]}
+    print(f"profile batch {bucket}: {summary['kernels_per_step']} kernels/step, GPU busy "
+          f"{summary['busy_ms_per_step']} of {step_ms:.2f} ms", flush=True)
+    for t in summary["top"]:
+        print(f"   {t['ms_per_step']:7.3f} ms  x{t['calls_per_step']:>6}  {t['kernel']}", flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).with_name(f"{Path(out).stem}_profile_b{bucket}.txt").write_text(
+            prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="checkpoint dir (default: build a random one under --workdir)")
@@ -86,6 +115,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the layer math and sampling")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--out", default=None, help="JSON results path")
+    ap.add_argument("--profile", action="store_true",
+                    help="per batch: torch profiler over 10 steps: kernels per step, GPU busy time, top kernels")
     args = ap.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,6 +173,8 @@ def main() -> None:
             row["graph_equals_eager_steps"] = f"{same}/{args.steps}"
             diff = [i for i, (g, e) in enumerate(zip(outs, eager, strict=True)) if not torch.equal(g, e)]
             row["first_differing_step"] = diff[0] if diff else None
+        if args.profile and device == "cuda":
+            row["profile"] = profile_steps(runner, b, attn_len, ms, args.out)
         results.append(row)
         print(json.dumps(row), flush=True)
     report = {

@@ -1,4 +1,8 @@
-"""Code2WavServer: the shared `Code2Wav` deployment. Stateless: any replica decodes any chunk of any stream.
+"""Code2WavServer: the shared `Code2Wav` deployment. Any replica decodes any chunk of any stream.
+
+With `engine_kwargs.stateful` the engine keeps each stream's decoder state between its chunks and decodes
+only their new frames when they reach the replica that holds it; a chunk of a stream it does not hold is
+decoded over its left context, as a stateless replica would (stages/code2wav/stream_slots.py).
 
 `decode_many(chunks)` takes the chunks of many streams at once (an ingress replica's DecodeBatcher
 gathers them) and decodes them with the Code2Wav engine, on one thread that owns all of this replica's
@@ -22,6 +26,7 @@ from deployments.config import CheckpointSource, Code2WavDeploymentConfig, Strea
 from deployments.loading import build_engine, load_model, replica_log
 from deployments.messages import DecodedChunk
 from deployments.metrics import Code2WavMetrics
+from stages.code2wav.engine import decode_lengths
 from stages.contract import NUM_CODEBOOKS, CodecChunk
 
 DEFAULT_ENGINE_CLS = "stages.code2wav.engine:Code2WavEngine"
@@ -58,19 +63,21 @@ class Code2WavServer:
         cfg = self._config
         log = replica_log(C.CODE2WAV_DEPLOYMENT_NAME)
         model, device = await load_model(cfg, self._source, log, talker=False, decoder=True, voice=False)
-        lengths = self._streaming.schedule().decode_lengths()  # the chunk shapes worth a CUDA graph
+        stateful = bool(cfg.engine_kwargs.get("stateful", False))
+        lengths = decode_lengths(self._streaming.schedule(), stateful)  # the chunk shapes worth a CUDA graph
         engine_kwargs = {"max_batch_size": cfg.max_batch_size, "length_buckets": lengths, **cfg.engine_kwargs}
         self._engine = await self._on_thread(build_engine, cfg.engine_cls or DEFAULT_ENGINE_CLS, model.decoder,
                                              engine_kwargs)
         if cfg.warmup:  # graph capture (CUDA), then one real batch of every chunk length of the schedule
             await self._on_thread(self._engine.warmup, log)
             t0 = time.perf_counter()
-            chunks = [CodecChunk("warmup", i, np.zeros((n, NUM_CODEBOOKS), dtype=np.int64), 0)
-                      for i, n in enumerate(lengths)]
+            chunks = [CodecChunk(f"warmup-{i}", 0, np.zeros((n, NUM_CODEBOOKS), dtype=np.int64), 0, final=True)
+                      for i, n in enumerate(lengths)]  # final: a stateful engine keeps no slot for them
             await self._on_thread(self._engine.decode, chunks)
             log(f"warm-up decode of lengths {lengths} done in {time.perf_counter() - t0:.2f} s")
         self._metrics = Code2WavMetrics()
-        log(f"ready on {device} ({model.dtype}), batches of up to {cfg.max_batch_size} chunks")
+        log(f"ready on {device} ({model.dtype}), batches of up to {cfg.max_batch_size} chunks"
+            + (f", stateful ({self._engine.config.state_slots} stream slots)" if stateful else ""))
 
     async def decode_many(self, chunks: list) -> list[DecodedChunk | Exception]:
         """PCM (int16) of each chunk's new frames, decoded together; one answer per chunk, in order.
@@ -152,6 +159,8 @@ class Code2WavServer:
             self._last_progress = self._clock()
             self._decoding -= len(chunks)
             self._metrics.batch_decode_ms.observe((time.perf_counter() - t0) * 1000)
+            if getattr(self._engine, "stateful", False):
+                self._metrics.record_state_paths(self._engine.stats())
 
     async def ready(self) -> bool:
         return self._engine is not None

@@ -92,3 +92,17 @@ class Code2WavMetrics:
         self.queued_chunks = metrics.Gauge(
             "tts_code2wav_queued_chunks", description="Chunks waiting for a decode batch in this replica.",
         )
+        self.state_chunks = metrics.Counter(
+            "tts_code2wav_state_chunks", description="Stateful engine: chunks decoded from their stream's carried "
+            "state (path=continued) or from zero state over their left context (path=fresh: first chunks, and "
+            "chunks whose stream state another replica holds or that was evicted).", tag_keys=("path",),
+        )
+        self._state_counts = {"continued": 0, "fresh": 0}
+
+    def record_state_paths(self, stats) -> None:
+        """Count the chunks each path took since the last call (from the engine's cumulative Code2WavStats)."""
+        for path in ("continued", "fresh"):
+            total = getattr(stats, path, 0)
+            if total > self._state_counts[path]:
+                self.state_chunks.inc(total - self._state_counts[path], tags={"path": path})
+                self._state_counts[path] = total

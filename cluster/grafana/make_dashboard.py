@@ -204,6 +204,10 @@ panel("Batch size",
 panel("Queued chunks",
       "Chunks waiting for a decode batch, per Code2Wav replica (ray_tts_code2wav_queued_chunks).",
       [(f"sum by (replica) (ray_tts_code2wav_queued_chunks{{{APP}}})", "{{replica}}")], w=6)
+panel("Stateful decode paths",
+      "Chunks decoded from their stream's carried state (continued) or over their left context (fresh: first "
+      "chunks, streams another replica holds, evicted states) (ray_tts_code2wav_state_chunks_total).",
+      [(f"sum by (path) (rate(ray_tts_code2wav_state_chunks_total{{{APP}}}{RI}))", "{{path}}")], unit="cps", w=6)
 
 # ------------------------------------------------------------------ serve built-ins
 row("Ray Serve")
