@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from stages.talker.paged_attention import contiguous_decode_attention, kernel_available
+
 
 class ContiguousKV:
     """Preallocated [B, n_kv, max_len, D] per layer; every row is at the same position `length`.
@@ -18,10 +20,16 @@ class ContiguousKV:
     """
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, decode_kernel: bool = True):
         shape = (batch, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # one-position decode steps on CUDA: the Triton decode kernel (stages/talker/paged_attention.py)
+        # instead of SDPA, whose kernels are tiled for far more keys than this cache holds
+        self.decode_kernel = decode_kernel and kernel_available(torch.device(device))
+        if self.decode_kernel:
+            self._rows = torch.arange(batch, device=device)[:, None]
+            self._lengths = torch.arange(max_len + 1, device=device)  # [n:n+1]: "n keys", a static address
         self.max_len = max_len
         self.length = 0
         self._pending = 0
@@ -46,6 +54,12 @@ class ContiguousKV:
         self.k[layer_idx][:, :, self.length:end] = k
         self.v[layer_idx][:, :, self.length:end] = v
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def decode_attention(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """q [B, H, 1, D] of a one-position step whose k/v `update` stored -> [B, H, D] (decode_kernel only)."""
+        n = self.length + self._pending
+        return contiguous_decode_attention(q[:, :, 0], self.k[layer_idx], self.v[layer_idx], self._rows,
+                                           self._lengths[n:n + 1])
 
     def advance(self) -> None:
         self.length += self._pending

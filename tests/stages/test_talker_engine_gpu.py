@@ -84,6 +84,37 @@ def test_paged_kernel_matches_gather_attention(dtype, atol):
     assert err <= atol
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 256])
+def test_code_predictor_cache_kernel_matches_sdpa(dtype, atol, rows):
+    """The code predictor's contiguous cache with the decode kernel against SDPA, at every length 1..16."""
+    from stages.kv_cache import ContiguousKV
+    from stages.layers import Attention
+
+    torch.manual_seed(0)
+    heads, n_kv, d, layers = 16, 8, 128, 2
+    cfg = type("Cfg", (), dict(num_attention_heads=heads, num_key_value_heads=n_kv, head_dim=d, hidden_size=64,
+                               rms_norm_eps=1e-6))
+    attn = Attention(cfg, 1)
+    caches = [ContiguousKV(layers, rows, n_kv, d, 16, dtype, "cuda", decode_kernel=k) for k in (True, False)]
+    assert caches[0].decode_kernel and not caches[1].decode_kernel
+    worst = 0.0
+    for n in range(16):
+        s = 2 if n == 0 else 1  # the first step writes two positions (causal), then one at a time
+        q = torch.randn(rows, heads, s, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(rows, n_kv, s, d, device="cuda", dtype=dtype) for _ in range(2))
+        outs = []
+        for cache in caches:
+            cache.begin(s)
+            outs.append(attn.attend(q, k, v, cache).float())
+            cache.advance()
+        worst = max(worst, (outs[0] - outs[1]).abs().max().item())
+        if caches[0].length == 16:
+            break
+    print(f"code predictor decode kernel vs SDPA, {dtype}, {rows} rows: max abs err {worst:.2e}")
+    assert worst <= atol
+
+
 @pytest.mark.parametrize("exact_prefill,kernel", [(True, False), (False, False), (False, True)],
                          ids=["reference-prefill+gather", "staged-prefill-graphs+gather", "staged+paged-kernel"])
 def test_graphed_engine_equals_reference_on_cuda(cuda_model, prompts, exact_prefill, kernel):
