@@ -22,6 +22,9 @@ for step in $STEPS; do
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_code2wav_stateful.py \
              tests/stages/test_code2wav_engine.py 2>&1 | tee "$OUT/gpu_tests.log" \
              | grep -E "passed|failed|error|max diff|Error|assert" | tail -24 ;;
+    talker_tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_talker_engine_gpu.py \
+             tests/stages/test_sampling_gpu.py 2>&1 | tee "$OUT/talker_gpu_tests.log" \
+             | grep -E "passed|failed|error|max abs err|Error|assert" | tail -24 ;;
     code2wav) python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --out "$OUT/c2w_stateless" \
                 2>&1 | tee "$OUT/c2w_stateless.log" | grep -E "^batch|latency|streams|best" | tail -8
               python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --stateful \
