@@ -116,7 +116,12 @@ class TalkerDeploymentConfig(_RuntimeOptions):
         return C.TALKER_DEPLOYMENT_PREFIX + self.name
 
     def engine_config_kwargs(self) -> dict[str, Any]:
-        return {**self.engine_kwargs, "max_num_seqs": self.max_num_seqs}
+        """`engine_kwargs` with the deployment's defaults: rows, and the compile cache under the serve home for
+        the engine whose config has one (`engine_kwargs.compile_cache_dir: null` turns it off)."""
+        kwargs = {**self.engine_kwargs, "max_num_seqs": self.max_num_seqs}
+        if self.engine_cls is None and "compile_cache_dir" not in kwargs:
+            kwargs["compile_cache_dir"] = str(C.COMPILE_CACHE_DIR)
+        return kwargs
 
 
 class Code2WavDeploymentConfig(_RuntimeOptions):

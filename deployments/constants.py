@@ -22,6 +22,8 @@ def _env_path(name: str, default: Path) -> Path:
 QWEN3_TTS_SERVE_HOME = _env_path("QWEN3_TTS_SERVE_HOME", Path.home() / ".cache" / "qwen3-tts-serve")
 EMBEDDED_CHECKPOINT_DIR = QWEN3_TTS_SERVE_HOME / "embedded"
 DEFAULT_VOICES_DIR = QWEN3_TTS_SERVE_HOME / "voices"
+# torch.compile's cache file (stages/compile_cache.py): on shared storage, one start compiles for every replica
+COMPILE_CACHE_DIR = _env_path("QWEN3_TTS_COMPILE_CACHE_DIR", QWEN3_TTS_SERVE_HOME / "compile")
 
 # deployment names (YAML `deployments:` overrides must use these)
 INGRESS_DEPLOYMENT_NAME = "TTSIngress"

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from stages.chunking import ChunkSchedule, StreamChunker
+from stages.compile_cache import CompileCache
 from stages.contract import (
     NUM_CODEBOOKS,
     EngineOverloadedError,
@@ -78,6 +79,7 @@ class TalkerEngineConfig:
     attention_kernel: bool | None = None  # paged Triton decode attention; None: where available (CUDA)
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
     text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
+    compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't
     schedule: ChunkSchedule = ChunkSchedule()  # default chunking of a stream (a request may bring its own)
 
     def __post_init__(self) -> None:
@@ -376,8 +378,14 @@ class TalkerEngine:
         log(f"[talker] KV pool: {num_blocks} blocks x {cfg.kv_block_size} positions "
             f"({num_blocks * cfg.kv_block_size * per_token / 2**30:.2f} GiB), {self.num_slots} rows")
         use_compile = cfg.compile and model.device.type == "cuda"
+        compile_cache = None
         if use_compile:
-            log("[talker] compiling fused kernels (first start compiles, later starts reuse the cache)")
+            if cfg.compile_cache_dir:
+                shapes = {"talker": repr(model.config.talker), "dtype": str(model.dtype)}
+                compile_cache = CompileCache.for_model(cfg.compile_cache_dir, model.device, shapes)
+                compile_cache.load(log)
+            log("[talker] compiling fused kernels" + (" (from the compile cache)" if compile_cache and
+                                                       compile_cache.loaded else ""))
         self.runner = self._runner_factory(
             model, self.num_slots, cfg.max_seq_len, cfg.max_text_rows, num_blocks, cfg.kv_block_size,
             cfg.length_buckets, compile=use_compile, attention_kernel=cfg.attention_kernel,
@@ -394,6 +402,8 @@ class TalkerEngine:
                 f"length buckets {self.runner.length_buckets}")
             self.graph_capture_seconds = self.runner.capture_graphs(self._buckets, log)
             log(f"[talker] graph capture took {self.graph_capture_seconds:.1f} s")
+        if compile_cache is not None:
+            compile_cache.save(log)
 
     def _loop(self) -> None:
         sched = self.scheduler

@@ -1,0 +1,77 @@
+"""CompileCache: torch.compile's work kept in one file, loaded before the first compile and written after the
+first warm-up, so later starts (another replica, a restarted pod, a new machine reading the same shared
+directory) skip Inductor's code generation and Triton's kernel compilation.
+
+It stores PyTorch's portable cache artifacts (`torch.compiler.save_cache_artifacts`: the FX graph, autotuning
+and Triton kernel caches of everything compiled in the process). The file name keys the torch, Triton and
+CUDA versions, the GPU and the model's shapes, so an incompatible file is never offered; a file that is not
+useful is harmless (PyTorch checks its own cache keys entry by entry). Writes are atomic: replicas starting
+together may race, and the last complete file wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+try:
+    import triton
+except ImportError:  # CPU-only installs
+    triton = None
+
+
+class CompileCache:
+    def __init__(self, path: Path):
+        self.path = path
+        self.loaded = False
+
+    @classmethod
+    def for_model(cls, directory: str | Path, device: torch.device, model_key: dict) -> CompileCache:
+        key = {
+            "torch": torch.__version__, "triton": getattr(triton, "__version__", None), "cuda": torch.version.cuda,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type, **model_key,
+        }
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return cls(Path(directory).expanduser() / f"torch-compile-{digest}.bin")
+
+    def load(self, log: Callable[[str], None]) -> bool:
+        """Hand the file's artifacts to torch.compile (before the first compile). Returns whether it did."""
+        if not self.path.is_file():
+            log(f"[compile-cache] none at {self.path}: this start compiles and writes it")
+            return False
+        try:
+            info = torch.compiler.load_cache_artifacts(self.path.read_bytes())
+        except Exception as e:  # a truncated or foreign file must not stop the start: compile instead
+            info, error = None, e
+        else:
+            error = "no artifacts in it"
+        if info is None:
+            log(f"[compile-cache] could not load {self.path} ({error}): compiling")
+            return False
+        self.loaded = True
+        log(f"[compile-cache] loaded {self.path} ({self.path.stat().st_size / 2**20:.1f} MiB)")
+        return True
+
+    def save(self, log: Callable[[str], None]) -> bool:
+        """Write what this process compiled, unless the file was loaded (it has it). Returns whether it wrote."""
+        if self.loaded:
+            return False
+        artifacts = torch.compiler.save_cache_artifacts()
+        if artifacts is None:
+            return False
+        data, _info = artifacts
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a read-only or full cache directory costs the next start time, nothing else
+            log(f"[compile-cache] could not write {self.path}: {e!r}")
+            return False
+        log(f"[compile-cache] wrote {self.path} ({len(data) / 2**20:.1f} MiB)")
+        return True

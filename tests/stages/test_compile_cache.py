@@ -1,0 +1,68 @@
+"""CompileCache: a second process, with an empty local Inductor cache, compiles from the file the first wrote.
+
+Two subprocesses, each with its own TORCHINDUCTOR_CACHE_DIR (so the only shared thing is the cache file):
+the first compiles and writes the file, the second loads it and must get an FX graph cache hit, not a
+compilation. CPU Inductor (needs a C++ compiler, as torch.compile on CPU does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.compile_cache import CompileCache
+
+SCRIPT = r"""
+import json, sys, torch
+from torch._dynamo.utils import counters
+from stages.compile_cache import CompileCache
+cache = CompileCache.for_model(sys.argv[1], torch.device("cpu"), {"model": "test"})
+loaded = cache.load(lambda m: None)
+f = torch.compile(lambda x: (x.sin() * 2 + x.cos()).sum(-1), dynamic=True)
+f(torch.randn(4, 8))
+wrote = cache.save(lambda m: None)
+print(json.dumps({"loaded": loaded, "wrote": wrote, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def _run(cache_dir: Path, inductor_dir: Path) -> dict:
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(Path(__file__).parents[2])}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir)], env={**os.environ, **env},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_fresh_process_compiles_from_the_file(tmp_path):
+    first = _run(tmp_path / "shared", tmp_path / "inductor-a")
+    assert first == {"loaded": False, "wrote": True, "hits": 0, "misses": first["misses"]} and first["misses"] >= 1
+    second = _run(tmp_path / "shared", tmp_path / "inductor-b")
+    assert second["loaded"] and not second["wrote"]
+    assert second["hits"] >= 1 and second["misses"] == 0
+
+
+def test_a_broken_file_is_skipped_and_keys_differ(tmp_path):
+    cache = CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "a"})
+    assert cache.path != CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "b"}).path
+    cache.path.write_bytes(b"not a cache")
+    logs: list[str] = []
+    assert cache.load(logs.append) is False and not cache.loaded
+    assert "could not load" in logs[-1]
+
+
+@pytest.mark.parametrize("engine_cls,expected", [(None, True), ("tests.fakes:FakeEngine", False)])
+def test_deployment_defaults_the_cache_dir_for_the_real_engine(engine_cls, expected):
+    from deployments import constants as C
+    from deployments.config import TalkerDeploymentConfig
+
+    kwargs = TalkerDeploymentConfig(name="m", engine_cls=engine_cls).engine_config_kwargs()
+    assert (kwargs.get("compile_cache_dir") == str(C.COMPILE_CACHE_DIR)) == expected
+    off = TalkerDeploymentConfig(name="m", engine_kwargs={"compile_cache_dir": None}).engine_config_kwargs()
+    assert off["compile_cache_dir"] is None
