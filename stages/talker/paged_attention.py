@@ -75,8 +75,13 @@ def paged_decode_attention(
     block_table: torch.Tensor,  # [B, blocks_per_seq] int64
     seq_lens: torch.Tensor,  # [B] int64, >= 1
     block_size: int,
+    keys_per_iteration: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
-    """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over each row's first seq_lens[row] keys."""
+    """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over each row's first seq_lens[row] keys.
+
+    `keys_per_iteration`, `num_warps`, `num_stages`: the kernel's tiling (`bench/paged_attention.py` sweeps them)."""
     b, heads, d = q.shape
     n_kv = k_pool.shape[1]
     group = heads // n_kv
@@ -86,7 +91,8 @@ def paged_decode_attention(
         q, k_pool, v_pool, out, block_table, seq_lens, d ** -0.5,
         q.stride(0), q.stride(1), block_size * k_pool.stride(0), k_pool.stride(0), k_pool.stride(1),
         block_table.stride(0), 1, out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d, BLOCK=32, PAGE=block_size,
+        GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d, BLOCK=keys_per_iteration, PAGE=block_size,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

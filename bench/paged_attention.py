@@ -1,0 +1,73 @@
+"""Tiling sweep of the Triton decode-attention kernel (stages/talker/paged_attention.py) on the shapes the
+talker decodes: microseconds per call and effective HBM bandwidth (K and V bytes read / time).
+
+    python -m bench.paged_attention                     # CUDA only; ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+
+import torch
+
+from stages.talker.paged_attention import paged_decode_attention
+
+
+def time_us(fn, iters: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,64,256,512")
+    ap.add_argument("--keys", default="160,420", help="keys per row (prompt + frames so far)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    heads, n_kv, d, page = 16, 8, 128, 16
+    rows = []
+    for b, keys in itertools.product(map(int, args.batches.split(",")), map(int, args.keys.split(","))):
+        per = -(-keys // page)
+        blocks = b * per + 1
+        k_pool = torch.randn(blocks * page, n_kv, d, device="cuda", dtype=torch.bfloat16)
+        v_pool = torch.randn_like(k_pool)
+        table = torch.randperm(blocks, device="cuda")[:b * per].view(b, per)
+        lens = torch.full((b,), keys, device="cuda")
+        q = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
+        ref = paged_decode_attention(q, k_pool, v_pool, table, lens, page)
+        nbytes = 2 * b * keys * n_kv * d * 2
+        results = []
+        for block, warps, stages in itertools.product((16, 32, 64), (1, 2, 4, 8), (1, 2, 3)):
+            call = functools.partial(paged_decode_attention, q, k_pool, v_pool, table, lens, page, block, warps, stages)
+            try:
+                err = (call().float() - ref.float()).abs().max().item()
+                us = time_us(call)
+            except Exception as e:  # a tiling Triton cannot build (shared memory)
+                print(f"b={b} keys={keys} block={block} warps={warps} stages={stages}: {type(e).__name__}")
+                continue
+            results.append(dict(block=block, warps=warps, stages=stages, us=round(us, 2),
+                                gb_s=round(nbytes / us / 1e3, 1), max_diff=err))
+        results.sort(key=lambda r: r["us"])
+        default = next(r for r in results if (r["block"], r["warps"], r["stages"]) == (32, 4, 2))
+        print(f"batch {b}, {keys} keys: default {default['us']} us ({default['gb_s']} GB/s); best "
+              + ", ".join(f"{r['block']}/{r['warps']}/{r['stages']} {r['us']} us ({r['gb_s']} GB/s)"
+                          for r in results[:4]), flush=True)
+        rows.append(dict(batch=b, keys=keys, default=default, best=results[:6]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
