@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from stages.talker.paged_attention import paged_decode_attention
+from stages.talker.paged_attention import contiguous_decode_attention, paged_decode_attention
 
 
 def time_us(fn, iters: int = 50) -> float:
@@ -64,6 +64,15 @@ def main() -> None:
               + ", ".join(f"{r['block']}/{r['warps']}/{r['stages']} {r['us']} us ({r['gb_s']} GB/s)"
                           for r in results[:4]), flush=True)
         rows.append(dict(batch=b, keys=keys, default=default, best=results[:6]))
+    for b in map(int, args.batches.split(",")):  # the code predictor's contiguous cache: 16 positions
+        k = torch.randn(b, n_kv, 16, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
+        rows_idx, n = torch.arange(b, device="cuda")[:, None], torch.tensor([16], device="cuda")
+        timings = {w: round(time_us(functools.partial(contiguous_decode_attention, q, k, v, rows_idx, n, w)), 2)
+                   for w in (1, 2, 4, 8)}
+        print(f"contiguous (code predictor), batch {b}, 16 keys: us by num_warps {timings}", flush=True)
+        rows.append(dict(contiguous=True, batch=b, keys=16, us_by_warps=timings))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)

@@ -103,6 +103,7 @@ def contiguous_decode_attention(
     v: torch.Tensor,
     rows: torch.Tensor,  # [B, 1] int64: arange(B), each row its own block
     seq_len: torch.Tensor,  # [1] int64: keys every row attends to (the same for all rows)
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over the first seq_len keys of each row."""
     b, heads, d = q.shape
@@ -115,6 +116,6 @@ def contiguous_decode_attention(
         q.stride(0), q.stride(1), k.stride(0), k.stride(2), k.stride(1), rows.stride(0), 0,
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d,
-        BLOCK=min(32, max(16, triton.next_power_of_2(length))), PAGE=length,
+        BLOCK=min(32, max(16, triton.next_power_of_2(length))), PAGE=length, num_warps=num_warps,
     )
     return out
