@@ -75,17 +75,21 @@ def paged_decode_attention(
     block_table: torch.Tensor,  # [B, blocks_per_seq] int64
     seq_lens: torch.Tensor,  # [B] int64, >= 1
     block_size: int,
-    keys_per_iteration: int = 16,
+    keys_per_iteration: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over each row's first seq_lens[row] keys.
 
-    Tiling (`bench/paged_attention.py` sweeps it; H100, bf16, 2026-11-23): 16 keys per iteration and one
-    warp per program from 128 rows up (2 below) read K/V at 2.6-2.8 TB/s at batch 256-512, against 1.1 TB/s
-    with the first tiling (32 keys, 4 warps): many small programs keep more loads in flight than few wide ones."""
+    Tiling (`bench/paged_attention.py` sweeps it; H100, bf16, 2026-11-23): from 64 rows up, 16 keys per
+    iteration and one warp per program (two below 128 rows) read K/V at 2.6-2.8 TB/s at batch 256-512,
+    against 1.1 TB/s with 32 keys and 4 warps: many small programs keep more loads in flight than few wide
+    ones. Below 64 rows the call is launch-bound and 32 keys x 4 warps measured as well or better in graphs."""
+    rows = q.shape[0]
+    if keys_per_iteration is None:
+        keys_per_iteration = 16 if rows >= 64 else 32
     if num_warps is None:
-        num_warps = 1 if q.shape[0] >= 128 else 2
+        num_warps = 1 if rows >= 128 else 2 if rows >= 64 else 4
     b, heads, d = q.shape
     n_kv = k_pool.shape[1]
     group = heads // n_kv
