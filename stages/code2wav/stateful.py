@@ -87,12 +87,16 @@ class _Rows:
         self.keep = ~fresh[:, None, None]  # [B, 1, 1]: read the slot's state (else zeros)
 
     def read(self, key: str) -> torch.Tensor:  # [B, C, n]
-        return self.states.convs[key].index_select(0, self.slots) * self.keep
+        return self.fresh_as_zeros(self.states.convs[key].index_select(0, self.slots))
+
+    def fresh_as_zeros(self, state: torch.Tensor) -> torch.Tensor:
+        """A select, not a product: whatever a slot last held (even inf or NaN) never reaches a fresh row."""
+        return torch.where(self.keep.view(-1, *([1] * (state.dim() - 1))), state, 0)
 
     def write(self, key: str, carried: torch.Tensor, rate: int) -> None:
         """State after each row's valid samples: carried[:, :, L : L + n] with L = lengths * rate."""
         buf = self.states.convs[key]
-        self.states.convs[key].index_copy_(0, self.slots, _window(carried, self.lengths * rate, buf.shape[-1]))
+        buf.index_copy_(0, self.slots, _window(carried, self.lengths * rate, buf.shape[-1]))
 
     def conv(self, key: str, conv: nn.Conv1d, x: torch.Tensor, rate: int) -> torch.Tensor:
         """Causal conv of x [B, C, T] continuing from the state: conv(cat(state, x)) without padding."""
@@ -173,9 +177,8 @@ class StatefulDecoder:
         q = attn.q_proj(x).view(B, T, H, D).transpose(1, 2)
         k = attn.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)
         v = attn.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
-        keep = rows.keep[..., None]
-        k = torch.cat([st.keys[layer].index_select(0, rows.slots) * keep, k], dim=2)  # [B, Hkv, W + T, D]
-        v = torch.cat([st.values[layer].index_select(0, rows.slots) * keep, v], dim=2)
+        k = torch.cat([rows.fresh_as_zeros(st.keys[layer].index_select(0, rows.slots)), k], dim=2)  # [B, Hkv, W+T, D]
+        v = torch.cat([rows.fresh_as_zeros(st.values[layer].index_select(0, rows.slots)), v], dim=2)
         idx = (rows.lengths[:, None] + torch.arange(W, device=x.device))[:, None, :, None].expand(-1, Hkv, -1, D)
         st.keys[layer].index_copy_(0, rows.slots, torch.gather(k, 2, idx))
         st.values[layer].index_copy_(0, rows.slots, torch.gather(v, 2, idx))

@@ -151,6 +151,18 @@ def test_a_failed_forward_starts_the_streams_over(decoder, streams, stateless, m
     np.testing.assert_allclose(engine.decode([chunks[3]])[0], stateless.decode([chunks[3]])[0], atol=TOL)
 
 
+def test_a_poisoned_slot_never_reaches_the_next_stream(decoder, streams, stateless):
+    """A slot whose state went non-finite (say a bf16 overflow) is read as zeros by the next fresh stream."""
+    engine = stateful_engine(decoder, slots=1)
+    chunks = chunks_of(streams[2], "b")
+    engine.decode(chunks_of(streams[1], "a")[:2])  # stream a holds slot 0, then leaves without a final chunk
+    for buf in [*engine._states.convs.values(), engine._states.keys, engine._states.values]:
+        buf.fill_(float("nan"))
+    out = engine.decode([chunks[0]])[0]  # b evicts a and starts fresh in slot 0
+    np.testing.assert_allclose(out, stateless.decode([chunks[0]])[0], atol=TOL)
+    assert engine.stats().evicted == 1
+
+
 def test_state_shapes_and_graph_lengths(decoder):
     cfg = decoder.cfg
     states = DecoderStates(decoder, 3)
