@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# GPU run for frame speed (issue 12): the stateful Code2Wav decoder's GPU tests, Code2Wav throughput stateless vs
-# stateful, and both engines in one process with either decoder. On the GPU machine, from the repo root:
-#   bash bench/gpu_frame_speed.sh [tests] [code2wav] [c2w_tuned] [talker_profile] [pipeline] [pipeline_stateless]
+# GPU run for frame speed (issue 12). On the GPU machine, from the repo root:
+#   bash bench/gpu_frame_speed.sh [STEP ...]          (default: tests code2wav pipeline)
+# tests: stateful + stateless Code2Wav GPU tests; talker_tests: talker engine + sampler GPU tests (kernels vs
+# references, graphed == reference, no host sync); code2wav: bench.code2wav stateless then --stateful;
+# c2w_tuned: --stateful --cudnn-benchmark --profile; talker_profile: bench.talker b1/b256 with the profiler;
+# pipeline / pipeline_stateless: both engines in one process, stateful / stateless Code2Wav.
 # No Ray needed (nothing to carry). Results (logs, JSON) land in $OUT; the random 1.7B checkpoint in $W.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
