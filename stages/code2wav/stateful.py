@@ -84,7 +84,7 @@ class _Rows:
 
     def __init__(self, states: DecoderStates, slots: torch.Tensor, fresh: torch.Tensor, lengths: torch.Tensor):
         self.states, self.slots, self.lengths = states, slots, lengths
-        self.keep = ~fresh[:, None, None]  # [B, 1, 1]: read the slot's state (else zeros)
+        self.keep = ~fresh  # [B]: read the slot's state (else zeros)
 
     def read(self, key: str) -> torch.Tensor:  # [B, C, n]
         return self.fresh_as_zeros(self.states.convs[key].index_select(0, self.slots))
@@ -137,7 +137,7 @@ class StatefulDecoder:
         dec = self.decoder
         rows = _Rows(self.states, slots, fresh, lengths)
         h = rows.conv("pre_conv", dec.pre_conv.conv, dec.quantizer(codes), 1)
-        h = self._transformer(dec.pre_transformer, h.transpose(1, 2), rows, fresh).transpose(1, 2)
+        h = self._transformer(dec.pre_transformer, h.transpose(1, 2), rows).transpose(1, 2)
         rate = 1
         for i, (up, convnext) in enumerate(dec.upsample):
             h = up(h)
@@ -150,10 +150,10 @@ class StatefulDecoder:
         return h.clamp(-1.0, 1.0)
 
     # ------------------------------------------------------------------ transformer with a K/V window
-    def _transformer(self, tf: PreTransformer, x: torch.Tensor, rows: _Rows, fresh: torch.Tensor) -> torch.Tensor:
+    def _transformer(self, tf: PreTransformer, x: torch.Tensor, rows: _Rows) -> torch.Tensor:
         B, T, _ = x.shape
         W, st = self.states.window, self.states
-        history = torch.where(fresh, 0, st.history.index_select(0, rows.slots))  # [B]
+        history = rows.fresh_as_zeros(st.history.index_select(0, rows.slots))  # [B]
         # window positions: the W carried frames are 0..W-1, the new ones W..W+T-1 (RoPE only sees differences)
         cos, sin = rope_cos_sin(torch.arange(W + T, device=x.device), self.inv_freq, x.dtype)
         key = torch.arange(W + T, device=x.device)

@@ -57,6 +57,19 @@ def chunks_of(frames: np.ndarray, rid: str, schedule: ChunkSchedule = FIRST_1,
     return [*chunker.push(frames), chunker.flush(FinishReason.EOS)]
 
 
+def decode_interleaved(engine: Code2WavEngine, per_stream: list[list[CodecChunk]], all_from: int) -> list[np.ndarray]:
+    """Each call takes the next chunk of every other stream (all of them from call `all_from` on): rows of
+    different lengths, positions and slots in one batch. -> each stream's concatenated samples."""
+    outs: list[list[np.ndarray]] = [[] for _ in per_stream]
+    step = 0
+    while any(per_stream):
+        batch = [(i, q.pop(0)) for i, q in enumerate(per_stream) if q and ((i + step) % 2 == 0 or step > all_from)]
+        step += 1
+        for (i, _), pcm in zip(batch, engine.decode([c for _, c in batch]), strict=True):
+            outs[i].append(pcm)
+    return [np.concatenate(o) for o in outs]
+
+
 def test_stream_equals_whole_decode_beyond_the_receptive_field(decoder, streams, fulls, stateless):
     engine = stateful_engine(decoder)
     chunks = chunks_of(streams[0], "a")
@@ -75,16 +88,9 @@ def test_stream_equals_whole_decode_beyond_the_receptive_field(decoder, streams,
 def test_interleaved_streams_batched_with_padding_are_each_exact(decoder, streams, fulls):
     engine = stateful_engine(decoder)
     per_stream = [chunks_of(s, f"r{i}", ChunkSchedule(first_chunk_frames=2 + i)) for i, s in enumerate(streams)]
-    outs: list[list[np.ndarray]] = [[] for _ in streams]
-    step = 0
-    while any(per_stream):
-        # each call takes the next chunk of every other stream: rows of different lengths, positions and slots
-        batch = [(i, q.pop(0)) for i, q in enumerate(per_stream) if q and ((i + step) % 2 == 0 or step > 6)]
-        step += 1
-        for (i, _), pcm in zip(batch, engine.decode([c for _, c in batch]), strict=True):
-            outs[i].append(pcm)
+    outs = decode_interleaved(engine, per_stream, all_from=6)
     for i, full in enumerate(fulls):
-        assert np.abs(np.concatenate(outs[i]) - full).max() < TOL, f"stream {i}"
+        assert np.abs(outs[i] - full).max() < TOL, f"stream {i}"
     assert engine.stats().fresh == len(streams)
 
 
@@ -242,16 +248,9 @@ def test_graphed_stateful_streams_match_the_whole_decode(decoder, streams, fulls
     assert engine.fast_kernels == fast_kernels
     engine.warmup(log=print)
     assert engine.stats().graphs == len(engine.graph_shapes()) > 0
-    per_stream = [chunks_of(s, f"r{i}", schedule) for i, s in enumerate(streams)]
-    outs: list[list[np.ndarray]] = [[] for _ in streams]
-    step = 0
-    while any(per_stream):
-        batch = [(i, q.pop(0)) for i, q in enumerate(per_stream) if q and ((i + step) % 2 == 0 or step > 4)]
-        step += 1
-        for (i, _), pcm in zip(batch, engine.decode([c for _, c in batch]), strict=True):
-            outs[i].append(pcm)
+    outs = decode_interleaved(engine, [chunks_of(s, f"r{i}", schedule) for i, s in enumerate(streams)], all_from=4)
     for i, full in enumerate(fulls):
-        out = np.concatenate(outs[i])
+        out = outs[i]
         diff = float(np.abs(out - full).max())
         noise = float(np.sum((out.astype(np.float64) - full) ** 2))
         snr = 10 * np.log10(float(np.sum(full.astype(np.float64) ** 2)) / max(noise, 1e-30))
