@@ -107,7 +107,7 @@ class Code2WavStats:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     codes: torch.Tensor  # [B, 16, T] static input
-    rows: tuple[torch.Tensor, ...]  # stateful: slots, fresh, lengths [B] static inputs; else ()
+    rows: torch.Tensor | None  # stateful: [3, B] static input (slots, fresh, lengths); else None
     wav: torch.Tensor  # [B, 1, T * 1920] static output (valid until the next replay of any graph)
 
 
@@ -286,41 +286,40 @@ class Code2WavEngine:
         for r, (c, row) in enumerate(items):
             part = c.codes[row.start(c):]
             codes[r, :, :part.shape[0]] = part.T
-        rows = ()
-        if self.stateful:
-            slots = np.full(b_pad, self._slots.scratch, dtype=np.int64)
-            fresh = np.ones(b_pad, dtype=np.bool_)
-            lengths = np.zeros(b_pad, dtype=np.int64)
+        rows = None
+        if self.stateful:  # slot, fresh, valid frames of each row, in one array: one host-to-device copy
+            rows = np.zeros((3, b_pad), dtype=np.int64)
+            rows[0], rows[1] = self._slots.scratch, 1  # padding rows: fresh, on the scratch slot
             for r, (c, row) in enumerate(items):
-                slots[r], fresh[r], lengths[r] = row.slot, row.fresh, c.codes.shape[0] - row.start(c)
-            rows = tuple(map(torch.from_numpy, (slots, fresh, lengths)))
+                rows[:, r] = row.slot, row.fresh, c.codes.shape[0] - row.start(c)
+            rows = torch.from_numpy(rows)
         graph = self._graphs.get((b_pad, t_pad))
         if graph is not None:
             graph.codes.copy_(torch.from_numpy(codes))
-            for static, value in zip(graph.rows, rows, strict=True):
-                static.copy_(value)
+            if rows is not None:
+                graph.rows.copy_(rows)
             graph.graph.replay()
             wav = graph.wav
             self._counts["graph_forwards"] += 1
         else:
-            wav = self._run(torch.from_numpy(codes).to(self.device), tuple(t.to(self.device) for t in rows))
+            wav = self._run(torch.from_numpy(codes).to(self.device), None if rows is None else rows.to(self.device))
         self._counts["forwards"] += 1
         self._counts["padded_frames"] += b_pad * t_pad
         # copy out now: a graph's output buffer is overwritten by the next replay
         return torch.cat([wav[r, 0, row.offset(c) * spf:(row.offset(c) + c.num_new) * spf]
                           for r, (c, row) in enumerate(items)]).float()
 
-    def _run(self, codes: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The decoder on device tensors: stateless, or stateful over (slots, fresh, lengths)."""
-        return self._stateful_decoder(codes, *rows) if self.stateful else self.decoder(codes)
+    def _run(self, codes: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The decoder on device tensors: stateless, or stateful over rows [3, B] = (slots, fresh, lengths)."""
+        if rows is None:
+            return self.decoder(codes)
+        return self._stateful_decoder(codes, rows[0], rows[1].bool(), rows[2])
 
-    def _row_inputs(self, batch: int, length: int) -> tuple[torch.Tensor, ...]:
+    def _row_inputs(self, batch: int, length: int) -> torch.Tensor | None:
         """Stateful row inputs for warm-up and capture: every row fresh, on the scratch slot."""
         if not self.stateful:
-            return ()
-        return (torch.full((batch,), self._slots.scratch, dtype=torch.long, device=self.device),
-                torch.ones(batch, dtype=torch.bool, device=self.device),
-                torch.full((batch,), length, dtype=torch.long, device=self.device))
+            return None
+        return torch.tensor([[self._slots.scratch], [1], [length]], device=self.device).expand(3, batch).contiguous()
 
     # ------------------------------------------------------------------ batching plan
     def _plan(self, lengths: list[int]) -> list[tuple[list[int], int, int]]:
