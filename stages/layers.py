@@ -150,9 +150,9 @@ class Attention(nn.Module):
             return ctx.attend(self.layer_idx, q, k, v)
         b, _, s, _ = q.shape
         k, v = ctx.update(self.layer_idx, k, v)  # [B, n_kv, L, D]
-        if s == 1 and not ctx.is_causal and getattr(ctx, "decode_kernel", False):
-            return ctx.decode_attention(self.layer_idx, q).reshape(b, 1, self.num_heads * self.head_dim)
         if s == 1 and not ctx.is_causal:
+            if getattr(ctx, "decode_kernel", False):  # a cache with its own decode kernel (ContiguousKV on CUDA)
+                return ctx.decode_attention(self.layer_idx, q).reshape(b, 1, self.num_heads * self.head_dim)
             # decode: the query heads sharing a KV head become rows of one [group, D] query block, so
             # GQA needs no expanded K/V copy and the mask backend of SDPA stays usable
             group = self.num_heads // self.num_kv_heads
