@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU run for the talker engine core (issue 10): GPU tests of the engine paths, decode-only steps, both engines
-# in one process under arrivals. On the GPU machine, from the repo root, .gpubundle carried:
+# in one process under arrivals (policies: stateful Code2Wav, first chunk of 1 frame, each decode policy of
+# $POLICIES in turn on the same engines). On the GPU machine, from the repo root, .gpubundle carried:
 #   source .gpubundle/install_bundle.sh .gpubundle && bash bench/gpu_engine_core.sh [tests] [talker] [pipeline]
 # Results (logs, JSON) land in $OUT. The 1.7B random checkpoint is written once into $W (kept while the
 # machine stays warm).
@@ -25,6 +26,10 @@ for step in $STEPS; do
     pipeline) python3 -m bench.pipeline --checkpoint "$CKPT" --levels "$LEVELS" --compile --slots 512 \
                 --first-chunk-frames ${FIRST_CHUNK:-2} --out "$OUT/pipeline.json" 2>&1 | tee "$OUT/pipeline.log" \
                 | grep -vE "^\[talker\] captured" | tail -9 ;;
+    policies) python3 -m bench.pipeline --checkpoint "$CKPT" --levels "$LEVELS" --per-level ${PER_LEVEL:-4} --compile \
+                --slots 512 --first-chunk-frames 1 --stateful-code2wav --decode-policies "${POLICIES:-deadline:256:2048}" \
+                --out "$OUT/pipeline_policies.json" 2>&1 | tee "$OUT/pipeline_policies.log" \
+                | grep -vE "^\[talker\] captured|^\[code2wav\] captured" | tail -30 ;;
     talker_only) python3 -m bench.pipeline --checkpoint "$CKPT" --levels "${TALKER_LEVELS:-256,512}" --compile \
                    --slots 512 --no-code2wav --out "$OUT/pipeline_talker_only.json" 2>&1 \
                    | tee "$OUT/pipeline_talker_only.log" | tail -5 ;;

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import datetime as dt
+import heapq
+import itertools
 import json
 import platform
 import shlex
@@ -34,10 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.loadgen.metrics import continuity
 from bench.loadgen.sentences import load_sentences
 from stages.chunking import CODEBOOK_SIZE, ChunkSchedule
-from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig, decode_lengths
 from stages.contract import CodecChunk, SamplingParams, SynthesisRequest
 from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
@@ -52,27 +54,82 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-class Decoder:
-    """One thread owns the Code2Wav engine; chunks queued while it decodes go into the next batch."""
+@dataclasses.dataclass(frozen=True)
+class DecodePolicy:
+    """How the decoder thread takes queued chunks: in arrival order ("fifo") or earliest playback deadline
+    first ("deadline": when the stream's real-time player reaches the chunk), at most `max_chunks` and `max_frames` (0: no
+    limit) per engine call, on a CUDA stream of `priority` ("high": a decode's kernels go before the
+    talker's queued ones; "normal": the talker's priority)."""
 
-    def __init__(self, engine: Code2WavEngine, executor: ThreadPoolExecutor, max_batch: int):
-        self.engine, self.executor, self.max_batch = engine, executor, max_batch
-        self.queue: asyncio.Queue = asyncio.Queue()
+    order: str = "deadline"
+    max_chunks: int = 256
+    max_frames: int = 2048
+    priority: str = "high"
+
+    @classmethod
+    def parse(cls, text: str) -> DecodePolicy:  # "deadline:256:2048[:normal]"
+        order, chunks, frames, *priority = text.split(":")
+        if order not in ("fifo", "deadline") or priority not in ([], ["high"], ["normal"]):
+            raise ValueError(f"a decode policy is fifo|deadline:CHUNKS:FRAMES[:high|normal], got {text!r}")
+        return cls(order, int(chunks), int(frames), *priority)
+
+    def __str__(self) -> str:
+        return f"{self.order}:{self.max_chunks}:{self.max_frames}:{self.priority}"
+
+
+class Decoder:
+    """One thread owns the Code2Wav engine; chunks queued while it decodes go into the next call, taken by
+    the policy (as many as it allows). `calls` records (start, end, chunks, frames) of each engine call."""
+
+    def __init__(self, engine: Code2WavEngine, executor: ThreadPoolExecutor, policy: DecodePolicy):
+        self.engine, self.executor, self.policy = engine, executor, policy
+        self.queue: list[tuple[float, int, int, CodecChunk, asyncio.Future]] = []  # heap: (due, order, cost, ..)
+        self._order = itertools.count()
         self.batches: list[int] = []
+        self.calls: list[tuple[float, float, int, int]] = []
+        # its own CUDA stream: sharing the talker's would serialize its steps behind decodes, which separate
+        # processes (the deployments) never do
+        self.stream = (torch.cuda.Stream(engine.device, priority=-1 if policy.priority == "high" else 0)
+                       if engine.device.type == "cuda" else None)
+        self._wake = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._run())
 
-    def submit(self, chunk: CodecChunk) -> asyncio.Future:
+    def submit(self, chunk: CodecChunk, deadline: float) -> asyncio.Future:
+        """`deadline`: when the stream's player reaches this chunk (the "deadline" order takes the earliest)."""
         future = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait((chunk, future))
+        due = deadline if self.policy.order == "deadline" else time.perf_counter()
+        heapq.heappush(self.queue, (due, next(self._order), chunk.codes.shape[0], chunk, future))
+        self._wake.set()
         return future
+
+    def _take(self) -> list[tuple[CodecChunk, asyncio.Future]]:
+        """The first chunks by due time, up to the policy's chunks and frames (context + new) per call."""
+        items, frames, limit = [], 0, self.policy.max_frames or None
+        while self.queue and len(items) < self.policy.max_chunks:
+            cost = self.queue[0][2]
+            if items and limit is not None and frames + cost > limit:
+                break
+            *_, chunk, future = heapq.heappop(self.queue)
+            items.append((chunk, future))
+            frames += cost
+        return items
+
+    def _decode(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
+        if self.stream is None:
+            return self.engine.decode(chunks)
+        with torch.cuda.stream(self.stream):
+            return self.engine.decode(chunks)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            items = [await self.queue.get()]
-            while not self.queue.empty() and len(items) < self.max_batch:
-                items.append(self.queue.get_nowait())
-            waves = await loop.run_in_executor(self.executor, self.engine.decode, [c for c, _ in items])
+            if not self.queue:
+                self._wake.clear()
+                await self._wake.wait()
+            items = self._take()
+            t0 = time.perf_counter()
+            waves = await loop.run_in_executor(self.executor, self._decode, [c for c, _ in items])
+            self.calls.append((t0, time.perf_counter(), len(items), sum(c.num_new for c, _ in items)))
             self.batches.append(len(items))
             for (_, future), wave in zip(items, waves, strict=True):
                 if not future.done():
@@ -85,6 +142,9 @@ class Record:
     e2e_s: float
     frames: int
     max_deficit_s: float  # worst playback deficit of a real-time player started at the first audio
+    worst_chunk: int = 0  # the chunk (seq) at which that deficit occurred
+    worst_decode_wait_s: float = 0.0  # how long that chunk waited from its cut to its decoded audio
+    worst_frame_s: float = 0.0  # the talker's time per frame of this stream from its first cut to that chunk's
     bad_codes: str | None = None
 
 
@@ -92,12 +152,17 @@ async def one_request(engine: TalkerEngine, decoder: Decoder | None, schedule: C
                       request_id: str, frames: int) -> Record:
     request = SynthesisRequest(request_id, prompt, SamplingParams(suppress_eos=True), max_frames=frames)
     t0 = time.perf_counter()
-    arrivals: list[tuple[float, float]] = []  # (time a chunk's audio is ready, its seconds of audio)
+    cut_at: list[float] = []  # per chunk with audio, in stream order: when the talker cut it
+    decoded_at: list[float] = []  # ... and when its audio was ready
+    audio_s: list[float] = []
     pending: list[asyncio.Future] = []
+    first_audio: list[float] = []  # set by the first decoded chunk: the stream's player starts there
     got, bad = 0, None
 
-    def ready(chunk: CodecChunk) -> None:
-        arrivals.append((time.perf_counter(), chunk.num_new * FRAME_S))
+    def ready(k: int) -> None:
+        decoded_at[k] = time.perf_counter()
+        if not first_audio:
+            first_audio.append(decoded_at[k])
 
     stream = engine.add_request(request, schedule)  # the engine cuts chunks by the serving schedule
     async for chunk in stream:
@@ -111,19 +176,38 @@ async def one_request(engine: TalkerEngine, decoder: Decoder | None, schedule: C
             print(f"OUT OF RANGE {bad}", flush=True)
         if bad is not None or chunk.num_new == 0:
             continue
+        k = len(cut_at)
+        cut_at.append(time.perf_counter())
+        decoded_at.append(float("nan"))
+        # the player starts at the first audio; until then the first chunk's cut stands in for it
+        deadline = (first_audio[0] if first_audio else cut_at[0]) + sum(audio_s)
+        audio_s.append(chunk.num_new * FRAME_S)
         if decoder is None:
-            ready(chunk)
+            ready(k)
         else:
-            future = decoder.submit(chunk)
-            future.add_done_callback(lambda _f, c=chunk: ready(c))
+            future = decoder.submit(chunk, deadline)
+            future.add_done_callback(lambda _f, k=k: ready(k))
             pending.append(future)
     if pending:
         await asyncio.gather(*pending)
     end = time.perf_counter()
-    arrivals.sort()
-    deficit = continuity([t - t0 for t, _ in arrivals], [a for _, a in arrivals]).max_deficit_s if arrivals else 0.0
-    return Record(ttfa_s=(arrivals[0][0] if arrivals else end) - t0, e2e_s=end - t0, frames=got,
-                  max_deficit_s=deficit, bad_codes=bad)
+    if not cut_at:
+        return Record(ttfa_s=end - t0, e2e_s=end - t0, frames=got, max_deficit_s=0.0, bad_codes=bad)
+    heard, worst, deficit = playback_deficits(decoded_at, audio_s)
+    frames_between = round((sum(audio_s[:worst + 1]) - audio_s[0]) / FRAME_S)
+    return Record(ttfa_s=heard[0] - t0, e2e_s=end - t0, frames=got, max_deficit_s=deficit,
+                  worst_chunk=worst, worst_decode_wait_s=float(heard[worst] - cut_at[worst]),
+                  worst_frame_s=(cut_at[worst] - cut_at[0]) / frames_between if frames_between else 0.0, bad_codes=bad)
+
+
+def playback_deficits(decoded_at: list[float], audio_s: list[float]) -> tuple[np.ndarray, int, float]:
+    """A stream's chunks in stream order (when each was decoded, its seconds of audio) -> when each could be
+    heard (a chunk plays only after the ones before it), the chunk with the worst deficit of a real-time
+    player started at the first audio (bench.loadgen's continuity), and that deficit (>= 0)."""
+    heard = np.maximum.accumulate(np.asarray(decoded_at, dtype=float))
+    deficits = (heard - heard[0]) - np.concatenate([[0.0], np.cumsum(audio_s)[:-1]])
+    worst = int(np.argmax(deficits))
+    return heard, worst, max(0.0, float(deficits[worst]))
 
 
 async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frames: int, tag: str) -> dict:
@@ -137,9 +221,13 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
 
     before = engine.stats()
     batches_before = len(decoder.batches) if decoder else 0
+    calls_before = len(decoder.calls) if decoder else 0
     t0 = time.perf_counter()
+    timeline: dict[str, list] = {"t_ms": [], "steps": [], "frames": [], "running": [], "waiting": []}
+    sampler = asyncio.get_running_loop().create_task(_sample(engine, t0, timeline))
     await asyncio.gather(*(client() for _ in range(c)))
     wall = time.perf_counter() - t0
+    sampler.cancel()
     after = engine.stats()
     steps = after.steps - before.steps
     ttfa = [r.ttfa_s * 1e3 for r in records]
@@ -148,6 +236,7 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
     step_s = after.step_seconds - before.step_seconds
     prefills = after.prefills - before.prefills
     dec_batches = decoder.batches[batches_before:] if decoder else []
+    gapped = [r for r in records if r.max_deficit_s > GAP_FREE_S]
     return {
         "concurrency": c, "requests": len(records), "frames_per_request": frames,
         "ttfa_ms": {"p50": pct(ttfa, 50), "p95": pct(ttfa, 95), "max": max(ttfa)},
@@ -156,6 +245,10 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
         "gap_free_share": sum(r.max_deficit_s <= GAP_FREE_S for r in records) / max(len(records), 1),
         "max_deficit_ms": {"p50": pct([r.max_deficit_s * 1e3 for r in records], 50),
                            "p95": pct([r.max_deficit_s * 1e3 for r in records], 95)},
+        # where the gapped streams gapped: their worst chunk (seq) and how long it waited from cut to audio
+        "gapped_worst_chunk": dict(sorted(collections.Counter(r.worst_chunk for r in gapped).items())),
+        "gapped_worst_decode_wait_ms": pct([r.worst_decode_wait_s * 1e3 for r in gapped], 50),
+        "gapped_talker_ms_per_frame": pct([r.worst_frame_s * 1e3 for r in gapped], 50),
         "steps": steps, "mean_batch": (after.frames - before.frames) / max(steps, 1),
         "step_ms": step_s / max(steps, 1) * 1e3,
         "prefills": prefills, "prefill_ms": prefill_s / max(prefills, 1) * 1e3,
@@ -163,63 +256,92 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
         "decode_batches": len(dec_batches), "mean_decode_batch": statistics.fmean(dec_batches) if dec_batches else 0,
         "bad_codes": [r.bad_codes for r in records if r.bad_codes],
         "wall_s": wall,
+        # the engine's counters every TIMELINE_S, and the decoder's calls (start, end ms; chunks, new frames)
+        "timeline": timeline,
+        "decode_calls": [(round((a - t0) * 1e3, 1), round((b - t0) * 1e3, 1), n, f)
+                         for a, b, n, f in (decoder.calls[calls_before:] if decoder else [])],
     }
+
+
+TIMELINE_S = 0.02
+
+
+async def _sample(engine: TalkerEngine, t0: float, timeline: dict[str, list]) -> None:
+    """The engine's step / frame counters over the level (a bench trace: when steps slowed, how many ran)."""
+    while True:
+        st = engine.stats()
+        for key, value in (("t_ms", round((time.perf_counter() - t0) * 1e3, 1)), ("steps", st.steps),
+                           ("frames", st.frames), ("running", st.running), ("waiting", st.waiting)):
+            timeline[key].append(value)
+        await asyncio.sleep(TIMELINE_S)
 
 
 async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
     speaker = sorted(model.config.talker.speakers)[0]
     prompts = [build_prompt(model.config, model.tokenizer, s.text, speaker=speaker) for s in load_sentences()]
-    schedule = ChunkSchedule(first_chunk_frames=args.first_chunk_frames, left_context_frames=args.left_context)
+    schedules = {ramp: ChunkSchedule(first_chunk_frames=args.first_chunk_frames, left_context_frames=args.left_context,
+                                     ramp=_parse_ramp(ramp))
+                 for ramp in args.ramps.split(",")}
     engine = TalkerEngine(model, TalkerEngineConfig(
         max_num_seqs=args.slots, max_seq_len=args.max_seq_len, kv_cache_tokens=args.kv_tokens,
-        cuda_graphs=not args.no_graphs, compile=args.compile, schedule=schedule))
+        cuda_graphs=not args.no_graphs, compile=args.compile, schedule=next(iter(schedules.values()))))
     t0 = time.perf_counter()
     await asyncio.to_thread(engine.start, print)
     print(f"talker engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    decoder = None
-    # the decoder thread gets its own CUDA stream (current streams are per thread): sharing the default stream
-    # would serialize talker steps behind decodes, which separate processes (the deployments) never do
-    executor = ThreadPoolExecutor(1, thread_name_prefix="code2wav", initializer=_own_stream if device == "cuda" else None)
+    executor = ThreadPoolExecutor(1, thread_name_prefix="code2wav")
+    c2w = None
     if not args.no_code2wav:
         loop = asyncio.get_running_loop()
-        config = Code2WavEngineConfig.for_schedule(schedule, max_batch_size=args.decode_batch,
-                                                   cuda_graphs=not args.no_graphs, stateful=args.stateful_code2wav,
-                                                   state_slots=max(args.slots, 1))
+        lengths = sorted({n for sch in schedules.values() for n in decode_lengths(sch, args.stateful_code2wav)})
+        config = Code2WavEngineConfig(length_buckets=tuple(lengths), max_batch_size=args.decode_batch,
+                                      cuda_graphs=not args.no_graphs, stateful=args.stateful_code2wav,
+                                      state_slots=max(args.slots, 1))
         c2w = await loop.run_in_executor(executor, Code2WavEngine, model.decoder, config)
         await loop.run_in_executor(executor, c2w.warmup, print)
-        decoder = Decoder(c2w, executor, args.decode_batch)
-    # warm-up: every prompt once (prefill shapes), at a moderate concurrency
-    warm = await closed_level(engine, decoder, schedule, prompts, min(16, args.slots), len(prompts), 4, "warm")
-    print(f"warm-up: {warm['requests']} requests in {warm['wall_s']:.1f} s", flush=True)
+    policies = [DecodePolicy.parse(p) for p in args.decode_policies.split(",")] if c2w else [None]
     results = []
-    for c in [int(x) for x in args.levels.split(",")]:
-        n = max(args.min_requests, args.per_level * c)
-        r = await closed_level(engine, decoder, schedule, prompts, c, n, args.frames, f"c{c}")
-        results.append(r)
-        print(row(r), flush=True)
+    for ramp, schedule in schedules.items():  # same engines (compiled and captured once), each variant in turn
+        for policy in policies:
+            decoder = Decoder(c2w, executor, policy) if c2w else None
+            # warm-up: every prompt once (prefill shapes), at a moderate concurrency
+            warm = await closed_level(engine, decoder, schedule, prompts, min(16, args.slots), len(prompts), 4, "warm")
+            print(f"ramp {ramp}, decode policy {policy}; warm-up: {warm['requests']} requests in {warm['wall_s']:.1f} s",
+                  flush=True)
+            for c in [int(x) for x in args.levels.split(",")]:
+                n = max(args.min_requests, args.per_level * c)
+                r = await closed_level(engine, decoder, schedule, prompts, c, n, args.frames, f"c{c}")
+                r["decode_policy"] = str(policy) if policy else None
+                r["ramp"] = ramp
+                results.append(r)
+                print(row(r), flush=True)
+            if decoder is not None:
+                decoder.task.cancel()
     engine.shutdown()
     executor.shutdown(wait=True)
     return results
 
 
-def _own_stream() -> None:
-    # high priority: a chunk's decode is what a listener waits for; talker kernels queued meanwhile wait instead
-    torch.cuda.set_stream(torch.cuda.Stream(priority=-1 if DECODE_PRIORITY else 0))
+def _parse_ramp(text: str) -> tuple[int, ...] | None:
+    """"geometric": the schedule's default ramp (x2); "1-2-3-5": those chunk sizes after the first."""
+    return None if text == "geometric" else tuple(int(n) for n in text.split("-"))
 
 
-DECODE_PRIORITY = True
-
-
-HEADER = ("| c | requests | TTFA p50 / p95 / max (ms) | E2E p50 / p95 (ms) | audio-s/s | gap-free | mean batch | "
-          "step ms | prefills, ms each | prefill / step share of wall | decode batches, mean size | bad codes |\n"
-          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+HEADER = ("| ramp | decode policy | c | requests | TTFA p50 / p95 / max (ms) | E2E p50 / p95 (ms) | audio-s/s | gap-free | "
+          "gapped at chunk (count); its decode wait, talker ms/frame | mean batch | step ms | prefills, ms each | "
+          "prefill / step share of wall | "
+          "decode batches, mean size | bad codes |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
 
 
 def row(r: dict) -> str:
     t, e = r["ttfa_ms"], r["e2e_ms"]
-    return (f"| {r['concurrency']} | {r['requests']} | {t['p50']:.1f} / {t['p95']:.1f} / {t['max']:.1f} | "
+    gapped = ", ".join(f"{k} ({n})" for k, n in r["gapped_worst_chunk"].items())
+    if gapped:
+        gapped += f"; {r['gapped_worst_decode_wait_ms']:.0f}; {r['gapped_talker_ms_per_frame']:.0f}"
+    return (f"| {r.get('ramp', '-')} | {r.get('decode_policy') or '-'} | {r['concurrency']} | {r['requests']} | "
+            f"{t['p50']:.1f} / {t['p95']:.1f} / {t['max']:.1f} | "
             f"{e['p50']:.0f} / {e['p95']:.0f} | {r['audio_s_per_s']:.1f} | {r['gap_free_share']:.0%} | "
-            f"{r['mean_batch']:.1f} | "
+            f"{gapped or '-'} | {r['mean_batch']:.1f} | "
             f"{r['step_ms']:.2f} | {r['prefills']}, {r['prefill_ms']:.2f} | "
             f"{r['prefill_share']:.0%} / {r['step_share']:.0%} | {r['decode_batches']}, "
             f"{r['mean_decode_batch']:.1f} | {len(r['bad_codes'])} |")
@@ -240,19 +362,20 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=262144, help="KV pool (positions, all requests)")
     ap.add_argument("--first-chunk-frames", type=int, default=2)
     ap.add_argument("--left-context", type=int, default=25)
-    ap.add_argument("--decode-batch", type=int, default=32)
+    ap.add_argument("--ramps", default="geometric",
+                    help="chunk ramps after the first chunk, comma list: geometric (x2) or sizes like 2-3-5-8-13-21")
+    ap.add_argument("--decode-batch", type=int, default=64, help="chunks in one Code2Wav forward (max_batch_size)")
+    ap.add_argument("--decode-policies", default="deadline:256:2048",
+                    help="how the decoder takes queued chunks, ORDER:MAX_CHUNKS:MAX_FRAMES per engine call "
+                         "(ORDER fifo or deadline; MAX_FRAMES 0 = no limit); a comma list runs each in turn")
     ap.add_argument("--compile", action="store_true", help="torch.compile the talker's layer math and sampling")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--no-code2wav", action="store_true", help="talker only (first audio = first chunk cut)")
     ap.add_argument("--stateful-code2wav", action="store_true",
                     help="Code2Wav carries each stream's decoder state (decodes new frames only)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--decode-priority", choices=["high", "normal"], default="high",
-                    help="CUDA stream priority of the Code2Wav thread")
     ap.add_argument("--out", default=None, help="JSON results path")
     args = ap.parse_args()
-    global DECODE_PRIORITY
-    DECODE_PRIORITY = args.decode_priority == "high"
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")

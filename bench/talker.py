@@ -75,26 +75,33 @@ def profile_steps(runner: TalkerRunner, bucket: int, attn_len: int, step_ms: flo
 
     Wall minus busy is time the GPU waited between kernels: launch boundaries inside the graphs and the host's
     read-back between steps."""
+    return profile_calls(lambda: time_steps(runner, bucket, attn_len, steps), steps, step_ms, f"batch {bucket}",
+                         out and str(Path(out).with_name(f"{Path(out).stem}_profile_b{bucket}.txt")))
+
+
+def profile_calls(run, calls: int, wall_ms: float, label: str, table_path: str | None) -> dict:
+    """The CUDA kernels of `run()` (which makes `calls` calls of what is profiled): per call, their number,
+    summed device time and the top ones; the whole table to `table_path`."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        time_steps(runner, bucket, attn_len, steps)
+        run()
+        sync()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total_us = sum(e.self_device_time_total for e in events)
     kernels = sum(e.count for e in events if not e.key.startswith("Memcpy") and not e.key.startswith("Memset"))
     top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:12]
-    summary = {"kernels_per_step": round(kernels / steps), "busy_ms_per_step": round(total_us / steps / 1e3, 3),
-               "wall_ms_per_step": round(step_ms, 3),
-               "top": [{"kernel": e.key[:90], "ms_per_step": round(e.self_device_time_total / steps / 1e3, 3),
-                        "calls_per_step": round(e.count / steps, 1)} for e in top]}
-    print(f"profile batch {bucket}: {summary['kernels_per_step']} kernels/step, GPU busy "
-          f"{summary['busy_ms_per_step']} of {step_ms:.2f} ms", flush=True)
+    summary = {"kernels_per_call": round(kernels / calls), "busy_ms_per_call": round(total_us / calls / 1e3, 3),
+               "wall_ms_per_call": round(wall_ms, 3),
+               "top": [{"kernel": e.key[:90], "ms_per_call": round(e.self_device_time_total / calls / 1e3, 3),
+                        "calls_per_call": round(e.count / calls, 1)} for e in top]}
+    print(f"profile {label}: {summary['kernels_per_call']} kernels per call, GPU busy "
+          f"{summary['busy_ms_per_call']} of {wall_ms:.2f} ms", flush=True)
     for t in summary["top"]:
-        print(f"   {t['ms_per_step']:7.3f} ms  x{t['calls_per_step']:>6}  {t['kernel']}", flush=True)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).with_name(f"{Path(out).stem}_profile_b{bucket}.txt").write_text(
-            prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+        print(f"   {t['ms_per_call']:7.3f} ms  x{t['calls_per_call']:>6}  {t['kernel']}", flush=True)
+    if table_path:
+        Path(table_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(table_path).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
     return summary
 
 
@@ -147,6 +154,12 @@ def main() -> None:
             sync()
             prefill_ms[n] = {"host": round((launched - t0) * 1e3, 3), "device": round((time.perf_counter() - t0) * 1e3, 2)}
     print(f"prefill (prompt of {plan.length} positions, graphed={bool(runner.prefill_graphs)}): {prefill_ms}")
+    if args.profile and device == "cuda":
+        for n, times in prefill_ms.items():
+            table = args.out and str(Path(args.out).with_name(f"{Path(args.out).stem}_profile_prefill{n}.txt"))
+            times["profile"] = profile_calls(
+                lambda n=n: [admit(runner, plan, n, sampling, per_request) for _ in range(5)], 5, times["device"],
+                f"prefill of {n}", table)
     results = []
     for b in batches:
         admit(runner, plan, b, sampling, per_request)

@@ -222,15 +222,9 @@ class DecoderStack(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.kernels: LayerKernels | None = None  # None: eager; set by an engine that compiles
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                eager: bool = False) -> torch.Tensor:
-        """x [B, S, H], positions [B, S] -> [B, S, H] after the final norm.
-
-        `eager=True` skips compiled kernels: for shapes that vary per call (prompts), where a compiled
-        kernel would recompile or run a slow dynamic-shape variant.
-        """
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """x [B, S, H], positions [B, S] -> [B, S, H] after the final norm."""
         cos, sin = self.rotary(positions, x.dtype)
-        kernels = None if eager else self.kernels
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx, kernels)
+            x = layer(x, cos, sin, ctx, self.kernels)
         return self.norm(x)

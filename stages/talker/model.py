@@ -102,10 +102,9 @@ class Talker(nn.Module):
         parts = [table(codes[..., q]) for q, table in enumerate(tables)]
         return torch.stack(parts, dim=-2).sum(-2)
 
-    def forward_hidden(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                       eager: bool = False) -> torch.Tensor:
+    def forward_hidden(self, embeds: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """embeds [B, S, H], positions [B, S] -> post-norm hidden states [B, S, H]."""
-        return self.model(embeds, positions, ctx, eager=eager)
+        return self.model(embeds, positions, ctx)
 
     def codec_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.codec_head(hidden)

@@ -394,8 +394,10 @@ class TalkerRunner:
         """Admit staged rows [0, nb): prompts of up to `width` rows, trailing text of up to `trailing_width`
         (x: exact embeddings, trailing already written; else both from the staged ids).
 
-        Shape-static and sync-free (graph-capturable). Eager layer kernels: prompt shapes vary per admission
-        and compiled ones would recompile. Attention without cuDNN, which builds a plan per new shape.
+        Shape-static and sync-free (graph-capturable). With `compile`, the layers' compiled kernels: they are
+        compiled for dynamic shapes, so every prompt width and batch (more than one row) shares one variant;
+        eager, a batch of 16 x 128 rows spent 13 of its 20.6 ms in ~1,100 unfused elementwise kernels (H100).
+        Attention without cuDNN, which builds a plan per new shape.
         """
         s, dev, p = self._stage, self.device, self.params
         meta, fp = s["meta"][:nb], s["fparams"][:nb]
@@ -426,7 +428,7 @@ class TalkerRunner:
         write_index = torch.where(positions < lengths[:, None], self.kv.token_index(rows, positions), scratch)
         backends = self.prefill_sdpa_backends
         with sdpa_kernel(list(backends)) if backends else contextlib.nullcontext():
-            hidden = self.talker.forward_hidden(x, positions, PrefillContext(self.kv, write_index), eager=True)
+            hidden = self.talker.forward_hidden(x, positions, PrefillContext(self.kv, write_index))
         last = lengths - 1
         h = hidden[torch.arange(nb, device=dev), last]
         self.hidden[rows] = h
