@@ -59,7 +59,8 @@ class DecodePolicy:
     """How the decoder thread takes queued chunks: in arrival order ("fifo") or earliest playback deadline
     first ("deadline": when the stream's real-time player reaches the chunk), at most `max_chunks` and `max_frames` (0: no
     limit) per engine call, on a CUDA stream of `priority` ("high": a decode's kernels go before the
-    talker's queued ones; "normal": the talker's priority)."""
+    talker's queued ones; "normal": the talker's priority; "shared": no stream of its own, so decodes and
+    talker steps serialize on the default stream and never overlap, as two processes time-slicing a GPU)."""
 
     order: str = "deadline"
     max_chunks: int = 256
@@ -69,8 +70,8 @@ class DecodePolicy:
     @classmethod
     def parse(cls, text: str) -> DecodePolicy:  # "deadline:256:2048[:normal]"
         order, chunks, frames, *priority = text.split(":")
-        if order not in ("fifo", "deadline") or priority not in ([], ["high"], ["normal"]):
-            raise ValueError(f"a decode policy is fifo|deadline:CHUNKS:FRAMES[:high|normal], got {text!r}")
+        if order not in ("fifo", "deadline") or priority not in ([], ["high"], ["normal"], ["shared"]):
+            raise ValueError(f"a decode policy is fifo|deadline:CHUNKS:FRAMES[:high|normal|shared], got {text!r}")
         return cls(order, int(chunks), int(frames), *priority)
 
     def __str__(self) -> str:
@@ -90,7 +91,7 @@ class Decoder:
         # its own CUDA stream: sharing the talker's would serialize its steps behind decodes, which separate
         # processes (the deployments) never do
         self.stream = (torch.cuda.Stream(engine.device, priority=-1 if policy.priority == "high" else 0)
-                       if engine.device.type == "cuda" else None)
+                       if engine.device.type == "cuda" and policy.priority != "shared" else None)
         self._wake = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._run())
 
