@@ -10,7 +10,9 @@ source .gpubundle/install_bundle.sh .gpubundle >/dev/null 2>&1
 BUDGET_S=300 OUT="$OUT" bash bench/gpu_serve_runbook.sh setup 2>&1 | tail -3
 PID=$(pgrep -f "ServeReplica:tts:Talker" | head -1)
 echo "talker replica pid: $PID"
-python3 -m bench.loadgen --url http://127.0.0.1:8000 --mode closed --concurrency "$C" --requests $((C * 4)) \
+# enough requests that the load outlasts the 8 s stats window that starts 6 s in (at c=256, 4 x C ended at ~11 s
+# on an H100, and the window's idle tail made the step time meaningless)
+python3 -m bench.loadgen --url http://127.0.0.1:8000 --mode closed --concurrency "$C" --requests $((C * 10)) \
   --max-new-tokens 75 --fixed-length --warmup 0 --timeout 300 --progress none --out "$W/profile_load" \
   > "$OUT/load.log" 2>&1 &
 LOAD=$!
