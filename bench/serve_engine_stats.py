@@ -44,10 +44,19 @@ def main() -> None:
         "mean_batch": round((after["frames"] - before["frames"]) / max(steps, 1), 1),
         "prefill_share": round((after["prefill_seconds"] - before["prefill_seconds"]) / wall, 4),
         "running": after["running"], "waiting": after["waiting"],
+        # inside the engine, for the requests admitted / first-chunked in the window: add -> admission and
+        # add -> first chunk with frames (the rest of a client's time to first audio is the serving path)
+        "engine_admission_wait_ms": _mean_ms(before, after, "admission_wait_seconds", "admitted"),
+        "engine_first_chunk_ms": _mean_ms(before, after, "first_chunk_seconds", "first_chunks"),
     }
     print(json.dumps(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+def _mean_ms(before: dict, after: dict, seconds: str, count: str) -> float | None:
+    n = after[count] - before[count]
+    return round((after[seconds] - before[seconds]) / n * 1e3, 1) if n else None
 
 
 if __name__ == "__main__":

@@ -103,6 +103,13 @@ class EngineStats:
     step_seconds: float = 0.0  # engine-thread time spent launching steps and reading their output
     parked: int = 0  # live text: prefilled requests waiting for text, off the rows (they keep slot and KV)
     held: int = 0  # live text: opened requests without the text their prefill needs (no slot, no KV)
+    # from `add_request` (or a live request's first text) inside the engine: sums over requests, so a caller
+    # that reads stats twice gets the means of the requests in between (what the engine adds to first audio,
+    # against what a client sees: the rest is the serving path)
+    admitted: int = 0  # requests admitted (first prefill)
+    admission_wait_seconds: float = 0.0  # their time from add to admission
+    first_chunks: int = 0  # requests whose first chunk with frames was handed to their stream
+    first_chunk_seconds: float = 0.0  # their time from add to that hand-over
 
 
 @dataclass
@@ -131,6 +138,8 @@ class TalkerEngine:
         self._error: BaseException | None = None
         self._seed_counter = itertools.count(int(time.time_ns() % (1 << 31)))
         self._steps = self._frames = self._prefills = 0
+        self._admitted = self._first_chunks = 0
+        self._admission_wait = self._first_chunk_wait = 0.0
         self._prefill_seconds = self._step_seconds = 0.0
         # add commands not yet drained (counted as waiting): one counter per writing thread, so no update is lost
         self._adds_sent = 0  # event-loop side
@@ -339,6 +348,8 @@ class TalkerEngine:
             kv_total_tokens=sched.blocks.num_blocks * sched.blocks.block_size, steps=self._steps,
             frames=self._frames, prefills=self._prefills, prefill_seconds=self._prefill_seconds,
             step_seconds=self._step_seconds, parked=sched.num_parked, held=sched.num_held,
+            admitted=self._admitted, admission_wait_seconds=self._admission_wait,
+            first_chunks=self._first_chunks, first_chunk_seconds=self._first_chunk_wait,
         )
 
     # ------------------------------------------------------------------ device thread
@@ -492,7 +503,12 @@ class TalkerEngine:
             for s in batch:
                 s.output.stream.fail(e)
             return
+        now = time.monotonic()
         for s in batch:
+            if s.admitted_at is None:
+                s.admitted_at = now
+                self._admitted += 1
+                self._admission_wait += now - s.enqueued_at
             t = s.ticket
             self._by_ticket[t] = s
             self._launched_pos[t] = s.prompt_len
@@ -576,6 +592,10 @@ class TalkerEngine:
             chunks = [c for c in chunks if c is not None]
             if chunks:
                 deliveries.append((o.stream, chunks))
+                if seq.first_audio_at is None and any(c.num_new for c in chunks):
+                    seq.first_audio_at = time.monotonic()
+                    self._first_chunks += 1
+                    self._first_chunk_wait += seq.first_audio_at - seq.enqueued_at
         ChunkStream.deliver_many(deliveries)
         self._release(finished)
         for seq in segment_ends:

@@ -120,6 +120,9 @@ def test_every_stream_gets_its_own_frames_through_joins_leaves_and_row_moves(mod
         assert reason is (FinishReason.EOS if ended_by_eos else FinishReason.LENGTH)
         assert chunks[-1].final and chunks[-1].finish_reason is reason
     assert stats.running == 0 and stats.waiting == 0 and stats.kv_reserved_tokens == 0
+    # every request was admitted once and handed a first chunk with frames; 8 of them waited for a row
+    assert stats.admitted == 12 and stats.first_chunks == 12
+    assert 0 < stats.admission_wait_seconds < stats.first_chunk_seconds
 
 
 def test_no_step_is_launched_that_no_row_can_use(model, prompt):

@@ -373,3 +373,4 @@ def test_flush_speaks_each_utterance_whole_on_one_stream(eos_cv, when):
     np.testing.assert_array_equal(codes, np.concatenate([ref1, ref2]))
     assert reason is (FinishReason.EOS if len(ref1) + len(ref2) < max_frames else FinishReason.LENGTH)
     assert stats.prefills == 2 and stats.kv_reserved_tokens == 0
+    assert stats.admitted == 1 and stats.first_chunks == 1  # two prefills, one request: its first audio once
