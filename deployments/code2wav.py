@@ -6,11 +6,9 @@ decoded over its left context, as a stateless replica would (stages/code2wav/str
 
 `decode_many(chunks)` takes the chunks of many streams at once (an ingress replica's DecodeBatcher
 gathers them) and decodes them with the Code2Wav engine, on one thread that owns all of this replica's
-decoder work; the engine plans the forwards (padding buckets, CUDA graphs). Chunks of calls that arrive while
-a decode runs (several ingress replicas, several calls in flight each) wait together and are decoded most
-urgent first (earliest playback deadline: a new stream's first chunk before the steady chunks of streams
-seconds ahead), `max_call_frames` frames per engine call at most (deployments/decode_queue.py); a call is
-answered when all of its chunks are decoded.
+decoder work; the engine plans the forwards (padding buckets, CUDA graphs). Calls that arrive while a
+decode runs (several ingress replicas, several calls in flight each) wait together and are decoded as one
+batch when the thread is free: the GPU sees a few large batches, not one small batch per call.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from ray import ObjectRef
 from deployments import constants as C
 from deployments.audio_formats import float_to_pcm16
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
-from deployments.decode_queue import DecodeQueue
 from deployments.loading import build_engine, load_model, replica_log
 from deployments.messages import DecodedChunk
 from deployments.metrics import Code2WavMetrics
@@ -58,9 +55,8 @@ class Code2WavServer:
         self._clock = time.monotonic  # tests drive the heartbeat with their own clock
         self._last_progress = self._clock()
         self._metrics: Code2WavMetrics | None = None
-        # chunks waiting for the decoder thread, most urgent first (deployments/decode_queue.py); each item is
-        # (its call, its index in the call)
-        self._queue: DecodeQueue[tuple[_Call, int]] = DecodeQueue(config.max_call_frames, clock=self._clock)
+        # calls waiting for the decoder thread: their chunks and the future of their waves
+        self._waiting: list[tuple[list[CodecChunk], asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -129,31 +125,30 @@ class Code2WavServer:
         return answer
 
     async def _decode_together(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
-        """The waves of `chunks`, decoded with the chunks of every call waiting meanwhile, most urgent first."""
-        call = _Call(chunks, asyncio.get_running_loop().create_future())
-        for i, chunk in enumerate(chunks):
-            self._queue.push(chunk, (call, i))
+        """The waves of `chunks`, decoded in one batch with those of every call waiting meanwhile."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((chunks, future))
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.get_running_loop().create_task(self._drain())
-        return await asyncio.shield(call.future)  # a cancelled caller must not cancel the others' decodes
+        return await asyncio.shield(future)  # a cancelled caller must not cancel the others' batch
 
     async def _drain(self) -> None:
-        while len(self._queue):
-            batch = self._queue.take()
-            work = [call.chunks[i] for call, i in batch]
+        while self._waiting:
+            calls, self._waiting = self._waiting, []
+            work = [chunk for chunks, _ in calls for chunk in chunks]
             try:
                 waves = await self._on_thread(self._decode_on_thread, work)
-            except Exception as e:  # a failed engine call fails every call with a chunk in it
-                for call, _ in batch:
-                    if not call.future.done():
-                        call.future.set_exception(e)
+            except Exception as e:  # a failed batch fails every call in it
+                for _, future in calls:
+                    if not future.done():
+                        future.set_exception(e)
                 continue
             self._metrics.batch_size.observe(len(work))
-            for (call, i), wave in zip(batch, waves, strict=True):
-                call.waves[i] = wave
-                call.missing -= 1
-                if call.missing == 0 and not call.future.done():
-                    call.future.set_result(call.waves)
+            start = 0
+            for chunks, future in calls:
+                if not future.done():
+                    future.set_result(waves[start:start + len(chunks)])
+                start += len(chunks)
 
     def _decode_on_thread(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
         self._decoding += len(chunks)
@@ -190,15 +185,6 @@ class Code2WavServer:
 
     async def _on_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-
-class _Call:
-    """One `decode_many` call's valid chunks, their waves as they are decoded, and the future of all of them."""
-
-    def __init__(self, chunks: list[CodecChunk], future: asyncio.Future):
-        self.chunks, self.future = chunks, future
-        self.waves: list[np.ndarray | None] = [None] * len(chunks)
-        self.missing = len(chunks)
 
 
 async def _resolve(chunk):

@@ -131,9 +131,6 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
     max_batch_size: int = Field(C.DEFAULT_CODE2WAV_MAX_BATCH_SIZE, ge=1, description="chunks decoded in one forward")
     stall_timeout_s: float = Field(C.CODE2WAV_STALL_TIMEOUT_S, gt=0, description=(
         "check_health fails (Serve replaces the replica) when chunks wait this long without a decode finishing"))
-    max_call_frames: int = Field(C.DEFAULT_CODE2WAV_MAX_CALL_FRAMES, ge=1, description=(
-        "frames (context + new) one engine call decodes at most; the waiting chunks go most urgent first "
-        "(deployments/decode_queue.py)"))
 
 
 class StreamingConfig(BaseConfig):

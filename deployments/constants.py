@@ -81,9 +81,6 @@ READY_PROBE_TIMEOUT_S = _env_float("QWEN3_TTS_READY_PROBE_TIMEOUT_S", 2.0)
 # an ingress replica's decode calls to Code2Wav: chunks per call, calls in flight (deployments/decode_batcher.py)
 DEFAULT_DECODE_BATCH_MAX_CHUNKS = _env_int("QWEN3_TTS_DECODE_BATCH_MAX_CHUNKS", 64)
 DEFAULT_DECODE_CALLS_IN_FLIGHT = _env_int("QWEN3_TTS_DECODE_CALLS_IN_FLIGHT", 4)
-# one Code2Wav engine call, counted with context: ~40 steady chunks (~1,000 new frames, ~50-60 ms of an H100
-# alone); bench.pipeline found the same throughput with this bound as without (docs/benchmarks.md)
-DEFAULT_CODE2WAV_MAX_CALL_FRAMES = 2048
 
 # decoded chunks in flight per stream: decodes overlap generation, audio still leaves in order
 DEFAULT_MAX_PENDING_DECODES = _env_int("QWEN3_TTS_MAX_PENDING_DECODES", 4)

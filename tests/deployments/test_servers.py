@@ -136,7 +136,7 @@ def test_code2wav_decodes_calls_that_arrive_during_a_decode_as_one_batch(loop, t
         await asyncio.get_running_loop().run_in_executor(None, entered.wait, 60)
         rest = [asyncio.ensure_future(code2wav.decode_many([c])) for c in chunks[1:]]
         for _ in range(100):  # loop turns until every later call waits for the thread
-            if len(code2wav._queue) == len(rest):
+            if sum(len(c) for c, _ in code2wav._waiting) == len(rest):
                 break
             await asyncio.sleep(0)
         gate.set()
@@ -146,50 +146,6 @@ def test_code2wav_decodes_calls_that_arrive_during_a_decode_as_one_batch(loop, t
     assert batches == [1, len(chunks) - 1]
     assert [a.seq for (a,) in answers] == [c.seq for c in chunks]
     for chunk, (answer,) in zip(chunks, answers, strict=True):
-        assert answer.pcm.size == chunk.num_new * SAMPLES_PER_FRAME
-
-
-def test_code2wav_decodes_a_new_streams_first_chunk_before_waiting_chunks_of_streams_ahead(loop, talker, code2wav,
-                                                                                             monkeypatch):
-    """Engine calls of at most `max_call_frames`: a first chunk that arrives behind a queue of later chunks of
-    another stream is decoded in the next engine call, and each call is answered once all its chunks are."""
-    import threading
-
-    ahead = loop.run_until_complete(_collect(talker.generate(_request(talker, 9, rid="ahead"))))
-    new = loop.run_until_complete(_collect(talker.generate(_request(talker, 4, rid="new"))))
-    assert len(ahead) >= 3
-    engine = code2wav._engine
-    real_decode, entered, gate, calls = engine.decode, threading.Event(), threading.Event(), []
-
-    def gated(work, **kwargs):
-        calls.append([(c.request_id, c.seq) for c in work])
-        entered.set()
-        gate.wait(60)
-        return real_decode(work, **kwargs)
-
-    monkeypatch.setattr(engine, "decode", gated)
-    monkeypatch.setattr(code2wav._queue, "max_call_frames", 1)  # one chunk per engine call
-    monkeypatch.setattr(code2wav._queue, "_clock", lambda: 0.0)  # every chunk arrives at one clock reading
-
-    async def run():
-        first = asyncio.ensure_future(code2wav.decode_many(ahead[:1]))  # starts the stream "ahead"
-        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 60)
-        rest = asyncio.ensure_future(code2wav.decode_many(ahead[1:]))  # its later chunks wait...
-        newcomer = asyncio.ensure_future(code2wav.decode_many(new[:1]))  # ...and a new stream arrives after them
-        for _ in range(100):
-            if len(code2wav._queue) == len(ahead):
-                break
-            await asyncio.sleep(0)
-        gate.set()
-        return await asyncio.gather(first, rest, newcomer)
-
-    first, rest, newcomer = loop.run_until_complete(run())
-    # "ahead" started at the same clock reading, so its second chunk is due one chunk of audio later: the
-    # newcomer's first chunk (due now) goes first, and "ahead" keeps its own order
-    assert calls[:2] == [[("ahead", 0)], [("new", 0)]], calls
-    assert [c[0] for c in calls[2:]] == [("ahead", c.seq) for c in ahead[1:]]
-    assert [a.seq for a in rest] == [c.seq for c in ahead[1:]] and newcomer[0].request_id == "new"
-    for chunk, answer in zip(ahead, [*first, *rest], strict=True):
         assert answer.pcm.size == chunk.num_new * SAMPLES_PER_FRAME
 
 
