@@ -9,6 +9,13 @@ audio-s/s, the share of streams that play gap-free (a real-time player started a
 never falls more than 100 ms behind), the engine's mean step time and batch, and how much of the talker's
 engine thread went to prefills (admissions) rather than decode steps. Every frame is checked to hold codes in [0, 2048).
 
+For each stream that gapped it reports the chunk of its worst deficit, how long that chunk waited from its
+cut to its audio, and the talker's time per frame of that stream up to it; each level's JSON also holds a
+timeline of the engine's counters (every 20 ms) and the decoder's calls. `--decode-policies` runs several
+ways of taking queued chunks in turn on the same engines (order fifo or earliest playback deadline, chunks
+and frames per call, CUDA stream priority; measured alike on an H100, docs/benchmarks.md), `--ramps`
+several chunk ramps.
+
 Comparing it with the same levels through `serve run` (bench.loadgen) separates engine limits from
 serving overhead.
 
