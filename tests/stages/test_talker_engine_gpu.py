@@ -155,3 +155,32 @@ def test_hot_path_has_no_host_sync(cuda_model, prompts):
     assert [len(codes) for codes, _ in results] == [6 + 3 * i for i in range(7)]
     assert all(reason is FinishReason.LENGTH for _, reason in results)
     assert stats.running == 0 and stats.kv_reserved_tokens == 0
+
+
+@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 2e-2)])  # H100: 1.2e-7, 0.8% (1 ulp)
+def test_compiled_layer_kernels_match_eager_on_prompt_shapes(tiny_custom_voice, dtype, rtol):
+    """What the prefill graphs now run: the talker's compiled layer kernels (dynamic shapes: one variant for a
+    single row, one for every batch and width above it) against its eager layers, at prompt shapes. The error
+    is stated relative to the largest hidden value."""
+    from stages.kv_cache import ContiguousKV
+    from stages.layers import LayerKernels
+
+    model = Qwen3TTS.load(tiny_custom_voice, device="cuda", dtype=dtype, decoder=False)
+    stack, cfg = model.talker.model, model.talker.model.config
+    kernels = LayerKernels.compiled()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for b, s in [(1, 16), (1, 98), (5, 37), (16, 64), (16, 128)]:
+        x = torch.randn(b, s, cfg.hidden_size, generator=gen, device="cuda").to(model.dtype)
+        positions = torch.arange(s, device="cuda").expand(b, s)
+        out = {}
+        for name, k in (("eager", None), ("compiled", kernels)):
+            stack.kernels = k
+            kv = ContiguousKV(cfg.num_hidden_layers, b, cfg.num_key_value_heads, cfg.head_dim, s, model.dtype, "cuda")
+            kv.begin(s)
+            with torch.no_grad():
+                out[name] = stack(x, positions, kv).float()
+        stack.kernels = None
+        scale = out["eager"].abs().max().item()
+        err = (out["compiled"] - out["eager"]).abs().max().item()
+        print(f"compiled vs eager layers, {dtype}, batch {b} x {s}: max abs err {err:.2e} (max |h| {scale:.2f})")
+        assert err <= rtol * max(scale, 1.0), (b, s, err, scale)
