@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.loadgen.metrics import continuity
 from bench.loadgen.sentences import load_sentences
 from stages.chunking import CODEBOOK_SIZE, ChunkSchedule
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig, decode_lengths
@@ -93,7 +94,6 @@ class Decoder:
         self.engine, self.executor, self.policy = engine, executor, policy
         self.queue: list[tuple[float, int, int, CodecChunk, asyncio.Future]] = []  # heap: (due, order, cost, ..)
         self._order = itertools.count()
-        self.batches: list[int] = []
         self.calls: list[tuple[float, float, int, int]] = []
         # its own CUDA stream: sharing the talker's would serialize its steps behind decodes, which separate
         # processes (the deployments) never do
@@ -138,7 +138,6 @@ class Decoder:
             t0 = time.perf_counter()
             waves = await loop.run_in_executor(self.executor, self._decode, [c for c, _ in items])
             self.calls.append((t0, time.perf_counter(), len(items), sum(c.num_new for c, _ in items)))
-            self.batches.append(len(items))
             for (_, future), wave in zip(items, waves, strict=True):
                 if not future.done():
                     future.set_result(wave)
@@ -211,11 +210,10 @@ async def one_request(engine: TalkerEngine, decoder: Decoder | None, schedule: C
 def playback_deficits(decoded_at: list[float], audio_s: list[float]) -> tuple[np.ndarray, int, float]:
     """A stream's chunks in stream order (when each was decoded, its seconds of audio) -> when each could be
     heard (a chunk plays only after the ones before it), the chunk with the worst deficit of a real-time
-    player started at the first audio (bench.loadgen's continuity), and that deficit (>= 0)."""
+    player started at the first audio (bench.loadgen's continuity; 0 when none), and that deficit (>= 0)."""
     heard = np.maximum.accumulate(np.asarray(decoded_at, dtype=float))
-    deficits = (heard - heard[0]) - np.concatenate([[0.0], np.cumsum(audio_s)[:-1]])
-    worst = int(np.argmax(deficits))
-    return heard, worst, max(0.0, float(deficits[worst]))
+    c = continuity(heard.tolist(), audio_s)
+    return heard, c.worst_index or 0, c.max_deficit_s
 
 
 async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frames: int, tag: str) -> dict:
@@ -228,7 +226,6 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
                                              f"{tag}-{i}", frames))
 
     before = engine.stats()
-    batches_before = len(decoder.batches) if decoder else 0
     calls_before = len(decoder.calls) if decoder else 0
     t0 = time.perf_counter()
     timeline: dict[str, list] = {"t_ms": [], "steps": [], "frames": [], "running": [], "waiting": []}
@@ -243,7 +240,8 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
     prefill_s = after.prefill_seconds - before.prefill_seconds
     step_s = after.step_seconds - before.step_seconds
     prefills = after.prefills - before.prefills
-    dec_batches = decoder.batches[batches_before:] if decoder else []
+    calls = decoder.calls[calls_before:] if decoder else []
+    dec_batches = [n for _, _, n, _ in calls]
     gapped = [r for r in records if r.max_deficit_s > GAP_FREE_S]
     return {
         "concurrency": c, "requests": len(records), "frames_per_request": frames,
@@ -266,8 +264,7 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
         "wall_s": wall,
         # the engine's counters every TIMELINE_S, and the decoder's calls (start, end ms; chunks, new frames)
         "timeline": timeline,
-        "decode_calls": [(round((a - t0) * 1e3, 1), round((b - t0) * 1e3, 1), n, f)
-                         for a, b, n, f in (decoder.calls[calls_before:] if decoder else [])],
+        "decode_calls": [(round((a - t0) * 1e3, 1), round((b - t0) * 1e3, 1), n, f) for a, b, n, f in calls],
     }
 
 

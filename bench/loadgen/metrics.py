@@ -66,6 +66,7 @@ class Continuity:
 
     max_deficit_s: float
     underrun_events: int
+    worst_index: int | None = None  # the arrival with the worst deficit (None: no deficit)
 
     def continuous(self, threshold_s: float = CONTINUITY_THRESHOLD_S) -> bool:
         return self.max_deficit_s <= threshold_s
@@ -80,15 +81,16 @@ def continuity(arrival_s: Sequence[float], audio_s: Sequence[float]) -> Continui
     _check_trace(arrival_s, audio_s)
     if not arrival_s:
         return Continuity(0.0, 0)
-    t0, received, worst, events = arrival_s[0], 0.0, 0.0, 0
+    t0, received, worst, worst_index, events = arrival_s[0], 0.0, 0.0, None, 0
     for i, t in enumerate(arrival_s):
         if i > 0:
             deficit = (t - t0) - received
             if deficit > 0:
                 events += 1
-                worst = max(worst, deficit)
+                if deficit > worst:
+                    worst, worst_index = deficit, i
         received += audio_s[i]
-    return Continuity(worst, events)
+    return Continuity(worst, events, worst_index)
 
 
 @dataclass(frozen=True)

@@ -592,10 +592,10 @@ class TalkerEngine:
             chunks = [c for c in chunks if c is not None]
             if chunks:
                 deliveries.append((o.stream, chunks))
-                if seq.first_audio_at is None and any(c.num_new for c in chunks):
-                    seq.first_audio_at = time.monotonic()
+                if seq.first_chunk_at is None and any(c.num_new for c in chunks):
+                    seq.first_chunk_at = time.monotonic()
                     self._first_chunks += 1
-                    self._first_chunk_wait += seq.first_audio_at - seq.enqueued_at
+                    self._first_chunk_wait += seq.first_chunk_at - seq.enqueued_at
         ChunkStream.deliver_many(deliveries)
         self._release(finished)
         for seq in segment_ends:

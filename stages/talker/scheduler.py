@@ -49,7 +49,7 @@ class Sequence:
     aborted: bool = False
     enqueued_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None  # first admission (prefill); a live request's later segments keep it
-    first_audio_at: float | None = None  # its first chunk with frames was handed to its stream
+    first_chunk_at: float | None = None  # when its first chunk with frames was handed to its stream
     live: LiveText | None = None  # text arriving while it runs (None: all text in `request.prompt`)
     prompt: TalkerPrompt | None = None  # what its (next) prefill embeds, when not `request.prompt` (live text)
     restart: bool = False  # parked between two segments: it resumes with a prefill, not where it stopped
