@@ -4,7 +4,9 @@
 # reads the Talker engine's own statistics over a window (bench.serve_engine_stats): its step, mean batch, and
 # each request's time inside the engine from add to admission and to its first chunk. The load generator's
 # time to first audio minus the engine's first-chunk time is the serving path's share (hops, the proxy, the
-# first chunk's decode). Results in $OUT: load_<C>.log / results, stats_<C>.json.
+# first chunk's decode). Each response's Server-Timing header splits the rest hop by hop
+# (deployments/first_audio_timing.py): the load generator's results.md has a table of its stages per level.
+# Results in $OUT: load_<C>.log, results_<C>.md, results_<C>.json.gz (per request), stats_<C>.json.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"; LEVELS=${LEVELS:-1,256}; W=${W:-/tmp/qwen3-serve-bench}
 source .gpubundle/install_bundle.sh .gpubundle >/dev/null 2>&1
@@ -18,7 +20,8 @@ for C in ${LEVELS//,/ }; do
   sleep 6
   python3 -m bench.serve_engine_stats --seconds 8 --out "$OUT/stats_$C.json" 2>/dev/null
   wait "$LOAD"
-  grep -E "^\| $C \|" "$W/attr_$C/results.md" | head -1
+  grep -E "^\| $C \|" "$W/attr_$C/results.md" | head -2
+  cp "$W/attr_$C/results.md" "$OUT/results_$C.md"; gzip -c "$W/attr_$C/results.json" > "$OUT/results_$C.json.gz"
   cat "$OUT/stats_$C.json"; echo
 done
 BUDGET_S=60 OUT="$OUT" bash bench/gpu_serve_runbook.sh stop >/dev/null 2>&1

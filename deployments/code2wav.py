@@ -21,6 +21,7 @@ import numpy as np
 from ray import ObjectRef
 
 from deployments import constants as C
+from deployments import first_audio_timing
 from deployments.audio_formats import float_to_pcm16
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
 from deployments.loading import build_engine, load_model, replica_log
@@ -87,7 +88,7 @@ class Code2WavServer:
         Talker's error) gets its exception in its place; the others are decoded.
         """
         n = len(chunks)
-        t0 = time.perf_counter()
+        t0, arrived = time.perf_counter(), first_audio_timing.now()
         if self._inflight == 0:
             self._last_progress = self._clock()
         self._inflight += n
@@ -107,10 +108,12 @@ class Code2WavServer:
                     continue
                 valid.append(i)
             if valid:
-                waves = await self._decode_together([resolved[i] for i in valid])
+                waves, span = await self._decode_together([resolved[i] for i in valid])
                 for i, wave in zip(valid, waves, strict=True):
                     c = resolved[i]
-                    answers[i] = DecodedChunk(c.request_id, c.seq, float_to_pcm16(wave), c.final, c.finish_reason)
+                    stamps = (arrived, *span) if c.seq == 0 else ()  # a stream's first chunk: Server-Timing
+                    answers[i] = DecodedChunk(c.request_id, c.seq, float_to_pcm16(wave), c.final, c.finish_reason,
+                                              stamps)
             return answers  # type: ignore[return-value]
         finally:
             self._inflight -= n
@@ -124,8 +127,9 @@ class Code2WavServer:
             raise answer
         return answer
 
-    async def _decode_together(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
-        """The waves of `chunks`, decoded in one batch with those of every call waiting meanwhile."""
+    async def _decode_together(self, chunks: list[CodecChunk]) -> tuple[list[np.ndarray], tuple[float, float]]:
+        """The waves of `chunks`, decoded in one batch with those of every call waiting meanwhile, and the
+        batch's (start, end) wall times."""
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((chunks, future))
         if self._drainer is None or self._drainer.done():
@@ -137,7 +141,7 @@ class Code2WavServer:
             calls, self._waiting = self._waiting, []
             work = [chunk for chunks, _ in calls for chunk in chunks]
             try:
-                waves = await self._on_thread(self._decode_on_thread, work)
+                waves, span = await self._on_thread(self._decode_on_thread, work)
             except Exception as e:  # a failed batch fails every call in it
                 for _, future in calls:
                     if not future.done():
@@ -147,14 +151,15 @@ class Code2WavServer:
             start = 0
             for chunks, future in calls:
                 if not future.done():
-                    future.set_result(waves[start:start + len(chunks)])
+                    future.set_result((waves[start:start + len(chunks)], span))
                 start += len(chunks)
 
-    def _decode_on_thread(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
+    def _decode_on_thread(self, chunks: list[CodecChunk]) -> tuple[list[np.ndarray], tuple[float, float]]:
         self._decoding += len(chunks)
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), first_audio_timing.now()
         try:
-            return self._engine.decode(chunks, checked=True)  # decode_many checked each chunk already
+            waves = self._engine.decode(chunks, checked=True)  # decode_many checked each chunk already
+            return waves, (started, first_audio_timing.now())
         finally:
             self._last_progress = self._clock()
             self._decoding -= len(chunks)

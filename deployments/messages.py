@@ -68,3 +68,4 @@ class DecodedChunk:
     pcm: np.ndarray  # [new_frames * 1920] int16
     final: bool
     finish_reason: FinishReason | None
+    stamps: tuple[float, ...] = ()  # first chunk: Code2Wav's wall times (deployments/first_audio_timing.py)

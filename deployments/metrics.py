@@ -24,6 +24,12 @@ class IngressMetrics:
             "tts_time_to_first_audio_ms", description="Request arrival to the first audio byte handed to the client.",
             boundaries=LATENCY_MS_BUCKETS, tag_keys=("model", "stream"),
         )
+        self.first_audio_stage_ms = metrics.Histogram(
+            "tts_first_audio_stage_ms", description="Each hop of a request's first audio (stage: ingress, "
+            "to_talker, talker, to_ingress, to_code2wav, code2wav_queue, code2wav, from_code2wav, respond, total; "
+            "the Server-Timing header of the response, deployments/first_audio_timing.py).",
+            boundaries=[0.5, 1, 2, 5, *LATENCY_MS_BUCKETS[1:]], tag_keys=("model", "stage"),
+        )
         self.real_time_factor = metrics.Histogram(
             "tts_real_time_factor", description="Wall time of a request divided by the duration of its audio.",
             boundaries=RTF_BUCKETS, tag_keys=("model",),

@@ -13,7 +13,9 @@ from collections.abc import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle
 
+from deployments import first_audio_timing
 from deployments.decode_batcher import DecodeBatcher
+from deployments.first_audio_timing import FirstAudioTiming
 from deployments.messages import DecodedChunk, GenerateOptions
 from deployments.transport import StageTransport, stage_handle, stream_items
 from stages.contract import SynthesisRequest
@@ -23,16 +25,19 @@ _END = object()
 
 async def stream_audio(
     talker: DeploymentHandle, decoder: DecodeBatcher, request: SynthesisRequest, options: GenerateOptions,
-    depth: int, transport: StageTransport, mailbox=None,
+    depth: int, transport: StageTransport, mailbox=None, timing: FirstAudioTiming | None = None,
 ) -> AsyncIterator[DecodedChunk]:
     """Decoded chunks of one request, in stream order. Closing the iterator cancels the whole pipeline.
 
     With `mailbox` (a `TextMailbox`) the request is live: `Talker.generate_live` takes its text from there.
+    With `timing`, the first chunk's hops are stamped on it (deployments/first_audio_timing.py).
 
     Errors of either stage (e.g. the Talker rejecting the request) surface when the affected chunk is
     awaited; the first chunk therefore tells whether the request was accepted.
     """
     talker = stage_handle(talker, transport).options(stream=True)
+    if timing is not None:
+        timing.talker_called = first_audio_timing.now()
     if mailbox is None:
         generator = talker.generate.remote(request, options)
     else:
@@ -42,6 +47,9 @@ async def stream_audio(
     async def submit() -> None:
         try:
             async for chunk in stream_items(generator, transport):
+                if timing is not None and timing.chunk_received is None:
+                    timing.chunk_received = first_audio_timing.now()
+                    timing.talker = getattr(chunk, "stamps", ())  # an ObjectRef (object_ref transport) has none
                 await pending.put(decoder.submit(chunk))
         except Exception as e:  # refusal (backpressure) or a failed stream: the consumer raises it in order
             await pending.put(e)
@@ -52,7 +60,10 @@ async def stream_audio(
         while (item := await pending.get()) is not _END:
             if isinstance(item, BaseException):
                 raise item
-            yield await item
+            decoded = await item
+            if timing is not None and timing.decoded_received is None:
+                timing.decoded_received, timing.code2wav = first_audio_timing.now(), decoded.stamps
+            yield decoded
     finally:
         producer.cancel()
         generator.cancel()  # stops the Talker (Serve also cascades the ingress request's cancellation)

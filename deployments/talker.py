@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from deployments import constants as C
+from deployments import first_audio_timing
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
 from deployments.loading import build_engine, load_model, replica_log
 from deployments.messages import GenerateOptions, ModelInfo
@@ -102,6 +103,7 @@ class TalkerServer:
         Cancelling the consumer (client gone, deadline) aborts the request in the engine, which frees
         its slot at the next step.
         """
+        started = first_audio_timing.now()
         options = options or GenerateOptions()
         if options.fit_max_frames:  # the engine needs prompt + frames + 2 positions (one speculative step)
             room = self._info.max_seq_len - prefill_length(request.prompt) - 2
@@ -109,6 +111,8 @@ class TalkerServer:
         stream = self._engine.add_request(request, self._schedule_for(options))  # chunks are cut in the engine loop
         try:
             async for chunk in stream:
+                if chunk.seq == 0:  # the first chunk carries this replica's times (Server-Timing)
+                    chunk = dataclasses.replace(chunk, stamps=(started, first_audio_timing.now()))
                 yield chunk
         finally:
             await stream.aclose()  # no-op after a normal end; aborts the request otherwise

@@ -138,6 +138,8 @@ class CodecChunk:
     context: int
     final: bool = False
     finish_reason: FinishReason | None = None
+    # wall times the serving path stamps on a stream's first chunk (deployments/first_audio_timing.py)
+    stamps: tuple[float, ...] = ()
 
     @property
     def num_new(self) -> int:

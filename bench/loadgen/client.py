@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import aiohttp
 
+from deployments.first_audio_timing import parse_server_timing
+
 from .metrics import BYTES_PER_SAMPLE
 from .records import RequestResult
 
@@ -99,6 +101,7 @@ class SpeechClient:
             async with self._session.post(self.url, data=payload, timeout=timeout,
                                           headers={"content-type": "application/json"}) as resp:
                 r.status = resp.status
+                r.server_timing = parse_server_timing(resp.headers.get("server-timing", ""))
                 if resp.status != 200:
                     r.first_byte_s = now()
                     r.failure, r.error = f"http_{resp.status}", _error_message(await resp.read())

@@ -27,6 +27,7 @@ class RequestResult:
     audio_bytes: int = 0
     expected_bytes: int | None = None  # fixed-length runs: the exact PCM size the server must send
     finish_reason: str | None = None  # SSE `done` event
+    server_timing: dict[str, float] = field(default_factory=dict)  # the response's Server-Timing stages (ms)
     arrival_s: list[float] = field(default_factory=list)  # audible pieces: arrival times ...
     arrival_bytes: list[int] = field(default_factory=list)  # ... and their PCM bytes
     done: bool = False

@@ -84,12 +84,29 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {_f(p['audio_s_per_s'], 1)} | {_f(p['requests_per_s'], 2)} | {_pct(p['continuous_share'])} "
             f"| {_f(d['p95'], 3)} / {_f(d['p99'], 3)} | {_f(p['stalls_mean'], 2)}, {_f(p['stall_s']['p95'], 3)} "
             f"| {p['peak_inflight']} |")
+    lines += _stage_table(points)
     lag = max((p["loop_lag_ms"]["max"] or 0.0 for p in points), default=0.0)
     late = max((p["send_lag_ms"]["max"] or 0.0 for p in points), default=0.0)
     lines += ["", f"Stopped: {doc.get('stop_reason') or 'all levels ran'}. "
               f"Load generator event-loop lag, worst: {lag:.0f} ms; latest send after its due time: {late:.0f} ms"
               f"{' (high: the client may inflate latencies)' if max(lag, late) > 50 else ''}.", ""]
     return "\n".join(lines)
+
+
+def _stage_table(points: list[dict[str, Any]]) -> list[str]:
+    """First audio by stage (the responses' Server-Timing), p50 / p95 ms per level; nothing if no server sent it."""
+    stages = list(dict.fromkeys(stage for p in points for stage in p.get("server_timing_ms", {})))
+    if not stages:
+        return []
+    lines = ["", "First audio by stage (`Server-Timing`, deployments/first_audio_timing.py), p50 / p95 ms:", "",
+             "| level | " + " | ".join(stages) + " |", "|---:|" + "---:|" * len(stages)]
+    for p in points:
+        cells = []
+        for stage in stages:
+            st = p.get("server_timing_ms", {}).get(stage)
+            cells.append(f"{_f(st['p50'], 1)} / {_f(st['p95'], 1)}" if st and st["n"] else "-")
+        lines.append(f"| {p['level']:g} | " + " | ".join(cells) + " |")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------ plots

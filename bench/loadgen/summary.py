@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .metrics import CONTINUITY_THRESHOLD_S, Stats, audio_seconds, continuity, rebuffering
 from .records import PointRun, RequestResult
@@ -30,6 +30,7 @@ class RequestMetrics:
     stalls: int | None
     stall_s: float | None
     error: str | None = None
+    server_timing_ms: dict[str, float] | None = None  # the server's first-audio stages + `client_side`
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class PointSummary:
     loop_lag_ms: Stats
     continuity_threshold_s: float
     rebuffer_resume_s: float
+    # per stage of the first audio, from the responses' Server-Timing (deployments/first_audio_timing.py), plus
+    # `client_side`: the client's TTFA minus the server's `total` (the client's hops and any proxy)
+    server_timing_ms: dict[str, Stats] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,6 +79,10 @@ def request_metrics(r: RequestResult, resume_s: float = 0.0) -> RequestMetrics:
 
     audio_s = audio_seconds(r.audio_bytes)
     e2e = ms(r.end_s)
+    ttfa = ms(r.first_audio_s)
+    timing = dict(r.server_timing) or None
+    if timing is not None and ttfa is not None and "total" in timing:
+        timing["client_side"] = ttfa - timing["total"]
     cont = reb = None
     if r.ok and r.arrival_s:
         pieces = [audio_seconds(b) for b in r.arrival_bytes]
@@ -82,12 +90,12 @@ def request_metrics(r: RequestResult, resume_s: float = 0.0) -> RequestMetrics:
     return RequestMetrics(
         index=r.index, ok=r.ok, failure=r.failure, status=r.status, chars=len(r.text),
         send_lag_ms=None if r.sent_s is None else max(0.0, r.sent_s - r.scheduled_s) * 1000,
-        ttfb_ms=ms(r.first_byte_s), ttfa_ms=ms(r.first_audio_s), e2e_ms=e2e, audio_s=audio_s,
+        ttfb_ms=ms(r.first_byte_s), ttfa_ms=ttfa, e2e_ms=e2e, audio_s=audio_s,
         rtf=(e2e / 1000 / audio_s) if (r.ok and e2e is not None and audio_s > 0) else None,
         pieces=len(r.arrival_s),
         max_deficit_s=cont.max_deficit_s if cont else None, underrun_events=cont.underrun_events if cont else None,
         stalls=reb.stalls if reb else None, stall_s=reb.stall_s if reb else None,
-        error=r.error,
+        error=r.error, server_timing_ms=timing,
     )
 
 
@@ -129,4 +137,14 @@ def summarize(run: PointRun, threshold_s: float = CONTINUITY_THRESHOLD_S, resume
         send_lag_ms=Stats.of(m.send_lag_ms for m in rows),
         loop_lag_ms=Stats.of(x * 1000 for x in run.loop_lag_s),
         continuity_threshold_s=threshold_s, rebuffer_resume_s=resume_s,
+        server_timing_ms=_stage_stats(m.server_timing_ms for m in ok),
     )
+
+
+def _stage_stats(timings) -> dict[str, Stats]:
+    """Stats per Server-Timing stage over the requests that reported it, in the order the server sent them."""
+    values: dict[str, list[float]] = {}
+    for timing in timings:
+        for stage, ms in (timing or {}).items():
+            values.setdefault(stage, []).append(ms)
+    return {stage: Stats.of(v) for stage, v in values.items()}

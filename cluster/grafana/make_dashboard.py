@@ -123,6 +123,13 @@ panel("Time to first audio p90 by model",
       "Streaming p90 per served model.",
       [(q(0.9, "ray_tts_time_to_first_audio_ms", f'{APP}, {MODEL}, stream="true"', "model"), "{{model}}")],
       unit="ms", w=8)
+panel("First audio by stage (mean)",
+      "Where first audio goes, hop by hop (ray_tts_first_audio_stage_ms; the Server-Timing header of each "
+      "response, deployments/first_audio_timing.py): ingress work, hops to/from each stage, the Talker engine, "
+      "the Code2Wav queue and decode.",
+      [(mean("ray_tts_first_audio_stage_ms", f'{APP}, {MODEL}, stage!="total"', "stage"), "{{stage}}"),
+       (q(0.9, "ray_tts_first_audio_stage_ms", f'{APP}, {MODEL}, stage="total"', ""), "total p90")],
+      unit="ms", w=8)
 panel("Real-time factor p90 by model",
       "p90 per served model.",
       [(q(0.9, "ray_tts_real_time_factor", f"{APP}, {MODEL}", "model"), "{{model}}")], w=8)

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from deployments.config import BackpressureSettings
 from deployments.errors import APIError, to_api_error
+from deployments.first_audio_timing import FirstAudioTiming
 from deployments.metrics import IngressMetrics
 from deployments.playback import PlaybackClock
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
@@ -66,6 +67,11 @@ class Outcomes:
     def first_stream_audio(self, model: str, started: float) -> None:
         self.metrics.time_to_first_audio_ms.observe((time.perf_counter() - started) * 1000,
                                                     tags={"model": model, "stream": "true"})
+
+    def first_audio_stages(self, model: str, timing: FirstAudioTiming) -> None:
+        """Each stage of a request's first audio (deployments/first_audio_timing.py), one observation each."""
+        for stage, ms in timing.stages_ms().items():
+            self.metrics.first_audio_stage_ms.observe(max(ms, 0.0), tags={"model": model, "stage": stage})
 
     def stream_opened(self, model: str) -> None:
         self._open_streams[model] += 1

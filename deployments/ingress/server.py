@@ -19,9 +19,11 @@ from fastapi import Request, WebSocket
 from fastapi.responses import Response
 from ray.serve.handle import DeploymentHandle
 
+from deployments import first_audio_timing
 from deployments.config import TTSServingArgs
 from deployments.decode_batcher import DecodeBatcher
 from deployments.errors import APIError
+from deployments.first_audio_timing import FirstAudioTiming
 from deployments.http_guard import OpenWork
 from deployments.ingress import health
 from deployments.ingress.live import LiveSession
@@ -75,7 +77,7 @@ class TTSIngress:
             self._work.release()  # a stream holds its own count while it is sent
 
     async def _speech(self, body: SpeechRequest) -> Response:
-        started = time.perf_counter()
+        started, timing = time.perf_counter(), FirstAudioTiming(arrived=first_audio_timing.now())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(body.timeout_s or self._limits.request_timeout_s, self._limits.request_timeout_s)
         request_id = f"speech-{uuid.uuid4().hex}"
@@ -88,7 +90,7 @@ class TTSIngress:
             model = info.name
             check_request(body, info, self._args)
             async with asyncio.timeout_at(deadline):
-                synthesis, chunks = await self.start(body, info, voice_choice, request_id)
+                synthesis, chunks = await self.start(body, info, voice_choice, request_id, timing=timing)
                 first = await anext(chunks, None)
         except BaseException as exc:  # every failure before the first audio is one JSON error
             if chunks is not None:
@@ -99,7 +101,10 @@ class TTSIngress:
             return self._outcomes.fail(exc, model, body.streaming)
         job = SpeechJob(body, model, chunks, first, deadline, started,
                         usage_in=len(synthesis.prompt.text_ids) + len(synthesis.prompt.instruct_ids or ()))
-        headers: dict[str, str] = {}  # Serve's proxy adds X-Request-Id (the client's own, or a new one)
+        timing.responded = first_audio_timing.now()
+        self._outcomes.first_audio_stages(model, timing)
+        # Serve's proxy adds X-Request-Id (the client's own, or a new one); Server-Timing: where first audio went
+        headers: dict[str, str] = {"Server-Timing": timing.header()}
         if body.streaming:
             return stream_response(job, self._outcomes, self._work, headers)
         return await whole_response(job, self._outcomes, headers)
@@ -112,15 +117,17 @@ class TTSIngress:
             return await self._router.route(body, find_voice)
 
     async def start(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, request_id: str,
-                    mailbox=None, idle_timeout_s: float | None = None,
+                    mailbox=None, idle_timeout_s: float | None = None, timing: FirstAudioTiming | None = None,
                     ) -> tuple[SynthesisRequest, AsyncIterator[DecodedChunk]]:
         """The engine's request and its decoded-chunk pipeline (nothing runs until the first chunk is awaited).
-        With `mailbox` the request is live: its text comes through the mailbox (deployments/ingress/live.py)."""
+        With `mailbox` the request is live: its text comes through the mailbox (deployments/ingress/live.py);
+        `timing` collects the first chunk's hops (deployments/first_audio_timing.py)."""
         voice = await self._voices.prompt(body, info, voice_choice)
         synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id,
                                            live=mailbox is not None, idle_timeout_s=idle_timeout_s)
         chunks = stream_audio(self._router.handle(info.name), self._decoder, synthesis, options,
-                              self._args.streaming.max_pending_decodes, self._limits.stage_transport, mailbox)
+                              self._args.streaming.max_pending_decodes, self._limits.stage_transport, mailbox,
+                              timing)
         return synthesis, chunks
 
     # ------------------------------------------------------------------ live text (WebSocket)

@@ -30,6 +30,7 @@ EXPECTED = (
     "ray_tts_code2wav_batch_decode_ms_bucket{",
     "ray_tts_code2wav_queued_chunks{",
     "ray_tts_client_buffer_lead_s_bucket{",
+    'ray_tts_first_audio_stage_ms_bucket{.*stage="code2wav"',
 )
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from deployments.first_audio_timing import parse_server_timing
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
 from tests.serve.conftest import engine_stats, pcm_of, speech
 
@@ -98,6 +99,22 @@ def test_first_chunk_size_is_per_request(http):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     sizes = [len(base64.b64decode(e["audio"])) // 2 // SAMPLES_PER_FRAME for e in events[:-1]]
     assert sizes == [1, 2, 4, 2]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_response_says_where_its_first_audio_went(http, stream):
+    body = speech(response_format="pcm", stream=stream, max_new_tokens=4)
+    with http.stream("POST", "/v1/audio/speech", json=body) as r:
+        assert r.status_code == 200
+        stages = parse_server_timing(r.headers["server-timing"])
+        r.read()
+    hops = [name for name in stages if name != "total"]
+    # every hop of the path stamped its part, in path order (the gRPC transport: the ingress reads the chunks)
+    assert hops == ["ingress", "to_talker", "talker", "to_ingress", "to_code2wav", "code2wav_queue", "code2wav",
+                    "from_code2wav", "respond"]
+    assert all(stages[name] >= -0.5 for name in hops), stages  # one machine's clock: no hop runs backwards
+    assert stages["talker"] > 0 and stages["code2wav"] > 0  # the tiny models' work is not free
+    assert sum(stages[name] for name in hops) == pytest.approx(stages["total"], abs=0.01 * len(hops) + 0.01)
 
 
 def test_sixteen_concurrent_streams_all_complete(base_url):

@@ -1,0 +1,48 @@
+"""The first audio's stages from the stamps of each hop, and the Server-Timing header they make."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.first_audio_timing import STAGES, FirstAudioTiming, parse_server_timing
+
+
+def full_timing() -> FirstAudioTiming:
+    return FirstAudioTiming(arrived=100.0, talker_called=100.001, talker=(100.003, 100.013), chunk_received=100.014,
+                            code2wav=(100.016, 100.020, 100.025), decoded_received=100.026, responded=100.0265)
+
+
+def test_every_hop_is_the_difference_of_its_stamps():
+    stages = full_timing().stages_ms()
+    expected = {"ingress": 1, "to_talker": 2, "talker": 10, "to_ingress": 1, "to_code2wav": 2, "code2wav_queue": 4,
+                "code2wav": 5, "from_code2wav": 1, "respond": 0.5, "total": 26.5}
+    assert list(stages) == list(expected)  # path order
+    assert stages == pytest.approx(expected, abs=1e-6)
+    assert sum(v for k, v in stages.items() if k != "total") == pytest.approx(stages["total"])
+    assert set(stages) <= set(STAGES)
+
+
+def test_unread_talker_chunks_merge_its_hops():
+    timing = full_timing()
+    timing.talker = ()  # object_ref transport: the ingress forwarded a ref
+    stages = timing.stages_ms()
+    assert "to_talker" not in stages and stages["talker_and_back"] == pytest.approx(13.0)
+    assert stages["to_code2wav"] == pytest.approx(2.0)
+
+
+def test_a_missing_stamp_ends_the_known_stages():
+    timing = FirstAudioTiming(arrived=5.0, talker_called=5.002)
+    assert timing.stages_ms() == pytest.approx({"ingress": 2.0})
+
+
+def test_the_header_round_trips():
+    timing = full_timing()
+    header = timing.header()
+    assert header.startswith("ingress;dur=1.00, to_talker;dur=2.00")
+    assert parse_server_timing(header) == pytest.approx(timing.stages_ms(), abs=0.01)
+
+
+def test_parsing_takes_durations_only():
+    assert parse_server_timing('cache;desc="hit", db;dur=53.2, app;dur=x, total;desc=t;dur=7') == {"db": 53.2,
+                                                                                                 "total": 7.0}
+    assert parse_server_timing("") == {}
