@@ -7,12 +7,17 @@
 # first chunk's decode). Each response's Server-Timing header splits the rest hop by hop
 # (deployments/first_audio_timing.py): the load generator's results.md has a table of its stages per level.
 # Results in $OUT: load_<C>.log, results_<C>.md, results_<C>.json.gz (per request), stats_<C>.json.
+# DIRECT=1: HAProxy straight to the ingress replicas + throughput-optimized Serve (the settings
+# configs/high_concurrency.yaml's header recommends); MPS=1: the CUDA MPS daemon runs while the server does;
+# SET=...: runbook overrides of the Serve config (e.g. SET="streaming.urgent_chunks=0").
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"; LEVELS=${LEVELS:-1,256}; W=${W:-/tmp/qwen3-serve-bench}
 source .gpubundle/install_bundle.sh .gpubundle >/dev/null 2>&1
+if [ "${DIRECT:-0}" = 1 ]; then export RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1; fi
+if [ "${MPS:-0}" = 1 ]; then nvidia-cuda-mps-control -d && echo "MPS control daemon started"; fi
 BUDGET_S=300 OUT="$OUT" bash bench/gpu_serve_runbook.sh setup 2>&1 | grep -E "ready after|error|Error" | tail -3
 for C in ${LEVELS//,/ }; do
-  N=$(( C == 1 ? 40 : C * 10 ))  # the load outlasts the stats window (6 s in, 8 s long)
+  N=$(( C == 1 ? 30 : C * 10 ))  # the load outlasts the stats window (6 s in, 8 s long)
   python3 -m bench.loadgen --url http://127.0.0.1:8000 --mode closed --concurrency "$C" --requests "$N" \
     --max-new-tokens 75 --fixed-length --warmup 4 --timeout 300 --progress none --out "$W/attr_$C" \
     > "$OUT/load_$C.log" 2>&1 &
@@ -25,3 +30,4 @@ for C in ${LEVELS//,/ }; do
   cat "$OUT/stats_$C.json"; echo
 done
 BUDGET_S=60 OUT="$OUT" bash bench/gpu_serve_runbook.sh stop >/dev/null 2>&1
+if [ "${MPS:-0}" = 1 ]; then echo quit | nvidia-cuda-mps-control; fi

@@ -146,12 +146,15 @@ class StreamingConfig(BaseConfig):
     ramp: list[int] | None = Field(None, description="explicit sizes of chunks 1, 2, ... (then steady)")
     ref_context_frames: int | None = Field(None, ge=0, description="reference frames (Base ICL) as chunk 0 context")
     max_pending_decodes: int = Field(C.DEFAULT_MAX_PENDING_DECODES, ge=1, description="decodes in flight per stream")
+    urgent_chunks: int = Field(C.DEFAULT_URGENT_CHUNKS, ge=0, description=(
+        "a stream's first chunks decoded ahead of the others (sent at once, decoded before the batch waiting "
+        "with them): its listener waits for them with little or no audio buffered; 0 = none"))
 
     def schedule(self):
         """-> stages.chunking.ChunkSchedule (raises ValueError on an inconsistent schedule)."""
         from stages.chunking import ChunkSchedule
 
-        fields = self.model_dump(exclude={"max_pending_decodes"}, exclude_none=True)
+        fields = self.model_dump(exclude={"max_pending_decodes", "urgent_chunks"}, exclude_none=True)
         if "ramp" in fields:
             fields["ramp"] = tuple(fields["ramp"])
         return ChunkSchedule(**fields)

@@ -26,11 +26,13 @@ _END = object()
 async def stream_audio(
     talker: DeploymentHandle, decoder: DecodeBatcher, request: SynthesisRequest, options: GenerateOptions,
     depth: int, transport: StageTransport, mailbox=None, timing: FirstAudioTiming | None = None,
+    urgent_chunks: int = 0,
 ) -> AsyncIterator[DecodedChunk]:
     """Decoded chunks of one request, in stream order. Closing the iterator cancels the whole pipeline.
 
     With `mailbox` (a `TextMailbox`) the request is live: `Talker.generate_live` takes its text from there.
-    With `timing`, the first chunk's hops are stamped on it (deployments/first_audio_timing.py).
+    With `timing`, the first chunk's hops are stamped on it (deployments/first_audio_timing.py). The first
+    `urgent_chunks` chunks go to Code2Wav ahead of other streams' (`DecodeBatcher.submit(urgent=True)`).
 
     Errors of either stage (e.g. the Talker rejecting the request) surface when the affected chunk is
     awaited; the first chunk therefore tells whether the request was accepted.
@@ -46,11 +48,13 @@ async def stream_audio(
 
     async def submit() -> None:
         try:
+            index = 0
             async for chunk in stream_items(generator, transport):
                 if timing is not None and timing.chunk_received is None:
                     timing.chunk_received = first_audio_timing.now()
                     timing.talker = getattr(chunk, "stamps", ())  # an ObjectRef (object_ref transport) has none
-                await pending.put(decoder.submit(chunk))
+                await pending.put(decoder.submit(chunk, urgent=index < urgent_chunks))
+                index += 1
         except Exception as e:  # refusal (backpressure) or a failed stream: the consumer raises it in order
             await pending.put(e)
         await pending.put(_END)

@@ -114,39 +114,63 @@ def test_code2wav_decodes_many_streams_in_one_call_like_single_decodes(loop, tal
         np.testing.assert_allclose(single.pcm, out.pcm, atol=2)  # batch padding is exact up to float noise
 
 
-def test_code2wav_decodes_calls_that_arrive_during_a_decode_as_one_batch(loop, talker, code2wav, monkeypatch):
-    """Several ingress replicas' calls: those waiting while the decoder thread is busy go into one engine call."""
+def _gate_decoder(code2wav, monkeypatch):
+    """Holds the decoder thread in its first batch until released; -> (entered, gate, batch sizes, batch seqs)."""
     import threading
 
-    chunks = loop.run_until_complete(_collect(talker.generate(_request(talker, 9, rid="together"))))
-    assert len(chunks) >= 3
     engine = code2wav._engine
     real_decode, entered, gate, batches = engine.decode, threading.Event(), threading.Event(), []
 
     def gated(work, **kwargs):
-        batches.append(len(work))
+        batches.append([c.seq for c in work])
         entered.set()
         gate.wait(60)  # the first batch holds the thread until the other calls are waiting
         return real_decode(work, **kwargs)
 
     monkeypatch.setattr(engine, "decode", gated)
+    return entered, gate, batches
 
-    async def run():
-        first = asyncio.ensure_future(code2wav.decode_many(chunks[:1]))
-        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 60)
-        rest = [asyncio.ensure_future(code2wav.decode_many([c])) for c in chunks[1:]]
-        for _ in range(100):  # loop turns until every later call waits for the thread
-            if sum(len(c) for c, _ in code2wav._waiting) == len(rest):
-                break
-            await asyncio.sleep(0)
-        gate.set()
-        return await asyncio.gather(first, *rest)
 
-    answers = loop.run_until_complete(run())
-    assert batches == [1, len(chunks) - 1]
-    assert [a.seq for (a,) in answers] == [c.seq for c in chunks]
-    for chunk, (answer,) in zip(chunks, answers, strict=True):
+async def _calls_while_busy(code2wav, entered, gate, first_call, later_calls):
+    """`first_call` occupies the decoder; `later_calls` arrive while it decodes; -> every call's answers."""
+    first = asyncio.ensure_future(code2wav.decode_many(first_call))
+    await asyncio.get_running_loop().run_in_executor(None, entered.wait, 60)
+    rest = [asyncio.ensure_future(code2wav.decode_many(call)) for call in later_calls]
+    for _ in range(100):  # loop turns until every later call waits for the thread
+        if sum(len(c) for c, _ in code2wav._waiting) == sum(len(call) for call in later_calls):
+            break
+        await asyncio.sleep(0)
+    gate.set()
+    return await asyncio.gather(first, *rest)
+
+
+def test_code2wav_decodes_calls_that_arrive_during_a_decode_as_one_batch(loop, talker, code2wav, monkeypatch):
+    """Several ingress replicas' calls: those waiting while the decoder thread is busy go into one engine call."""
+    chunks = loop.run_until_complete(_collect(talker.generate(_request(talker, 20, rid="together"))))
+    urgent = STREAMING.urgent_chunks
+    assert len(chunks) >= urgent + 3
+    entered, gate, batches = _gate_decoder(code2wav, monkeypatch)
+    later = [[c] for c in chunks[urgent:]]  # past the urgent first chunks: all wait together
+    answers = loop.run_until_complete(_calls_while_busy(code2wav, entered, gate, chunks[:1], later))
+    assert batches == [[0], [c.seq for c in chunks[urgent:]]]
+    assert [a.seq for (a,) in answers] == [0] + [c.seq for c in chunks[urgent:]]
+    for chunk, (answer,) in zip([chunks[0], *chunks[urgent:]], answers, strict=True):
         assert answer.pcm.size == chunk.num_new * SAMPLES_PER_FRAME
+
+
+def test_code2wav_decodes_calls_of_first_chunks_before_the_others(loop, talker, code2wav, monkeypatch):
+    """A call holding only streams' first chunks (an ingress sends them at once) skips the batch waiting with it."""
+    a = loop.run_until_complete(_collect(talker.generate(_request(talker, 20, rid="older"))))
+    b = loop.run_until_complete(_collect(talker.generate(_request(talker, 9, rid="newer"))))
+    assert STREAMING.urgent_chunks == 2 and len(a) >= 5
+    entered, gate, batches = _gate_decoder(code2wav, monkeypatch)
+    later = [[a[2]], [a[3], a[4]], [b[0], b[1]], [a[1], b[2]]]  # the last call mixes: it waits with the rest
+    answers = loop.run_until_complete(_calls_while_busy(code2wav, entered, gate, a[:1], later))
+    assert batches == [[0], [0, 1], [2, 3, 4, 1, 2]]  # b's first chunks first, in a batch of their own
+    assert [[x.request_id for x in answer] for answer in answers[1:]] == [
+        ["older"], ["older", "older"], ["newer", "newer"], ["older", "newer"]]
+    for call, answer in zip([a[:1], *later], answers, strict=True):
+        assert [x.pcm.size for x in answer] == [c.num_new * SAMPLES_PER_FRAME for c in call]
 
 
 def test_code2wav_rejects_a_malformed_chunk_alone(loop, talker, code2wav):
