@@ -16,6 +16,9 @@ source .gpubundle/install_bundle.sh .gpubundle >/dev/null 2>&1
 if [ "${DIRECT:-0}" = 1 ]; then export RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1; fi
 if [ "${MPS:-0}" = 1 ]; then nvidia-cuda-mps-control -d && echo "MPS control daemon started"; fi
 BUDGET_S=300 OUT="$OUT" bash bench/gpu_serve_runbook.sh setup 2>&1 | grep -E "ready after|error|Error" | tail -3
+if [ "${MPS:-0}" = 1 ]; then  # the replicas' processes should show as MPS clients (type M+C)
+  echo get_server_list | nvidia-cuda-mps-control; nvidia-smi | tail -6
+fi
 for C in ${LEVELS//,/ }; do
   N=$(( C == 1 ? 30 : C * 10 ))  # the load outlasts the stats window (6 s in, 8 s long)
   python3 -m bench.loadgen --url http://127.0.0.1:8000 --mode closed --concurrency "$C" --requests "$N" \
