@@ -84,9 +84,10 @@ DEFAULT_DECODE_CALLS_IN_FLIGHT = _env_int("QWEN3_TTS_DECODE_CALLS_IN_FLIGHT", 4)
 
 # decoded chunks in flight per stream: decodes overlap generation, audio still leaves in order
 DEFAULT_MAX_PENDING_DECODES = _env_int("QWEN3_TTS_MAX_PENDING_DECODES", 4)
-# chunks 0 and 1 of a stream (1 + 2 frames with the configs' schedule): the first audio, and the chunk that must
-# arrive before the first one's 80 ms have played
-DEFAULT_URGENT_CHUNKS = _env_int("QWEN3_TTS_URGENT_CHUNKS", 2)
+# a stream's first chunks decoded ahead of the others: off by default. Measured on an H100 (docs/benchmarks.md,
+# "First audio hop by hop"): 2 or 5 cut first audio under load but cost continuity at c=256 (57% / 86% gap-free
+# against 93%): the later chunks wait longer behind them while playback started sooner
+DEFAULT_URGENT_CHUNKS = _env_int("QWEN3_TTS_URGENT_CHUNKS", 0)
 
 # how often replicas refresh their queue/KV gauges
 METRICS_REFRESH_INTERVAL_S = _env_float("QWEN3_TTS_METRICS_REFRESH_INTERVAL_S", 2.0)

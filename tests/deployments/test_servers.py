@@ -13,7 +13,7 @@ from deployments.messages import GenerateOptions
 from stages.contract import SAMPLES_PER_FRAME, FinishReason, SamplingParams, SynthesisRequest
 from stages.prompts import build_prompt
 
-STREAMING = StreamingConfig(first_chunk_frames=2, steady_chunk_frames=5, left_context_frames=3)
+STREAMING = StreamingConfig(first_chunk_frames=2, steady_chunk_frames=5, left_context_frames=3, urgent_chunks=2)
 
 
 @pytest.fixture(scope="module")

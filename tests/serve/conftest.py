@@ -125,7 +125,8 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
                                "stall_timeout_s": 1.0, "pause_seed": PAUSE_SEED, "pause_after_frames": 4}},
         ],
         "code2wav": {"device": "cpu", "cpu_threads": 1, "max_batch_size": 16, "deployment_config": ZERO_CPU},
-        "streaming": {"first_chunk_frames": 2, "steady_chunk_frames": 8, "left_context_frames": 4},
+        # urgent_chunks: the first two chunks of each stream take Code2Wav's urgent path (off by default)
+        "streaming": {"first_chunk_frames": 2, "steady_chunk_frames": 8, "left_context_frames": 4, "urgent_chunks": 2},
         "ingress": {
             "voices_dir": str(voices_dir), "max_input_chars": 300, "max_ref_audio_bytes": 300_000,
             "max_ref_audio_seconds": 5.0, "request_timeout_s": 120, "max_request_bytes": 1_000_000,
