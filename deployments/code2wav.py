@@ -25,7 +25,7 @@ from deployments import first_audio_timing
 from deployments.audio_formats import float_to_pcm16
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
 from deployments.loading import build_engine, load_model, replica_log
-from deployments.messages import DecodedChunk
+from deployments.messages import DecodedChunk, talker_decoded
 from deployments.metrics import Code2WavMetrics
 from stages.code2wav.engine import decode_lengths
 from stages.contract import NUM_CODEBOOKS, CodecChunk
@@ -100,6 +100,9 @@ class Code2WavServer:
             for i, chunk in enumerate(resolved):
                 if isinstance(chunk, Exception):
                     answers[i] = chunk
+                    continue
+                if (decoded := talker_decoded(chunk)) is not None:  # a forwarded ref to PCM the Talker made
+                    answers[i] = decoded
                     continue
                 try:
                     self._engine.check_chunk(chunk, i)  # a malformed chunk fails alone, not the whole call

@@ -85,6 +85,9 @@ class TalkerDeploymentConfig(_RuntimeOptions):
     embedded_kind: ModelKind = "custom_voice"
     embedded_size: Literal["0.6b", "1.7b"] = "1.7b"
     default_max_new_tokens: int = Field(C.DEFAULT_MAX_NEW_TOKENS, ge=1, description="frames when a request sets none")
+    first_chunk_decode_max_running: int = Field(0, ge=0, description=(
+        "the Talker decodes a stream's first chunk itself (in its own CUDA context, sent back with the codes) "
+        "while at most this many requests run in its engine; 0 = never (deployments/first_chunk_decoder.py)"))
 
     @field_validator("aliases")
     @classmethod

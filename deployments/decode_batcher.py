@@ -32,7 +32,7 @@ import logging
 from ray.serve.handle import DeploymentHandle
 
 from deployments import constants as C
-from deployments.messages import DecodedChunk
+from deployments.messages import DecodedChunk, talker_decoded
 from stages.contract import SAMPLES_PER_FRAME, CodecChunk
 
 logger = logging.getLogger("ray.serve")
@@ -57,9 +57,14 @@ class DecodeBatcher:
 
     def submit(self, chunk, urgent: bool = False) -> asyncio.Future:
         """The decoded chunk, later. Cancelling the future drops the chunk if it has not left yet.
-        `urgent`: sent at once, without waiting for a call slot (a stream's first chunks)."""
+        `urgent`: sent at once, without waiting for a call slot (a stream's first chunks). A chunk that carries
+        the Talker's own PCM (deployments/first_chunk_decoder.py) is answered at once."""
         future: asyncio.Future[DecodedChunk] = asyncio.get_running_loop().create_future()
-        (self._urgent if urgent else self._queue).put_nowait((chunk, future))
+        decoded = talker_decoded(chunk) if isinstance(chunk, CodecChunk) else None
+        if decoded is not None:  # the Talker sent its PCM along: nothing to decode
+            future.set_result(decoded)
+        else:
+            (self._urgent if urgent else self._queue).put_nowait((chunk, future))
         return future
 
     async def _run(self, queue: asyncio.Queue, slots: asyncio.Semaphore | None) -> None:

@@ -1,7 +1,8 @@
 """Where a request's first audio spent its time, hop by hop: the `Server-Timing` header of a speech response.
 
 Each process on the path stamps wall-clock times (`time.time()`) on the stream's first chunk only: the Talker
-when its `generate` starts and when the first chunk leaves it (`CodecChunk.stamps`), Code2Wav when the decode
+when its `generate` starts, when the first chunk is cut and when it leaves (`CodecChunk.stamps`; in between the
+Talker may decode it itself, deployments/first_chunk_decoder.py), Code2Wav when the decode
 call holding the chunk arrives and when the batch holding it starts and ends decoding (`DecodedChunk.stamps`);
 the ingress adds its arrival, its Talker call, the first codec chunk's and the first PCM's receipt, and the
 response. The differences are the stages of `STAGES`. A stage that crosses processes compares two processes'
@@ -10,7 +11,7 @@ clocks: exact on one machine, off by the nodes' clock skew across machines (a ne
 The header is standard (W3C Server-Timing: browsers' developer tools show it; `bench.loadgen` collects it per
 request), and each stage is also a histogram, `tts_first_audio_stage_ms{stage}`, in the Ray dashboard.
 With the `object_ref` transport the ingress never reads the chunk, so the Talker's and Code2Wav's stamps are
-unknown and their stages merge into `talker_and_back`.
+unknown and their stages merge into `talker_and_back`; a first chunk the Talker decoded has no Code2Wav stages.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ STAGES: dict[str, str] = {
     "ingress": "arrival at the ingress to its Talker call: validation, routing, tokenization, voice",
     "to_talker": "the call's hop to a Talker replica, until its generate runs",
     "talker": "in the Talker replica: engine admission, prefill and the first chunk's frames",
+    "talker_decode": "the Talker decoding the first chunk itself (deployments/first_chunk_decoder.py; ~0 if not)",
     "to_ingress": "the first codec chunk's hop back to the ingress",
     "to_code2wav": "the ingress's decode batching and the hop to a Code2Wav replica",
     "code2wav_queue": "waiting in Code2Wav for the decoder (the batch before it)",
     "code2wav": "the decode batch that held the first chunk",
     "from_code2wav": "the first PCM's hop back to the ingress",
     "respond": "the ingress, from the first PCM to its response",
-    "talker_and_back": "object_ref transport: to_talker + talker + to_ingress (their stamps are not read)",
+    "talker_and_back": "object_ref transport: to_talker .. to_ingress (their stamps are not read)",
     "total": "arrival at the ingress to its response",
 }
 
@@ -40,12 +42,12 @@ def now() -> float:
 
 @dataclass
 class FirstAudioTiming:
-    """The ingress's stamps of one request, and the stages's stamps carried back with its first chunk."""
+    """The ingress's stamps of one request, and the stages' stamps carried back with its first chunk."""
 
     arrived: float
     talker_called: float | None = None
     chunk_received: float | None = None
-    talker: tuple[float, ...] = ()  # (generate started, first chunk yielded): CodecChunk.stamps
+    talker: tuple[float, ...] = ()  # (generate started, first chunk cut, first chunk yielded): CodecChunk.stamps
     decoded_received: float | None = None
     code2wav: tuple[float, ...] = ()  # (call arrived, batch started, batch ended): DecodedChunk.stamps
     responded: float | None = None
@@ -53,8 +55,9 @@ class FirstAudioTiming:
     def stages_ms(self) -> dict[str, float]:
         """The stages that this request's stamps determine, in ms, in path order (plus `total`)."""
         marks: list[tuple[str, float | None]] = [("ingress", self.talker_called)]
-        if len(self.talker) == 2:
-            marks += [("to_talker", self.talker[0]), ("talker", self.talker[1]), ("to_ingress", self.chunk_received)]
+        if len(self.talker) == 3:
+            marks += [("to_talker", self.talker[0]), ("talker", self.talker[1]), ("talker_decode", self.talker[2]),
+                      ("to_ingress", self.chunk_received)]
         else:
             marks.append(("talker_and_back", self.chunk_received))
         if len(self.code2wav) == 3:

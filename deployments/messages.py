@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stages.contract import FinishReason, TaskType
+from stages.contract import CodecChunk, FinishReason, TaskType
 
 if TYPE_CHECKING:
     from stages.config import GenerationDefaults, ModelConfig
@@ -69,3 +69,11 @@ class DecodedChunk:
     final: bool
     finish_reason: FinishReason | None
     stamps: tuple[float, ...] = ()  # first chunk: Code2Wav's wall times (deployments/first_audio_timing.py)
+
+
+def talker_decoded(chunk: CodecChunk) -> DecodedChunk | None:
+    """The answer for a chunk the Talker decoded itself (it carries `pcm`: deployments/first_chunk_decoder.py);
+    None for a chunk Code2Wav must decode."""
+    if chunk.pcm is None:
+        return None
+    return DecodedChunk(chunk.request_id, chunk.seq, chunk.pcm, chunk.final, chunk.finish_reason)

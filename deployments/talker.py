@@ -23,6 +23,7 @@ import numpy as np
 from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
+from deployments.first_chunk_decoder import FirstChunkDecoder
 from deployments.loading import build_engine, load_model, replica_log
 from deployments.messages import GenerateOptions, ModelInfo
 from deployments.metrics import TalkerMetrics
@@ -63,6 +64,7 @@ class TalkerServer:
         self._model = None
         self._info: ModelInfo | None = None
         self._voice_executor = ThreadPoolExecutor(1, thread_name_prefix="voice-encoder")
+        self._first_decoder: FirstChunkDecoder | None = None
         self._metrics_task: asyncio.Task | None = None
         self._metrics: TalkerMetrics | None = None
 
@@ -70,11 +72,16 @@ class TalkerServer:
         """Load the checkpoint, start the engine (KV sizing, graph capture), warm up with one real request."""
         cfg = self._config
         log = replica_log(cfg.deployment_name)
-        model, device = await load_model(cfg, cfg.source, log, talker=True, decoder=False, voice=True)
+        decode_first = cfg.first_chunk_decode_max_running > 0
+        model, device = await load_model(cfg, cfg.source, log, talker=True, decoder=decode_first, voice=True)
         self._model = model
         self._engine = build_engine(cfg.engine_cls or DEFAULT_ENGINE_CLS, model, cfg.engine_config_kwargs())
         await asyncio.to_thread(self._engine.start, log, C.TALKER_ENGINE_START_TIMEOUT_S)
         self._schedule = self._streaming.schedule()
+        if decode_first:
+            self._first_decoder = FirstChunkDecoder(model.decoder, self._schedule.first_chunk_frames,
+                                                    cfg.first_chunk_decode_max_running, log)
+            await asyncio.to_thread(self._first_decoder.start)
         self._info = ModelInfo(
             name=cfg.name, aliases=tuple(cfg.aliases), config=model.config, generation=model.generation,
             tokenizer=model.tokenizer, max_seq_len=int(self._engine.config.max_seq_len),
@@ -111,8 +118,8 @@ class TalkerServer:
         stream = self._engine.add_request(request, self._schedule_for(options))  # chunks are cut in the engine loop
         try:
             async for chunk in stream:
-                if chunk.seq == 0:  # the first chunk carries this replica's times (Server-Timing)
-                    chunk = dataclasses.replace(chunk, stamps=(started, first_audio_timing.now()))
+                if chunk.seq == 0:
+                    chunk = await self._first_chunk(chunk, started)
                 yield chunk
         finally:
             await stream.aclose()  # no-op after a normal end; aborts the request otherwise
@@ -127,11 +134,14 @@ class TalkerServer:
         context's append/flush/end events; a task here takes them as they arrive and hands them to the engine,
         which waits for text without stepping the request. Cancelling ends it as for `generate`.
         """
+        started = first_audio_timing.now()
         stream = self._engine.open_request(request, self._schedule_for(options),
                                            idle_timeout_s=options.text_idle_timeout_s)
         pump = asyncio.get_running_loop().create_task(self._pump_text(request.request_id, mailbox))
         try:
             async for chunk in stream:
+                if chunk.seq == 0:
+                    chunk = await self._first_chunk(chunk, started)
                 yield chunk
         finally:
             pump.cancel()
@@ -157,6 +167,14 @@ class TalkerServer:
         except Exception as e:  # the mailbox is gone: its ingress replica, and so the client, are gone
             logger.warning(f"live text of {request_id} lost (its ingress is gone?): {e!r}")
         engine.abort(request_id)  # the box was closed (the ingress ended the context) or lost
+
+    async def _first_chunk(self, chunk: CodecChunk, started: float) -> CodecChunk:
+        """A stream's first chunk as it leaves: with its PCM when this replica decodes it (lightly loaded), and
+        this replica's times (Server-Timing)."""
+        cut, decoder, pcm = first_audio_timing.now(), self._first_decoder, None
+        if decoder is not None and decoder.takes(chunk, self._engine.stats().running):
+            pcm = await decoder.decode(chunk)
+        return dataclasses.replace(chunk, pcm=pcm, stamps=(started, cut, first_audio_timing.now()))
 
     def _schedule_for(self, options: GenerateOptions) -> ChunkSchedule:
         """The deployment's chunk schedule, with the request's own first chunk when it asks for one."""
@@ -202,6 +220,8 @@ class TalkerServer:
         if self._engine is not None:
             self._engine.shutdown()
         self._voice_executor.shutdown(wait=False)
+        if self._first_decoder is not None:
+            self._first_decoder.shutdown()
 
     # ------------------------------------------------------------------ internals
     async def _warmup(self) -> None:

@@ -8,13 +8,15 @@ from deployments.first_audio_timing import STAGES, FirstAudioTiming, parse_serve
 
 
 def full_timing() -> FirstAudioTiming:
-    return FirstAudioTiming(arrived=100.0, talker_called=100.001, talker=(100.003, 100.013), chunk_received=100.014,
-                            code2wav=(100.016, 100.020, 100.025), decoded_received=100.026, responded=100.0265)
+    return FirstAudioTiming(arrived=100.0, talker_called=100.001, talker=(100.003, 100.013, 100.0135),
+                            chunk_received=100.0145, code2wav=(100.016, 100.020, 100.025), decoded_received=100.026,
+                            responded=100.0265)
 
 
 def test_every_hop_is_the_difference_of_its_stamps():
     stages = full_timing().stages_ms()
-    expected = {"ingress": 1, "to_talker": 2, "talker": 10, "to_ingress": 1, "to_code2wav": 2, "code2wav_queue": 4,
+    expected = {"ingress": 1, "to_talker": 2, "talker": 10, "talker_decode": 0.5, "to_ingress": 1, "to_code2wav": 1.5,
+                "code2wav_queue": 4,
                 "code2wav": 5, "from_code2wav": 1, "respond": 0.5, "total": 26.5}
     assert list(stages) == list(expected)  # path order
     assert stages == pytest.approx(expected, abs=1e-6)
@@ -26,8 +28,17 @@ def test_unread_talker_chunks_merge_its_hops():
     timing = full_timing()
     timing.talker = ()  # object_ref transport: the ingress forwarded a ref
     stages = timing.stages_ms()
-    assert "to_talker" not in stages and stages["talker_and_back"] == pytest.approx(13.0)
-    assert stages["to_code2wav"] == pytest.approx(2.0)
+    assert "to_talker" not in stages and stages["talker_and_back"] == pytest.approx(13.5)
+    assert stages["to_code2wav"] == pytest.approx(1.5)
+
+
+def test_a_first_chunk_decoded_by_the_talker_has_no_code2wav_stages():
+    timing = full_timing()
+    timing.code2wav = ()
+    timing.decoded_received = timing.chunk_received
+    stages = timing.stages_ms()
+    assert list(stages) == ["ingress", "to_talker", "talker", "talker_decode", "to_ingress", "respond", "total"]
+    assert stages["respond"] == pytest.approx(12.0)
 
 
 def test_a_missing_stamp_ends_the_known_stages():

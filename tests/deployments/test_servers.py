@@ -47,6 +47,20 @@ def code2wav(loop, tiny_custom_voice):
     yield server
 
 
+@pytest.fixture(scope="module")
+def decoding_talker(loop, tiny_custom_voice):
+    """A Talker that decodes first chunks itself while at most one request runs."""
+    from deployments.talker import TalkerServer
+
+    config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
+                                    engine_kwargs={"max_num_seqs": 4, "max_seq_len": 64},
+                                    first_chunk_decode_max_running=1)
+    server = TalkerServer.sync_init(config, STREAMING)
+    loop.run_until_complete(server.start())
+    yield server
+    server.__del__()
+
+
 def _request(talker, frames: int, rid: str = "r1", seed: int = 3) -> SynthesisRequest:
     info = talker._info
     prompt = build_prompt(info.config, info.tokenizer, "Hello there.", speaker="vivian")
@@ -171,6 +185,58 @@ def test_code2wav_decodes_calls_of_first_chunks_before_the_others(loop, talker, 
         ["older"], ["older", "older"], ["newer", "newer"], ["older", "newer"]]
     for call, answer in zip([a[:1], *later], answers, strict=True):
         assert [x.pcm.size for x in answer] == [c.num_new * SAMPLES_PER_FRAME for c in call]
+
+
+def test_a_first_chunk_the_talker_decodes_continues_exactly_into_code2wavs(loop, decoding_talker, talker, code2wav):
+    """Talker-decoded first chunk + Code2Wav's decode of the rest == Code2Wav decoding the whole stream."""
+    from deployments.decode_batcher import DecodeBatcher
+
+    before = decoding_talker._first_decoder.decoded  # (its start-up warm-up request decoded one)
+    chunks = loop.run_until_complete(_collect(decoding_talker.generate(_request(decoding_talker, 13, rid="fc"))))
+    plain = loop.run_until_complete(_collect(talker.generate(_request(talker, 13, rid="fc-plain"))))
+    assert chunks[0].pcm is not None and chunks[0].pcm.dtype == np.int16
+    assert all(c.pcm is None for c in chunks[1:]) and all(c.pcm is None for c in plain)
+    for ours, theirs in zip(chunks, plain, strict=True):  # the same codes (same seed): only the first has PCM
+        np.testing.assert_array_equal(ours.codes, theirs.codes)
+    assert decoding_talker._first_decoder.decoded == before + 1
+
+    async def through_code2wav(stream):
+        # the ingress's path: a chunk with PCM is answered at once, the others decoded by Code2Wav
+        class Handle:
+            def __init__(self):
+                self.decode_many = self
+                self.sent = []
+
+            def remote(self, batch):
+                self.sent += batch
+                return code2wav.decode_many(batch)
+
+        handle = Handle()
+        batcher = DecodeBatcher(handle, max_chunks=8, max_calls_in_flight=1)
+        answers = [await batcher.submit(c) for c in stream]
+        await batcher.close()
+        return answers, handle.sent
+
+    ours, sent = loop.run_until_complete(through_code2wav(chunks))
+    whole, _ = loop.run_until_complete(through_code2wav(plain))
+    assert [c.seq for c in sent] == [c.seq for c in chunks[1:]]  # the first chunk never went to Code2Wav
+    # fp32 on CPU: the first chunk decoded alone from zero state is the whole decode's; chunk 1 then decodes
+    # over its left context (Code2Wav's `fresh` path), which continues it (+-1 LSB from batch composition)
+    got, want = np.concatenate([a.pcm for a in ours]), np.concatenate([a.pcm for a in whole])
+    assert got.size == want.size == 13 * SAMPLES_PER_FRAME
+    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+
+
+def test_a_loaded_talker_leaves_first_chunks_to_code2wav(loop, decoding_talker):
+    async def two_at_once():
+        streams = [decoding_talker.generate(_request(decoding_talker, 20, rid=f"busy-{i}", seed=i)) for i in range(2)]
+        return await asyncio.gather(*(_collect(s) for s in streams))
+
+    before = decoding_talker._first_decoder.decoded
+    a, b = loop.run_until_complete(two_at_once())
+    decoded = decoding_talker._first_decoder.decoded - before
+    # two requests run together: the first to be cut may still see one running (itself), the other sees two
+    assert decoded <= 1 and (a[0].pcm is None or b[0].pcm is None)
 
 
 def test_code2wav_rejects_a_malformed_chunk_alone(loop, talker, code2wav):

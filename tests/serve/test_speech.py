@@ -101,19 +101,27 @@ def test_first_chunk_size_is_per_request(http):
     assert sizes == [1, 2, 4, 2]
 
 
+CODE2WAV_HOPS = ["to_code2wav", "code2wav_queue", "code2wav", "from_code2wav"]
+
+
 @pytest.mark.parametrize("stream", [True, False])
-def test_the_response_says_where_its_first_audio_went(http, stream):
-    body = speech(response_format="pcm", stream=stream, max_new_tokens=4)
+@pytest.mark.parametrize("first_frames", [1, 3])
+def test_the_response_says_where_its_first_audio_went(http, stream, first_frames):
+    """cv's Talker decodes first chunks of up to 2 frames itself (conftest): a 3-frame one goes to Code2Wav."""
+    body = speech(response_format="pcm", stream=stream, max_new_tokens=4, initial_codec_chunk_frames=first_frames)
     with http.stream("POST", "/v1/audio/speech", json=body) as r:
         assert r.status_code == 200
         stages = parse_server_timing(r.headers["server-timing"])
-        r.read()
+        pcm = r.read()
+    assert len(pcm) == 4 * SAMPLES_PER_FRAME * 2
     hops = [name for name in stages if name != "total"]
+    by_talker = first_frames == 1
     # every hop of the path stamped its part, in path order (the gRPC transport: the ingress reads the chunks)
-    assert hops == ["ingress", "to_talker", "talker", "to_ingress", "to_code2wav", "code2wav_queue", "code2wav",
-                    "from_code2wav", "respond"]
+    assert hops == ["ingress", "to_talker", "talker", "talker_decode", "to_ingress",
+                    *([] if by_talker else CODE2WAV_HOPS), "respond"]
     assert all(stages[name] >= -0.5 for name in hops), stages  # one machine's clock: no hop runs backwards
-    assert stages["talker"] > 0 and stages["code2wav"] > 0  # the tiny models' work is not free
+    assert stages["talker"] > 0  # the tiny models' work is not free
+    assert (stages["talker_decode"] if by_talker else stages["code2wav"]) > 0
     assert sum(stages[name] for name in hops) == pytest.approx(stages["total"], abs=0.01 * len(hops) + 0.01)
 
 
