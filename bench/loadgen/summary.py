@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from deployments.first_audio_timing import STAGES
+
 from .metrics import CONTINUITY_THRESHOLD_S, Stats, audio_seconds, continuity, rebuffering
 from .records import PointRun, RequestResult
 
@@ -142,9 +144,11 @@ def summarize(run: PointRun, threshold_s: float = CONTINUITY_THRESHOLD_S, resume
 
 
 def _stage_stats(timings) -> dict[str, Stats]:
-    """Stats per Server-Timing stage over the requests that reported it, in the order the server sent them."""
+    """Stats per Server-Timing stage over the requests that reported it, in path order (requests may take
+    different paths: a first chunk the Talker decoded has no Code2Wav stages), `client_side` last."""
     values: dict[str, list[float]] = {}
     for timing in timings:
         for stage, ms in (timing or {}).items():
             values.setdefault(stage, []).append(ms)
-    return {stage: Stats.of(v) for stage, v in values.items()}
+    order = {stage: i for i, stage in enumerate([*STAGES, "client_side"])}
+    return {stage: Stats.of(values[stage]) for stage in sorted(values, key=lambda s: order.get(s, len(order)))}
