@@ -11,8 +11,15 @@ Exact: the decoder is causal and a stream's first chunk starts from zero state, 
 whole decode gives for those frames; Code2Wav then decodes chunk 1 over its left context (the stateful
 engine's `fresh` path, the stateless decode), which continues them exactly.
 
-Only while the engine runs at most `max_running` requests: under load the decode would take GPU time from
-every running stream's step, and Code2Wav batches first chunks with everything else more cheaply.
+Its chunk 1 too: once the first chunk's 80 ms play, chunk 1 must be there, and through Code2Wav's queue it
+could come late (an earlier first audio with an unchanged second chunk gaps: H100 runs of `urgent_chunks` and
+of this gate at 64, docs/benchmarks.md). Chunk 1's left context is the whole stream before it (the first
+chunk's frames), so its decode from zero state is exact as well; Code2Wav decodes from chunk 2 on, over its
+left context (its `fresh` path).
+
+Only while the engine runs at most `max_running` requests when the first chunk is cut: under load the decode
+would take GPU time from every running stream's step, and Code2Wav batches them with everything else more
+cheaply.
 """
 
 from __future__ import annotations
@@ -25,29 +32,32 @@ from typing import Any
 import numpy as np
 
 from deployments.audio_formats import float_to_pcm16
+from stages.chunking import ChunkSchedule
 from stages.contract import CodecChunk
 
-MAX_BATCH = 8  # first chunks decoded together (those waiting while a decode runs)
+MAX_BATCH = 8  # chunks decoded together (those waiting while a decode runs)
 
 
 class FirstChunkDecoder:
-    def __init__(self, decoder_model: Any, first_chunk_frames: int, max_running: int, log=print):
-        """`decoder_model`: the checkpoint's codec decoder (`Qwen3TTS.decoder`), on the Talker's device."""
+    def __init__(self, decoder_model: Any, schedule: ChunkSchedule, max_running: int, log=print):
+        """`decoder_model`: the checkpoint's codec decoder (`Qwen3TTS.decoder`), on the Talker's device;
+        `schedule`: the deployment's, whose first two chunks (without reference context) get graphs."""
         from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 
         self.max_running = max_running
-        # one length bucket: first chunks of the configured size without context (a Base ICL first chunk has
-        # reference frames as context: longer, so it goes to Code2Wav)
-        self.max_frames = first_chunk_frames
+        # the configured first chunk without context (a Base ICL first chunk has reference frames as context:
+        # it goes to Code2Wav), and chunk 1 over it
+        (_, first), (context1, new1) = schedule.plan(schedule.chunk_frames(0) + schedule.chunk_frames(1) + 1)[:2]
+        self.max_frames, self.max_length1 = first, context1 + new1
         config = Code2WavEngineConfig(max_batch_size=MAX_BATCH, batch_buckets=(1, 2, 4, 8),
-                                      length_buckets=(first_chunk_frames,))
+                                      length_buckets=tuple(sorted({first, context1 + new1})))
         self._engine = Code2WavEngine(decoder_model, config)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="first-chunk-decoder")
         self._stream = None
         self._waiting: list[tuple[CodecChunk, asyncio.Future]] = []
         self._drainer: asyncio.Task | None = None
         self._log = log
-        self.decoded = 0  # first chunks decoded here
+        self.decoded = 0  # chunks decoded here
 
     def start(self) -> None:
         """Graphs for the first-chunk shapes and the stream the decodes run on (blocking: call off the loop)."""
@@ -58,16 +68,21 @@ class FirstChunkDecoder:
             self._stream = torch.cuda.Stream(self._engine.device, priority=-1)
         t0 = time.perf_counter()
         self._engine.warmup(self._log)
-        self._log(f"[talker] first-chunk decoder ready in {time.perf_counter() - t0:.1f} s "
-                  f"(chunks of <= {self.max_frames} frames while <= {self.max_running} requests run)")
+        self._log(f"[talker] first-chunk decoder ready in {time.perf_counter() - t0:.1f} s (first chunks of "
+                  f"<= {self.max_frames} frames and their chunk 1, while <= {self.max_running} requests run)")
 
-    def takes(self, chunk: CodecChunk, running: int) -> bool:
-        """Whether `chunk` is decoded here: a stream's first chunk, no context, the engine lightly loaded."""
-        return (chunk.seq == 0 and chunk.context == 0 and 0 < chunk.num_new <= self.max_frames
-                and running <= self.max_running)
+    def takes(self, chunk: CodecChunk, running: int, first: CodecChunk | None) -> bool:
+        """Whether `chunk` is decoded here: a stream's first chunk (no context, at most the configured frames)
+        while at most `max_running` requests run; its chunk 1 when the first was (`first`: the stream's first
+        chunk as it left, with `pcm` if decoded here) and its context is every frame before it."""
+        if chunk.seq == 0:
+            return chunk.context == 0 and 0 < chunk.num_new <= self.max_frames and running <= self.max_running
+        return (chunk.seq == 1 and first is not None and first.pcm is not None and chunk.context == first.num_new
+                and chunk.codes.shape[0] <= self.max_length1)
 
     async def decode(self, chunk: CodecChunk) -> np.ndarray:
-        """int16 PCM of the chunk's new frames; decodes waiting together share one forward."""
+        """int16 PCM of the chunk's new frames; decodes waiting together share one forward (padded to the
+        longest: the decoder is causal, so padding after a chunk never changes its samples)."""
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((chunk, future))
         if self._drainer is None or self._drainer.done():

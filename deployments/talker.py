@@ -79,7 +79,7 @@ class TalkerServer:
         await asyncio.to_thread(self._engine.start, log, C.TALKER_ENGINE_START_TIMEOUT_S)
         self._schedule = self._streaming.schedule()
         if decode_first:
-            self._first_decoder = FirstChunkDecoder(model.decoder, self._schedule.first_chunk_frames,
+            self._first_decoder = FirstChunkDecoder(model.decoder, self._schedule,
                                                     cfg.first_chunk_decode_max_running, log)
             await asyncio.to_thread(self._first_decoder.start)
         self._info = ModelInfo(
@@ -117,9 +117,11 @@ class TalkerServer:
             request = dataclasses.replace(request, max_frames=max(1, min(request.max_frames, room)))
         stream = self._engine.add_request(request, self._schedule_for(options))  # chunks are cut in the engine loop
         try:
+            first = None
             async for chunk in stream:
-                if chunk.seq == 0:
-                    chunk = await self._first_chunk(chunk, started)
+                if chunk.seq <= 1:
+                    chunk = await self._early_chunk(chunk, started, first)
+                    first = first or chunk
                 yield chunk
         finally:
             await stream.aclose()  # no-op after a normal end; aborts the request otherwise
@@ -139,9 +141,11 @@ class TalkerServer:
                                            idle_timeout_s=options.text_idle_timeout_s)
         pump = asyncio.get_running_loop().create_task(self._pump_text(request.request_id, mailbox))
         try:
+            first = None
             async for chunk in stream:
-                if chunk.seq == 0:
-                    chunk = await self._first_chunk(chunk, started)
+                if chunk.seq <= 1:
+                    chunk = await self._early_chunk(chunk, started, first)
+                    first = first or chunk
                 yield chunk
         finally:
             pump.cancel()
@@ -168,13 +172,14 @@ class TalkerServer:
             logger.warning(f"live text of {request_id} lost (its ingress is gone?): {e!r}")
         engine.abort(request_id)  # the box was closed (the ingress ended the context) or lost
 
-    async def _first_chunk(self, chunk: CodecChunk, started: float) -> CodecChunk:
-        """A stream's first chunk as it leaves: with its PCM when this replica decodes it (lightly loaded), and
-        this replica's times (Server-Timing)."""
+    async def _early_chunk(self, chunk: CodecChunk, started: float, first: CodecChunk | None) -> CodecChunk:
+        """A stream's chunk 0 or 1 as it leaves: with its PCM when this replica decodes it (lightly loaded:
+        deployments/first_chunk_decoder.py); the first also with this replica's times (Server-Timing)."""
         cut, decoder, pcm = first_audio_timing.now(), self._first_decoder, None
-        if decoder is not None and decoder.takes(chunk, self._engine.stats().running):
+        if decoder is not None and decoder.takes(chunk, self._engine.stats().running, first):
             pcm = await decoder.decode(chunk)
-        return dataclasses.replace(chunk, pcm=pcm, stamps=(started, cut, first_audio_timing.now()))
+        stamps = (started, cut, first_audio_timing.now()) if chunk.seq == 0 else ()
+        return dataclasses.replace(chunk, pcm=pcm, stamps=stamps)
 
     def _schedule_for(self, options: GenerateOptions) -> ChunkSchedule:
         """The deployment's chunk schedule, with the request's own first chunk when it asks for one."""
