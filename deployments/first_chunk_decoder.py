@@ -8,8 +8,7 @@ engine's steps (as `bench.pipeline` runs the two engines), and travels back with
 (`CodecChunk.pcm`); the ingress, or Code2Wav for an unread ObjectRef, takes that PCM instead of decoding.
 
 Exact: the decoder is causal and a stream's first chunk starts from zero state, so this is the samples the
-whole decode gives for those frames; Code2Wav then decodes chunk 1 over its left context (the stateful
-engine's `fresh` path, the stateless decode), which continues them exactly.
+whole decode gives for those frames.
 
 Its chunk 1 too: once the first chunk's 80 ms play, chunk 1 must be there, and through Code2Wav's queue it
 could come late (an earlier first audio with an unchanged second chunk gaps: H100 runs of `urgent_chunks` and
