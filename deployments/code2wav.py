@@ -147,8 +147,9 @@ class Code2WavServer:
         urgent = self._streaming.urgent_chunks
         while self._waiting:
             calls, self._waiting = self._waiting, []
-            first = [call for call in calls if all(chunk.seq < urgent for chunk in call[0])]
-            rest = [call for call in calls if not all(chunk.seq < urgent for chunk in call[0])]
+            first, rest = [], []
+            for call in calls:
+                (first if all(chunk.seq < urgent for chunk in call[0]) else rest).append(call)
             for group in (first, rest) if first and rest else (calls,):
                 await self._decode_calls(group)
 

@@ -117,11 +117,7 @@ class TalkerServer:
             request = dataclasses.replace(request, max_frames=max(1, min(request.max_frames, room)))
         stream = self._engine.add_request(request, self._schedule_for(options))  # chunks are cut in the engine loop
         try:
-            first = None
-            async for chunk in stream:
-                if chunk.seq <= 1:
-                    chunk = await self._early_chunk(chunk, started, first)
-                    first = first or chunk
+            async for chunk in self._leaving(stream, started):
                 yield chunk
         finally:
             await stream.aclose()  # no-op after a normal end; aborts the request otherwise
@@ -141,11 +137,7 @@ class TalkerServer:
                                            idle_timeout_s=options.text_idle_timeout_s)
         pump = asyncio.get_running_loop().create_task(self._pump_text(request.request_id, mailbox))
         try:
-            first = None
-            async for chunk in stream:
-                if chunk.seq <= 1:
-                    chunk = await self._early_chunk(chunk, started, first)
-                    first = first or chunk
+            async for chunk in self._leaving(stream, started):
                 yield chunk
         finally:
             pump.cancel()
@@ -171,6 +163,15 @@ class TalkerServer:
         except Exception as e:  # the mailbox is gone: its ingress replica, and so the client, are gone
             logger.warning(f"live text of {request_id} lost (its ingress is gone?): {e!r}")
         engine.abort(request_id)  # the box was closed (the ingress ended the context) or lost
+
+    async def _leaving(self, stream, started: float) -> AsyncGenerator[CodecChunk, None]:
+        """The engine's chunks of one request as they leave this replica (chunks 0 and 1 via `_early_chunk`)."""
+        first = None
+        async for chunk in stream:
+            if chunk.seq <= 1:
+                chunk = await self._early_chunk(chunk, started, first)
+                first = first or chunk
+            yield chunk
 
     async def _early_chunk(self, chunk: CodecChunk, started: float, first: CodecChunk | None) -> CodecChunk:
         """A stream's chunk 0 or 1 as it leaves: with its PCM when this replica decodes it (lightly loaded:
