@@ -5,6 +5,13 @@
 # references, graphed == reference, no host sync); code2wav: bench.code2wav stateless then --stateful;
 # c2w_tuned: --stateful --cudnn-benchmark --profile; talker_profile: bench.talker b1/b256 with the profiler;
 # pipeline / pipeline_stateless: both engines in one process, stateful / stateless Code2Wav.
+# talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
+# codebook-0 logits and codes, then steps equal).
+# talker_before: talker_profile with an earlier tree (BEFORE=a tar.gz of `git archive <commit> stages bench`,
+# carried), same checkpoint and call: the before/after of a kernel change.
+# startup: bench.startup twice (the engines' start phase by phase, high_concurrency.yaml's engine config): cold
+# (empty Inductor/Triton caches and compile-cache dir; under py-spy if PYSPY=path/to/py-spy), then with only
+# the compile-cache file it wrote (Inductor/Triton caches deleted, as on a new machine sharing the cache dir).
 # No Ray needed (nothing to carry). Results (logs, JSON) land in $OUT; the random 1.7B checkpoint in $W.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
@@ -39,6 +46,27 @@ for step in $STEPS; do
               python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,256} --steps 30 --compile \
                 --max-seq-len 1024 --profile --out "$OUT/talker_profile.json" 2>&1 | tee "$OUT/talker_profile.log" \
                 | grep -vE "^\[talker\] captured|^\{" | tail -40 ;;
+    talker_check) checkpoint  # graphed + compiled + fused against eager, per batch bucket (first-step logits, codes)
+              python3 -m bench.talker --checkpoint "$CKPT" --batches ${CHECK_BATCHES:-1,8,64,256} --steps 20 --compile \
+                --max-seq-len 1024 --check-graphs --out "$OUT/talker_check.json" 2>&1 | tee "$OUT/talker_check.log" \
+                | grep -E "^\{" | tail -8 ;;
+    talker_before) checkpoint
+              rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf "${BEFORE:-.before.tar.gz}" -C /tmp/before
+              CK=$(cd "$CKPT" && pwd)
+              (cd /tmp/before && python3 -m bench.talker --checkpoint "$CK" --batches ${BATCHES:-1,256} --steps 30 \
+                --compile --max-seq-len 1024 --profile --out /tmp/before/talker_profile.json) 2>&1 \
+                | tee "$OUT/talker_before.log" | grep -vE "^\[talker\] captured|^\{" | tail -40
+              cp /tmp/before/talker_profile.json "$OUT/talker_before.json" ;;
+    startup) checkpoint
+              S=/tmp/startup; rm -rf $S; mkdir -p $S
+              export TORCHINDUCTOR_CACHE_DIR=$S/inductor TRITON_CACHE_DIR=$S/triton
+              ${PYSPY:+$PYSPY record -r 50 --format speedscope -o "$OUT/startup_cold.speedscope" --} \
+                python3 -m bench.startup --checkpoint "$CKPT" --compile-cache-dir $S/cc --out "$OUT/startup_cold.json" \
+                2>&1 | tee "$OUT/startup_cold.log" | grep -E "^\[\+|^\{" | grep -vE "captured [0-9]+/" | tail -30
+              rm -rf $S/inductor $S/triton
+              python3 -m bench.startup --checkpoint "$CKPT" --compile-cache-dir $S/cc --out "$OUT/startup_cached.json" \
+                2>&1 | tee "$OUT/startup_cached.log" | grep -E "^\[\+|^\{" | grep -vE "captured [0-9]+/" | tail -30
+              unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR ;;
     pipeline) checkpoint
               python3 -m bench.pipeline --checkpoint "$CKPT" --levels "$LEVELS" --compile --slots 512 \
                 --first-chunk-frames 1 --stateful-code2wav --out "$OUT/pipeline_stateful.json" 2>&1 \

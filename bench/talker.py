@@ -11,6 +11,7 @@ With --check-graphs it also runs the same steps eagerly from the same state and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stages.contract import SamplingParams
+from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import write_random_checkpoint
@@ -56,6 +57,24 @@ def admit(runner: TalkerRunner, plan, b: int, sampling: SamplingParams, blocks_p
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def eager_reference(runner: TalkerRunner, on: bool = True):
+    """Inside: the reference path, plain eager PyTorch (no graph, no compiled kernels)."""
+    if not on:
+        yield
+        return
+    graphs, runner.graphs = runner.graphs, {}
+    kernels, select, mask = runner.talker.model.kernels, runner._select, runner._mask
+    runner.talker.model.kernels = runner.talker.code_predictor.model.kernels = None
+    runner._select, runner._mask = select_tokens, mask_talker_logits
+    try:
+        yield
+    finally:
+        runner.graphs = graphs
+        runner.talker.model.kernels = runner.talker.code_predictor.model.kernels = kernels
+        runner._select, runner._mask = select, mask
 
 
 def time_steps(runner: TalkerRunner, bucket: int, attn_len: int, steps: int) -> tuple[float, list[torch.Tensor]]:
@@ -171,17 +190,24 @@ def main() -> None:
                "audio_s_per_s": round(b * 1000 / ms * 0.08, 1), "x_realtime_per_stream": round(80 / ms, 1),
                "attn_len": attn_len}
         if args.check_graphs and runner.graphs:
+            # the first step from the same state, graphed then eager: the talker's codebook-0 logits (from the
+            # hidden state the step leaves) and the frame's codes, before sampled codes make the paths diverge
+            first = {}
+            for path in ("graph", "eager"):
+                for t, s in zip(runner._row_tensors(), saved, strict=True):
+                    t.copy_(s)
+                with eager_reference(runner, on=path == "eager"):
+                    turn = runner.launch_step(b, attn_len)
+                    codes = torch.from_numpy(runner.step_output(turn, b).copy())
+                    first[path] = (runner.talker.codec_logits(runner.hidden[:b]).float(), codes)
+            (lg, cg), (le, ce) = first["graph"], first["eager"]
+            row["first_step_logit_max_abs_err"] = round((lg - le).abs().max().item(), 4)
+            row["first_step_logit_max_abs"] = round(le.abs().max().item(), 3)
+            row["first_step_codes_equal"] = round((cg[:, :NUM_CODEBOOKS] == ce[:, :NUM_CODEBOOKS]).float().mean().item(), 4)
             for t, s in zip(runner._row_tensors(), saved, strict=True):
                 t.copy_(s)
-            # the reference: plain eager PyTorch (no graph, no compiled kernels)
-            graphs, runner.graphs = runner.graphs, {}
-            kernels, select, mask = runner.talker.model.kernels, runner._select, runner._mask
-            runner.talker.model.kernels = runner.talker.code_predictor.model.kernels = None
-            runner._select, runner._mask = select_tokens, mask_talker_logits
-            _, eager = time_steps(runner, b, attn_len, args.steps)
-            runner.graphs = graphs
-            runner.talker.model.kernels = runner.talker.code_predictor.model.kernels = kernels
-            runner._select, runner._mask = select, mask
+            with eager_reference(runner):
+                _, eager = time_steps(runner, b, attn_len, args.steps)
             same = sum(bool(torch.equal(g, e)) for g, e in zip(outs, eager, strict=True))
             row["graph_equals_eager_steps"] = f"{same}/{args.steps}"
             diff = [i for i, (g, e) in enumerate(zip(outs, eager, strict=True)) if not torch.equal(g, e)]

@@ -19,6 +19,8 @@ class ContiguousKV:
     block that is causal within itself via an explicit mask).
     """
 
+    KERNEL_MAX_ROWS = 4  # on CUDA, forwards of at most this many new rows use the decode kernel (decode_attention)
+
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str, decode_kernel: bool = True):
         shape = (batch, num_kv_heads, max_len, head_dim)
@@ -55,11 +57,19 @@ class ContiguousKV:
         self.v[layer_idx][:, :, self.length:end] = v
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
 
-    def decode_attention(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        """q [B, H, 1, D] of a one-position step whose k/v `update` stored -> [B, H, D] (decode_kernel only)."""
-        n = self.length + self._pending
-        return contiguous_decode_attention(q[:, :, 0], self.k[layer_idx], self.v[layer_idx], self._rows,
-                                           self._lengths[n:n + 1])
+    def decode_attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, S, D] and the new k/v [B, n_kv, S, D] of a forward -> [B, S, H, D] (decode_kernel only).
+
+        One kernel call per new row i: it stores row i's key/value at position length + i and attends to every
+        key up to it (the cache's causal rule), so no separate copy into the cache runs. Meant for a few rows
+        (`KERNEL_MAX_ROWS`), e.g. the code predictor's two-row first pass, for which SDPA's flash kernel took
+        ~100 us at batch 256 (H100) where these calls take a few each."""
+        s = q.shape[2]
+        rows = [contiguous_decode_attention(q[:, :, i], self.k[layer_idx], self.v[layer_idx], self._rows,
+                                            self._lengths[self.length + i + 1:self.length + i + 2],
+                                            new_kv=(k[:, :, i], v[:, :, i]))
+                for i in range(s)]
+        return torch.stack(rows, dim=1) if s > 1 else rows[0][:, None]
 
     def advance(self) -> None:
         self.length += self._pending

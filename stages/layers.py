@@ -76,7 +76,15 @@ class Rotary(nn.Module):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
         self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        self.register_buffer("table", None, persistent=False)  # [2, P, D] cos/sin rows, set by build_table
         self.reset_buffers()
+
+    def build_table(self, max_positions: int, dtype: torch.dtype) -> None:
+        """cos/sin of positions 0..max_positions-1, so that `forward` is one lookup instead of ~7 small kernels.
+        Bit-identical to computing them (the same elementwise fp32 math per position); the caller guarantees
+        that positions stay below `max_positions` (a lookup cannot check without a host sync)."""
+        positions = torch.arange(max_positions, device=self.inv_freq.device)
+        self.table = torch.stack(rope_cos_sin(positions, self.inv_freq, dtype))
 
     def reset_buffers(self) -> None:
         """(Re)compute inv_freq; the loader calls this after materializing a meta-device model."""
@@ -85,6 +93,9 @@ class Rotary(nn.Module):
     @torch.no_grad()
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, S] -> cos, sin [B, 1, S, D] in `dtype` (computed in fp32 like the original)."""
+        if self.table is not None and self.table.dtype == dtype:
+            cos_sin = self.table[:, positions]  # [2, B, S, D]
+            return cos_sin[0][:, None], cos_sin[1][:, None]
         cos, sin = rope_cos_sin(positions, self.inv_freq, dtype)
         return cos[:, None], sin[:, None]
 
@@ -103,28 +114,55 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def _project(h: torch.Tensor, weights: tuple[torch.Tensor, ...], sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """The products of `h` with each weight: one product per weight, or (one weight: the row-stacked weights of
+    `fuse_projections`) one product split into `sizes`. Fewer, larger GEMMs: at batch 1 each is bound by its launch."""
+    if len(weights) == 1:
+        return F.linear(h, weights[0]).split(sizes, dim=-1)
+    return tuple(F.linear(h, w) for w in weights)
+
+
 def attention_inputs(
-    x: torch.Tensor, norm_w: torch.Tensor, eps: float, q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor,
+    x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: tuple[torch.Tensor, ...],
     q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     num_heads: int, num_kv_heads: int, head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input RMSNorm -> q/k/v projections -> per-head q/k RMSNorm -> RoPE. x [B, S, H] -> q, k, v [B, h, S, D]."""
+    """input RMSNorm -> q/k/v projections -> per-head q/k RMSNorm -> RoPE. x [B, S, H] -> q, k, v [B, h, S, D].
+
+    `qkv_w`: (q, k, v) weights, or the one stacked weight of a fused layer."""
     b, s, _ = x.shape
     h = _rms(x, norm_w, eps)
-    q = _rms(F.linear(h, q_w).view(b, s, num_heads, head_dim), q_norm_w, eps).transpose(1, 2)
-    k = _rms(F.linear(h, k_w).view(b, s, num_kv_heads, head_dim), k_norm_w, eps).transpose(1, 2)
-    v = F.linear(h, v_w).view(b, s, num_kv_heads, head_dim).transpose(1, 2)
+    q, k, v = _project(h, qkv_w, (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim))
+    q = _rms(q.view(b, s, num_heads, head_dim), q_norm_w, eps).transpose(1, 2)
+    k = _rms(k.view(b, s, num_kv_heads, head_dim), k_norm_w, eps).transpose(1, 2)
+    v = v.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
 def attention_output_and_mlp(
     x: torch.Tensor, attn: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
-    gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
+    gate_up_w: tuple[torch.Tensor, ...], down_w: torch.Tensor,
 ) -> torch.Tensor:
-    """o_proj + residual, post-attention RMSNorm, SwiGLU MLP + residual. attn [B, S, h*D] -> [B, S, H]."""
+    """o_proj + residual, post-attention RMSNorm, SwiGLU MLP + residual. attn [B, S, h*D] -> [B, S, H].
+
+    `gate_up_w`: (gate, up) weights, or the one stacked weight of a fused layer."""
     x = x + F.linear(attn, o_w)
     h = _rms(x, norm_w, eps)
-    return x + F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
+    inner = down_w.shape[1]
+    gate, up = _project(h, gate_up_w, (inner, inner))
+    return x + F.linear(F.silu(gate) * up, down_w)
+
+
+def _stack_as_views(*linears: nn.Linear) -> torch.Tensor:
+    """One tensor holding the linears' weights row after row; each `weight` becomes a view of its rows, so the
+    state dict keeps the checkpoint's names and no weight is held twice."""
+    stacked = torch.cat([lin.weight.detach() for lin in linears])
+    at = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(stacked[at:at + rows], requires_grad=lin.weight.requires_grad)
+        at += rows
+    return stacked
 
 
 class Attention(nn.Module):
@@ -149,10 +187,11 @@ class Attention(nn.Module):
         if hasattr(ctx, "attend"):
             return ctx.attend(self.layer_idx, q, k, v)
         b, _, s, _ = q.shape
+        if getattr(ctx, "decode_kernel", False) and s <= ctx.KERNEL_MAX_ROWS:
+            # a cache with its own decode kernel (ContiguousKV on CUDA), a few new rows: the kernel stores them too
+            return ctx.decode_attention(self.layer_idx, q, k, v).reshape(b, s, self.num_heads * self.head_dim)
         k, v = ctx.update(self.layer_idx, k, v)  # [B, n_kv, L, D]
         if s == 1 and not ctx.is_causal:
-            if getattr(ctx, "decode_kernel", False):  # a cache with its own decode kernel (ContiguousKV on CUDA)
-                return ctx.decode_attention(self.layer_idx, q).reshape(b, 1, self.num_heads * self.head_dim)
             # decode: the query heads sharing a KV head become rows of one [group, D] query block, so
             # GQA needs no expanded K/V copy and the mask backend of SDPA stays usable
             group = self.num_heads // self.num_kv_heads
@@ -185,30 +224,49 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # set by fuse_projections; non-persistent buffers: not in the state dict, moved by `.to()`
+        self.register_buffer("qkv_weight", None, persistent=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up each become one product (two GEMMs per layer instead of five) on the compiled path
+        (`kernels` given); the eager path keeps the separate products. Call it once the weights are loaded and
+        placed: the stacked tensors are non-persistent buffers, so the state dict is
+        unchanged, and a later `.to()` would copy stack and views apart (equal values, twice the memory)."""
+        if self.qkv_weight is not None:
+            return
+        a, m = self.self_attn, self.mlp
+        self.qkv_weight = _stack_as_views(a.q_proj, a.k_proj, a.v_proj)
+        self.gate_up_weight = _stack_as_views(m.gate_proj, m.up_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: AttentionContext | SelfAttendingContext, kernels: LayerKernels | None = None) -> torch.Tensor:
         a, m = self.self_attn, self.mlp
         pre, post = (kernels.pre, kernels.post) if kernels is not None else (attention_inputs, attention_output_and_mlp)
-        q, k, v = pre(x, self.input_layernorm.weight, self.input_layernorm.eps, a.q_proj.weight, a.k_proj.weight,
-                      a.v_proj.weight, a.q_norm.weight, a.k_norm.weight, cos, sin, a.num_heads, a.num_kv_heads,
-                      a.head_dim)
+        fused = self.qkv_weight is not None and kernels is not None  # the eager path stays the reference
+        qkv_w = (self.qkv_weight,) if fused else (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+        gate_up_w = (self.gate_up_weight,) if fused else (m.gate_proj.weight, m.up_proj.weight)
+        q, k, v = pre(x, self.input_layernorm.weight, self.input_layernorm.eps, qkv_w, a.q_norm.weight,
+                      a.k_norm.weight, cos, sin, a.num_heads, a.num_kv_heads, a.head_dim)
         attn = a.attend(q, k, v, ctx)
         return post(x, attn, a.o_proj.weight, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
-                    m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+                    gate_up_w, m.down_proj.weight)
 
 
 @dataclass(frozen=True)
 class LayerKernels:
-    """The two per-layer functions, possibly `torch.compile`d (fused kernels for the CUDA-graph engine)."""
+    """The per-layer functions and the final norm, possibly `torch.compile`d (fused kernels for the CUDA-graph
+    engine)."""
 
     pre: Callable
     post: Callable
+    norm: Callable = _rms  # the stack's final RMSNorm (eager: ~7 kernels; compiled: one)
 
     @classmethod
     def compiled(cls) -> LayerKernels:
         return cls(pre=torch.compile(attention_inputs, dynamic=True, fullgraph=True),
-                   post=torch.compile(attention_output_and_mlp, dynamic=True, fullgraph=True))
+                   post=torch.compile(attention_output_and_mlp, dynamic=True, fullgraph=True),
+                   norm=torch.compile(_rms, dynamic=True, fullgraph=True))
 
 
 class DecoderStack(nn.Module):
@@ -227,4 +285,19 @@ class DecoderStack(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx, self.kernels)
+        if self.kernels is not None:
+            return self.kernels.norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
+
+    def use_kernels(self, kernels: LayerKernels, max_positions: int) -> None:
+        """The engine's fast path: `kernels` for the layer math and final norm, q/k/v and gate/up fused into one
+        product each, and RoPE from a table of positions < `max_positions`. Call it once the weights are loaded
+        and placed on their device."""
+        self.fuse_projections()
+        self.rotary.build_table(max_positions, self.norm.weight.dtype)
+        self.kernels = kernels
+
+    def fuse_projections(self) -> None:
+        """Every layer's q/k/v and gate/up as one product each (`DecoderLayer.fuse_projections`)."""
+        for layer in self.layers:
+            layer.fuse_projections()

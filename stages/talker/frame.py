@@ -36,7 +36,8 @@ def predict_frame_codes(
     b = hidden.shape[0]
     cache.reset()
     inputs = torch.stack((hidden, talker.embed_codec(c0)), dim=1)  # [B, 2, H]
-    positions = torch.arange(2, device=hidden.device).expand(b, 2)
+    steps = torch.arange(NUM_CODEBOOKS, device=hidden.device).expand(b, NUM_CODEBOOKS)  # every pass's positions
+    positions = steps[:, :2]
     codes = [c0]
     for group in range(NUM_CODEBOOKS - 1):
         cache.begin(inputs.shape[1])
@@ -46,7 +47,7 @@ def predict_frame_codes(
         codes.append(code)
         if group < NUM_CODEBOOKS - 2:
             inputs = cp.model.codec_embedding[group](code)[:, None]  # [B, 1, H]
-            positions = torch.full((b, 1), group + 2, device=hidden.device, dtype=torch.long)
+            positions = steps[:, group + 2:group + 3]  # a view: no kernel per pass
     return torch.stack(codes, dim=1)
 
 

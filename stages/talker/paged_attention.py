@@ -32,15 +32,29 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, sm_scale,
+        q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, kn_ptr, vn_ptr, sm_scale,
         stride_qb, stride_qh, stride_kblock, stride_kt, stride_kh, stride_tb, stride_len, stride_ob, stride_oh,
+        stride_knb, stride_knh, stride_vnb, stride_vnh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
+        WRITE: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq_len = tl.load(lens_ptr + row * stride_len)
         g = tl.arange(0, GROUP_P)
         d = tl.arange(0, D)
+        if WRITE:  # the row's new key/value go to its last position here, not in two copy kernels before the call
+            last = seq_len - 1
+            last_block = tl.load(table_ptr + row * stride_tb + last // PAGE)
+            last_offs = last_block * stride_kblock + (last % PAGE) * stride_kt + kv_head * stride_kh + d
+            k_new = tl.load(kn_ptr + row * stride_knb + kv_head * stride_knh + d)
+            v_new = tl.load(vn_ptr + row * stride_vnb + kv_head * stride_vnh + d)
+            tl.store(k_ptr + last_offs, k_new)
+            tl.store(v_ptr + last_offs, v_new)
+            # the loop below takes the new key/value from these registers, not from the stores above: no
+            # ordering between this program's stores and its loads is needed
+            k_new = k_new.to(tl.float32)
+            v_new = v_new.to(tl.float32)
         g_ok = g < GROUP
         heads = kv_head * GROUP + g
         q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None],
@@ -54,12 +68,16 @@ if triton is not None:
             block = tl.load(table_ptr + row * stride_tb + n // PAGE, mask=n_ok, other=0)
             offs = (block * stride_kblock + (n % PAGE) * stride_kt)[:, None] + kv_head * stride_kh + d[None, :]
             k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0).to(tl.float32)  # [N, D]
+            if WRITE:
+                k = tl.where((n == last)[:, None], k_new[None, :], k)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [G, N]
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0).to(tl.float32)  # [N, D]
+            if WRITE:
+                v = tl.where((n == last)[:, None], v_new[None, :], v)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             m = m_new
@@ -78,8 +96,12 @@ def paged_decode_attention(
     keys_per_iteration: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_lens - 1
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over each row's first seq_lens[row] keys.
+
+    With `new_kv`, the kernel first stores each row's new key/value at its last position (seq_lens - 1), which
+    the caller would otherwise do with two copy kernels per layer.
 
     Tiling (`bench/paged_attention.py` sweeps it; H100, bf16, 2026-11-23): from 64 rows up, 16 keys per
     iteration and one warp per program (two below 128 rows) read K/V at 2.6-2.8 TB/s at batch 256-512,
@@ -95,14 +117,24 @@ def paged_decode_attention(
     group = heads // n_kv
     out = torch.empty_like(q)
     assert k_pool.stride(2) == 1 and q.stride(2) == 1 and block_table.stride(1) == 1
+    kn, vn, new_strides = _new_kv_args(new_kv, q)
     _paged_decode_kernel[(b, n_kv)](
-        q, k_pool, v_pool, out, block_table, seq_lens, d ** -0.5,
+        q, k_pool, v_pool, out, block_table, seq_lens, kn, vn, d ** -0.5,
         q.stride(0), q.stride(1), block_size * k_pool.stride(0), k_pool.stride(0), k_pool.stride(1),
-        block_table.stride(0), 1, out.stride(0), out.stride(1),
+        block_table.stride(0), 1, out.stride(0), out.stride(1), *new_strides,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d, BLOCK=keys_per_iteration, PAGE=block_size,
-        num_warps=num_warps, num_stages=num_stages,
+        WRITE=new_kv is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def _new_kv_args(new_kv: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor) -> tuple:
+    """The kernel's new-key/value pointers and their row/head strides (q in their place when there are none)."""
+    if new_kv is None:
+        return q, q, (0, 0, 0, 0)
+    kn, vn = new_kv
+    assert kn.stride(2) == 1 and vn.stride(2) == 1
+    return kn, vn, (kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1))
 
 
 def contiguous_decode_attention(
@@ -112,18 +144,22 @@ def contiguous_decode_attention(
     rows: torch.Tensor,  # [B, 1] int64: arange(B), each row its own block
     seq_len: torch.Tensor,  # [1] int64: keys every row attends to (the same for all rows)
     num_warps: int = 4,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_len - 1
 ) -> torch.Tensor:
-    """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over the first seq_len keys of each row."""
+    """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over the first seq_len keys of each row (with `new_kv`, stored
+    first at position seq_len - 1, as in `paged_decode_attention`)."""
     b, heads, d = q.shape
     n_kv, length = k.shape[1], k.shape[2]
     group = heads // n_kv
     out = torch.empty_like(q)
     assert k.stride(3) == 1 and q.stride(2) == 1 and k.stride() == v.stride()
+    kn, vn, new_strides = _new_kv_args(new_kv, q)
     _paged_decode_kernel[(b, n_kv)](
-        q, k, v, out, rows, seq_len, d ** -0.5,
+        q, k, v, out, rows, seq_len, kn, vn, d ** -0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(2), k.stride(1), rows.stride(0), 0,
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *new_strides,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d,
-        BLOCK=min(32, max(16, triton.next_power_of_2(length))), PAGE=length, num_warps=num_warps,
+        BLOCK=min(32, max(16, triton.next_power_of_2(length))), PAGE=length, WRITE=new_kv is not None,
+        num_warps=num_warps,
     )
     return out

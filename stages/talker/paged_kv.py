@@ -71,12 +71,12 @@ class DecodeContext:
     def __init__(self, cache: PagedKVCache, positions: torch.Tensor, attn_len: int, kernel: bool):
         b = positions.shape[0]
         self.cache, self.positions, self.kernel = cache, positions, kernel
-        slots = torch.arange(b, device=positions.device)
-        self.write_index = cache.token_index(slots, positions[:, None])[:, 0]  # [b]
-        if kernel:
+        if kernel:  # the kernel finds each row's write position through the block table itself
             self.seq_lens = positions + 1
             self.table = cache.block_table[:b]
         else:
+            slots = torch.arange(b, device=positions.device)
+            self.write_index = cache.token_index(slots, positions[:, None])[:, 0]  # [b]
             keys = torch.arange(attn_len, device=positions.device)
             self.read_index = cache.token_index(slots, keys.expand(b, attn_len))  # [b, L]
             self.attn_mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [b, 1, 1, L]
@@ -84,12 +84,13 @@ class DecodeContext:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [b, h, 1, D], new k/v [b, n_kv, 1, D] -> [b, 1, h*D]; the new k/v are stored first."""
         kl, vl = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        b, heads, _, d = q.shape
+        if self.kernel:  # the kernel stores the new k/v at position seq_lens - 1 = positions itself
+            out = paged_decode_attention(q[:, :, 0], kl, vl, self.table, self.seq_lens, self.cache.block_size,
+                                         new_kv=(k[:, :, 0], v[:, :, 0]))
+            return out.reshape(b, 1, heads * d)
         kl.index_copy_(0, self.write_index, k[:, :, 0])
         vl.index_copy_(0, self.write_index, v[:, :, 0])
-        b, heads, _, d = q.shape
-        if self.kernel:
-            out = paged_decode_attention(q[:, :, 0], kl, vl, self.table, self.seq_lens, self.cache.block_size)
-            return out.reshape(b, 1, heads * d)
         n_kv = k.shape[1]
         keys = kl[self.read_index].transpose(1, 2)  # [b, n_kv, L, D]
         values = vl[self.read_index].transpose(1, 2)

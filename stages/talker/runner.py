@@ -251,8 +251,10 @@ class TalkerRunner:
         # shapes seen: talker/code predictor x prefill/decode x batch 1/many; each a compiled variant
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         kernels = LayerKernels.compiled()
-        self.talker.model.kernels = kernels
-        self.talker.code_predictor.model.kernels = kernels
+        # also q/k/v and gate/up as one GEMM each (2 of 5 per layer: ~300 fewer kernels per frame) and RoPE from a
+        # table; positions stay below max_seq_len (the talker) and 16 (the code predictor's frame)
+        self.talker.model.use_kernels(kernels, self.max_seq_len)
+        self.talker.code_predictor.model.use_kernels(kernels, NUM_CODEBOOKS)
         self._select = torch.compile(select_tokens, dynamic=True, fullgraph=True)
         self._mask = torch.compile(mask_talker_logits, dynamic=True, fullgraph=True)
 

@@ -59,10 +59,13 @@ def _run(engine, requests, stagger=False):
     return asyncio.run(main())
 
 
+@pytest.mark.parametrize("write", [False, True], ids=["read", "store-new-kv"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("b", [37, 96, 256])  # the three tilings (rows < 64, < 128, >= 128)
-def test_paged_kernel_matches_gather_attention(dtype, atol, b):
-    """The Triton paged decode attention against gather + SDPA on scattered blocks and uneven lengths."""
+def test_paged_kernel_matches_gather_attention(dtype, atol, b, write):
+    """The Triton paged decode attention against gather + SDPA on scattered blocks and uneven lengths. With
+    `write`, the kernel also stores each row's new key/value at its last position (what the engine runs): the
+    pool must then equal an index_copy of them, bit for bit."""
     from stages.talker.paged_attention import paged_decode_attention
 
     torch.manual_seed(0)
@@ -74,21 +77,32 @@ def test_paged_kernel_matches_gather_attention(dtype, atol, b):
     per = -(-400 // page)
     table = torch.randperm(blocks, device="cuda")[:b * per].view(b, per)  # scattered, not contiguous
     q = torch.randn(b, heads, d, device="cuda", dtype=dtype)
-    out = paged_decode_attention(q, k_pool, v_pool, table, lens, page)
+    if write:
+        # new k/v as the layer makes them: [b, n_kv, D] views with a row stride wider than n_kv * D
+        k_new, v_new = torch.randn(2, b, 3, n_kv, d, device="cuda", dtype=dtype).unbind(0)
+        k_new, v_new = k_new[:, 1], v_new[:, 2]
+        last = lens - 1
+        index = table[torch.arange(b, device="cuda"), last // page] * page + last % page
+        expected_k, expected_v = k_pool.clone().index_copy_(0, index, k_new), v_pool.clone().index_copy_(0, index, v_new)
+        out = paged_decode_attention(q, k_pool, v_pool, table, lens, page, new_kv=(k_new, v_new))
+        assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
+    else:
+        out = paged_decode_attention(q, k_pool, v_pool, table, lens, page)
     keys = torch.arange(per * page, device="cuda")
     index = table[:, keys // page] * page + keys % page  # [b, L]
     k, v = k_pool[index].float().transpose(1, 2), v_pool[index].float().transpose(1, 2)
     mask = (keys[None, :] < lens[:, None])[:, None, None, :]
     ref = F.scaled_dot_product_attention(q.float().reshape(b, n_kv, heads // n_kv, d), k, v, attn_mask=mask)
     err = (out.float() - ref.reshape(b, heads, d)).abs().max().item()
-    print(f"paged kernel vs gather, {dtype}, {b} rows: max abs err {err:.2e}")
+    print(f"paged kernel vs gather, {dtype}, {b} rows, write {write}: max abs err {err:.2e}")
     assert err <= atol
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 256])
 def test_code_predictor_cache_kernel_matches_sdpa(dtype, atol, rows):
-    """The code predictor's contiguous cache with the decode kernel against SDPA, at every length 1..16."""
+    """The code predictor's contiguous cache with the decode kernel against SDPA, at every length 1..16: the
+    two-row causal first step (one kernel call per row) and the one-row steps after it."""
     from stages.kv_cache import ContiguousKV
     from stages.layers import Attention
 
@@ -157,16 +171,21 @@ def test_hot_path_has_no_host_sync(cuda_model, prompts):
     assert stats.running == 0 and stats.kv_reserved_tokens == 0
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate-projections", "fused-projections"])
 @pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 2e-2)])  # H100: 1.2e-7, 0.8% (1 ulp)
-def test_compiled_layer_kernels_match_eager_on_prompt_shapes(tiny_custom_voice, dtype, rtol):
+def test_compiled_layer_kernels_match_eager_on_prompt_shapes(tiny_custom_voice, dtype, rtol, fused):
     """What the prefill graphs now run: the talker's compiled layer kernels (dynamic shapes: one variant for a
-    single row, one for every batch and width above it) against its eager layers, at prompt shapes. The error
-    is stated relative to the largest hidden value."""
+    single row, one for every batch and width above it) against its eager layers, at prompt shapes; with
+    `fused`, q/k/v and gate/up as one product each (what the engine runs). The error is stated relative to the
+    largest hidden value."""
     from stages.kv_cache import ContiguousKV
     from stages.layers import LayerKernels
 
+    torch._dynamo.reset()  # each parametrization compiles anew (Dynamo's recompile limit counts across them)
     model = Qwen3TTS.load(tiny_custom_voice, device="cuda", dtype=dtype, decoder=False)
     stack, cfg = model.talker.model, model.talker.model.config
+    if fused:
+        stack.fuse_projections()  # the eager path keeps the separate products
     kernels = LayerKernels.compiled()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for b, s in [(1, 16), (1, 98), (5, 37), (16, 64), (16, 128)]:
@@ -182,5 +201,6 @@ def test_compiled_layer_kernels_match_eager_on_prompt_shapes(tiny_custom_voice, 
         stack.kernels = None
         scale = out["eager"].abs().max().item()
         err = (out["compiled"] - out["eager"]).abs().max().item()
-        print(f"compiled vs eager layers, {dtype}, batch {b} x {s}: max abs err {err:.2e} (max |h| {scale:.2f})")
+        print(f"compiled vs eager layers, {dtype}, fused {fused}, batch {b} x {s}: max abs err {err:.2e} "
+              f"(max |h| {scale:.2f})")
         assert err <= rtol * max(scale, 1.0), (b, s, err, scale)
