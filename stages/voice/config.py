@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import MimiConfig
+if TYPE_CHECKING:  # transformers is imported where a Mimi encoder is built: importing it takes ~10 s on a GPU node
+    from transformers import MimiConfig
 
 # MimiConfig constructor arguments that shape the encoder; everything else in a saved `encoder_config`
 # (architectures, model_type, dtype, transformers_version, ...) is bookkeeping and is dropped.
@@ -92,6 +93,8 @@ class ReferenceEncoderConfig:
 
     def mimi_config(self) -> MimiConfig:
         """A `transformers.MimiConfig` that reproduces the official encoder (SDPA, full causal attention)."""
+        from transformers import MimiConfig
+
         kw = {k: v for k, v in self.encoder.items() if k in _MIMI_KEYS}
         if "frame_rate" not in kw and self.encoder.get("_frame_rate") is not None:
             kw["frame_rate"] = self.encoder["_frame_rate"]  # the name 4.57's save_pretrained writes

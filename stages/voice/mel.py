@@ -7,7 +7,6 @@ import functools
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers.audio_utils import mel_filter_bank
 
 # Hard-coded in the official `extract_speaker_embedding`, not read from any config.
 SAMPLE_RATE = 24000
@@ -23,6 +22,8 @@ MIN_SAMPLES = PAD + 1  # reflect padding needs more input samples than it pads
 
 def mel_basis() -> np.ndarray:  # [N_MELS, N_FFT // 2 + 1] float32
     """librosa.filters.mel(sr=24000, n_fft=1024, n_mels=128, fmin=0, fmax=12000): slaney scale and norm."""
+    from transformers.audio_utils import mel_filter_bank  # here, not at import: transformers takes seconds to load
+
     fb = mel_filter_bank(
         num_frequency_bins=N_FFT // 2 + 1, num_mel_filters=N_MELS, min_frequency=F_MIN, max_frequency=F_MAX,
         sampling_rate=SAMPLE_RATE, norm="slaney", mel_scale="slaney",

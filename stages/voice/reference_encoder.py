@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import MimiModel
-from transformers.models.mimi.modeling_mimi import MimiEuclideanCodebook, MimiLayerScale
 
 from stages.voice.config import ReferenceEncoderConfig
+
+if TYPE_CHECKING:  # imported where an encoder is built (Base checkpoints only): transformers takes ~10 s to import
+    from transformers import MimiModel
 
 
 def _encoder_parts(mimi: MimiModel) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
@@ -37,6 +39,8 @@ class ReferenceAudioEncoder(nn.Module):
     def __init__(self, config: ReferenceEncoderConfig):
         super().__init__()
         self.config = config
+        from transformers import MimiModel
+
         mimi_config = config.mimi_config()
         if hasattr(mimi_config, "decoder_config"):
             mimi_config.decoder_config = None  # transformers >= 5 then builds no decoder at all
@@ -46,6 +50,8 @@ class ReferenceAudioEncoder(nn.Module):
 
     def reset_codebook_cache(self) -> None:
         """Mimi caches embed_sum / cluster_usage in a plain attribute on first use; drop it when buffers change."""
+        from transformers.models.mimi.modeling_mimi import MimiEuclideanCodebook
+
         for m in self.modules():
             if isinstance(m, MimiEuclideanCodebook):
                 m._embed = None
@@ -85,6 +91,8 @@ def randomize_codebooks_(
     give latents far larger than N(0, 1) (std ~20 at the tiny test shapes); a `std` near the latents' scale spreads
     the codes, otherwise a few extreme codewords win every frame. Draws happen on `generator.device`.
     """
+    from transformers.models.mimi.modeling_mimi import MimiEuclideanCodebook, MimiLayerScale
+
     for m in encoder.modules():
         if isinstance(m, MimiEuclideanCodebook):
             m.embed_sum.copy_(torch.randn(m.embed_sum.shape, generator=generator, device=generator.device) * std)
