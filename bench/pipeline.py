@@ -47,7 +47,7 @@ import torch
 from bench.loadgen.metrics import continuity
 from bench.loadgen.sentences import load_sentences
 from stages.chunking import CODEBOOK_SIZE, ChunkSchedule
-from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig, decode_lengths
+from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from stages.contract import CodecChunk, SamplingParams, SynthesisRequest
 from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
@@ -297,7 +297,7 @@ async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
     c2w = None
     if not args.no_code2wav:
         loop = asyncio.get_running_loop()
-        lengths = sorted({n for sch in schedules.values() for n in decode_lengths(sch, args.stateful_code2wav)})
+        lengths = sorted({n for sch in schedules.values() for n in sch.graph_lengths(args.stateful_code2wav)})
         config = Code2WavEngineConfig(length_buckets=tuple(lengths), max_batch_size=args.decode_batch,
                                       cuda_graphs=not args.no_graphs, stateful=args.stateful_code2wav,
                                       state_slots=max(args.slots, 1))

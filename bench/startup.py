@@ -27,7 +27,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from stages.chunking import ChunkSchedule  # noqa: E402
-from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig, decode_lengths  # noqa: E402
+from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig  # noqa: E402
 from stages.contract import SamplingParams, SynthesisRequest  # noqa: E402
 from stages.prompts import build_prompt  # noqa: E402
 from stages.qwen3_tts import Qwen3TTS  # noqa: E402
@@ -94,7 +94,7 @@ def main() -> None:
         schedule = ChunkSchedule(first_chunk_frames=1, steady_chunk_frames=25, left_context_frames=25)
         c2w = Code2WavEngine(model.decoder, Code2WavEngineConfig(
             max_batch_size=64, max_frames_per_forward=4096, stateful=True, state_slots=576,
-            length_buckets=tuple(decode_lengths(schedule, True))))
+            length_buckets=tuple(schedule.graph_lengths(stateful=True))))
         c2w.warmup(log)
         phases["code2wav_engine_start"] = log.mark("code2wav graphs captured") - t
     engine.shutdown()

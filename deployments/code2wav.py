@@ -27,7 +27,6 @@ from deployments.config import CheckpointSource, Code2WavDeploymentConfig, Strea
 from deployments.loading import build_engine, load_model, replica_log
 from deployments.messages import DecodedChunk, talker_decoded
 from deployments.metrics import Code2WavMetrics
-from stages.code2wav.engine import decode_lengths
 from stages.contract import NUM_CODEBOOKS, CodecChunk
 
 DEFAULT_ENGINE_CLS = "stages.code2wav.engine:Code2WavEngine"
@@ -65,7 +64,7 @@ class Code2WavServer:
         log = replica_log(C.CODE2WAV_DEPLOYMENT_NAME)
         model, device = await load_model(cfg, self._source, log, talker=False, decoder=True, voice=False)
         stateful = bool(cfg.engine_kwargs.get("stateful", False))
-        lengths = decode_lengths(self._streaming.schedule(), stateful)  # the chunk shapes worth a CUDA graph
+        lengths = self._streaming.schedule().graph_lengths(stateful)  # the chunk shapes worth a CUDA graph
         engine_kwargs = {"max_batch_size": cfg.max_batch_size, "length_buckets": lengths, **cfg.engine_kwargs}
         self._engine = await self._on_thread(build_engine, cfg.engine_cls or DEFAULT_ENGINE_CLS, model.decoder,
                                              engine_kwargs)

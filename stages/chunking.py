@@ -114,6 +114,15 @@ class ChunkSchedule:
                 done, i = done + n, i + 1
         return sorted(lengths)
 
+    def graph_lengths(self, stateful: bool, ref_frames: tuple[int, ...] = ()) -> list[int]:
+        """The decode lengths worth a CUDA graph in Code2Wav: stateless, context + new frames of each chunk
+        (`decode_lengths`); stateful, the new frames of each chunk size, plus the longest stateless length for
+        chunks decoded fresh with their context."""
+        stateless = self.decode_lengths(ref_frames)
+        if not stateful:
+            return stateless
+        return sorted(set(self.chunk_sizes()) | {max(stateless)})
+
     def chunk_sizes(self) -> list[int]:
         """Distinct new-frame counts of the non-final chunks (first, ramp, steady): what a stateful decoder,
         which skips the context, decodes."""

@@ -72,18 +72,9 @@ class Code2WavEngineConfig:
 
     @classmethod
     def for_schedule(cls, schedule: ChunkSchedule, ref_frames: tuple[int, ...] = (), **kwargs) -> Code2WavEngineConfig:
-        """Length buckets = the lengths the schedule's chunks decode at (`decode_lengths`)."""
+        """Length buckets = the lengths the schedule's chunks decode at (`ChunkSchedule.graph_lengths`)."""
         stateful = kwargs.get("stateful", cls.stateful)
-        return cls(length_buckets=tuple(decode_lengths(schedule, stateful, ref_frames)), **kwargs)
-
-
-def decode_lengths(schedule: ChunkSchedule, stateful: bool, ref_frames: tuple[int, ...] = ()) -> list[int]:
-    """The decode lengths worth a CUDA graph: stateless, context + new frames of each chunk; stateful, the
-    new frames of each chunk size, plus the longest stateless length for chunks decoded fresh with context."""
-    stateless = schedule.decode_lengths(ref_frames)
-    if not stateful:
-        return stateless
-    return sorted(set(schedule.chunk_sizes()) | {max(stateless)})
+        return cls(length_buckets=tuple(schedule.graph_lengths(stateful, ref_frames)), **kwargs)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from stages.talker.live_text import LiveText
 from stages.talker.paged_kv import PagedKVCache
 from stages.talker.prefill import build_prefill
 from stages.talker.prompt_plan import plan_prompt
-from stages.talker.runner import Admission, TalkerRunner
+from stages.talker.runner import COMPILED_SOURCES, Admission, TalkerRunner
 from stages.talker.scheduler import Scheduler, Sequence
 from stages.talker.stream import ChunkStream
 from stages.text_stream import TextPiece, TextStream
@@ -393,7 +393,8 @@ class TalkerEngine:
         if use_compile:
             if cfg.compile_cache_dir:
                 shapes = {"talker": repr(model.config.talker), "dtype": str(model.dtype)}
-                compile_cache = CompileCache.for_model(cfg.compile_cache_dir, model.device, shapes)
+                compile_cache = CompileCache.for_model(cfg.compile_cache_dir, model.device, shapes,
+                                                       sources=COMPILED_SOURCES)
                 compile_cache.load(log)
             log("[talker] compiling fused kernels" + (" (from the compile cache)" if compile_cache and
                                                        compile_cache.loaded else ""))

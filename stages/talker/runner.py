@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from stages import layers, sampling
 from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.layers import LayerKernels
 from stages.qwen3_tts import Qwen3TTS
@@ -48,6 +49,8 @@ from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from stages.talker.prefill import PrefillEmbeds
 from stages.talker.prompt_plan import NONE, PromptPlan, embed_rows, embed_text_rows
 
+# the files whose functions `compile` hands to torch.compile: the compile cache keys their source (CompileCache)
+COMPILED_SOURCES = (layers.__file__, sampling.__file__)
 PREFILL_WIDTH_BUCKETS = (16, 32, 64, 128)  # graphed prefill widths (CustomVoice/VoiceDesign prompts fit)
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # graphed prefill batches (the engine admits <= 16 per step)
 PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)

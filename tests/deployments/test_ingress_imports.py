@@ -49,3 +49,14 @@ def test_ingress_tokenizes_without_transformers(tiny_custom_voice):
     assert out["after"] == {"transformers": False, "torch": False}
     assert out["text_ids"] == list(tokenizer.target_ids("Hello there, 42 times!")[1])
     assert out["instruct_ids"] == list(tokenizer.instruct_ids("calm"))
+
+
+def test_building_the_app_does_not_import_torch():
+    """Serve builds the application in a fresh worker before any replica starts (`serve run`'s critical path:
+    the import took ~5 s of it on the GPU machine): the builder and the deployment classes load without torch."""
+    script = ("import sys, deployments.builder, deployments.talker, deployments.code2wav\n"
+              "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    assert result.stdout.decode().split() == ["False", "False"]

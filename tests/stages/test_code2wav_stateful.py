@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stages.chunking import ChunkSchedule, StreamChunker
-from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig, decode_lengths
+from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from stages.code2wav.stateful import DecoderStates, carried_convs
 from stages.code2wav.stream_slots import StreamSlots
 from stages.contract import CodecChunk, FinishReason
@@ -179,8 +179,8 @@ def test_state_shapes_and_graph_lengths(decoder):
                                  cfg.head_dim)
     assert states.bytes_per_slot > 0
     schedule = ChunkSchedule(first_chunk_frames=1)
-    assert decode_lengths(schedule, stateful=True) == [1, 2, 4, 8, 16, 25, 50]
-    assert decode_lengths(schedule, stateful=False) == schedule.decode_lengths()
+    assert schedule.graph_lengths(stateful=True) == [1, 2, 4, 8, 16, 25, 50]
+    assert schedule.graph_lengths(stateful=False) == schedule.decode_lengths()
     assert schedule.chunk_sizes() == [1, 2, 4, 8, 16, 25]
     assert ChunkSchedule(ramp=(4, 4, 8)).chunk_sizes() == [2, 4, 8, 25]
     with pytest.raises(ValueError):
