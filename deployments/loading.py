@@ -123,22 +123,32 @@ async def load_model(options: _RuntimeOptions, source: CheckpointSource, log: Lo
     return model, device
 
 
-def engine_config(engine_path: str, engine_kwargs: dict[str, Any]) -> tuple[type, Any]:
-    """-> (engine class, its config). `engine_path` names the class; the class names its config dataclass in
-    its `config_cls` attribute. Unknown or invalid `engine_kwargs` raise ValueError."""
-    engine_cls = import_object(engine_path)
-    config_cls = getattr(engine_cls, "config_cls", None)
-    if config_cls is None:
-        raise ValueError(f"engine {engine_path} has no `config_cls` attribute (the dataclass of its engine_kwargs)")
+# The built-in engines' config dataclasses, in modules without torch: the application builder validates
+# `engine_kwargs` with them in Serve's build worker, on `serve run`'s path to ready, without importing torch there.
+# Any other engine is imported and names its config in its `config_cls` attribute.
+ENGINE_CONFIGS = {
+    "stages.talker.engine:TalkerEngine": "stages.talker.engine_config:TalkerEngineConfig",
+    "stages.code2wav.engine:Code2WavEngine": "stages.code2wav.engine_config:Code2WavEngineConfig",
+}
+
+
+def engine_config(engine_path: str, engine_kwargs: dict[str, Any]) -> Any:
+    """-> the config of the engine that `engine_path` names. Unknown or invalid `engine_kwargs` raise ValueError."""
+    if engine_path in ENGINE_CONFIGS:
+        config_cls = import_object(ENGINE_CONFIGS[engine_path])
+    else:
+        config_cls = getattr(import_object(engine_path), "config_cls", None)
+        if config_cls is None:
+            raise ValueError(f"engine {engine_path} has no `config_cls` attribute (the dataclass of its engine_kwargs)")
     try:
-        return engine_cls, config_cls(**engine_kwargs)
+        return config_cls(**engine_kwargs)
     except TypeError as e:
         raise ValueError(f"engine_kwargs for {engine_path}: {e}") from None
 
 
 def build_engine(engine_path: str, model: Any, engine_kwargs: dict[str, Any]) -> Any:
-    engine_cls, config = engine_config(engine_path, engine_kwargs)
-    return engine_cls(model, config)
+    engine_cls = import_object(engine_path)
+    return engine_cls(model, engine_config(engine_path, engine_kwargs))
 
 
 def import_object(path: str) -> Any:

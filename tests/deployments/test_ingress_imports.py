@@ -52,11 +52,23 @@ def test_ingress_tokenizes_without_transformers(tiny_custom_voice):
 
 
 def test_building_the_app_does_not_import_torch():
-    """Serve builds the application in a fresh worker before any replica starts (`serve run`'s critical path:
-    the import took ~5 s of it on the GPU machine): the builder and the deployment classes load without torch."""
-    script = ("import sys, deployments.builder, deployments.talker, deployments.code2wav\n"
+    """Serve builds the application in a fresh worker before any replica starts (on `serve run`'s path to ready):
+    the builder, the deployment classes and `build_app` itself (which validates every engine's options) run
+    without torch."""
+    script = ("import sys, yaml, deployments.builder, deployments.talker, deployments.code2wav\n"
+              "args = yaml.safe_load(open('configs/high_concurrency.yaml'))['applications'][0]['args']\n"
+              "deployments.builder.build_app(args)\n"
               "print('torch' in sys.modules, 'transformers' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     assert result.stdout.decode().split() == ["False", "False"]
+
+
+def test_builtin_engine_configs_are_the_engines_own():
+    """`build_app` validates the built-in engines' options with their torch-free config modules: the same classes
+    the engines declare."""
+    from deployments.loading import ENGINE_CONFIGS, import_object
+
+    for engine_path, config_path in ENGINE_CONFIGS.items():
+        assert import_object(engine_path).config_cls is import_object(config_path)

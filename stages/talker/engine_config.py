@@ -1,0 +1,36 @@
+"""TalkerEngineConfig: the talker engine's sizes, buckets and switches, torch-free so that the application builder
+validates `engine_kwargs` without importing torch (Serve builds the app in a fresh worker on `serve run`'s path)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stages.chunking import ChunkSchedule
+
+
+@dataclass(frozen=True)
+class TalkerEngineConfig:
+    max_num_seqs: int = 64  # requests running at once (batch rows)
+    max_seq_len: int = 2048  # prompt + frames of one request at most (KV positions)
+    kv_cache_tokens: int | None = None  # KV pool in tokens (all requests); None: from kv_cache_memory_fraction
+    kv_cache_memory_fraction: float = 0.5  # of free device memory after weights (CUDA only)
+    kv_block_size: int = 16  # KV positions per block (the unit a request reserves)
+    max_text_rows: int = 1024  # trailing text rows per request (longest streaming-text input)
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
+    length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)  # gather-attention path only
+    max_prefill_batch: int = 16  # requests admitted per loop iteration (one batched prefill)
+    max_waiting: int = 4096  # queued requests at most; more are refused (overload)
+    cuda_graphs: bool = True
+    compile: bool = True  # torch.compile the per-layer math and sampling (CUDA only)
+    exact_prefill: bool | None = None  # reference prompt embeddings (bit-exact, slow); None: on CPU only
+    attention_kernel: bool | None = None  # paged Triton decode attention; None: where available (CUDA)
+    stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
+    text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
+    compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't
+    schedule: ChunkSchedule = ChunkSchedule()  # default chunking of a stream (a request may bring its own)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_seq_len < 16:
+            raise ValueError("max_num_seqs must be >= 1 and max_seq_len >= 16")
+        if isinstance(self.schedule, dict):  # from YAML / JSON kwargs
+            object.__setattr__(self, "schedule", ChunkSchedule(**self.schedule))
