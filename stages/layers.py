@@ -231,8 +231,8 @@ class DecoderLayer(nn.Module):
     def fuse_projections(self) -> None:
         """q/k/v and gate/up each become one product (two GEMMs per layer instead of five) on the compiled path
         (`kernels` given); the eager path keeps the separate products. Call it once the weights are loaded and
-        placed: the stacked tensors are non-persistent buffers, so the state dict is
-        unchanged, and a later `.to()` would copy stack and views apart (equal values, twice the memory)."""
+        placed: the stacked tensors are non-persistent buffers (the state dict is unchanged), and a later `.to()`
+        would copy stack and views apart (equal values, twice the memory)."""
         if self.qkv_weight is not None:
             return
         a, m = self.self_attn, self.mlp
