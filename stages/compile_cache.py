@@ -32,29 +32,31 @@ except ImportError:  # CPU-only installs
 
 
 class CompileCache:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, dynamo: bool = True):
         self.path = path
+        self.dynamo = dynamo  # also keep Dynamo's work (torch's experimental caching precompile)
         self.loaded = False
 
     @classmethod
     def for_model(cls, directory: str | Path, device: torch.device, model_key: dict,
-                  sources: tuple[str | Path, ...] = ()) -> CompileCache:
-        """`sources`: the files whose functions are compiled (their bytes are part of the key)."""
+                  sources: tuple[str | Path, ...] = (), dynamo: bool = True) -> CompileCache:
+        """`sources`: the files whose functions are compiled (their bytes are part of the key). `dynamo=False`:
+        Inductor's artifacts only (each start traces its functions again), a separate file."""
         code = hashlib.sha256(b"".join(Path(f).read_bytes() for f in sources)).hexdigest()[:16] if sources else None
         key = {
             "torch": torch.__version__, "triton": getattr(triton, "__version__", None), "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type, "code": code,
-            **model_key,
+            "dynamo": dynamo, **model_key,
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        return cls(Path(directory).expanduser() / f"torch-compile-{digest}.bin")
+        return cls(Path(directory).expanduser() / f"torch-compile-{digest}.bin", dynamo)
 
     def load(self, log: Callable[[str], None]) -> bool:
         """Hand the file's artifacts to torch.compile (before the first compile). Returns whether it did.
 
-        Turns Dynamo's caching precompile on for the process first (where this torch has it), so that this start
-        also writes Dynamo's work to the file, or reads it from there."""
-        if hasattr(torch._dynamo.config, "caching_precompile"):
+        With `dynamo`, turns Dynamo's caching precompile on for the process first (where this torch has it), so
+        that this start also writes Dynamo's work to the file, or reads it from there."""
+        if self.dynamo and hasattr(torch._dynamo.config, "caching_precompile"):
             torch._dynamo.config.caching_precompile = True
         if not self.path.is_file():
             log(f"[compile-cache] none at {self.path}: this start compiles and writes it")

@@ -368,7 +368,7 @@ class TalkerEngine:
             if cfg.compile_cache_dir:
                 shapes = {"talker": repr(model.config.talker), "dtype": str(model.dtype)}
                 compile_cache = CompileCache.for_model(cfg.compile_cache_dir, model.device, shapes,
-                                                       sources=COMPILED_SOURCES)
+                                                       sources=COMPILED_SOURCES, dynamo=cfg.compile_cache_dynamo)
                 compile_cache.load(log)
             log("[talker] compiling fused kernels" + (" (from the compile cache)" if compile_cache and
                                                        compile_cache.loaded else ""))

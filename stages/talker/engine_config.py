@@ -27,6 +27,8 @@ class TalkerEngineConfig:
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
     text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
     compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't
+    compile_cache_dynamo: bool = True  # the file keeps Dynamo's traced variants too (torch's experimental caching
+    # precompile: a start from the file traces nothing); False: Inductor's artifacts only
     schedule: ChunkSchedule = ChunkSchedule()  # default chunking of a stream (a request may bring its own)
 
     def __post_init__(self) -> None:

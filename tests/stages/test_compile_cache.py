@@ -23,7 +23,8 @@ import json, sys, torch
 from torch._dynamo.utils import counters
 import stages.layers
 from stages.compile_cache import CompileCache
-cache = CompileCache.for_model(sys.argv[1], torch.device("cpu"), {"model": "test"}, sources=(stages.layers.__file__,))
+cache = CompileCache.for_model(sys.argv[1], torch.device("cpu"), {"model": "test"}, sources=(stages.layers.__file__,),
+                               dynamo=sys.argv[2] == "1")
 loaded = cache.load(lambda m: None)
 f = torch.compile(stages.layers._rms, dynamic=True)  # a function of the engine's: the cache keys its file
 for rows in (1, 4):  # two variants: one row, and every count above it
@@ -35,9 +36,9 @@ print(json.dumps({"loaded": loaded, "wrote": wrote, "hits": counters["inductor"]
 """
 
 
-def _run(cache_dir: Path, inductor_dir: Path) -> dict:
+def _run(cache_dir: Path, inductor_dir: Path, dynamo: bool = True) -> dict:
     env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(Path(__file__).parents[2])}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir)], env={**os.environ, **env},
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir), "1" if dynamo else "0"], env={**os.environ, **env},
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -53,6 +54,13 @@ def test_a_fresh_process_compiles_from_the_file(tmp_path):
     assert second["misses"] == 0 and second["traced"] == 0, second
 
 
+def test_without_dynamo_a_fresh_process_traces_again_but_compiles_nothing(tmp_path):
+    first = _run(tmp_path / "shared", tmp_path / "inductor-a", dynamo=False)
+    assert first["wrote"] and first["traced"] == 2
+    second = _run(tmp_path / "shared", tmp_path / "inductor-b", dynamo=False)
+    assert second["loaded"] and second["hits"] >= 1 and second["misses"] == 0 and second["traced"] == 2, second
+
+
 def test_a_broken_file_is_skipped_and_keys_differ(tmp_path):
     cache = CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "a"})
     assert cache.path != CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "b"}).path
@@ -63,6 +71,8 @@ def test_a_broken_file_is_skipped_and_keys_differ(tmp_path):
     source.write_text("def f(x):\n    return x + 2\n")
     assert keyed.path != CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "a"}, sources=(source,)).path
     assert keyed.path != cache.path
+    # a file without Dynamo's work is another file
+    assert CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "a"}, dynamo=False).path != cache.path
     cache.path.write_bytes(b"not a cache")
     logs: list[str] = []
     assert cache.load(logs.append) is False and not cache.loaded
