@@ -23,6 +23,7 @@ from ray import ObjectRef
 from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.audio_formats import float_to_pcm16
+from deployments.coalescing import Coalescer
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
 from deployments.loading import build_engine, load_model, replica_log
 from deployments.messages import DecodedChunk, talker_decoded
@@ -55,9 +56,13 @@ class Code2WavServer:
         self._clock = time.monotonic  # tests drive the heartbeat with their own clock
         self._last_progress = self._clock()
         self._metrics: Code2WavMetrics | None = None
-        # calls waiting for the decoder thread: their chunks and the future of their waves
-        self._waiting: list[tuple[list[CodecChunk], asyncio.Future]] = []
-        self._drainer: asyncio.Task | None = None
+        # calls waiting for the decoder thread (each a list of chunks), decoded together. Calls holding only
+        # streams' first chunks (an ingress sends those at once, in calls of their own:
+        # deployments/decode_batcher.py) go first, in a batch of their own: their listeners wait with little or
+        # no audio buffered, and in the batch of every waiting chunk a first chunk took as long as the whole
+        # batch (H100, c=256: 87 ms at the median)
+        self._batches: Coalescer[list[CodecChunk], tuple[list[np.ndarray], tuple[float, float]]] = Coalescer(
+            self._decode_calls, first=lambda chunks: all(c.seq < streaming.urgent_chunks for c in chunks))
 
     async def start(self) -> None:
         cfg = self._config
@@ -132,42 +137,18 @@ class Code2WavServer:
     async def _decode_together(self, chunks: list[CodecChunk]) -> tuple[list[np.ndarray], tuple[float, float]]:
         """The waves of `chunks`, decoded in one batch with those of every call waiting meanwhile, and the
         batch's (start, end) wall times."""
-        future = asyncio.get_running_loop().create_future()
-        self._waiting.append((chunks, future))
-        if self._drainer is None or self._drainer.done():
-            self._drainer = asyncio.get_running_loop().create_task(self._drain())
-        return await asyncio.shield(future)  # a cancelled caller must not cancel the others' batch
+        return await self._batches.submit(chunks)
 
-    async def _drain(self) -> None:
-        """Decode what waits, in batches, until nothing does. Calls holding only streams' first chunks (an
-        ingress sends those at once, in calls of their own: deployments/decode_batcher.py) go first, in a batch
-        of their own: their listeners wait with little or no audio buffered, and in the batch of every waiting
-        chunk a first chunk took as long as the whole batch (H100, c=256: 87 ms at the median)."""
-        urgent = self._streaming.urgent_chunks
-        while self._waiting:
-            calls, self._waiting = self._waiting, []
-            first, rest = [], []
-            for call in calls:
-                (first if all(chunk.seq < urgent for chunk in call[0]) else rest).append(call)
-            for group in (first, rest) if first and rest else (calls,):
-                await self._decode_calls(group)
-
-    async def _decode_calls(self, calls: list[tuple[list[CodecChunk], asyncio.Future]]) -> None:
-        """One batch of the chunks of `calls`; each call's future gets its waves and the batch's wall times."""
-        work = [chunk for chunks, _ in calls for chunk in chunks]
-        try:
-            waves, span = await self._on_thread(self._decode_on_thread, work)
-        except Exception as e:  # a failed batch fails every call in it
-            for _, future in calls:
-                if not future.done():
-                    future.set_exception(e)
-            return
+    async def _decode_calls(self, calls: list[list[CodecChunk]]) -> list[tuple[list[np.ndarray], tuple[float, float]]]:
+        """One batch of the chunks of `calls` -> per call, its waves and the batch's wall times."""
+        work = [chunk for chunks in calls for chunk in chunks]
+        waves, span = await self._on_thread(self._decode_on_thread, work)
         self._metrics.batch_size.observe(len(work))
-        start = 0
-        for chunks, future in calls:
-            if not future.done():
-                future.set_result((waves[start:start + len(chunks)], span))
+        answers, start = [], 0
+        for chunks in calls:
+            answers.append((waves[start:start + len(chunks)], span))
             start += len(chunks)
+        return answers
 
     def _decode_on_thread(self, chunks: list[CodecChunk]) -> tuple[list[np.ndarray], tuple[float, float]]:
         self._decoding += len(chunks)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from deployments.audio_formats import float_to_pcm16
+from deployments.coalescing import Coalescer
 from stages.chunking import ChunkSchedule
 from stages.contract import CodecChunk
 
@@ -53,8 +54,9 @@ class FirstChunkDecoder:
         self._engine = Code2WavEngine(decoder_model, config)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="first-chunk-decoder")
         self._stream = None
-        self._waiting: list[tuple[CodecChunk, asyncio.Future]] = []
-        self._drainer: asyncio.Task | None = None
+        # decodes waiting together share one forward (padded to the longest: the decoder is causal, so padding
+        # after a chunk never changes its samples)
+        self._batches: Coalescer[CodecChunk, np.ndarray] = Coalescer(self._decode_batch, max_batch=MAX_BATCH)
         self._log = log
         self.decoded = 0  # chunks decoded here
 
@@ -80,29 +82,13 @@ class FirstChunkDecoder:
                 and chunk.codes.shape[0] <= self.max_length1)
 
     async def decode(self, chunk: CodecChunk) -> np.ndarray:
-        """int16 PCM of the chunk's new frames; decodes waiting together share one forward (padded to the
-        longest: the decoder is causal, so padding after a chunk never changes its samples)."""
-        future = asyncio.get_running_loop().create_future()
-        self._waiting.append((chunk, future))
-        if self._drainer is None or self._drainer.done():
-            self._drainer = asyncio.get_running_loop().create_task(self._drain())
-        return await asyncio.shield(future)  # a cancelled stream must not cancel the others' decode
+        """int16 PCM of the chunk's new frames (a cancelled stream does not cancel the others' decode)."""
+        return await self._batches.submit(chunk)
 
-    async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._waiting:
-            batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
-            try:
-                waves = await loop.run_in_executor(self._executor, self._decode, [c for c, _ in batch])
-            except Exception as e:
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(e)
-                continue
-            self.decoded += len(batch)
-            for (_, future), wave in zip(batch, waves, strict=True):
-                if not future.done():
-                    future.set_result(float_to_pcm16(wave))
+    async def _decode_batch(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
+        waves = await asyncio.get_running_loop().run_in_executor(self._executor, self._decode, chunks)
+        self.decoded += len(chunks)
+        return [float_to_pcm16(wave) for wave in waves]
 
     def _decode(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
         if self._stream is None:

@@ -151,7 +151,7 @@ async def _calls_while_busy(code2wav, entered, gate, first_call, later_calls):
     await asyncio.get_running_loop().run_in_executor(None, entered.wait, 60)
     rest = [asyncio.ensure_future(code2wav.decode_many(call)) for call in later_calls]
     for _ in range(100):  # loop turns until every later call waits for the thread
-        if sum(len(c) for c, _ in code2wav._waiting) == sum(len(call) for call in later_calls):
+        if sum(len(c) for c, _ in code2wav._batches.waiting) == sum(len(call) for call in later_calls):
             break
         await asyncio.sleep(0)
     gate.set()

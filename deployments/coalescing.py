@@ -1,0 +1,59 @@
+"""Coalescer: work that arrives while a batch runs waits for the next batch, in a replica's event loop.
+
+One drainer task takes everything waiting and runs it as one batch (or the groups the policy asks for: items
+that `first` selects in a batch of their own ahead of the rest, at most `max_batch` per batch). A failed batch
+fails only its own items. Each submitter's future is shielded: a caller that leaves does not cancel the batch
+the others share. Used by Code2Wav (the calls of several ingress replicas) and the Talker's first-chunk decoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Coalescer(Generic[T, R]):
+    def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], first: Callable[[T], bool] | None = None,
+                 max_batch: int | None = None):
+        """`run`: one batch -> one result per item (raises to fail the batch)."""
+        self._run, self._first, self._max_batch = run, first, max_batch
+        self.waiting: list[tuple[T, asyncio.Future]] = []  # items (and their answers' futures) for the next batch
+        self._drainer: asyncio.Task | None = None
+
+    async def submit(self, item: T) -> R:
+        """`item`'s result, once a batch holding it has run."""
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((item, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
+        return await asyncio.shield(future)
+
+    async def _drain(self) -> None:
+        while self.waiting:
+            taken, self.waiting = self.waiting, []
+            for batch in self._batches(taken):
+                try:
+                    results = await self._run([item for item, _ in batch])
+                except Exception as e:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(e)
+                    continue
+                for (_, future), result in zip(batch, results, strict=True):
+                    if not future.done():
+                        future.set_result(result)
+
+    def _batches(self, taken: list[tuple[T, asyncio.Future]]) -> list[list[tuple[T, asyncio.Future]]]:
+        groups = [taken]
+        if self._first is not None:
+            first, rest = [], []
+            for entry in taken:
+                (first if self._first(entry[0]) else rest).append(entry)
+            groups = [first, rest] if first and rest else [taken]
+        if self._max_batch is None:
+            return groups
+        return [group[i:i + self._max_batch] for group in groups for i in range(0, len(group), self._max_batch)]
