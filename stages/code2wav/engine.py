@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from stages.code2wav import fast
-from stages.code2wav.engine_config import DEFAULT_LENGTH_BUCKETS, Code2WavEngineConfig  # noqa: F401 (re-exported)
+from stages.code2wav.engine_config import Code2WavEngineConfig
 from stages.code2wav.model import Code2WavDecoder
 from stages.code2wav.stateful import DecoderStates, StatefulDecoder, check_layout
 from stages.code2wav.stream_slots import SlotRow, StreamSlots
