@@ -7,6 +7,9 @@
 # pipeline / pipeline_stateless: both engines in one process, stateful / stateless Code2Wav.
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
 # codebook-0 logits and codes, then steps equal).
+# c2w_ops: bench.code2wav_ops (each vocoder op per layout at a chunk's shapes);
+# c2w_stateful: bench.code2wav --stateful --profile (the serving configs' engine); c2w_before: the same with an
+# earlier tree (BEFORE, as for talker_before).
 # talker_before: talker_profile with an earlier tree (BEFORE=a tar.gz of `git archive <commit> stages bench`,
 # carried), same checkpoint and call: the before/after of a kernel change.
 # startup: bench.startup twice (the engines' start phase by phase, high_concurrency.yaml's engine config): cold
@@ -39,6 +42,16 @@ for step in $STEPS; do
                 2>&1 | tee "$OUT/c2w_stateless.log" | grep -E "^batch|latency|streams|best" | tail -8
               python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --stateful \
                 --out "$OUT/c2w_stateful" 2>&1 | tee "$OUT/c2w_stateful.log" | grep -E "^batch|latency|best|captured in" | tail -9 ;;
+    c2w_stateful) python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --stateful --profile \
+                --out "$OUT/c2w_stateful" 2>&1 | tee "$OUT/c2w_stateful.log" | grep -E "^batch|latency|best|captured in|^\|" \
+                | tail -24 ;;
+    c2w_ops) python3 -m bench.code2wav_ops --batches ${OPS_BATCHES:-1,64,256} --frames ${OPS_FRAMES:-1,4,25} \
+                --out "$OUT/c2w_ops.json" 2>&1 | tee "$OUT/c2w_ops.log" | tail -${OPS_TAIL:-40} ;;
+    c2w_before) rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf "${BEFORE:-.before.tar.gz}" -C /tmp/before
+              (cd /tmp/before && python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --stateful \
+                --profile --out /tmp/before/c2w) 2>&1 | tee "$OUT/c2w_before.log" \
+                | grep -E "^batch|latency|best|captured in|^\|" | tail -24
+              mkdir -p "$OUT/c2w_before" && cp -r /tmp/before/c2w/. "$OUT/c2w_before/" ;;
     c2w_tuned) python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --stateful --cudnn-benchmark \
                  --profile --out "$OUT/c2w_stateful_tuned" 2>&1 | tee "$OUT/c2w_stateful_tuned.log" \
                  | grep -E "^batch|best|captured in" | tail -6 ;;
