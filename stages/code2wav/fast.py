@@ -14,7 +14,8 @@ read and write it as is), and
 - causal convs as channels-last 2-D convs over a height-1 view, k=1 convs as one GEMM over (B x T) rows,
   dilated convs from CONV2D_MIN_CHANNELS up as 2-D convs over a (time / dilation, dilation) view (same
   arithmetic; in this layout the view is free), convs without bias;
-- one Triton kernel for `x + bias + conv(h) + bias` at the end of each residual unit.
+- one Triton kernel for `x + bias + conv(h) + bias` at the end of each residual unit, which also writes the
+  SnakeBeta of its result that the next conv reads (one pass over the activations fewer per unit).
 Parameters and modules are untouched (their weights are viewed as 2-D / channels-last copies, cached per
 module). The output equals the eager decoder up to rounding (fp32 inside the kernels, rounded once); use the
 eager modules (`disable_fast_kernels`) for bit parity. On CPU tensors the two Triton kernels fall back to the
@@ -22,6 +23,8 @@ same math in PyTorch, so the layout plumbing runs (and is tested) without a GPU.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +41,8 @@ except ImportError:  # CPU-only installs
 
 _BLOCK_T, _BLOCK_C = 64, 64
 # Choices measured per op and shape by bench/code2wav_ops.py (H100, bf16, docs/code2wav.md section 7):
+Carry = Callable[[str, torch.Tensor, int], torch.Tensor]  # (state key, padded conv input, rate) -> conv input
+
 CONV2D_MIN_CHANNELS = 0  # dilated convs with at least this many input channels run as (T / d, d) 2-D convs
 UPSAMPLE_GEMM_MIN_CHANNELS = 1024  # transposed convs with at least this many input channels as a GEMM + an add
 
@@ -61,19 +66,27 @@ if triton is not None:
         tl.store(y_ptr + (b.to(tl.int64) * T_out + t) * C + c, y.to(y_ptr.dtype.element_ty), mask=(t < T_out) & cm)
 
     @triton.jit
-    def _residual_kernel(x_ptr, h_ptr, y_ptr, xb_ptr, hb_ptr, C, T, sxb, sxt, shb, sht,
-                         HAS_XB: tl.constexpr, HAS_HB: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _residual_snake_kernel(x_ptr, h_ptr, y_ptr, s_ptr, xb_ptr, hb_ptr, alpha_ptr, inv_beta_ptr, C, T, sxb, sxt,
+                               shb, sht, T_out, PAD, HAS_XB: tl.constexpr, HAS_HB: tl.constexpr,
+                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         b = tl.program_id(0)
-        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # position in the padded snake output
         c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-        m = (t < T) & (c < C)
-        x = tl.load(x_ptr + b.to(tl.int64) * sxb + t * sxt + c, mask=m).to(tl.float32)
-        h = tl.load(h_ptr + b.to(tl.int64) * shb + t * sht + c, mask=m).to(tl.float32)
+        cm = c < C
+        src = t - PAD
+        inside = (src >= 0) & (src < T) & cm
+        x = tl.load(x_ptr + b.to(tl.int64) * sxb + src * sxt + c, mask=inside, other=0.0).to(tl.float32)
+        h = tl.load(h_ptr + b.to(tl.int64) * shb + src * sht + c, mask=inside, other=0.0).to(tl.float32)
         if HAS_XB:
-            x = x + tl.load(xb_ptr + c, mask=c < C).to(tl.float32)
+            x = x + tl.load(xb_ptr + c, mask=cm, other=0.0).to(tl.float32)
         if HAS_HB:
-            h = h + tl.load(hb_ptr + c, mask=c < C).to(tl.float32)
-        tl.store(y_ptr + (b.to(tl.int64) * T + t) * C + c, (x + h).to(y_ptr.dtype.element_ty), mask=m)
+            h = h + tl.load(hb_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        y = (x + h).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + (b.to(tl.int64) * T + src) * C + c, y, mask=inside)
+        v = y.to(tl.float32)  # the snake reads what was stored, as an unfused snake would
+        sn = tl.sin(v * tl.load(alpha_ptr + c, mask=cm, other=0.0))
+        out = tl.where(inside, v + tl.load(inv_beta_ptr + c, mask=cm, other=0.0) * (sn * sn), 0.0)
+        tl.store(s_ptr + (b.to(tl.int64) * T_out + t) * C + c, out.to(s_ptr.dtype.element_ty), mask=(t < T_out) & cm)
 
 
 def available(device: torch.device) -> bool:
@@ -119,21 +132,26 @@ def snake(x: torch.Tensor, act: SnakeBeta, left_pad: int = 0, right_pad: int = 0
     return y
 
 
-def residual(x: torch.Tensor, h: torch.Tensor, x_bias: torch.Tensor | None,
-             h_bias: torch.Tensor | None) -> torch.Tensor:  # (x + x_bias) + (h + h_bias), time-major [B, C, T]
+def residual_snake(x: torch.Tensor, h: torch.Tensor, x_bias: torch.Tensor | None, h_bias: torch.Tensor | None,
+                  act: SnakeBeta, left_pad: int = 0, right_pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = (x + x_bias) + (h + h_bias), the end of a residual unit, and the SnakeBeta that reads y next (with its
+    zero columns), in one kernel: (time-major y [B, C, T], time-major snake(y) [B, C, left + T + right])."""
     x, sxb, sxt = _rows(x)
     h, shb, sht = _rows(h)
     B, C, T = x.shape
-    y = new_time_major(B, C, T, x)
-    if not available(x.device):
+    t_out = left_pad + T + right_pad
+    y, s = new_time_major(B, C, T, x), new_time_major(B, C, t_out, x)
+    if not available(x.device):  # the same math in PyTorch (CPU tests of the layout)
         xf = x.float() + (x_bias.float()[:, None] if x_bias is not None else 0.0)
         y.copy_(xf + h.float() + (h_bias.float()[:, None] if h_bias is not None else 0.0))
-        return y
-    dummy = x_bias if x_bias is not None else (h_bias if h_bias is not None else y)
-    _residual_kernel[(B, triton.cdiv(T, _BLOCK_T), triton.cdiv(C, _BLOCK_C))](
-        x, h, y, x_bias if x_bias is not None else dummy, h_bias if h_bias is not None else dummy, C, T,
-        sxb, sxt, shb, sht, HAS_XB=x_bias is not None, HAS_HB=h_bias is not None, BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C)
-    return y
+        return y, snake(y, act, left_pad, right_pad)
+    alpha, inv_beta = _params(act)
+    dummy = x_bias if x_bias is not None else (h_bias if h_bias is not None else alpha)
+    _residual_snake_kernel[(B, triton.cdiv(t_out, _BLOCK_T), triton.cdiv(C, _BLOCK_C))](
+        x, h, y, s, x_bias if x_bias is not None else dummy, h_bias if h_bias is not None else dummy, alpha, inv_beta,
+        C, T, sxb, sxt, shb, sht, t_out, left_pad, HAS_XB=x_bias is not None, HAS_HB=h_bias is not None,
+        BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C)
+    return y, s
 
 
 # ---------------------------------------------------------------------------------------------- convolutions
@@ -245,36 +263,54 @@ def pad_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return y
 
 
-def _residual_unit(unit: ResidualUnit, x: torch.Tensor, x_bias: torch.Tensor | None) -> torch.Tensor:
-    """unit(x + x_bias) with fused kernels (x_bias: the bias of the conv that produced x, not yet added)."""
-    conv1 = unit.conv1.conv
-    d, T = conv1.dilation[0], x.shape[-1]
-    h = snake(x, unit.act1, unit.conv1.left_pad, (-T) % d, bias=x_bias)
-    h = dilated_conv(h, conv1)[..., :T]
-    h = snake(h, unit.act2, bias=conv1.bias)  # conv2 is k=1: no padding
-    return residual(x, pointwise(h, unit.conv2.conv), x_bias, unit.conv2.conv.bias)
+def no_carry(key: str, padded: torch.Tensor, rate: int) -> torch.Tensor:
+    """A stream's start (the stateless decode): each conv's zero columns stay zeros."""
+    return padded
 
 
-def _vocoder_block(block: VocoderBlock, x: torch.Tensor) -> torch.Tensor:
-    act, up, *units = block.block
-    h = upsample_block(snake(x, act, 1), up.conv)  # a zero sample in front: the stream's start
-    bias = up.conv.bias
-    for unit in units:
-        h = _residual_unit(unit, h, bias)
-        bias = None
-    return h
+def vocoder(layers: nn.ModuleList, h: torch.Tensor, carry: Carry = no_carry, rate: int = 1) -> torch.Tensor:
+    """The vocoder stack (input conv, VocoderBlocks, SnakeBeta, output conv) on the kernels above, [B, C, T] ->
+    [B, 1, T x prod(rates)].
+
+    Every conv input is written with zero columns in front (its causal history) by the kernel before it;
+    `carry(key, padded, rate)` may fill them (`StatefulDecoder`: the stream's carried state, keys as in
+    `stateful.carried_convs`; `rate`: samples per frame at that conv) and returns the conv's input. Each residual
+    unit ends in one kernel with the SnakeBeta that follows it (the next unit's, the next block's or the last)."""
+    first, *blocks, act, last = layers
+    h = conv(carry("decoder.first", pad_left(h, first.left_pad), rate), first.conv, first.conv.bias)
+    s = snake(h, blocks[0].block[0], 1)  # one column in front: the upsampler's previous input sample
+    for b, block in enumerate(blocks):
+        _act, up, *units = block.block
+        h = upsample_block(carry(f"decoder.{b}.up", s, rate), up.conv)
+        rate *= up.conv.stride[0]
+        T = h.shape[-1]
+        x_bias = up.conv.bias  # added by the kernels that read h
+        s = snake(h, units[0].act1, *_unit_pads(units[0], T), bias=x_bias)
+        for u, unit in enumerate(units):
+            c1 = unit.conv1.conv
+            h1 = dilated_conv(carry(f"decoder.{b}.{u}", s, rate), c1)[..., :T]
+            h2 = pointwise(snake(h1, unit.act2, bias=c1.bias), unit.conv2.conv)  # conv2 is k=1: no padding
+            if u + 1 < len(units):
+                following = (units[u + 1].act1, *_unit_pads(units[u + 1], T))
+            elif b + 1 < len(blocks):
+                following = (blocks[b + 1].block[0], 1, 0)
+            else:
+                following = (act, last.left_pad, 0)
+            h, s = residual_snake(h, h2, x_bias, unit.conv2.conv.bias, *following)
+            x_bias = None
+    return conv(carry("decoder.last", s, rate), last.conv, last.conv.bias)
+
+
+def _unit_pads(unit: ResidualUnit, T: int) -> tuple[int, int]:
+    """Zero columns around a residual unit's dilated conv input: its causal history, and up to a multiple of d."""
+    return unit.conv1.left_pad, (-T) % unit.conv1.conv.dilation[0]
 
 
 class FusedVocoderKernels:
-    """The vocoder stack (input conv, VocoderBlocks, SnakeBeta, output conv) on the fused kernels above."""
+    """The stateless vocoder on the fused, time-major kernels (`vocoder` from a stream's start)."""
 
-    def vocoder(self, layers, h: torch.Tensor) -> torch.Tensor:
-        first, *blocks, act, last = layers
-        h = conv(pad_left(h, first.left_pad), first.conv, first.conv.bias)
-        for block in blocks:
-            h = _vocoder_block(block, h)
-        # SnakeBeta writes the output conv's left padding
-        return conv(snake(h, act, last.left_pad), last.conv, last.conv.bias)
+    def vocoder(self, layers: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
+        return vocoder(layers, h)
 
 
 def enable_fast_kernels(decoder: Code2WavDecoder) -> bool:

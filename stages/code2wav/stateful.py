@@ -225,32 +225,9 @@ class StatefulDecoder:
         return x + unit.conv2(unit.act2(h))
 
     def _vocoder_fused(self, h: torch.Tensor, rows: _Rows, rate: int) -> torch.Tensor:
-        """The fused, time-major kernels of stages/code2wav/fast.py (same arithmetic as `fast.FusedVocoderKernels`);
-        each conv's history goes into the zero columns in front of its input (`carry_into`), so no concatenation."""
-        first, *blocks, act, last = self.decoder.decoder
-        h = rows.carry_into("decoder.first", fast.pad_left(h, first.left_pad), rate)
-        h = fast.conv(h, first.conv, first.conv.bias)
-        for b, block in enumerate(blocks):
-            snake, up, *units = block.block
-            # the last input sample of the previous chunk in front (see _up)
-            h = fast.upsample_block(rows.carry_into(f"decoder.{b}.up", fast.snake(h, snake, 1), rate), up.conv)
-            rate *= up.conv.stride[0]
-            bias = up.conv.bias  # added by the next kernel that reads h
-            for u, unit in enumerate(units):
-                h = self._unit_fused(unit, h, bias, rows, f"decoder.{b}.{u}", rate)
-                bias = None
-        padded = rows.carry_into("decoder.last", fast.snake(h, act, last.left_pad), rate)
-        return fast.conv(padded, last.conv, last.conv.bias)
-
-    @staticmethod
-    def _unit_fused(unit: ResidualUnit, x: torch.Tensor, x_bias: torch.Tensor | None, rows: _Rows, key: str,
-                    rate: int) -> torch.Tensor:
-        conv1 = unit.conv1.conv
-        d, T = conv1.dilation[0], x.shape[-1]
-        h = rows.carry_into(key, fast.snake(x, unit.act1, unit.conv1.left_pad, (-T) % d, bias=x_bias), rate)
-        h = fast.dilated_conv(h, conv1)[..., :T]
-        h = fast.snake(h, unit.act2, bias=conv1.bias)
-        return fast.residual(x, fast.pointwise(h, unit.conv2.conv), x_bias, unit.conv2.conv.bias)
+        """The fused, time-major kernels of stages/code2wav/fast.py; each conv's history goes into the zero
+        columns in front of its input (`carry_into`), so no concatenation."""
+        return fast.vocoder(self.decoder.decoder, h, rows.carry_into, rate)
 
 
 def check_layout(decoder: Code2WavDecoder) -> None:
