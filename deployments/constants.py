@@ -24,6 +24,9 @@ EMBEDDED_CHECKPOINT_DIR = QWEN3_TTS_SERVE_HOME / "embedded"
 DEFAULT_VOICES_DIR = QWEN3_TTS_SERVE_HOME / "voices"
 # torch.compile's cache file (stages/compile_cache.py): on shared storage, one start compiles for every replica
 COMPILE_CACHE_DIR = _env_path("QWEN3_TTS_COMPILE_CACHE_DIR", QWEN3_TTS_SERVE_HOME / "compile")
+# Triton's cache for the replicas (unless TRITON_CACHE_DIR is set): the project's own kernels (paged attention,
+# the vocoder's) compile per shape family on first use; beside the compile cache, a start from it compiles none
+TRITON_CACHE_DIR = COMPILE_CACHE_DIR / "triton"
 
 # deployment names (YAML `deployments:` overrides must use these)
 INGRESS_DEPLOYMENT_NAME = "TTSIngress"

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +94,19 @@ def resolve_device_dtype(options: _RuntimeOptions) -> tuple[str, str]:
     return device, dtype
 
 
+def keep_triton_kernels(env: MutableMapping[str, str] = os.environ) -> str:
+    """Point Triton's cache at C.TRITON_CACHE_DIR unless the environment names one; returns the one in use.
+
+    Measured (H100, 2026-11-23): with Triton's default cache empty, a served start from the compile-cache file
+    spent 7.8 s building the first-chunk decoder's 8 graphs (its vocoder kernels compiling per shape family)."""
+    return env.setdefault("TRITON_CACHE_DIR", str(C.TRITON_CACHE_DIR))
+
+
 def configure_torch(options: _RuntimeOptions, device: str) -> None:
-    """Per-process torch settings: CPU threads, and a GPU memory cap (fractional GPUs share memory)."""
+    """Per-process torch settings: CPU threads, a GPU memory cap (fractional GPUs share memory), Triton's cache."""
     import torch
+
+    keep_triton_kernels()
 
     if options.cpu_threads is not None:
         torch.set_num_threads(options.cpu_threads)

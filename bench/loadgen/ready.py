@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-POLL_S = 2.0
+POLL_S = 0.5
 REPORT_EVERY_S = 30.0
 
 

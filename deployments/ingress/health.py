@@ -21,14 +21,9 @@ async def readiness(router: ModelRouter, code2wav: DeploymentHandle) -> JSONResp
     the body says which deployment is ready."""
     probes = {name: r.handle.ready.remote() for name, r in router.routes.items()}
     probes[C.CODE2WAV_DEPLOYMENT_NAME] = code2wav.ready.remote()
-    state = {}
-    for name, response in probes.items():
-        try:
-            async with asyncio.timeout(C.READY_PROBE_TIMEOUT_S):
-                state[name] = bool(await response)
-        except Exception:  # not started, still warming up, or failing: not ready
-            response.cancel()
-            state[name] = False
+    # awaited together: one probe timeout bounds the answer (a poller sees a replica ready that much sooner)
+    results = await asyncio.gather(*(_probe(response) for response in probes.values()))
+    state = dict(zip(probes, results, strict=True))
     for name, route in router.routes.items():
         if state[name] and route.loaded is None:
             try:
@@ -38,3 +33,12 @@ async def readiness(router: ModelRouter, code2wav: DeploymentHandle) -> JSONResp
                 state[name] = False
     ready = all(state.values())
     return JSONResponse({"ready": ready, "deployments": state}, status_code=200 if ready else 503)
+
+
+async def _probe(response) -> bool:
+    try:
+        async with asyncio.timeout(C.READY_PROBE_TIMEOUT_S):
+            return bool(await response)
+    except Exception:  # not started, still warming up, or failing: not ready
+        response.cancel()
+        return False

@@ -26,3 +26,14 @@ def test_progress_goes_to_stdout_when_serve_does_not_log_to_stderr(monkeypatch, 
     monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED")
     replica_log("Talker:cv")("loaded")
     assert capsys.readouterr().out == ""  # Serve's stderr handler shows it; no second copy
+
+
+def test_triton_cache_goes_beside_the_compile_cache_unless_set():
+    from deployments import constants as C
+    from deployments.loading import keep_triton_kernels
+
+    env: dict[str, str] = {}
+    assert keep_triton_kernels(env) == str(C.TRITON_CACHE_DIR) == env["TRITON_CACHE_DIR"]
+    assert C.TRITON_CACHE_DIR.parent == C.COMPILE_CACHE_DIR
+    mine = {"TRITON_CACHE_DIR": "/somewhere/else"}
+    assert keep_triton_kernels(mine) == "/somewhere/else"
