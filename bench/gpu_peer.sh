@@ -8,6 +8,11 @@
 # pick up qwen-tts-hf's `qwen_tts`, which would shadow the official oracle's).
 # talker: ours, python -m bench.talker --batches 1 --compile (talker_profile's settings in gpu_frame_speed.sh,
 # without the profiler).
+# The wheels (here, once; pure Python, ~0.6 MB; the GPU image has torch, transformers 5.17 and the rest):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl/peer \
+#     faster-qwen3-tts==0.5.4 qwen-tts-hf==0.1.1.post1 librosa==0.11.0 pooch==1.9.0 sox==1.4.1 \
+#     platformdirs==4.14.5 audioread==3.1.0 decorator==5.2.1
+#   (and soundfile, soxr, cffi, pycparser into .whl/ as docs/benchmarks.md says for the oracle)
 # CKPT=dir reuses a checkpoint; otherwise it is written as gpu_frame_speed.sh writes it ($W/1.7b-custom_voice, so
 # a call running both scripts writes it once). FRAMES (per peer run, 200), RUNS (5), STEPS_OURS (bench.talker's
 # timed steps, 30). Results (logs, JSON) land in $OUT.
