@@ -14,9 +14,10 @@ back the state after its own valid frames (`lengths`: a row's padding never reac
 given left-context frames decodes the context as well, which is the stateless left-context decode: the
 engine's fallback when a stream's state is not at hand (docs/code2wav.md).
 
-Both math paths of the decoder are here: its eager modules (CPU, parity) and, when the decoder carries
-`fast.FusedVocoderKernels`, the fused Triton vocoder kernels, the state filling the zero padding the fused
-SnakeBeta kernel writes. Works inside CUDA graphs: slots, fresh flags and lengths are device tensors.
+Both math paths of the decoder run here: its eager modules (CPU, parity) and, when the decoder carries
+`fast.FusedVocoderKernels`, the fused time-major vocoder (`fast.vocoder`), the state filling the zero columns its
+kernels write in front of each conv's input. Works inside CUDA graphs: slots, fresh flags and lengths are device
+tensors.
 """
 
 from __future__ import annotations

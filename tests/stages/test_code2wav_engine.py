@@ -296,7 +296,6 @@ def test_cuda_graphs_and_fast_kernels_match_eager(decoder, dtype, fast_kernels, 
 
     from stages.code2wav import fast
 
-    monkeypatch.setattr(fast, "CONV2D_MIN_CHANNELS", 0)  # the tiny decoder's channels: cover the 2-D path too
     monkeypatch.setattr(fast, "UPSAMPLE_GEMM_MIN_CHANNELS", 32)  # its blocks 0-1 as GEMMs, 2-3 as cuDNN's
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -238,7 +238,6 @@ def test_graphed_stateful_streams_match_the_whole_decode(decoder, streams, fulls
 
     from stages.code2wav import fast
 
-    monkeypatch.setattr(fast, "CONV2D_MIN_CHANNELS", 0)  # the tiny decoder's channels: cover the 2-D path too
     monkeypatch.setattr(fast, "UPSAMPLE_GEMM_MIN_CHANNELS", 32)  # its blocks 0-1 as GEMMs, 2-3 as cuDNN's
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
