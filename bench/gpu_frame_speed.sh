@@ -7,6 +7,15 @@
 # pipeline / pipeline_stateless: both engines in one process, stateful / stateless Code2Wav.
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
 # codebook-0 logits and codes, then steps equal).
+# peer: faster-qwen3-tts 0.5.4 timed on the same checkpoint (python -m bench.peer_faster_qwen3_tts: its CUDA-graph
+# path, EOS held off by its own min_new_tokens; docstring there), FRAMES per run (200), RUNS (5); run it with
+# talker_profile in one call for issue 12's side-by-side. Needs .whl carried: the peer's wheels in .whl/peer/ (a
+# subfolder, so the `.whl/*.whl` installs of other scripts never pick up qwen-tts-hf's `qwen_tts`, which would
+# shadow the official oracle's), soundfile, soxr, cffi, pycparser in .whl/; installed in /tmp/site, on PYTHONPATH
+# for this step only. The peer's wheels (here, once; pure Python, ~0.6 MB; the GPU image has the rest):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl/peer \
+#     faster-qwen3-tts==0.5.4 qwen-tts-hf==0.1.1.post1 librosa==0.11.0 pooch==1.9.0 sox==1.4.1 \
+#     platformdirs==4.14.5 audioread==3.1.0 decorator==5.2.1
 # c2w_ops: bench.code2wav_ops (each vocoder op per layout at a chunk's shapes);
 # c2w_stateful: bench.code2wav --stateful --profile (the serving configs' engine); c2w_before: the same with an
 # earlier tree (BEFORE, as for talker_before).
@@ -63,6 +72,15 @@ for step in $STEPS; do
               python3 -m bench.talker --checkpoint "$CKPT" --batches ${CHECK_BATCHES:-1,8,64,256} --steps 20 --compile \
                 --max-seq-len 1024 --check-graphs --out "$OUT/talker_check.json" 2>&1 | tee "$OUT/talker_check.log" \
                 | grep -E "^\{" | tail -8 ;;
+    peer) checkpoint
+              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+                .whl/peer/*.whl .whl/soundfile-*.whl .whl/soxr-*.whl .whl/cffi-*.whl .whl/pycparser-*.whl \
+                || { echo "peer: wheel install failed (carry .whl with .whl/peer/)"; exit 3; }
+              python3 -m pip show torch transformers huggingface-hub accelerate torchaudio onnxruntime numba 2>/dev/null \
+                | grep -E "^(Name|Version)" | paste - - > "$OUT/peer_env.txt"
+              PYTHONPATH=/tmp/site:${PYTHONPATH:-} python3 -m bench.peer_faster_qwen3_tts --checkpoint "$CKPT" \
+                --frames "${FRAMES:-200}" --runs "${RUNS:-5}" --json "$OUT/peer_faster_qwen3_tts.json" 2>&1 \
+                | tee "$OUT/peer_faster_qwen3_tts.log" | grep -E "^\[peer\]|^\{|Error|error:|Traceback|CUDA" | tail -16 ;;
     talker_before) checkpoint
               rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf "${BEFORE:-.before.tar.gz}" -C /tmp/before
               CK=$(cd "$CKPT" && pwd)

@@ -5,7 +5,8 @@
 Why: issue 12 compares our Talker's batch-1 frame time (`python -m bench.talker`) with faster-qwen3-tts, a public
 single-stream Qwen3-TTS inference library built on CUDA graphs. Both must run on the same random-weight checkpoint
 (`python -m stages.checkpoint random DIR --size 1.7b --kind custom_voice`, the exact Hugging Face layout) in the
-same device call; no real weights can be downloaded. `bash bench/gpu_peer.sh` does that on the GPU machine.
+same device call; no real weights can be downloaded. `bash bench/gpu_frame_speed.sh peer talker_profile` does that
+on the GPU machine.
 
 What is loaded: faster-qwen3-tts through its public API, in its default configuration, the one its README
 recommends: `FasterQwen3TTS.from_pretrained(DIR)` (torch backend, bf16, SDPA, static KV cache of `max_seq_len`
@@ -83,7 +84,7 @@ def require_cuda() -> None:
         raise SystemExit(
             "bench.peer_faster_qwen3_tts: CUDA is not available. faster-qwen3-tts's torch backend is CUDA-only "
             "(FasterQwen3TTS.from_pretrained raises 'CUDA graphs require CUDA device'); run it on the GPU machine: "
-            "bash bench/gpu_peer.sh")
+            "bash bench/gpu_frame_speed.sh peer")
 
 
 def import_peer() -> tuple[object, list[str]]:
@@ -95,7 +96,7 @@ def import_peer() -> tuple[object, list[str]]:
     except ImportError as e:
         raise SystemExit(
             f"bench.peer_faster_qwen3_tts: {e}. Install the peer's wheels (faster-qwen3-tts 0.5.4, qwen-tts-hf and "
-            "the few packages the GPU image lacks) from .whl/peer/, as bench/gpu_peer.sh does.") from e
+            "the few packages the GPU image lacks) from .whl/peer/, as bench/gpu_frame_speed.sh peer does.") from e
     return faster_qwen3_tts, shims + patch_rope_registry()
 
 
