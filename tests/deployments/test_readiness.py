@@ -1,0 +1,81 @@
+"""deployments/ingress/health.readiness with fake deployment handles (no Ray cluster): its probes run together,
+so one slow deployment costs one probe timeout, and a replica that answers is seen as ready."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+
+from deployments import constants as C
+from deployments.ingress import health
+
+
+class _Response:
+    """A DeploymentResponse stand-in: awaiting it awaits `answer` (a coroutine function)."""
+
+    def __init__(self, answer):
+        self._answer, self.cancelled = answer, False
+
+    def __await__(self):
+        return self._answer().__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _handle(answer):
+    return types.SimpleNamespace(ready=types.SimpleNamespace(remote=lambda: _Response(answer)),
+                                 info=types.SimpleNamespace(remote=lambda: asyncio.sleep(0, result="info")))
+
+
+def _router(talker_handle):
+    route = types.SimpleNamespace(handle=talker_handle, loaded="info")
+    return types.SimpleNamespace(routes={"cv": route})
+
+
+def test_probes_are_awaited_together(monkeypatch):
+    """The Talker's probe answers only once Code2Wav's probe is being awaited: awaited one after the other it
+    would time out first and the app would read as not ready."""
+    monkeypatch.setattr(C, "READY_PROBE_TIMEOUT_S", 1.0)
+
+    async def main():
+        code2wav_asked = asyncio.Event()
+
+        async def talker_ready():
+            await code2wav_asked.wait()
+            return True
+
+        async def code2wav_ready():
+            code2wav_asked.set()
+            return True
+
+        return await health.readiness(_router(_handle(talker_ready)), _handle(code2wav_ready))
+
+    response = asyncio.run(main())
+    assert response.status_code == 200
+    assert json.loads(response.body) == {"ready": True, "deployments": {"cv": True, C.CODE2WAV_DEPLOYMENT_NAME: True}}
+
+
+def test_a_probe_that_never_answers_is_not_ready_and_is_cancelled(monkeypatch):
+    monkeypatch.setattr(C, "READY_PROBE_TIMEOUT_S", 0.05)
+    stuck: list[_Response] = []
+
+    async def main():
+        never = asyncio.Event()
+
+        async def talker_ready():
+            await never.wait()
+
+        async def code2wav_ready():
+            return True
+
+        talker = _handle(talker_ready)
+        make = talker.ready.remote
+        talker.ready.remote = lambda: stuck.append(make()) or stuck[-1]
+        return await health.readiness(_router(talker), _handle(code2wav_ready))
+
+    response = asyncio.run(main())
+    assert response.status_code == 503
+    assert json.loads(response.body)["deployments"] == {"cv": False, C.CODE2WAV_DEPLOYMENT_NAME: True}
+    assert stuck and stuck[0].cancelled
