@@ -7,19 +7,7 @@ import asyncio
 import pytest
 
 from deployments.decode_batcher import DecodeBatcher
-
-
-class _Response:
-    """Stands in for a DeploymentResponse: awaitable once, cancellable."""
-
-    def __init__(self, answer):
-        self._answer, self.cancelled = answer, False
-
-    def __await__(self):
-        return self._answer().__await__()
-
-    def cancel(self) -> None:
-        self.cancelled = True
+from tests.fake_response import FakeResponse
 
 
 class _Ready:
@@ -32,7 +20,7 @@ class _Ready:
 
     def remote(self):
         self.probes += 1
-        return _Response(self._answer)
+        return FakeResponse(self._answer)
 
     async def _answer(self):
         from ray.serve._private.common import DeploymentID
@@ -48,14 +36,14 @@ class _Code2Wav:
 
     def __init__(self):
         self.calls: list[list] = []
-        self.responses: list[_Response] = []
+        self.responses: list[FakeResponse] = []
         self.release: asyncio.Queue = asyncio.Queue()
         self.decode_many = self
         self.ready = _Ready()
 
     def remote(self, chunks: list):
         self.calls.append(list(chunks))
-        self.responses.append(_Response(lambda: self._answer(list(chunks))))
+        self.responses.append(FakeResponse(lambda: self._answer(list(chunks))))
         return self.responses[-1]
 
     async def _answer(self, chunks: list):

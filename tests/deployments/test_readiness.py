@@ -9,23 +9,11 @@ import types
 
 from deployments import constants as C
 from deployments.ingress import health
-
-
-class _Response:
-    """A DeploymentResponse stand-in: awaiting it awaits `answer` (a coroutine function)."""
-
-    def __init__(self, answer):
-        self._answer, self.cancelled = answer, False
-
-    def __await__(self):
-        return self._answer().__await__()
-
-    def cancel(self) -> None:
-        self.cancelled = True
+from tests.fake_response import FakeResponse
 
 
 def _handle(answer):
-    return types.SimpleNamespace(ready=types.SimpleNamespace(remote=lambda: _Response(answer)),
+    return types.SimpleNamespace(ready=types.SimpleNamespace(remote=lambda: FakeResponse(answer)),
                                  info=types.SimpleNamespace(remote=lambda: asyncio.sleep(0, result="info")))
 
 
@@ -59,7 +47,7 @@ def test_probes_are_awaited_together(monkeypatch):
 
 def test_a_probe_that_never_answers_is_not_ready_and_is_cancelled(monkeypatch):
     monkeypatch.setattr(C, "READY_PROBE_TIMEOUT_S", 0.05)
-    stuck: list[_Response] = []
+    stuck: list[FakeResponse] = []
 
     async def main():
         never = asyncio.Event()
