@@ -307,10 +307,11 @@ def _unit_pads(unit: ResidualUnit, T: int) -> tuple[int, int]:
 
 
 class FusedVocoderKernels:
-    """The stateless vocoder on the fused, time-major kernels (`vocoder` from a stream's start)."""
+    """The decoder's `kernels` seam (model.VocoderKernels) on the fused, time-major kernels: `vocoder` above."""
 
-    def vocoder(self, layers: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
-        return vocoder(layers, h)
+    def vocoder(self, layers: nn.ModuleList, h: torch.Tensor, carry: Carry | None = None,
+                rate: int = 1) -> torch.Tensor:
+        return vocoder(layers, h, carry or no_carry, rate)
 
 
 def enable_fast_kernels(decoder: Code2WavDecoder) -> bool:

@@ -7,6 +7,7 @@ The whole stack is causal: decoding a prefix of frames gives a prefix of the sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -20,9 +21,15 @@ from stages.code2wav.transformer import PreTransformer
 
 class VocoderKernels(Protocol):
     """Another implementation of the vocoder stack (`decoder.decoder`) with the same parameters and result up to
-    rounding: `stages/code2wav/fast.py`'s fused kernels for serving. None on a decoder = its eager modules."""
+    rounding: `stages/code2wav/fast.py`'s fused kernels for serving. None on a decoder = its eager modules.
 
-    def vocoder(self, layers: nn.ModuleList, h: torch.Tensor) -> torch.Tensor: ...
+    `carry(key, padded, rate)`, when given, fills each conv's causal history (the zero columns in front of its
+    input) with a stream's carried state and returns the conv's input (`stateful.StatefulDecoder`); `rate` is
+    the samples per frame entering the vocoder. Without it every stream starts from zeros."""
+
+    def vocoder(self, layers: nn.ModuleList, h: torch.Tensor,
+                carry: Callable[[str, torch.Tensor, int], torch.Tensor] | None = None,
+                rate: int = 1) -> torch.Tensor: ...
 
 
 class Code2WavDecoder(nn.Module):

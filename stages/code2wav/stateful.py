@@ -15,9 +15,9 @@ given left-context frames decodes the context as well, which is the stateless le
 engine's fallback when a stream's state is not at hand (docs/code2wav.md).
 
 Both math paths of the decoder run here: its eager modules (CPU, parity) and, when the decoder carries
-`fast.FusedVocoderKernels`, the fused time-major vocoder (`fast.vocoder`), the state filling the zero columns its
-kernels write in front of each conv's input. Works inside CUDA graphs: slots, fresh flags and lengths are device
-tensors.
+`fast.FusedVocoderKernels` (its `kernels`), the fused time-major vocoder (`fast.vocoder`), the state filling the
+zero columns its kernels write in front of each conv's input. Works inside CUDA graphs: slots, fresh flags and
+lengths are device tensors.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.code2wav import fast
 from stages.code2wav.layers import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, ResidualUnit, VocoderBlock
 from stages.code2wav.model import Code2WavDecoder
 from stages.code2wav.transformer import Attention, PreTransformer
@@ -144,8 +143,8 @@ class StatefulDecoder:
             h = up(h)
             rate *= up.conv.stride[0]
             h = self._convnext(convnext, h, rows, f"upsample.{i}", rate)
-        if dec.kernels is not None:
-            h = self._vocoder_fused(h, rows, rate)
+        if dec.kernels is not None:  # fused: the state goes into the zero columns before each conv's input
+            h = dec.kernels.vocoder(dec.decoder, h, rows.carry_into, rate)
         else:
             h = self._vocoder_eager(h, rows, rate)
         return h.clamp(-1.0, 1.0)
@@ -224,11 +223,6 @@ class StatefulDecoder:
     def _unit_eager(unit: ResidualUnit, x: torch.Tensor, rows: _Rows, key: str, rate: int) -> torch.Tensor:
         h = rows.conv(key, unit.conv1.conv, unit.act1(x), rate)
         return x + unit.conv2(unit.act2(h))
-
-    def _vocoder_fused(self, h: torch.Tensor, rows: _Rows, rate: int) -> torch.Tensor:
-        """The fused, time-major kernels of stages/code2wav/fast.py; each conv's history goes into the zero
-        columns in front of its input (`carry_into`), so no concatenation."""
-        return fast.vocoder(self.decoder.decoder, h, rows.carry_into, rate)
 
 
 def check_layout(decoder: Code2WavDecoder) -> None:
