@@ -48,16 +48,6 @@ def channels_first_dilated(h: torch.Tensor, layer: torch.nn.Conv1d) -> torch.Ten
     return y.view(B, y.shape[1], -1)
 
 
-def time_major_view(h: torch.Tensor, layer: torch.nn.Conv1d) -> torch.Tensor:
-    """fast.dilated_conv with the (T / d, d) view whatever the channels."""
-    saved = fast.CONV2D_MIN_CHANNELS
-    fast.CONV2D_MIN_CHANNELS = 0
-    try:
-        return fast.dilated_conv(h, layer)
-    finally:
-        fast.CONV2D_MIN_CHANNELS = saved
-
-
 def snake_tiles(name: str, x: torch.Tensor, act, batch: int, frames: int, reps: int) -> dict:
     """The time-major SnakeBeta kernel per (BLOCK_T, BLOCK_C) tile, and the GB/s of its best."""
     x = fast.time_major(x)
@@ -109,7 +99,7 @@ def ops_at(decoder, batch: int, frames: int, reps: int) -> list[dict]:
             padded = unit.conv1.left_pad + T + (-T) % d
             both(f"block{b}.unit{u}.conv1(d={d})", lambda: rand(c1.in_channels, padded),
                  lambda x: channels_first_dilated(x, c1), lambda x: fast.dilated_conv(x, c1),
-                 native=lambda x: fast.conv(x, c1), view=lambda x: time_major_view(x, c1))
+                 native=lambda x: fast.conv(x, c1), view=lambda x: fast.dilated_view_conv(x, c1))
             both(f"block{b}.unit{u}.conv2", lambda: rand(c1.out_channels, T),
                  lambda x: F.conv1d(x, unit.conv2.conv.weight), lambda x: fast.pointwise(x, unit.conv2.conv))
     both("last", lambda: rand(last.conv.in_channels, last.left_pad + T),

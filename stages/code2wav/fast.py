@@ -172,9 +172,14 @@ def dilated_conv(h: torch.Tensor, layer: nn.Conv1d) -> torch.Tensor:
     frames: 53.7 ms against 3.2 ms as the 2-D view; NHWC 192 ch, d=3 and 9, batch 64 x 1 frame: 43.9 ms
     against 1.1 ms channels-first (bench/code2wav_ops.py, H100). The view is a plain (k, 1) conv.
     """
-    d = layer.dilation[0]
-    if d == 1 or h.shape[1] < CONV2D_MIN_CHANNELS:
+    if layer.dilation[0] == 1 or h.shape[1] < CONV2D_MIN_CHANNELS:
         return conv(h, layer)
+    return dilated_view_conv(h, layer)
+
+
+def dilated_view_conv(h: torch.Tensor, layer: nn.Conv1d) -> torch.Tensor:
+    """`dilated_conv` as a 2-D conv over the (time / d, d) view, whatever the channels."""
+    d = layer.dilation[0]
     h = time_major(h)
     B, C, T = h.shape
     grid = h.transpose(1, 2).reshape(B, T // d, d, C).permute(0, 3, 1, 2)  # NHWC view [B, C, T / d, d]
