@@ -5,6 +5,8 @@
 # references, graphed == reference, no host sync); code2wav: bench.code2wav stateless then --stateful;
 # c2w_tuned: --stateful --cudnn-benchmark --profile; talker_profile: bench.talker b1/b256 with the profiler;
 # pipeline / pipeline_stateless: both engines in one process, stateful / stateless Code2Wav.
+# gemv: the few-row Triton GEMVs' GPU tests and their tiling sweep against cuBLAS (bench.gemv); talker_gemv:
+# bench.talker --profile with the layers on cuBLAS (--gemv-rows 0) then on the GEMVs (GEMV_ROWS, default 4).
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
 # codebook-0 logits and codes, then steps equal).
 # peer: faster-qwen3-tts 0.5.4 timed on the same checkpoint (python -m bench.peer_faster_qwen3_tts: its CUDA-graph
@@ -68,6 +70,15 @@ for step in $STEPS; do
               python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,256} --steps 30 --compile \
                 --max-seq-len 1024 --profile --out "$OUT/talker_profile.json" 2>&1 | tee "$OUT/talker_profile.log" \
                 | grep -vE "^\[talker\] captured|^\{" | tail -40 ;;
+    gemv) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_gemv_gpu.py 2>&1 \
+             | tee "$OUT/gemv_gpu_tests.log" | grep -E "passed|failed|error|max abs err|Error|assert" | tail -40
+          python3 -m bench.gemv --rows ${GEMV_ROWS_SWEEP:-1,4} --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | tail -20 ;;
+    talker_gemv) checkpoint  # the decode step with the layers on cuBLAS (gemv-rows 0) and on the Triton GEMVs
+              for g in 0 ${GEMV_ROWS:-4}; do
+                python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,2,4,8} --steps 30 --compile \
+                  --max-seq-len 1024 --gemv-rows $g --profile --out "$OUT/talker_gemv$g.json" 2>&1 \
+                  | tee "$OUT/talker_gemv$g.log" | grep -vE "^\[talker\] captured|^\{" | tail -30
+              done ;;
     talker_check) checkpoint  # graphed + compiled + fused against eager, per batch bucket (first-step logits, codes)
               python3 -m bench.talker --checkpoint "$CKPT" --batches ${CHECK_BATCHES:-1,8,64,256} --steps 20 --compile \
                 --max-seq-len 1024 --check-graphs --out "$OUT/talker_check.json" 2>&1 | tee "$OUT/talker_check.log" \

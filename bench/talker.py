@@ -27,6 +27,7 @@ from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import write_random_checkpoint
 from stages.sampling import mask_talker_logits, select_tokens
+from stages.talker.engine_config import TalkerEngineConfig
 from stages.talker.prompt_plan import plan_prompt
 from stages.talker.runner import Admission, TalkerRunner
 
@@ -139,6 +140,8 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--no-kernel", action="store_true", help="gather + SDPA decode attention instead of the paged kernel")
     ap.add_argument("--compile", action="store_true", help="torch.compile the layer math and sampling")
+    ap.add_argument("--gemv-rows", type=int, default=TalkerEngineConfig.gemv_rows,
+                    help="with --compile: forwards of <= this many rows run as Triton GEMVs (0: cuBLAS throughout)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--out", default=None, help="JSON results path")
     ap.add_argument("--profile", action="store_true",
@@ -158,7 +161,8 @@ def main() -> None:
     plan = prompt_plan(model)
     per_request = -(-(plan.length + 2 * args.steps + 8) // 16)  # KV blocks: prompt + timed and warm-up steps
     runner = TalkerRunner(model, max(batches), args.max_seq_len, 64, num_blocks=max(batches) * per_request,
-                          compile=args.compile, attention_kernel=None if not args.no_kernel else False)
+                          compile=args.compile, attention_kernel=None if not args.no_kernel else False,
+                          gemv_rows=args.gemv_rows)
     capture_s = 0.0
     if device == "cuda" and not args.no_graphs:
         capture_s = runner.capture_graphs(tuple(batches), log=print)
@@ -223,7 +227,7 @@ def main() -> None:
     report = {
         "device": device_name(), "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
         "size": args.size, "kind": args.kind, "dtype": args.dtype, "graphs": bool(runner.graphs),
-        "compile": args.compile, "paged_attention_kernel": runner.use_kernel,
+        "compile": args.compile, "paged_attention_kernel": runner.use_kernel, "gemv_rows": runner.gemv_rows,
         "graph_capture_s": round(capture_s, 1), "bandwidth_floor_ms_b1": FLOOR_MS.get(args.size),
         "prefill_ms": prefill_ms,
         "torch": torch.__version__, "results": results,

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stages import gemv_kernels
 from stages.config import TransformerConfig
 
 
@@ -130,9 +131,17 @@ def attention_inputs(
     """input RMSNorm -> q/k/v projections -> per-head q/k RMSNorm -> RoPE. x [B, S, H] -> q, k, v [B, h, S, D].
 
     `qkv_w`: (q, k, v) weights, or the one stacked weight of a fused layer."""
-    b, s, _ = x.shape
     h = _rms(x, norm_w, eps)
     q, k, v = _project(h, qkv_w, (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim))
+    return heads_norm_rope(q, k, v, q_norm_w, k_norm_w, eps, cos, sin, num_heads, num_kv_heads, head_dim)
+
+
+def heads_norm_rope(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, eps: float,
+    cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Projected q/k/v [B, S, h*D] -> per-head q/k RMSNorm -> RoPE -> q, k, v [B, h, S, D]."""
+    b, s, _ = q.shape
     q = _rms(q.view(b, s, num_heads, head_dim), q_norm_w, eps).transpose(1, 2)
     k = _rms(k.view(b, s, num_kv_heads, head_dim), k_norm_w, eps).transpose(1, 2)
     v = v.view(b, s, num_kv_heads, head_dim).transpose(1, 2)
@@ -244,6 +253,8 @@ class DecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         pre, post = (kernels.pre, kernels.post) if kernels is not None else (attention_inputs, attention_output_and_mlp)
         fused = self.qkv_weight is not None and kernels is not None  # the eager path stays the reference
+        if fused and x.shape[0] * x.shape[1] <= kernels.gemv_rows:
+            return self._forward_gemv(x, cos, sin, ctx, kernels.heads)
         qkv_w = (self.qkv_weight,) if fused else (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
         gate_up_w = (self.gate_up_weight,) if fused else (m.gate_proj.weight, m.up_proj.weight)
         q, k, v = pre(x, self.input_layernorm.weight, self.input_layernorm.eps, qkv_w, a.q_norm.weight,
@@ -251,6 +262,24 @@ class DecoderLayer(nn.Module):
         attn = a.attend(q, k, v, ctx)
         return post(x, attn, a.o_proj.weight, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
                     gate_up_w, m.down_proj.weight)
+
+
+    def _forward_gemv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      ctx: AttentionContext | SelfAttendingContext, heads: Callable) -> torch.Tensor:
+        """The same layer for a few rows: four Triton GEMVs with the norms, SwiGLU and residuals fused into them
+        (stages/gemv_kernels.py), around the compiled q/k norm + RoPE (`heads`) and the attention kernel."""
+        a, m = self.self_attn, self.mlp
+        ln, post_ln = self.input_layernorm, self.post_attention_layernorm
+        b, s, hidden = x.shape
+        rows = x.reshape(b * s, hidden)
+        qkv = gemv_kernels.gemv(rows, self.qkv_weight, norm=(ln.weight, ln.eps)).view(b, s, -1)
+        q, k, v = qkv.split((a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim), -1)
+        q, k, v = heads(q, k, v, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin, a.num_heads,
+                        a.num_kv_heads, a.head_dim)
+        attn = a.attend(q, k, v, ctx).reshape(b * s, -1)
+        h = gemv_kernels.gemv(attn, a.o_proj.weight, residual=rows)
+        act = gemv_kernels.gemv(h, self.gate_up_weight, norm=(post_ln.weight, post_ln.eps), swiglu=True)
+        return gemv_kernels.gemv(act, m.down_proj.weight, residual=h).view(b, s, hidden)
 
 
 @dataclass(frozen=True)
@@ -261,12 +290,19 @@ class LayerKernels:
     pre: Callable
     post: Callable
     norm: Callable = _rms  # the stack's final RMSNorm (eager: ~7 kernels; compiled: one)
+    heads: Callable = heads_norm_rope  # q/k norm + RoPE on projected rows (the GEMV path's `pre` after its product)
+    gemv_rows: int = 0  # forwards of at most this many rows (batch x positions) take the GEMV path; 0: never
 
     @classmethod
-    def compiled(cls) -> LayerKernels:
+    def compiled(cls, gemv_rows: int = 0) -> LayerKernels:
+        """`gemv_rows` > 0 needs CUDA and Triton (`stages/gemv_kernels.available`) and fused projections."""
+        if gemv_rows > gemv_kernels.MAX_ROWS:
+            raise ValueError(f"gemv_rows {gemv_rows} > {gemv_kernels.MAX_ROWS}")
         return cls(pre=torch.compile(attention_inputs, dynamic=True, fullgraph=True),
                    post=torch.compile(attention_output_and_mlp, dynamic=True, fullgraph=True),
-                   norm=torch.compile(_rms, dynamic=True, fullgraph=True))
+                   norm=torch.compile(_rms, dynamic=True, fullgraph=True),
+                   heads=torch.compile(heads_norm_rope, dynamic=True, fullgraph=True),
+                   gemv_rows=gemv_rows)
 
 
 class DecoderStack(nn.Module):

@@ -24,6 +24,8 @@ class TalkerEngineConfig:
     compile: bool = True  # torch.compile the per-layer math and sampling (CUDA only)
     exact_prefill: bool | None = None  # reference prompt embeddings (bit-exact, slow); None: on CPU only
     attention_kernel: bool | None = None  # paged Triton decode attention; None: where available (CUDA)
+    gemv_rows: int = 4  # compiled CUDA path: forwards of <= this many rows run each layer as 4 Triton GEMVs with
+    # their norms, SwiGLU and residuals fused (stages/gemv_kernels.py; batch 1-2 decode); 0: cuBLAS throughout
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
     text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
     compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't

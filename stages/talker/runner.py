@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from stages import layers, sampling
+from stages import gemv_kernels, layers, sampling
 from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.layers import LayerKernels
 from stages.qwen3_tts import Qwen3TTS
@@ -181,7 +181,8 @@ class TalkerRunner:
 
     def __init__(self, model: Qwen3TTS, num_slots: int, max_seq_len: int, max_text_rows: int, num_blocks: int,
                  block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
-                 compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16):
+                 compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
+                 gemv_rows: int = 0):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
@@ -233,6 +234,8 @@ class TalkerRunner:
         self._text_stage = _IntStage(dev)
         self._init_tts_pad()
         self._select, self._mask = select_tokens, mask_talker_logits
+        # compiled path only: forwards of <= gemv_rows rows run the layers as Triton GEMVs (stages/gemv_kernels.py)
+        self.gemv_rows = gemv_rows if compile and gemv_kernels.available(dev) else 0
         if compile:
             self._enable_compile()
 
@@ -253,7 +256,7 @@ class TalkerRunner:
 
         # shapes seen: talker/code predictor x prefill/decode x batch 1/many; each a compiled variant
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        kernels = LayerKernels.compiled()
+        kernels = LayerKernels.compiled(gemv_rows=self.gemv_rows)
         # also q/k/v and gate/up as one GEMM each (2 of 5 per layer: ~300 fewer kernels per frame) and RoPE from a
         # table; positions stay below max_seq_len (the talker) and 16 (the code predictor's frame)
         self.talker.model.use_kernels(kernels, self.max_seq_len)

@@ -151,6 +151,26 @@ def test_graphed_engine_equals_reference_on_cuda(cuda_model, prompts, exact_pref
         np.testing.assert_array_equal(codes, reference.generate_codes(prompt, GREEDY, n))
 
 
+def test_compiled_engine_with_gemv_rows_equals_reference_on_cuda(cuda_model, prompts):
+    """fp32, the serving path: compiled layers, paged kernel, graphs, and the batch 1-2 buckets on the Triton GEMVs
+    (stages/gemv_kernels.py; `gemv_rows`): the same greedy codes as the reference generator, requests joining
+    and leaving so that steps of 1, 2 and more rows all run."""
+    engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=True, gemv_rows=4))
+    engine.start(log=lambda _m: None)
+    try:
+        assert engine.runner.gemv_rows == 4 and engine.runner.graphs
+        lengths = [12, 20, 7, 15, 11]
+        results = _run(engine, [SynthesisRequest(f"g{i}", p, GREEDY, n)
+                                for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))], stagger=True)
+        alone = _run(engine, [SynthesisRequest("alone", prompts[1], GREEDY, 9)])  # batch 1 throughout
+    finally:
+        engine.shutdown()
+    reference = ReferenceGenerator(cuda_model)
+    for prompt, n, (codes, reason) in zip([*prompts, prompts[1]], [*lengths, 9], [*results, *alone], strict=True):
+        assert reason is FinishReason.LENGTH
+        np.testing.assert_array_equal(codes, reference.generate_codes(prompt, GREEDY, n))
+
+
 def test_hot_path_has_no_host_sync(cuda_model, prompts):
     """Arrivals, steps and releases under `set_sync_debug_mode("error")`: any hidden sync raises in the engine."""
     engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=4, compile=False))

@@ -1,0 +1,124 @@
+"""A decoder layer's products for a few rows (batch 1-8 decode), as Triton GEMVs with their neighbours fused.
+
+At batch 1 a frame is 103 layer evaluations (28 talker + 15 x 5 code predictor), each with four products. cuBLAS
+runs each as its own GEMV-shaped kernel (plus a split-K reduce for some) between small fused elementwise kernels:
+~10 kernels per layer, and the H100 profile of the batch-1 step (`docs/benchmarks.md`, "Fewer kernels per frame")
+showed the GEMVs reading the weights at ~1 TB/s (latency-bound: 4-12 MB each) and ~1 ms of the 6.8 ms step in
+kernel boundaries. Here each product is one kernel with what sits around it:
+
+- `NORM`: the input RMSNorm (fp32 statistics, cast to the input dtype, times the norm weight: the same rounding
+  points as `stages/layers._rms`) is computed by every program from the input row, which is a few KB;
+- `SWIGLU`: the stacked gate/up weight gives two accumulators per output column, and `silu(gate) * up` is the
+  epilogue (the MLP's intermediate never exists unactivated);
+- `RESIDUAL`: the residual add is the epilogue of o_proj and down_proj.
+
+So a layer is norm+q/k/v, q/k norm + RoPE, attention, o_proj+residual, norm+gate/up+SwiGLU, down+residual. Each
+program computes `BLOCK_N` output columns for all rows, reading its weight rows once over K (fp32 FMAs on CUDA
+cores: at <= 8 rows the kernel is bound by the weight bytes, not by math); the tiling spreads a product over
+~128-256 programs so that enough loads are in flight (`bench/gemv.py` sweeps it). The eager layer stays the
+reference: in fp32 the results differ from it only by summation order (GPU tests, `tests/stages/test_gemv_gpu.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the layers keep their PyTorch path
+    triton = None
+
+MAX_ROWS = 8  # rows a call handles in one pass over the weights (more rows: the GEMM path is the right one)
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, eps,
+        M, N, up_offset, stride_xm, stride_wn, stride_om, stride_rm,
+        K: tl.constexpr, M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        m = tl.arange(0, M_P)
+        m_ok = m < M
+        kk = tl.arange(0, BLOCK_K)
+        dt = out_ptr.dtype.element_ty
+        if NORM:  # the row's RMS statistics: every program reads the (few-KB) input rows once more
+            ss = tl.zeros([M_P], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + kk
+                xv = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
+                             other=0.0).to(tl.float32)
+                ss += tl.sum(xv * xv, axis=1)
+            rstd = 1.0 / tl.sqrt(ss / K + eps)
+        acc = tl.zeros([M_P, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([M_P, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            k_ok = k < K
+            xv = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0).to(tl.float32)
+            if NORM:  # _rms: normalize in fp32, cast to the input dtype, times the weight (rounded to the dtype)
+                nw = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                xv = (xv * rstd[:, None]).to(dt).to(tl.float32)
+                xv = (xv * nw[None, :]).to(dt).to(tl.float32)
+            w_offs = n[:, None] * stride_wn + k[None, :]
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_ptr + w_offs, mask=w_ok, other=0.0).to(tl.float32)
+            acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
+            if SWIGLU:  # the up rows sit `up_offset` rows below the gate rows in the stacked weight
+                wu = tl.load(w_ptr + up_offset * stride_wn + w_offs, mask=w_ok, other=0.0).to(tl.float32)
+                acc_up += tl.sum(xv[:, None, :] * wu[None, :, :], axis=2)
+        y = acc.to(dt).to(tl.float32)  # the product as F.linear returns it
+        if SWIGLU:  # F.silu(gate) * up, each rounded to the dtype as the eager ops are
+            gate_act = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)
+            y = gate_act * acc_up.to(dt).to(tl.float32)
+        out_ok = m_ok[:, None] & n_ok[None, :]
+        if RESIDUAL:
+            y += tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y.to(dt), mask=out_ok)
+
+
+def tiling(n: int, k: int, swiglu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] product: ~128+ programs, each reading whole 512-byte runs
+    of its weight rows per iteration. Defaults from `bench/gemv.py` (H100)."""
+    block_n = 64
+    while block_n > 4 and n // block_n < 128:
+        block_n //= 2
+    block_k = 128 if swiglu or block_n >= 32 else 256
+    return block_n, min(block_k, triton.next_power_of_2(k)), 4
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], M <= MAX_ROWS, unit inner stride
+    weight: torch.Tensor,  # [N, K] (SwiGLU: [2 * N, K], gate rows then up rows)
+    norm: tuple[torch.Tensor, float] | None = None,  # (RMSNorm weight [K], eps): normalize x first
+    swiglu: bool = False,  # -> silu(x @ gate^T) * (x @ up^T), [M, N]
+    residual: torch.Tensor | None = None,  # [M, N]: added to the product
+    blocks: tuple[int, int, int] | None = None,  # (BLOCK_N, BLOCK_K, num_warps); None: `tiling`
+) -> torch.Tensor:
+    """-> [M, N] in x's dtype: (RMSNorm(x) if norm) @ weight^T, then SwiGLU and/or + residual."""
+    m, k = x.shape
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == (m, n) and residual.stride(1) == 1
+    block_n, block_k, warps = blocks or tiling(n, k, swiglu)
+    norm_w, eps = norm if norm is not None else (x, 0.0)
+    res = residual if residual is not None else out
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out, norm_w, res, eps, m, n, n, x.stride(0), weight.stride(0), out.stride(0), res.stride(0),
+        K=k, M_P=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, num_warps=warps,
+    )
+    return out

@@ -1,0 +1,104 @@
+"""The few-row Triton GEMVs (stages/gemv_kernels.py) against PyTorch, alone and as a decoder layer.
+
+Marked `gpu`: they run on the GPU machine (`python -m pytest -m gpu tests/stages`), CPU CI skips them. In fp32 the
+kernels differ from PyTorch by summation order only; in bf16 they round where the eager ops round, so the
+difference is the products' accumulation order, a bf16 ulp of the output now and then.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages import gemv_kernels
+from stages.config import TransformerConfig
+from stages.kv_cache import ContiguousKV
+from stages.layers import DecoderStack, LayerKernels, _rms, attention_inputs, attention_output_and_mlp
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _reference(x, w, norm, swiglu, residual):
+    h = _rms(x, *norm) if norm is not None else x
+    y = F.linear(h, w)
+    if swiglu:
+        gate, up = y.split(w.shape[0] // 2, dim=-1)
+        y = F.silu(gate) * up
+    return y + residual if residual is not None else y
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("flags", ["", "norm", "residual", "norm,swiglu", "norm,swiglu,residual"])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (200, 328)])  # the last: no tile divides it
+def test_gemv_matches_pytorch(dtype, rtol, flags, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    swiglu = "swiglu" in flags
+    w = (torch.randn(2 * n if swiglu else n, k, generator=gen, device="cuda") / k ** 0.5).to(dtype)
+    for m in (1, 2, 3, 8):
+        x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+        norm = ((torch.rand(k, generator=gen, device="cuda") + 0.5).to(dtype), 1e-6) if "norm" in flags else None
+        res = torch.randn(m, n, generator=gen, device="cuda").to(dtype) if "residual" in flags else None
+        ref = _reference(x, w, norm, swiglu, res).float()
+        out = gemv_kernels.gemv(x, w, norm, swiglu, res).float()
+        scale = ref.abs().max().item()
+        err = (out - ref).abs().max().item()
+        print(f"gemv {dtype} {flags or 'plain'} {m}x{k} -> {n}: max abs err {err:.2e} (max |y| {scale:.2f})")
+        assert err <= rtol * max(scale, 1.0), (m, err, scale)
+
+
+CFG = TransformerConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64)
+
+
+@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_gemv_layer_path_matches_eager(dtype, rtol):
+    """A stack's decode forwards (one row; the code predictor's two-row first pass) through the GEMV path against
+    its eager layers, over the same cache contents: what the engine's batch-1 graphs run."""
+    dt = getattr(torch, dtype)
+    torch.manual_seed(0)
+    stack = DecoderStack(CFG)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.normal_(0.0, 0.1)
+    stack = stack.to("cuda", dt).eval()
+    stack.fuse_projections()
+    kernels = LayerKernels(pre=attention_inputs, post=attention_output_and_mlp, gemv_rows=8)
+    for b, widths in ((1, (2, 1, 1, 1)), (2, (2, 1, 1)), (4, (2, 1))):
+        x = torch.randn(b, sum(widths), CFG.hidden_size, device="cuda").to(dt)
+        out = {}
+        for name, k in (("eager", None), ("gemv", kernels)):
+            stack.kernels = k
+            kv = ContiguousKV(CFG.num_hidden_layers, b, CFG.num_key_value_heads, CFG.head_dim, sum(widths), dt, "cuda")
+            parts, start = [], 0
+            with torch.no_grad():
+                for s in widths:
+                    kv.begin(s)
+                    positions = torch.arange(start, start + s, device="cuda").expand(b, s)
+                    parts.append(stack(x[:, start:start + s], positions, kv).float())
+                    kv.advance()
+                    start += s
+            out[name] = torch.cat(parts, dim=1)
+        stack.kernels = None
+        scale = out["eager"].abs().max().item()
+        err = (out["gemv"] - out["eager"]).abs().max().item()
+        print(f"gemv layer path vs eager, {dtype}, batch {b}, widths {widths}: max abs err {err:.2e} "
+              f"(max |h| {scale:.2f})")
+        assert err <= rtol * max(scale, 1.0), (b, err, scale)
+
+
+def test_rows_past_the_threshold_take_the_gemm_path(monkeypatch):
+    """gemv_rows is the switch: a forward of more rows never calls the GEMV kernel."""
+    calls = []
+    real = gemv_kernels.gemv
+    monkeypatch.setattr(gemv_kernels, "gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    stack = DecoderStack(CFG).to("cuda").eval()
+    stack.fuse_projections()
+    stack.kernels = LayerKernels(pre=attention_inputs, post=attention_output_and_mlp, gemv_rows=2)
+    for b in (1, 2, 3):
+        kv = ContiguousKV(CFG.num_hidden_layers, b, CFG.num_key_value_heads, CFG.head_dim, 1, torch.float32, "cuda")
+        kv.begin(1)
+        with torch.no_grad():
+            stack(torch.randn(b, 1, CFG.hidden_size, device="cuda"), torch.zeros(b, 1, dtype=torch.long,
+                                                                                 device="cuda"), kv)
+    assert calls == [1] * 4 * CFG.num_hidden_layers + [2] * 4 * CFG.num_hidden_layers
