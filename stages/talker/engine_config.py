@@ -24,8 +24,9 @@ class TalkerEngineConfig:
     compile: bool = True  # torch.compile the per-layer math and sampling (CUDA only)
     exact_prefill: bool | None = None  # reference prompt embeddings (bit-exact, slow); None: on CPU only
     attention_kernel: bool | None = None  # paged Triton decode attention; None: where available (CUDA)
-    gemv_rows: int = 4  # compiled CUDA path: forwards of <= this many rows run each layer as 4 Triton GEMVs with
-    # their norms, SwiGLU and residuals fused (stages/gemv_kernels.py; batch 1-2 decode); 0: cuBLAS throughout
+    gemv_rows: int = 0  # compiled CUDA path: forwards of <= this many rows (<= 8) run each layer as 4 Triton GEMVs
+    # with their norms, SwiGLU and residuals fused (stages/gemv_kernels.py); 0: cuBLAS throughout. Off until the
+    # H100 step `bench/gpu_frame_speed.sh talker_gemv` has measured it (docs/talker_engine.md)
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
     text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
     compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't
@@ -36,5 +37,7 @@ class TalkerEngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_seq_len < 16:
             raise ValueError("max_num_seqs must be >= 1 and max_seq_len >= 16")
+        if not 0 <= self.gemv_rows <= 8:  # stages/gemv_kernels.MAX_ROWS (this module stays torch-free)
+            raise ValueError("gemv_rows must be in 0..8")
         if isinstance(self.schedule, dict):  # from YAML / JSON kwargs
             object.__setattr__(self, "schedule", ChunkSchedule(**self.schedule))

@@ -86,19 +86,3 @@ def test_gemv_layer_path_matches_eager(dtype, rtol):
               f"(max |h| {scale:.2f})")
         assert err <= rtol * max(scale, 1.0), (b, err, scale)
 
-
-def test_rows_past_the_threshold_take_the_gemm_path(monkeypatch):
-    """gemv_rows is the switch: a forward of more rows never calls the GEMV kernel."""
-    calls = []
-    real = gemv_kernels.gemv
-    monkeypatch.setattr(gemv_kernels, "gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    stack = DecoderStack(CFG).to("cuda").eval()
-    stack.fuse_projections()
-    stack.kernels = LayerKernels(pre=attention_inputs, post=attention_output_and_mlp, gemv_rows=2)
-    for b in (1, 2, 3):
-        kv = ContiguousKV(CFG.num_hidden_layers, b, CFG.num_key_value_heads, CFG.head_dim, 1, torch.float32, "cuda")
-        kv.begin(1)
-        with torch.no_grad():
-            stack(torch.randn(b, 1, CFG.hidden_size, device="cuda"), torch.zeros(b, 1, dtype=torch.long,
-                                                                                 device="cuda"), kv)
-    assert calls == [1] * 4 * CFG.num_hidden_layers + [2] * 4 * CFG.num_hidden_layers

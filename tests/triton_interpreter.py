@@ -1,0 +1,60 @@
+"""The project's Triton kernels on CPU: Triton's interpreter (`TRITON_INTERPRET=1`) in a cached virtualenv.
+
+The kernels run on CUDA only, and the main env of a CPU machine has no Triton. Triton's interpreter runs a
+kernel's program instances one by one with numpy, so CPU CI checks what a kernel computes (in fp32: the
+interpreter has no bf16 arithmetic) before a GPU session measures how fast it runs. The venv is created on first
+use (`--system-site-packages`: it adds only Triton to the main env's packages; needs PyPI once) and cached under
+`$QWEN3_TTS_TRITON_VENV` (default `~/.cache/qwen3-tts-serve/triton-interp-<hash>`). Scripts in
+`tests/interpreted/` run inside it with `run_interpreted(script)` and print their measurements as JSON; the
+tests assert on them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TRITON_PIN = "triton==3.6.0"  # the GPU image's Triton (torch 2.11.0+cu130)
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def interpreter_venv_dir() -> Path:
+    key = hashlib.sha256(f"{TRITON_PIN}\n{sys.version}".encode()).hexdigest()[:12]
+    default = Path.home() / ".cache" / "qwen3-tts-serve" / f"triton-interp-{key}"
+    return Path(os.environ.get("QWEN3_TTS_TRITON_VENV", default))
+
+
+def interpreter_python() -> Path:
+    """Path to the venv's python, creating the venv once (file-locked against parallel runs)."""
+    venv = interpreter_venv_dir()
+    python = venv / "bin" / "python"
+    done = venv / ".complete"
+    if done.exists():
+        return python
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return python
+        print(f"[triton] creating {venv} (one time)", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", TRITON_PIN],
+                       check=True)
+        done.write_text("ok\n")
+    return python
+
+
+def run_interpreted(script: str, *args: str, timeout: float = 600) -> dict:
+    """Run `tests/interpreted/<script>` under Triton's interpreter; returns the JSON it prints last."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([str(interpreter_python()), str(HERE / "interpreted" / script), *args],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
