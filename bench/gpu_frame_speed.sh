@@ -6,7 +6,8 @@
 # c2w_tuned: --stateful --cudnn-benchmark --profile; talker_profile: bench.talker b1/b256 with the profiler;
 # pipeline / pipeline_stateless: both engines in one process, stateful / stateless Code2Wav.
 # gemv: the few-row Triton GEMVs' GPU tests and their tiling sweep against cuBLAS (bench.gemv); talker_gemv:
-# bench.talker --profile with the layers on cuBLAS (--gemv-rows 0) then on the GEMVs (GEMV_ROWS, default 4).
+# bench.talker --profile per VARIANT (default "0 0h 4 4h": --gemv-rows N, "h" adding --heads-in-attention), the
+# first being the layers as before (cuBLAS, compiled head norm + RoPE).
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
 # codebook-0 logits and codes, then steps equal).
 # peer: faster-qwen3-tts 0.5.4 timed on the same checkpoint (python -m bench.peer_faster_qwen3_tts: its CUDA-graph
@@ -46,7 +47,7 @@ for step in $STEPS; do
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_code2wav_stateful.py \
              tests/stages/test_code2wav_engine.py 2>&1 | tee "$OUT/gpu_tests.log" \
              | grep -E "passed|failed|error|max diff|Error|assert" | tail -24 ;;
-    talker_tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_talker_engine_gpu.py \
+    talker_tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_talker_engine_gpu.py tests/stages/test_gemv_gpu.py \
              tests/stages/test_sampling_gpu.py 2>&1 | tee "$OUT/talker_gpu_tests.log" \
              | grep -E "passed|failed|error|max abs err|Error|assert" | tail -24 ;;
     code2wav) python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --out "$OUT/c2w_stateless" \
@@ -73,11 +74,12 @@ for step in $STEPS; do
     gemv) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_gemv_gpu.py 2>&1 \
              | tee "$OUT/gemv_gpu_tests.log" | grep -E "passed|failed|error|max abs err|Error|assert" | tail -40
           python3 -m bench.gemv --rows ${GEMV_ROWS_SWEEP:-1,4} --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | tail -20 ;;
-    talker_gemv) checkpoint  # the decode step with the layers on cuBLAS (gemv-rows 0) and on the Triton GEMVs
-              for g in 0 ${GEMV_ROWS:-4}; do
-                python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,2,4,8} --steps 30 --compile \
-                  --max-seq-len 1024 --gemv-rows $g --profile --out "$OUT/talker_gemv$g.json" 2>&1 \
-                  | tee "$OUT/talker_gemv$g.log" | grep -vE "^\[talker\] captured|^\{" | tail -30
+    talker_gemv) checkpoint  # the decode step: layers on cuBLAS / on the GEMVs, heads in compiled kernels / in attention
+              for v in ${VARIANTS:-0 0h ${GEMV_ROWS:-4} ${GEMV_ROWS:-4}h}; do
+                python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,2,4,256} --steps 30 --compile \
+                  --max-seq-len 1024 --gemv-rows ${v%h} $([ "${v%h}" != "$v" ] && echo --heads-in-attention) --profile \
+                  --out "$OUT/talker_gemv$v.json" 2>&1 | tee "$OUT/talker_gemv$v.log" \
+                  | grep -vE "^\[talker\] captured|^\{" | tail -30
               done ;;
     talker_check) checkpoint  # graphed + compiled + fused against eager, per batch bucket (first-step logits, codes)
               python3 -m bench.talker --checkpoint "$CKPT" --batches ${CHECK_BATCHES:-1,8,64,256} --steps 20 --compile \

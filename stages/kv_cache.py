@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from stages.talker.paged_attention import contiguous_decode_attention, kernel_available
+from stages.talker.paged_attention import HeadNorm, contiguous_decode_attention, kernel_available
 
 
 class ContiguousKV:
@@ -57,17 +57,24 @@ class ContiguousKV:
         self.v[layer_idx][:, :, self.length:end] = v
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
 
-    def decode_attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def folds_heads(self, s: int) -> bool:
+        """A forward of `s` new positions runs on the decode kernel, which can apply q/k's head norm and RoPE."""
+        return self.decode_kernel and s <= self.KERNEL_MAX_ROWS
+
+    def decode_attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         head_norm: HeadNorm | None = None) -> torch.Tensor:
         """q [B, H, S, D] and the new k/v [B, n_kv, S, D] of a forward -> [B, S, H, D] (decode_kernel only).
 
         One kernel call per new row i: it stores row i's key/value at position length + i and attends to every
         key up to it (the cache's causal rule), so no separate copy into the cache runs. Meant for a few rows
         (`KERNEL_MAX_ROWS`), e.g. the code predictor's two-row first pass, for which SDPA's flash kernel took
-        ~100 us per call at batch 256 on the H100 (a one-row call of this kernel there: ~17 us)."""
+        ~100 us per call at batch 256 on the H100 (a one-row call of this kernel there: ~17 us). With `head_norm`, q
+        and k are the projections before the head norm and RoPE, which the kernel applies."""
         s = q.shape[2]
         rows = [contiguous_decode_attention(q[:, :, i], self.k[layer_idx], self.v[layer_idx], self._rows,
                                             self._lengths[self.length + i + 1:self.length + i + 2],
-                                            new_kv=(k[:, :, i], v[:, :, i]))
+                                            new_kv=(k[:, :, i], v[:, :, i]),
+                                            heads=(head_norm, i) if head_norm is not None else None)
                 for i in range(s)]
         return torch.stack(rows, dim=1) if s > 1 else rows[0][:, None]
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from stages import gemv_kernels
 from stages.config import TransformerConfig
+from stages.talker.paged_attention import HeadNorm
 
 
 class AttentionContext(Protocol):
@@ -35,8 +36,13 @@ class SelfAttendingContext(Protocol):
     """A context that stores k/v and computes attention itself (the engine's paged KV: its keys are not one
     contiguous tensor, and a kernel reads them in place)."""
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [B, h, 1, D], new k/v [B, n_kv, 1, D] -> [B, 1, h*D]."""
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               heads: HeadNorm | None = None) -> torch.Tensor:
+        """q [B, h, 1, D], new k/v [B, n_kv, 1, D] -> [B, 1, h*D] (`heads`: q/k before head norm and RoPE)."""
+        ...
+
+    def folds_heads(self, s: int) -> bool:
+        """Whether `attend` takes `heads` for a forward of `s` new positions per row."""
         ...
 
 
@@ -131,9 +137,15 @@ def attention_inputs(
     """input RMSNorm -> q/k/v projections -> per-head q/k RMSNorm -> RoPE. x [B, S, H] -> q, k, v [B, h, S, D].
 
     `qkv_w`: (q, k, v) weights, or the one stacked weight of a fused layer."""
-    h = _rms(x, norm_w, eps)
-    q, k, v = _project(h, qkv_w, (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim))
+    q, k, v = norm_project(x, norm_w, eps, qkv_w, (num_heads * head_dim, num_kv_heads * head_dim,
+                                                    num_kv_heads * head_dim))
     return heads_norm_rope(q, k, v, q_norm_w, k_norm_w, eps, cos, sin, num_heads, num_kv_heads, head_dim)
+
+
+def norm_project(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: tuple[torch.Tensor, ...],
+                 sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """input RMSNorm -> q/k/v projections [B, S, h*D] (before the per-head norm and RoPE)."""
+    return _project(_rms(x, norm_w, eps), qkv_w, sizes)
 
 
 def heads_norm_rope(
@@ -191,14 +203,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               ctx: AttentionContext | SelfAttendingContext) -> torch.Tensor:
-        """q [B, h, S, D], new k/v [B, n_kv, S, D] -> attention output [B, S, h*D] (cache updated by ctx)."""
+               ctx: AttentionContext | SelfAttendingContext, heads: HeadNorm | None = None) -> torch.Tensor:
+        """q [B, h, S, D], new k/v [B, n_kv, S, D] -> attention output [B, S, h*D] (cache updated by ctx).
+
+        `heads`: q and k are projections before the head norm and RoPE, which the context's kernel applies (only
+        where `ctx.folds_heads(S)`)."""
         if hasattr(ctx, "attend"):
-            return ctx.attend(self.layer_idx, q, k, v)
+            return ctx.attend(self.layer_idx, q, k, v, heads)
         b, _, s, _ = q.shape
         if getattr(ctx, "decode_kernel", False) and s <= ctx.KERNEL_MAX_ROWS:
             # a cache with its own decode kernel (ContiguousKV on CUDA), a few new rows: the kernel stores them too
-            return ctx.decode_attention(self.layer_idx, q, k, v).reshape(b, s, self.num_heads * self.head_dim)
+            return ctx.decode_attention(self.layer_idx, q, k, v, heads).reshape(b, s, self.num_heads * self.head_dim)
+        assert heads is None, "this context cannot apply the head norm and RoPE"
         k, v = ctx.update(self.layer_idx, k, v)  # [B, n_kv, L, D]
         if s == 1 and not ctx.is_causal:
             # decode: the query heads sharing a KV head become rows of one [group, D] query block, so
@@ -251,35 +267,57 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: AttentionContext | SelfAttendingContext, kernels: LayerKernels | None = None) -> torch.Tensor:
         a, m = self.self_attn, self.mlp
+        if kernels is not None and self.qkv_weight is not None:
+            return self._forward_fused(x, cos, sin, ctx, kernels)
+        # the eager reference (and compiled kernels over separate projections)
         pre, post = (kernels.pre, kernels.post) if kernels is not None else (attention_inputs, attention_output_and_mlp)
-        fused = self.qkv_weight is not None and kernels is not None  # the eager path stays the reference
-        if fused and x.shape[0] * x.shape[1] <= kernels.gemv_rows:
-            return self._forward_gemv(x, cos, sin, ctx, kernels.heads)
-        qkv_w = (self.qkv_weight,) if fused else (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
-        gate_up_w = (self.gate_up_weight,) if fused else (m.gate_proj.weight, m.up_proj.weight)
-        q, k, v = pre(x, self.input_layernorm.weight, self.input_layernorm.eps, qkv_w, a.q_norm.weight,
-                      a.k_norm.weight, cos, sin, a.num_heads, a.num_kv_heads, a.head_dim)
+        q, k, v = pre(x, self.input_layernorm.weight, self.input_layernorm.eps,
+                      (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), a.q_norm.weight, a.k_norm.weight, cos, sin,
+                      a.num_heads, a.num_kv_heads, a.head_dim)
         attn = a.attend(q, k, v, ctx)
         return post(x, attn, a.o_proj.weight, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
-                    gate_up_w, m.down_proj.weight)
+                    (m.gate_proj.weight, m.up_proj.weight), m.down_proj.weight)
 
-
-    def _forward_gemv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      ctx: AttentionContext | SelfAttendingContext, heads: Callable) -> torch.Tensor:
-        """The same layer for a few rows: four Triton GEMVs with the norms, SwiGLU and residuals fused into them
-        (stages/gemv_kernels.py), around the compiled q/k norm + RoPE (`heads`) and the attention kernel."""
+    def _forward_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       ctx: AttentionContext | SelfAttendingContext, kernels: LayerKernels) -> torch.Tensor:
+        """The engine's path: q/k/v and gate/up as one product each, and per forward
+        - a few rows (<= `gemv_rows`): the four products as Triton GEMVs with the input norms, SwiGLU and residuals
+          fused into them (stages/gemv_kernels.py); otherwise the compiled `pre`/`post` around cuBLAS;
+        - a context whose attention kernel applies the q/k head norm and RoPE itself (`heads_in_attention`, decode
+          on CUDA): q/k go to it as projected, so they cost no kernels of their own."""
         a, m = self.self_attn, self.mlp
         ln, post_ln = self.input_layernorm, self.post_attention_layernorm
         b, s, hidden = x.shape
+        few_rows = b * s <= kernels.gemv_rows
+        fold = kernels.heads_in_attention and getattr(ctx, "folds_heads", _never)(s)
+        sizes = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
         rows = x.reshape(b * s, hidden)
-        qkv = gemv_kernels.gemv(rows, self.qkv_weight, norm=(ln.weight, ln.eps)).view(b, s, -1)
-        q, k, v = qkv.split((a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim), -1)
-        q, k, v = heads(q, k, v, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin, a.num_heads,
-                        a.num_kv_heads, a.head_dim)
-        attn = a.attend(q, k, v, ctx).reshape(b * s, -1)
-        h = gemv_kernels.gemv(attn, a.o_proj.weight, residual=rows)
+        if few_rows:
+            q, k, v = gemv_kernels.gemv(rows, self.qkv_weight, norm=(ln.weight, ln.eps)).view(b, s, -1).split(sizes, -1)
+        elif fold:
+            q, k, v = kernels.project(x, ln.weight, ln.eps, (self.qkv_weight,), sizes)
+        else:
+            q, k, v = kernels.pre(x, ln.weight, ln.eps, (self.qkv_weight,), a.q_norm.weight, a.k_norm.weight, cos, sin,
+                                  a.num_heads, a.num_kv_heads, a.head_dim)
+        if fold:
+            q, k, v = (t.view(b, s, n, a.head_dim).transpose(1, 2)
+                       for t, n in ((q, a.num_heads), (k, a.num_kv_heads), (v, a.num_kv_heads)))
+            attn = a.attend(q, k, v, ctx, HeadNorm(a.q_norm.weight, a.k_norm.weight, ln.eps, cos, sin))
+        else:
+            if few_rows:
+                q, k, v = kernels.heads(q, k, v, a.q_norm.weight, a.k_norm.weight, ln.eps, cos, sin, a.num_heads,
+                                        a.num_kv_heads, a.head_dim)
+            attn = a.attend(q, k, v, ctx)
+        if not few_rows:
+            return kernels.post(x, attn, a.o_proj.weight, post_ln.weight, post_ln.eps, (self.gate_up_weight,),
+                                m.down_proj.weight)
+        h = gemv_kernels.gemv(attn.reshape(b * s, -1), a.o_proj.weight, residual=rows)
         act = gemv_kernels.gemv(h, self.gate_up_weight, norm=(post_ln.weight, post_ln.eps), swiglu=True)
         return gemv_kernels.gemv(act, m.down_proj.weight, residual=h).view(b, s, hidden)
+
+
+def _never(_s: int) -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -291,18 +329,23 @@ class LayerKernels:
     post: Callable
     norm: Callable = _rms  # the stack's final RMSNorm (eager: ~7 kernels; compiled: one)
     heads: Callable = heads_norm_rope  # q/k norm + RoPE on projected rows (the GEMV path's `pre` after its product)
+    project: Callable = norm_project  # input norm + q/k/v product alone (`pre` when attention applies the heads')
     gemv_rows: int = 0  # forwards of at most this many rows (batch x positions) take the GEMV path; 0: never
+    heads_in_attention: bool = False  # q/k head norm + RoPE inside the attention kernel where the context can
 
     @classmethod
-    def compiled(cls, gemv_rows: int = 0) -> LayerKernels:
-        """`gemv_rows` > 0 needs CUDA and Triton (`stages/gemv_kernels.available`) and fused projections."""
+    def compiled(cls, gemv_rows: int = 0, heads_in_attention: bool = False) -> LayerKernels:
+        """`gemv_rows` > 0 needs CUDA and Triton (`stages/gemv_kernels.available`), `heads_in_attention` the
+        Triton decode attention (`stages/talker/paged_attention.kernel_available`); both act on fused
+        projections only."""
         if gemv_rows > gemv_kernels.MAX_ROWS:
             raise ValueError(f"gemv_rows {gemv_rows} > {gemv_kernels.MAX_ROWS}")
         return cls(pre=torch.compile(attention_inputs, dynamic=True, fullgraph=True),
                    post=torch.compile(attention_output_and_mlp, dynamic=True, fullgraph=True),
                    norm=torch.compile(_rms, dynamic=True, fullgraph=True),
                    heads=torch.compile(heads_norm_rope, dynamic=True, fullgraph=True),
-                   gemv_rows=gemv_rows)
+                   project=torch.compile(norm_project, dynamic=True, fullgraph=True),
+                   gemv_rows=gemv_rows, heads_in_attention=heads_in_attention)
 
 
 class DecoderStack(nn.Module):

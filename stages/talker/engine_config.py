@@ -27,6 +27,8 @@ class TalkerEngineConfig:
     gemv_rows: int = 0  # compiled CUDA path: forwards of <= this many rows (<= 8) run each layer as 4 Triton GEMVs
     # with their norms, SwiGLU and residuals fused (stages/gemv_kernels.py); 0: cuBLAS throughout. Off until the
     # H100 step `bench/gpu_frame_speed.sh talker_gemv` has measured it (docs/talker_engine.md)
+    heads_in_attention: bool = False  # compiled CUDA path: the decode attention kernel applies q/k's head norm and
+    # RoPE while loading them (two kernels fewer per layer and pass); off until measured, like gemv_rows
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
     text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
     compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't

@@ -15,6 +15,8 @@ kernel, tiled for 64-128 keys, took 51 us per call at batch 256 on an H100 (23% 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -28,15 +30,61 @@ def kernel_available(device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
+@dataclass(frozen=True)
+class HeadNorm:
+    """What turns projected q/k heads into attention's q/k (Qwen3's per-head RMSNorm, then RoPE): given to the
+    kernel, it applies them itself while loading q and the new key (`heads_in_attention` in stages/layers.py), so
+    they cost no kernels of their own."""
+
+    q_weight: torch.Tensor  # [D]
+    k_weight: torch.Tensor  # [D]
+    eps: float
+    cos: torch.Tensor  # [B, 1, S, D], the rows' positions (Rotary)
+    sin: torch.Tensor
+
+    def args(self, position: int) -> tuple:
+        """The kernel's (q weight, k weight, cos, sin, eps, row stride of cos/sin) for the forward's `position`-th
+        new position of every row."""
+        cos, sin = self.cos[:, 0, position], self.sin[:, 0, position]  # [B, D]
+        assert cos.stride(1) == 1 and cos.stride() == sin.stride()
+        return self.q_weight, self.k_weight, cos, sin, self.eps, cos.stride(0)
+
+
+def _head_args(heads: HeadNorm | None, position: int, q: torch.Tensor) -> tuple:
+    """HeadNorm.args, or placeholders (q's pointer, never read) for a kernel without the head prologue."""
+    return heads.args(position) if heads is not None else (q, q, q, q, 0.0, 0)
+
+
 if triton is not None:
+
+    @triton.jit
+    def _head_norm_rope(x_ptr, offs, d, w_ptr, cos_ptr, sin_ptr, eps, mask, D: tl.constexpr):
+        """`heads_norm_rope` of stages/layers.py on projected head vectors at `offs` [N, D] (`d` [1, D]): per-head
+        RMSNorm, then RoPE (rotate-half layout), rounding to the input dtype where the eager ops do. rotate_half's
+        other half is a second load at the rotated offsets, not a register shuffle."""
+        dt = x_ptr.dtype.element_ty
+        half = D // 2
+        rot_d = (d + half) % D
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x_rot = tl.load(x_ptr + offs - d + rot_d, mask=mask, other=0.0).to(tl.float32)
+        rstd = (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+        w = tl.load(w_ptr + d).to(tl.float32)
+        w_rot = tl.load(w_ptr + rot_d).to(tl.float32)
+        x = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+        x_rot = ((x_rot * rstd).to(dt).to(tl.float32) * w_rot).to(dt).to(tl.float32)
+        x_rot = tl.where(d < half, -x_rot, x_rot)
+        cos = tl.load(cos_ptr + d).to(tl.float32)
+        sin = tl.load(sin_ptr + d).to(tl.float32)
+        return ((x * cos).to(dt).to(tl.float32) + (x_rot * sin).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, kn_ptr, vn_ptr, sm_scale,
+        qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
         stride_qb, stride_qh, stride_kblock, stride_kt, stride_kh, stride_tb, stride_len, stride_ob, stride_oh,
-        stride_knb, stride_knh, stride_vnb, stride_vnh,
+        stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
-        WRITE: tl.constexpr,
+        WRITE: tl.constexpr, HEADS: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -46,9 +94,15 @@ if triton is not None:
         if WRITE:  # the row's new key/value go to its last position here, not in two copy kernels before the call
             last = seq_len - 1
             last_block = tl.load(table_ptr + row * stride_tb + last // PAGE)
-            last_offs = last_block * stride_kblock + (last % PAGE) * stride_kt + kv_head * stride_kh + d
-            k_new = tl.load(kn_ptr + row * stride_knb + kv_head * stride_knh + d)
-            v_new = tl.load(vn_ptr + row * stride_vnb + kv_head * stride_vnh + d)
+            d1 = d[None, :]  # [1, D]: one head vector, in the 2-D shape the head prologue takes
+            last_offs = last_block * stride_kblock + (last % PAGE) * stride_kt + kv_head * stride_kh + d1
+            kn_offs = row * stride_knb + kv_head * stride_knh + d1
+            if HEADS:  # the key as projected: its head norm and RoPE happen here
+                k_new = _head_norm_rope(kn_ptr, kn_offs, d1, kw_ptr, cos_ptr + row * stride_cb,
+                                        sin_ptr + row * stride_cb, eps, d1 < D, D)
+            else:
+                k_new = tl.load(kn_ptr + kn_offs)
+            v_new = tl.load(vn_ptr + row * stride_vnb + kv_head * stride_vnh + d1)
             tl.store(k_ptr + last_offs, k_new)
             tl.store(v_ptr + last_offs, v_new)
             # bar.sync orders the stores before every thread's loads below (the same CTA reads them back); a
@@ -56,8 +110,12 @@ if triton is not None:
             tl.debug_barrier()
         g_ok = g < GROUP
         heads = kv_head * GROUP + g
-        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None],
-                    other=0.0).to(tl.float32)  # [G, D]
+        q_offs = row * stride_qb + heads[:, None] * stride_qh + d[None, :]
+        if HEADS:
+            q = _head_norm_rope(q_ptr, q_offs, d[None, :], qw_ptr, cos_ptr + row * stride_cb, sin_ptr + row * stride_cb,
+                                eps, g_ok[:, None], D).to(tl.float32)  # [G, D]
+        else:
+            q = tl.load(q_ptr + q_offs, mask=g_ok[:, None], other=0.0).to(tl.float32)  # [G, D]
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_sum = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, D], tl.float32)
@@ -92,11 +150,13 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_lens - 1
+    heads: HeadNorm | None = None,  # q and the new key as projected: the kernel norms and rotates them (needs new_kv)
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over each row's first seq_lens[row] keys.
 
     With `new_kv`, the kernel first stores each row's new key/value at its last position (seq_lens - 1), which
-    the caller would otherwise do with two copy kernels per layer.
+    the caller would otherwise do with two copy kernels per layer. With `heads`, q and the new key are the
+    projections before the head norm and RoPE, which the kernel applies (the key as stored is the rotated one).
 
     Tiling (`bench/paged_attention.py` sweeps it; H100, bf16, 2026-11-23): from 64 rows up, 16 keys per
     iteration and one warp per program (two below 128 rows) read K/V at 2.6-2.8 TB/s at batch 256-512,
@@ -107,18 +167,20 @@ def paged_decode_attention(
         keys_per_iteration = 16 if rows >= 64 else 32
     if num_warps is None:
         num_warps = 1 if rows >= 128 else 2 if rows >= 64 else 4
-    b, heads, d = q.shape
+    b, n_heads, d = q.shape
     n_kv = k_pool.shape[1]
-    group = heads // n_kv
+    group = n_heads // n_kv
     out = torch.empty_like(q)
     assert k_pool.stride(2) == 1 and q.stride(2) == 1 and block_table.stride(1) == 1
     kn, vn, new_strides = _new_kv_args(new_kv, q)
+    assert heads is None or new_kv is not None
+    *head_ptrs, eps, stride_cb = _head_args(heads, 0, q)
     _paged_decode_kernel[(b, n_kv)](
-        q, k_pool, v_pool, out, block_table, seq_lens, kn, vn, d ** -0.5,
+        q, k_pool, v_pool, out, block_table, seq_lens, kn, vn, d ** -0.5, *head_ptrs, eps,
         q.stride(0), q.stride(1), block_size * k_pool.stride(0), k_pool.stride(0), k_pool.stride(1),
-        block_table.stride(0), 1, out.stride(0), out.stride(1), *new_strides,
+        block_table.stride(0), 1, out.stride(0), out.stride(1), *new_strides, stride_cb,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d, BLOCK=keys_per_iteration, PAGE=block_size,
-        WRITE=new_kv is not None, num_warps=num_warps, num_stages=num_stages,
+        WRITE=new_kv is not None, HEADS=heads is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -140,21 +202,24 @@ def contiguous_decode_attention(
     seq_len: torch.Tensor,  # [1] int64: keys every row attends to (the same for all rows)
     num_warps: int = 4,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_len - 1
+    heads: tuple[HeadNorm, int] | None = None,  # (head norm, which new position of the forward this call is)
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over the first seq_len keys of each row (with `new_kv`, stored
-    first at position seq_len - 1, as in `paged_decode_attention`)."""
-    b, heads, d = q.shape
+    first at position seq_len - 1, and `heads`, as in `paged_decode_attention`)."""
+    b, n_heads, d = q.shape
     n_kv, length = k.shape[1], k.shape[2]
-    group = heads // n_kv
+    group = n_heads // n_kv
     out = torch.empty_like(q)
     assert k.stride(3) == 1 and q.stride(2) == 1 and k.stride() == v.stride()
     kn, vn, new_strides = _new_kv_args(new_kv, q)
+    assert heads is None or new_kv is not None
+    *head_ptrs, eps, stride_cb = _head_args(*heads, q) if heads is not None else _head_args(None, 0, q)
     _paged_decode_kernel[(b, n_kv)](
-        q, k, v, out, rows, seq_len, kn, vn, d ** -0.5,
+        q, k, v, out, rows, seq_len, kn, vn, d ** -0.5, *head_ptrs, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(2), k.stride(1), rows.stride(0), 0,
-        out.stride(0), out.stride(1), *new_strides,
+        out.stride(0), out.stride(1), *new_strides, stride_cb,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d,
         BLOCK=min(32, max(16, triton.next_power_of_2(length))), PAGE=length, WRITE=new_kv is not None,
-        num_warps=num_warps,
+        HEADS=heads is not None, num_warps=num_warps,
     )
     return out

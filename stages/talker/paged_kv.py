@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stages.talker.paged_attention import paged_decode_attention
+from stages.talker.paged_attention import HeadNorm, paged_decode_attention
 
 
 class PagedKVCache:
@@ -81,14 +81,21 @@ class DecodeContext:
             self.read_index = cache.token_index(slots, keys.expand(b, attn_len))  # [b, L]
             self.attn_mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [b, 1, 1, L]
 
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [b, h, 1, D], new k/v [b, n_kv, 1, D] -> [b, 1, h*D]; the new k/v are stored first."""
+    def folds_heads(self, s: int) -> bool:
+        """The kernel applies q/k's head norm and RoPE itself (`attend`'s `head_norm`)."""
+        return self.kernel
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               head_norm: HeadNorm | None = None) -> torch.Tensor:
+        """q [b, h, 1, D], new k/v [b, n_kv, 1, D] -> [b, 1, h*D]; the new k/v are stored first. With `head_norm`
+        (kernel only), q and k are the projections before the head norm and RoPE, which the kernel applies."""
         kl, vl = self.cache.k[layer_idx], self.cache.v[layer_idx]
         b, heads, _, d = q.shape
         if self.kernel:  # the kernel stores the new k/v at position seq_lens - 1 = positions itself
             out = paged_decode_attention(q[:, :, 0], kl, vl, self.table, self.seq_lens, self.cache.block_size,
-                                         new_kv=(k[:, :, 0], v[:, :, 0]))
+                                         new_kv=(k[:, :, 0], v[:, :, 0]), heads=head_norm)
             return out.reshape(b, 1, heads * d)
+        assert head_norm is None, "the gather path attends over rotated q/k"
         kl.index_copy_(0, self.write_index, k[:, :, 0])
         vl.index_copy_(0, self.write_index, v[:, :, 0])
         n_kv = k.shape[1]

@@ -182,7 +182,7 @@ class TalkerRunner:
     def __init__(self, model: Qwen3TTS, num_slots: int, max_seq_len: int, max_text_rows: int, num_blocks: int,
                  block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
                  compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
-                 gemv_rows: int = 0):
+                 gemv_rows: int = 0, heads_in_attention: bool = False):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
@@ -236,6 +236,8 @@ class TalkerRunner:
         self._select, self._mask = select_tokens, mask_talker_logits
         # compiled path only: forwards of <= gemv_rows rows run the layers as Triton GEMVs (stages/gemv_kernels.py)
         self.gemv_rows = gemv_rows if compile and gemv_kernels.available(dev) else 0
+        # compiled path with the decode kernel: q/k head norm + RoPE inside it (HeadNorm), not kernels of their own
+        self.heads_in_attention = heads_in_attention and compile and self.use_kernel
         if compile:
             self._enable_compile()
 
@@ -256,7 +258,7 @@ class TalkerRunner:
 
         # shapes seen: talker/code predictor x prefill/decode x batch 1/many; each a compiled variant
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        kernels = LayerKernels.compiled(gemv_rows=self.gemv_rows)
+        kernels = LayerKernels.compiled(gemv_rows=self.gemv_rows, heads_in_attention=self.heads_in_attention)
         # also q/k/v and gate/up as one GEMM each (2 of 5 per layer: ~300 fewer kernels per frame) and RoPE from a
         # table; positions stay below max_seq_len (the talker) and 16 (the code predictor's frame)
         self.talker.model.use_kernels(kernels, self.max_seq_len)

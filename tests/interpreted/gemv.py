@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import interpreter_fixes  # noqa: F401  (first: before any kernel runs)
 import torch
 import torch.nn.functional as F
 

@@ -151,14 +151,18 @@ def test_graphed_engine_equals_reference_on_cuda(cuda_model, prompts, exact_pref
         np.testing.assert_array_equal(codes, reference.generate_codes(prompt, GREEDY, n))
 
 
-def test_compiled_engine_with_gemv_rows_equals_reference_on_cuda(cuda_model, prompts):
+@pytest.mark.parametrize("heads_in_attention", [False, True], ids=["gemv", "gemv+heads-in-attention"])
+def test_compiled_engine_with_gemv_rows_equals_reference_on_cuda(cuda_model, prompts, heads_in_attention):
     """fp32, the serving path: compiled layers, paged kernel, graphs, and the batch 1-2 buckets on the Triton GEMVs
-    (stages/gemv_kernels.py; `gemv_rows`): the same greedy codes as the reference generator, requests joining
-    and leaving so that steps of 1, 2 and more rows all run."""
-    engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=True, gemv_rows=4))
+    (stages/gemv_kernels.py; `gemv_rows`), optionally with q/k's head norm and RoPE in the attention kernel: the
+    same greedy codes as the reference generator, requests joining and leaving so that steps of 1, 2 and more
+    rows all run."""
+    engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=True, gemv_rows=4,
+                                                         heads_in_attention=heads_in_attention))
     engine.start(log=lambda _m: None)
     try:
         assert engine.runner.gemv_rows == 4 and engine.runner.graphs
+        assert engine.runner.heads_in_attention is heads_in_attention
         lengths = [12, 20, 7, 15, 11]
         results = _run(engine, [SynthesisRequest(f"g{i}", p, GREEDY, n)
                                 for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))], stagger=True)
@@ -169,6 +173,38 @@ def test_compiled_engine_with_gemv_rows_equals_reference_on_cuda(cuda_model, pro
     for prompt, n, (codes, reason) in zip([*prompts, prompts[1]], [*lengths, 9], [*results, *alone], strict=True):
         assert reason is FinishReason.LENGTH
         np.testing.assert_array_equal(codes, reference.generate_codes(prompt, GREEDY, n))
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_head_norm_in_the_kernel_matches_eager_heads(dtype, atol):
+    """The decode kernel given projected q/k and a HeadNorm against heads_norm_rope then the kernel, at the
+    talker's head shapes: the output and the stored key (bf16: the kernel rounds where the eager ops round)."""
+    from stages.layers import Rotary, heads_norm_rope
+    from stages.talker.paged_attention import HeadNorm, paged_decode_attention
+
+    torch.manual_seed(0)
+    b, h, n_kv, d, page, per = 64, 16, 8, 128, 16, 8
+    rotary = Rotary(d, 1e6).to("cuda")
+    positions = torch.randint(1, per * page, (b, 1), device="cuda")
+    cos, sin = rotary(positions, dtype)
+    qn_w, kn_w = (torch.rand(d, device="cuda") + 0.5).to(dtype), (torch.rand(d, device="cuda") + 0.5).to(dtype)
+    qkv = torch.randn(b, 1, (h + 2 * n_kv) * d, device="cuda").to(dtype)
+    q, k, v = qkv.split((h * d, n_kv * d, n_kv * d), -1)
+    q_rot, k_rot, v_ref = heads_norm_rope(q, k, v, qn_w, kn_w, 1e-6, cos, sin, h, n_kv, d)
+    q_raw, k_raw, v_raw = (t.view(b, 1, n, d).transpose(1, 2) for t, n in ((q, h), (k, n_kv), (v, n_kv)))
+    blocks = b * per + 1
+    pool = torch.randn(blocks * page, n_kv, d, device="cuda").to(dtype)
+    table = torch.randperm(blocks, device="cuda")[:b * per].view(b, per)
+    lens = positions[:, 0] + 1
+    k_ref, k_got = pool.clone(), pool.clone()
+    ref = paged_decode_attention(q_rot[:, :, 0], k_ref, pool.clone(), table, lens, page,
+                                 new_kv=(k_rot[:, :, 0], v_ref[:, :, 0]))
+    got = paged_decode_attention(q_raw[:, :, 0], k_got, pool.clone(), table, lens, page,
+                                 new_kv=(k_raw[:, :, 0], v_raw[:, :, 0]), heads=HeadNorm(qn_w, kn_w, 1e-6, cos, sin))
+    err_out = (got.float() - ref.float()).abs().max().item()
+    err_k = (k_got.float() - k_ref.float()).abs().max().item()
+    print(f"head norm in the kernel vs eager heads, {dtype}: out max abs err {err_out:.2e}, stored key {err_k:.2e}")
+    assert err_out <= atol and err_k <= atol * 4
 
 
 def test_hot_path_has_no_host_sync(cuda_model, prompts):

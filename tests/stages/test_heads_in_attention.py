@@ -1,0 +1,22 @@
+"""q/k's head norm and RoPE inside the decode attention kernel (`HeadNorm`, stages/talker/paged_attention.py;
+`heads_in_attention` in stages/layers.py), checked on CPU under Triton's interpreter (tests/triton_interpreter.py).
+On CUDA: tests/stages/test_talker_engine_gpu.py (bf16, and the engine against the reference generator)."""
+
+from __future__ import annotations
+
+from tests.triton_interpreter import run_interpreted
+
+
+def test_decode_kernel_applies_head_norm_and_rope_as_the_eager_layers_do():
+    """fp32: the kernel given projected q/k equals heads_norm_rope then the kernel (its output and the key it
+    stores, paged and contiguous caches), and decoder stacks with heads_in_attention (with and without the GEMVs)
+    equal their eager layers, with every decode forward through the kernel's head prologue."""
+    result = run_interpreted("heads_in_attention.py")
+    for name, err in result["kernel"].items():
+        assert err <= 1e-6, (name, err)  # seen: <= 4.8e-7
+    stacks = result["stacks"]
+    for gemv_rows in (0, 8):
+        for cache, calls in (("contiguous", 8), ("paged", 6)):  # (2 + 1 + 1) positions x 2 layers; 3 steps x 2
+            name = f"{cache}_gemv{gemv_rows}"
+            assert stacks[name] <= 1e-6, (name, stacks[name])  # seen: <= 3e-8
+            assert stacks[f"{name}_head_norm_calls"] == calls, name
