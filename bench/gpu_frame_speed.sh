@@ -6,8 +6,8 @@
 # c2w_tuned: --stateful --cudnn-benchmark --profile; talker_profile: bench.talker b1/b256 with the profiler;
 # pipeline / pipeline_stateless: both engines in one process, stateful / stateless Code2Wav.
 # gemv: the few-row Triton GEMVs' GPU tests and their tiling sweep against cuBLAS (bench.gemv); talker_gemv:
-# bench.talker --profile per VARIANT (default "0 0h 4 4h": --gemv-rows N, "h" adding --heads-in-attention), the
-# first being the layers as before (cuBLAS, compiled head norm + RoPE).
+# bench.talker --profile per VARIANT (default "0 0h 0s 4 4hs": --gemv-rows N, "h" adding --heads-in-attention,
+# "s" --sampling-kernel), the first being the step as before (cuBLAS, compiled head norm + RoPE and sampling).
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
 # codebook-0 logits and codes, then steps equal).
 # peer: faster-qwen3-tts 0.5.4 timed on the same checkpoint (python -m bench.peer_faster_qwen3_tts: its CUDA-graph
@@ -75,11 +75,11 @@ for step in $STEPS; do
              | tee "$OUT/gemv_gpu_tests.log" | grep -E "passed|failed|error|max abs err|Error|assert" | tail -40
           python3 -m bench.gemv --rows ${GEMV_ROWS_SWEEP:-1,4} --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | tail -20 ;;
     talker_gemv) checkpoint  # the decode step: layers on cuBLAS / on the GEMVs, heads in compiled kernels / in attention
-              for v in ${VARIANTS:-0 0h ${GEMV_ROWS:-4} ${GEMV_ROWS:-4}h}; do
+              for v in ${VARIANTS:-0 0h 0s 4 4hs}; do
                 python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,2,4,256} --steps 30 --compile \
-                  --max-seq-len 1024 --gemv-rows ${v%h} $([ "${v%h}" != "$v" ] && echo --heads-in-attention) --profile \
-                  --out "$OUT/talker_gemv$v.json" 2>&1 | tee "$OUT/talker_gemv$v.log" \
-                  | grep -vE "^\[talker\] captured|^\{" | tail -30
+                  --max-seq-len 1024 --gemv-rows ${v//[^0-9]/} $([[ $v == *h* ]] && echo --heads-in-attention) \
+                  $([[ $v == *s* ]] && echo --sampling-kernel) --profile --out "$OUT/talker_$v.json" 2>&1 \
+                  | tee "$OUT/talker_$v.log" | grep -vE "^\[talker\] captured|^\{" | tail -30
               done ;;
     talker_check) checkpoint  # graphed + compiled + fused against eager, per batch bucket (first-step logits, codes)
               python3 -m bench.talker --checkpoint "$CKPT" --batches ${CHECK_BATCHES:-1,8,64,256} --steps 20 --compile \

@@ -144,6 +144,7 @@ def main() -> None:
                     help="with --compile: forwards of <= this many rows run as Triton GEMVs (0: cuBLAS throughout)")
     ap.add_argument("--heads-in-attention", action="store_true",
                     help="with --compile: the decode attention kernel applies q/k's head norm and RoPE")
+    ap.add_argument("--sampling-kernel", action="store_true", help="token selection as one Triton program per row")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--out", default=None, help="JSON results path")
     ap.add_argument("--profile", action="store_true",
@@ -164,7 +165,8 @@ def main() -> None:
     per_request = -(-(plan.length + 2 * args.steps + 8) // 16)  # KV blocks: prompt + timed and warm-up steps
     runner = TalkerRunner(model, max(batches), args.max_seq_len, 64, num_blocks=max(batches) * per_request,
                           compile=args.compile, attention_kernel=None if not args.no_kernel else False,
-                          gemv_rows=args.gemv_rows, heads_in_attention=args.heads_in_attention)
+                          gemv_rows=args.gemv_rows, heads_in_attention=args.heads_in_attention,
+                          sampling_kernel=args.sampling_kernel)
     capture_s = 0.0
     if device == "cuda" and not args.no_graphs:
         capture_s = runner.capture_graphs(tuple(batches), log=print)
@@ -230,7 +232,7 @@ def main() -> None:
         "device": device_name(), "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
         "size": args.size, "kind": args.kind, "dtype": args.dtype, "graphs": bool(runner.graphs),
         "compile": args.compile, "paged_attention_kernel": runner.use_kernel, "gemv_rows": runner.gemv_rows,
-        "heads_in_attention": runner.heads_in_attention,
+        "heads_in_attention": runner.heads_in_attention, "sampling_kernel": runner.sampling_kernel,
         "graph_capture_s": round(capture_s, 1), "bandwidth_floor_ms_b1": FLOOR_MS.get(args.size),
         "prefill_ms": prefill_ms,
         "torch": torch.__version__, "results": results,

@@ -29,6 +29,8 @@ class TalkerEngineConfig:
     # H100 step `bench/gpu_frame_speed.sh talker_gemv` has measured it (docs/talker_engine.md)
     heads_in_attention: bool = False  # compiled CUDA path: the decode attention kernel applies q/k's head norm and
     # RoPE while loading them (two kernels fewer per layer and pass); off until measured, like gemv_rows
+    sampling_kernel: bool = False  # CUDA: token selection as one Triton program per row (stages/sampling_kernel.py:
+    # no sort of the vocabulary, 16 times a frame); off until measured, like gemv_rows
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
     text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
     compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't

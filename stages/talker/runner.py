@@ -32,6 +32,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stages import gemv_kernels, layers, sampling
+from stages import sampling_kernel as sampling_kernel_module
 from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.layers import LayerKernels
 from stages.qwen3_tts import Qwen3TTS
@@ -182,7 +183,7 @@ class TalkerRunner:
     def __init__(self, model: Qwen3TTS, num_slots: int, max_seq_len: int, max_text_rows: int, num_blocks: int,
                  block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
                  compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
-                 gemv_rows: int = 0, heads_in_attention: bool = False):
+                 gemv_rows: int = 0, heads_in_attention: bool = False, sampling_kernel: bool = False):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
@@ -240,6 +241,9 @@ class TalkerRunner:
         self.heads_in_attention = heads_in_attention and compile and self.use_kernel
         if compile:
             self._enable_compile()
+        if sampling_kernel and sampling_kernel_module.available(dev):  # one Triton program per row, no sort
+            self._select = sampling_kernel_module.select_tokens
+        self.sampling_kernel = self._select is sampling_kernel_module.select_tokens
 
     def _init_tts_pad(self) -> None:
         ids = self.model.config.text_ids

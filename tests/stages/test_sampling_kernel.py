@@ -1,0 +1,19 @@
+"""stages/sampling_kernel.py (token selection as one Triton program per row) on CPU under Triton's interpreter
+(tests/triton_interpreter.py); on CUDA: tests/stages/test_sampling_gpu.py."""
+
+from __future__ import annotations
+
+from tests.triton_interpreter import run_interpreted
+
+
+def test_sampling_kernel_draws_what_select_tokens_draws():
+    """Every combination of sampling/greedy, temperature, top-k (1 .. off) and top-p (off .. 0.02), masked ids
+    and tied scores (some at the top-k boundary), two vocabulary sizes: the same ids as select_tokens for the
+    same seeds and counters, always a finite-logit id."""
+    result = run_interpreted("sampling_kernel.py")
+    assert len(result) == 3
+    for name, r in result.items():
+        assert r["rows"] == 120 and r["sampled_rows"] == 60, name
+        assert r["equal"] == r["rows"], (name, r)  # fp32, summation order only: no race that close here
+        assert r["finite_choice"] == r["rows"], (name, r)
+        assert r["distinct_tokens"] > 100, (name, r)  # the rows' draws differ from one another
