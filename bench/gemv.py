@@ -78,7 +78,7 @@ def main() -> None:
         ref = gemv_kernels.gemv(x, weights[0], norm_w, swiglu, res)
         row = {"shape": name, "rows": m, "n": n, "k": k, "flags": flags, "weight_mb": round(nbytes / 2**20, 1),
                "cublas_us": round(cublas, 2), "cublas_tb_s": round(nbytes / cublas / 1e6, 2), "tilings": []}
-        default = gemv_kernels.tiling(n, k, swiglu)
+        default = gemv_kernels.tiling(m, n, k, swiglu)
         for bn, bk, warps in itertools.product((4, 8, 16, 32, 64), (128, 256, 512),
                                                map(int, args.warps.split(","))):
             if bn * bk > 32768 or (swiglu and bn * bk > 16384):

@@ -88,13 +88,16 @@ if triton is not None:
         tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y.to(dt), mask=out_ok)
 
 
-def tiling(n: int, k: int, swiglu: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] product: ~128+ programs, each reading whole 512-byte runs
-    of its weight rows per iteration. Defaults from `bench/gemv.py` (H100)."""
+def tiling(m: int, n: int, k: int, swiglu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for m rows times an [n, k] weight: ~128+ programs, and a product tile
+    (rows x BLOCK_N x BLOCK_K, twice with SwiGLU) of <= 4096 values, which ptxas fits in registers without spills
+    for sm_90 at every shape of the 1.7B and 0.6B layers (tests/interpreted/compile_sm90.py). To be tuned on the
+    H100 with `bench/gemv.py`."""
     block_n = 64
     while block_n > 4 and n // block_n < 128:
         block_n //= 2
-    block_k = 128 if swiglu or block_n >= 32 else 256
+    rows = triton.next_power_of_2(m)
+    block_k = max(32, min(256, 4096 // (block_n * rows * (2 if swiglu else 1))))
     return block_n, min(block_k, triton.next_power_of_2(k)), 4
 
 
@@ -113,7 +116,7 @@ def gemv(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if residual is not None:
         assert residual.shape == (m, n) and residual.stride(1) == 1
-    block_n, block_k, warps = blocks or tiling(n, k, swiglu)
+    block_n, block_k, warps = blocks or tiling(m, n, k, swiglu)
     norm_w, eps = norm if norm is not None else (x, 0.0)
     res = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, block_n),)](

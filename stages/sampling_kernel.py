@@ -64,8 +64,8 @@ if triton is not None:
         # top-k: the k-th largest key, from the top bit down (ties at the boundary are kept)
         k = tl.minimum(tl.maximum(tl.load(top_k_ptr + row), 1), V)
         kth = tl.zeros([], tl.int64)
-        for bit in tl.static_range(31, -1, -1):
-            cand = kth | (1 << bit)
+        for i in tl.static_range(32):
+            cand = kth | (1 << (31 - i))
             kth = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, kth)
         keep = key >= kth
         top = tl.max(scores, axis=0)
@@ -74,8 +74,8 @@ if triton is not None:
             weights = tl.where(keep, tl.exp(scores - top), 0.0)
             probs = weights / tl.sum(weights, axis=0)
             above = tl.zeros([], tl.int64)  # the largest key whose mass above is still >= top_p
-            for bit in tl.static_range(31, -1, -1):
-                cand = above | (1 << bit)
+            for i in tl.static_range(32):
+                cand = above | (1 << (31 - i))
                 mass = tl.sum(tl.where(key > cand, probs, 0.0), axis=0)
                 above = tl.where(mass >= top_p, cand, above)
             top_key = tl.max(key, axis=0)

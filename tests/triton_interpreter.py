@@ -6,7 +6,9 @@ interpreter has no bf16 arithmetic) before a GPU session measures how fast it ru
 use (`--system-site-packages`: it adds only Triton to the main env's packages; needs PyPI once) and cached under
 `$QWEN3_TTS_TRITON_VENV` (default `~/.cache/qwen3-tts-serve/triton-interp-<hash>`). Scripts in
 `tests/interpreted/` run inside it with `run_interpreted(script)` and print their measurements as JSON; the
-tests assert on them.
+tests assert on them. The same venv also compiles the kernels for sm_90 without a GPU (Triton's compiler and
+its bundled ptxas: `tests/interpreted/compile_sm90.py`), which catches what the interpreter cannot (a kernel
+that does not compile, a tile that spills registers).
 """
 
 from __future__ import annotations
@@ -50,9 +52,13 @@ def interpreter_python() -> Path:
     return python
 
 
-def run_interpreted(script: str, *args: str, timeout: float = 600) -> dict:
-    """Run `tests/interpreted/<script>` under Triton's interpreter; returns the JSON it prints last."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+def run_interpreted(script: str, *args: str, interpret: bool = True, timeout: float = 600) -> dict:
+    """Run `tests/interpreted/<script>` in the venv, under Triton's interpreter (or, `interpret=False`, with
+    Triton compiling for a GPU it does not need to see); returns the JSON it prints last."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([str(interpreter_python()), str(HERE / "interpreted" / script), *args],
                           capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
     if proc.returncode != 0:

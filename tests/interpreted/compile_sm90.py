@@ -1,0 +1,87 @@
+"""Runs in the Triton venv (tests/triton_interpreter.py), compiled, not interpreted: every variant of the project's
+decode-path Triton kernels that the engine launches, compiled for sm_90 (the H100) by Triton's own compiler and
+ptxas, which need no GPU. Prints each variant's registers and spill bytes (`ptxas -v`) as JSON.
+
+Catches what the interpreter cannot: a kernel that does not compile (types, layouts, unsupported ops) and one
+whose tile does not fit in registers."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from stages import gemv_kernels, sampling_kernel
+from stages.talker import paged_attention
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple[int, int]:
+    """(registers, spill store bytes) of one variant."""
+    kernel = triton.compile(ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
+                                      constexprs=constexprs), target=TARGET, options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(kernel.asm["ptx"])
+        f.flush()
+        report = subprocess.run([str(PTXAS), "-v", "--gpu-name=sm_90a", "-o", "/dev/null", f.name],
+                                capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return int(re.search(r"Used (\d+) registers", report).group(1)), int(spills.group(1)) if spills else 0
+
+
+def gemv() -> dict:
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16",
+           "eps": "fp32", "M": "i32", "N": "i32", "up_offset": "i32", "stride_xm": "i32", "stride_wn": "i32",
+           "stride_om": "i32", "stride_rm": "i32"}
+    # (N, K, flags) of every product: 1.7B talker (2048 / 6144) and both code predictors and the 0.6B talker (1024 /
+    # 3072); q/k/v is 4096 rows in all of them
+    products = [(4096, 2048, "norm"), (2048, 2048, "residual"), (6144, 2048, "norm,swiglu"), (2048, 6144, "residual"),
+                (4096, 1024, "norm"), (1024, 2048, "residual"), (3072, 1024, "norm,swiglu"), (1024, 3072, "residual")]
+    out = {}
+    for n, k, flags in products:
+        swiglu = "swiglu" in flags
+        for m in (1, 2, 4, 8):
+            block_n, block_k, warps = gemv_kernels.tiling(m, n, k, swiglu)
+            out[f"{n}x{k} {flags} rows{m}"] = compile_kernel(gemv_kernels._gemv_kernel, sig, {
+                "K": k, "M_P": triton.next_power_of_2(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
+                "NORM": "norm" in flags, "SWIGLU": swiglu, "RESIDUAL": "residual" in flags}, warps)
+    return out
+
+
+def attention() -> dict:
+    sig = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    sig |= {"table_ptr": "*i64", "lens_ptr": "*i64", "kn_ptr": "*bf16", "vn_ptr": "*bf16", "sm_scale": "fp32",
+            "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "eps": "fp32"}
+    sig |= dict.fromkeys(("stride_qb", "stride_qh", "stride_kblock", "stride_kt", "stride_kh", "stride_tb", "stride_len",
+                          "stride_ob", "stride_oh", "stride_knb", "stride_knh", "stride_vnb", "stride_vnh", "stride_cb"),
+                         "i32")
+    out = {}
+    # the paged tilings (batch >= 128, >= 64, below) and the contiguous cache's (16 positions), with and without
+    # the new-K/V store and the head prologue
+    for block, warps, page in ((16, 1, 16), (16, 2, 16), (32, 4, 16), (16, 4, 16)):
+        for write, heads in ((False, False), (True, False), (True, True)):
+            out[f"block{block} warps{warps} page{page} write{write} heads{heads}"] = compile_kernel(
+                paged_attention._paged_decode_kernel, sig,
+                {"GROUP": 2, "GROUP_P": 2, "D": 128, "BLOCK": block, "PAGE": page, "WRITE": write, "HEADS": heads},
+                warps)
+    return out
+
+
+def sampling() -> dict:
+    sig = {"logits_ptr": "*fp32", "out_ptr": "*i64", "do_sample_ptr": "*i1", "temperature_ptr": "*fp32",
+           "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "seeds_ptr": "*i64", "counters_ptr": "*i64",
+           "stride_row": "i32", "V": "i32"}
+    return {f"vocab{v_p}": compile_kernel(sampling_kernel._select_kernel, sig, {"V_P": v_p}, 8 if v_p >= 4096 else 4)
+            for v_p in (2048, 4096)}
+
+
+if __name__ == "__main__":
+    print(json.dumps({"gemv": gemv(), "attention": attention(), "sampling": sampling()}))

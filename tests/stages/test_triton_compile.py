@@ -1,0 +1,16 @@
+"""The decode path's Triton kernels compile for the H100 (sm_90), in every variant the engine launches, without
+register spills: Triton's compiler and ptxas run on CPU in the Triton venv (tests/triton_interpreter.py,
+tests/interpreted/compile_sm90.py). What they compute is checked by the interpreter tests beside this one."""
+
+from __future__ import annotations
+
+from tests.triton_interpreter import run_interpreted
+
+
+def test_decode_kernels_compile_for_sm90_without_spills():
+    result = run_interpreted("compile_sm90.py", interpret=False)
+    # 8 products x 4 row counts; 4 attention tilings x 3 (plain, new-K/V store, + head prologue); 2 vocab sizes
+    assert [len(result[k]) for k in ("gemv", "attention", "sampling")] == [32, 12, 2]
+    for group, variants in result.items():
+        for name, (registers, spill_bytes) in variants.items():
+            assert 0 < registers <= 255 and spill_bytes == 0, (group, name, registers, spill_bytes)
