@@ -8,6 +8,7 @@
 # gemv: the few-row Triton GEMVs' GPU tests and their tiling sweep against cuBLAS (bench.gemv); talker_gemv:
 # bench.talker --profile per VARIANT (default "0 0h 0s 4 4hs": --gemv-rows N, "h" adding --heads-in-attention,
 # "s" --sampling-kernel), the first being the step as before (cuBLAS, compiled head norm + RoPE and sampling).
+# KERNEL_FLAGS (e.g. "--gemv-rows 4 --heads-in-attention --sampling-kernel") go to talker_check and pipeline.
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
 # codebook-0 logits and codes, then steps equal).
 # peer: faster-qwen3-tts 0.5.4 timed on the same checkpoint (python -m bench.peer_faster_qwen3_tts: its CUDA-graph
@@ -83,7 +84,8 @@ for step in $STEPS; do
               done ;;
     talker_check) checkpoint  # graphed + compiled + fused against eager, per batch bucket (first-step logits, codes)
               python3 -m bench.talker --checkpoint "$CKPT" --batches ${CHECK_BATCHES:-1,8,64,256} --steps 20 --compile \
-                --max-seq-len 1024 --check-graphs --out "$OUT/talker_check.json" 2>&1 | tee "$OUT/talker_check.log" \
+                --max-seq-len 1024 --check-graphs ${KERNEL_FLAGS:-} --out "$OUT/talker_check.json" 2>&1 \
+                | tee "$OUT/talker_check.log" \
                 | grep -E "^\{" | tail -8 ;;
     peer) checkpoint
               python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -113,7 +115,7 @@ for step in $STEPS; do
               unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR ;;
     pipeline) checkpoint
               python3 -m bench.pipeline --checkpoint "$CKPT" --levels "$LEVELS" --compile --slots 512 \
-                --first-chunk-frames 1 --stateful-code2wav --out "$OUT/pipeline_stateful.json" 2>&1 \
+                --first-chunk-frames 1 --stateful-code2wav ${KERNEL_FLAGS:-} --out "$OUT/pipeline_stateful.json" 2>&1 \
                 | tee "$OUT/pipeline_stateful.log" | grep -vE "^\[talker\] captured" | tail -8 ;;
     pipeline_stateless) checkpoint
               python3 -m bench.pipeline --checkpoint "$CKPT" --levels "$LEVELS" --compile --slots 512 \

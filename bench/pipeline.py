@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.kernel_flags import add_kernel_flags, kernel_kwargs
 from bench.loadgen.metrics import continuity
 from bench.loadgen.sentences import load_sentences
 from stages.chunking import CODEBOOK_SIZE, ChunkSchedule
@@ -289,7 +290,8 @@ async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
                  for ramp in args.ramps.split(",")}
     engine = TalkerEngine(model, TalkerEngineConfig(
         max_num_seqs=args.slots, max_seq_len=args.max_seq_len, kv_cache_tokens=args.kv_tokens,
-        cuda_graphs=not args.no_graphs, compile=args.compile, schedule=next(iter(schedules.values()))))
+        cuda_graphs=not args.no_graphs, compile=args.compile, schedule=next(iter(schedules.values())),
+        **kernel_kwargs(args)))
     t0 = time.perf_counter()
     await asyncio.to_thread(engine.start, print)
     print(f"talker engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -374,6 +376,7 @@ def main() -> None:
                     help="how the decoder takes queued chunks, ORDER:MAX_CHUNKS:MAX_FRAMES per engine call "
                          "(ORDER fifo or deadline; MAX_FRAMES 0 = no limit); a comma list runs each in turn")
     ap.add_argument("--compile", action="store_true", help="torch.compile the talker's layer math and sampling")
+    add_kernel_flags(ap)
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--no-code2wav", action="store_true", help="talker only (first audio = first chunk cut)")
     ap.add_argument("--stateful-code2wav", action="store_true",

@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.kernel_flags import add_kernel_flags, kernel_kwargs
 from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import write_random_checkpoint
 from stages.sampling import mask_talker_logits, select_tokens
-from stages.talker.engine_config import TalkerEngineConfig
 from stages.talker.prompt_plan import plan_prompt
 from stages.talker.runner import Admission, TalkerRunner
 
@@ -140,11 +140,7 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--no-kernel", action="store_true", help="gather + SDPA decode attention instead of the paged kernel")
     ap.add_argument("--compile", action="store_true", help="torch.compile the layer math and sampling")
-    ap.add_argument("--gemv-rows", type=int, default=TalkerEngineConfig.gemv_rows,
-                    help="with --compile: forwards of <= this many rows run as Triton GEMVs (0: cuBLAS throughout)")
-    ap.add_argument("--heads-in-attention", action="store_true",
-                    help="with --compile: the decode attention kernel applies q/k's head norm and RoPE")
-    ap.add_argument("--sampling-kernel", action="store_true", help="token selection as one Triton program per row")
+    add_kernel_flags(ap)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--out", default=None, help="JSON results path")
     ap.add_argument("--profile", action="store_true",
@@ -165,8 +161,7 @@ def main() -> None:
     per_request = -(-(plan.length + 2 * args.steps + 8) // 16)  # KV blocks: prompt + timed and warm-up steps
     runner = TalkerRunner(model, max(batches), args.max_seq_len, 64, num_blocks=max(batches) * per_request,
                           compile=args.compile, attention_kernel=None if not args.no_kernel else False,
-                          gemv_rows=args.gemv_rows, heads_in_attention=args.heads_in_attention,
-                          sampling_kernel=args.sampling_kernel)
+                          **kernel_kwargs(args))
     capture_s = 0.0
     if device == "cuda" and not args.no_graphs:
         capture_s = runner.capture_graphs(tuple(batches), log=print)

@@ -1,0 +1,23 @@
+"""The talker's opt-in kernel paths as command-line flags, shared by the benches (bench.talker, bench.pipeline):
+the names and defaults of `TalkerEngineConfig` (docs/talker_engine.md, "Kernels per frame")."""
+
+from __future__ import annotations
+
+import argparse
+
+from stages.talker.engine_config import TalkerEngineConfig
+
+
+def add_kernel_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--gemv-rows", type=int, default=TalkerEngineConfig.gemv_rows,
+                    help="with --compile: forwards of <= this many rows run as Triton GEMVs (0: cuBLAS throughout)")
+    ap.add_argument("--heads-in-attention", action="store_true", default=TalkerEngineConfig.heads_in_attention,
+                    help="with --compile: the decode attention kernel applies q/k's head norm and RoPE")
+    ap.add_argument("--sampling-kernel", action="store_true", default=TalkerEngineConfig.sampling_kernel,
+                    help="token selection as one Triton program per row")
+
+
+def kernel_kwargs(args: argparse.Namespace) -> dict:
+    """The flags as TalkerEngineConfig / TalkerRunner keyword arguments."""
+    return {"gemv_rows": args.gemv_rows, "heads_in_attention": args.heads_in_attention,
+            "sampling_kernel": args.sampling_kernel}
