@@ -51,7 +51,7 @@ if triton is not None:
         m = tl.arange(0, M_P)
         m_ok = m < M
         kk = tl.arange(0, BLOCK_K)
-        dt = out_ptr.dtype.element_ty
+        dt = x_ptr.dtype.element_ty  # where the eager ops round (the model's dtype); the store converts to out's
         if NORM:  # the row's RMS statistics: every program reads the (few-KB) input rows once more
             ss = tl.zeros([M_P], tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -85,7 +85,7 @@ if triton is not None:
         out_ok = m_ok[:, None] & n_ok[None, :]
         if RESIDUAL:
             y += tl.load(res_ptr + m[:, None] * stride_rm + n[None, :], mask=out_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y.to(dt), mask=out_ok)
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y.to(dt).to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 def tiling(m: int, n: int, k: int, swiglu: bool) -> tuple[int, int, int]:
@@ -108,12 +108,13 @@ def gemv(
     swiglu: bool = False,  # -> silu(x @ gate^T) * (x @ up^T), [M, N]
     residual: torch.Tensor | None = None,  # [M, N]: added to the product
     blocks: tuple[int, int, int] | None = None,  # (BLOCK_N, BLOCK_K, num_warps); None: `tiling`
+    out_dtype: torch.dtype | None = None,  # e.g. fp32 logits: rounded to x's dtype first, as `linear(...).float()`
 ) -> torch.Tensor:
-    """-> [M, N] in x's dtype: (RMSNorm(x) if norm) @ weight^T, then SwiGLU and/or + residual."""
+    """-> [M, N] in x's dtype (or `out_dtype`): (RMSNorm(x) if norm) @ weight^T, then SwiGLU and/or + residual."""
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if residual is not None:
         assert residual.shape == (m, n) and residual.stride(1) == 1
     block_n, block_k, warps = blocks or tiling(m, n, k, swiglu)

@@ -359,11 +359,15 @@ class DecoderStack(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.kernels: LayerKernels | None = None  # None: eager; set by an engine that compiles
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """x [B, S, H], positions [B, S] -> [B, S, H] after the final norm."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                final_norm: bool = True) -> torch.Tensor:
+        """x [B, S, H], positions [B, S] -> [B, S, H] after the final norm (before it: `final_norm=False`, for a
+        caller that fuses it into its head's product)."""
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx, self.kernels)
+        if not final_norm:
+            return x
         if self.kernels is not None:
             return self.kernels.norm(x, self.norm.weight, self.norm.eps)
         return self.norm(x)
@@ -375,6 +379,11 @@ class DecoderStack(nn.Module):
         self.fuse_projections()
         self.rotary.build_table(max_positions, self.norm.weight.dtype)
         self.kernels = kernels
+
+    def takes_gemv_path(self, x: torch.Tensor) -> bool:
+        """Whether a forward of x [B, S, H] runs its layers as Triton GEMVs (`LayerKernels.gemv_rows`)."""
+        return (self.kernels is not None and self.layers[0].qkv_weight is not None
+                and x.shape[0] * x.shape[1] <= self.kernels.gemv_rows)
 
     def fuse_projections(self) -> None:
         """Every layer's q/k/v and gate/up as one product each (`DecoderLayer.fuse_projections`)."""

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stages import gemv_kernels
 from stages.config import TalkerConfig
 from stages.layers import AttentionContext, DecoderStack
 
@@ -68,8 +69,17 @@ class CodePredictor(nn.Module):
     def forward_step(
         self, inputs: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, group: int
     ) -> torch.Tensor:
-        """inputs [B, S, H_talker] -> logits [B, vocab] of codebook `group + 1` (last row only)."""
-        h = self.model(self.small_to_mtp_projection(inputs), positions, ctx)
+        """inputs [B, S, H_talker] -> logits [B, vocab] of codebook `group + 1` (last row only).
+
+        On the GEMV path (a few rows, stages/gemv_kernels.py) the final norm, this head and the logits' cast to
+        fp32 are one kernel; the logits are then fp32 (elsewhere in the model's dtype)."""
+        x = self.small_to_mtp_projection(inputs)
+        if self.model.takes_gemv_path(x):
+            h = self.model(x, positions, ctx, final_norm=False)
+            norm = self.model.norm
+            return gemv_kernels.gemv(h[:, -1], self.lm_head[group].weight, norm=(norm.weight, norm.eps),
+                                     out_dtype=torch.float32)
+        h = self.model(x, positions, ctx)
         return self.lm_head[group](h[:, -1])
 
 

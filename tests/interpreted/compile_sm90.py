@@ -44,13 +44,15 @@ def gemv() -> dict:
     # (N, K, flags) of every product: 1.7B talker (2048 / 6144) and both code predictors and the 0.6B talker (1024 /
     # 3072); q/k/v is 4096 rows in all of them
     products = [(4096, 2048, "norm"), (2048, 2048, "residual"), (6144, 2048, "norm,swiglu"), (2048, 6144, "residual"),
-                (4096, 1024, "norm"), (1024, 2048, "residual"), (3072, 1024, "norm,swiglu"), (1024, 3072, "residual")]
+                (4096, 1024, "norm"), (1024, 2048, "residual"), (3072, 1024, "norm,swiglu"), (1024, 3072, "residual"),
+                (2048, 1024, "norm,fp32")]  # the last: the code predictor's final norm + head, fp32 logits
     out = {}
     for n, k, flags in products:
         swiglu = "swiglu" in flags
         for m in (1, 2, 4, 8):
             block_n, block_k, warps = gemv_kernels.tiling(m, n, k, swiglu)
-            out[f"{n}x{k} {flags} rows{m}"] = compile_kernel(gemv_kernels._gemv_kernel, sig, {
+            out[f"{n}x{k} {flags} rows{m}"] = compile_kernel(gemv_kernels._gemv_kernel, {
+                **sig, "out_ptr": "*fp32" if "fp32" in flags else "*bf16"}, {
                 "K": k, "M_P": triton.next_power_of_2(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
                 "NORM": "norm" in flags, "SWIGLU": swiglu, "RESIDUAL": "residual" in flags}, warps)
     return out

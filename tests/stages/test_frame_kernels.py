@@ -1,0 +1,24 @@
+"""One codec frame's code-predictor loop with every opt-in kernel path at once, on CPU under Triton's interpreter
+(tests/triton_interpreter.py, tests/interpreted/frame.py): the GEMVs with the final norm + head fused
+(stages/gemv_kernels.py), q/k's head norm + RoPE in the attention kernel, and the sampling kernel, against the
+eager path in fp32: the same 16 codes, greedy and seeded sampling."""
+
+from __future__ import annotations
+
+from tests.triton_interpreter import run_interpreted
+
+PASSES, LAYERS = 15, 2  # the code predictor's passes per frame; the tiny model's code-predictor layers
+
+
+def test_frame_with_every_kernel_path_draws_the_eager_codes():
+    result = run_interpreted("frame.py", timeout=1200)
+    assert result.pop("projection") == "Linear"  # the 1.7B layout: the talker twice as wide as the code predictor
+    assert set(result) == {"batch1_greedy", "batch2_sampled"}
+    for name, r in result.items():
+        assert r["codes_equal"], (name, r)
+        assert r["max_logit_diff"] <= 1e-5, (name, r)  # fp32, summation order (seen: <= 3.3e-6)
+        # every pass through the GEMVs (4 per layer + the fused final norm and head); every new position of every
+        # layer through the kernel's head prologue (2 on the first pass); the eager run through neither
+        assert r["kernel_calls"] == {"gemv": PASSES * (4 * LAYERS + 1), "head_norm": (PASSES + 1) * LAYERS}, name
+        assert r["eager_kernel_calls"] == {}, name
+        assert r["distinct_codes"] > 8, (name, r)
