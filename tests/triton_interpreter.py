@@ -13,13 +13,14 @@ that does not compile, a tile that spills registers).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.cached_venv import cached_venv
 
 TRITON_PIN = "triton==3.6.0"  # the GPU image's Triton (torch 2.11.0+cu130)
 HERE = Path(__file__).resolve().parent
@@ -33,23 +34,9 @@ def interpreter_venv_dir() -> Path:
 
 
 def interpreter_python() -> Path:
-    """Path to the venv's python, creating the venv once (file-locked against parallel runs)."""
-    venv = interpreter_venv_dir()
-    python = venv / "bin" / "python"
-    done = venv / ".complete"
-    if done.exists():
-        return python
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if done.exists():
-            return python
-        print(f"[triton] creating {venv} (one time)", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", TRITON_PIN],
-                       check=True)
-        done.write_text("ok\n")
-    return python
+    """Path to the venv's python, creating the venv once."""
+    return cached_venv(interpreter_venv_dir(), "triton",
+                       lambda pip: subprocess.run([*pip, TRITON_PIN], check=True), system_site_packages=True)
 
 
 def run_interpreted(script: str, *args: str, interpret: bool = True, timeout: float = 600) -> dict:

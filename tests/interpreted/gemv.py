@@ -7,21 +7,12 @@ import json
 
 import interpreter_fixes  # noqa: F401  (first: before any kernel runs)
 import torch
-import torch.nn.functional as F
 
 from stages import gemv_kernels
 from stages.config import TransformerConfig
 from stages.kv_cache import ContiguousKV
-from stages.layers import DecoderStack, LayerKernels, _rms, attention_inputs, attention_output_and_mlp
-
-
-def reference(x, w, norm, swiglu, residual):
-    h = _rms(x, *norm) if norm is not None else x
-    y = F.linear(h, w)
-    if swiglu:
-        gate, up = y.split(w.shape[0] // 2, dim=-1)
-        y = F.silu(gate) * up
-    return y + residual if residual is not None else y
+from stages.layers import LayerKernels, attention_inputs, attention_output_and_mlp
+from tests.kernel_reference import forwards, pytorch_gemv, random_stack
 
 
 def products() -> dict:
@@ -37,7 +28,7 @@ def products() -> dict:
                 x = torch.randn(m, k, generator=gen)
                 norm = (torch.rand(k, generator=gen) + 0.5, 1e-6) if "norm" in flags else None
                 res = torch.randn(m, n, generator=gen) if "residual" in flags else None
-                ref = reference(x, w, norm, swiglu, res)
+                ref = pytorch_gemv(x, w, norm, swiglu, res)
                 for blocks in (None, (8, 32, 4)):
                     out = gemv_kernels.gemv(x, w, norm, swiglu, res, blocks=blocks)
                     err = ((out - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
@@ -50,12 +41,7 @@ def layer_path() -> dict:
     predictor's first pass) through the GEMV path against its eager layers."""
     cfg = TransformerConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=16)
-    torch.manual_seed(0)
-    stack = DecoderStack(cfg)
-    with torch.no_grad():
-        for p in stack.parameters():
-            p.normal_(0.0, 0.1)
-    stack.eval().fuse_projections()
+    stack = random_stack(cfg)
     kernels = LayerKernels(pre=attention_inputs, post=attention_output_and_mlp, gemv_rows=8)
     worst = {}
     for b, widths in ((1, (2, 1, 1)), (2, (2, 1)), (4, (2, 1))):
@@ -63,16 +49,8 @@ def layer_path() -> dict:
         out = {}
         for name, k in (("eager", None), ("gemv", kernels)):
             stack.kernels = k
-            kv = ContiguousKV(cfg.num_hidden_layers, b, cfg.num_key_value_heads, cfg.head_dim, sum(widths),
-                              torch.float32, "cpu")
-            parts, start = [], 0
-            with torch.no_grad():
-                for s in widths:
-                    kv.begin(s)
-                    parts.append(stack(x[:, start:start + s], torch.arange(start, start + s).expand(b, s), kv))
-                    kv.advance()
-                    start += s
-            out[name] = torch.cat(parts, dim=1)
+            out[name] = forwards(stack, x, widths, ContiguousKV(cfg.num_hidden_layers, b, cfg.num_key_value_heads,
+                                                                cfg.head_dim, sum(widths), torch.float32, "cpu"))
         worst[f"batch{b}"] = ((out["gemv"] - out["eager"]).abs().max() / out["eager"].abs().max()).item()
     return worst
 

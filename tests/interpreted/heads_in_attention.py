@@ -12,9 +12,10 @@ import torch
 
 from stages import kv_cache
 from stages.config import TransformerConfig
-from stages.layers import DecoderStack, LayerKernels, Rotary, attention_inputs, attention_output_and_mlp, heads_norm_rope
+from stages.layers import LayerKernels, Rotary, attention_inputs, attention_output_and_mlp, heads_norm_rope
 from stages.talker.paged_attention import HeadNorm, contiguous_decode_attention, paged_decode_attention
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
+from tests.kernel_reference import forwards, random_stack
 
 H, N_KV, D, EPS = 4, 2, 16, 1e-6
 
@@ -72,16 +73,6 @@ CFG = TransformerConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=
                         num_key_value_heads=N_KV, head_dim=D)
 
 
-def _stack() -> DecoderStack:
-    torch.manual_seed(0)
-    stack = DecoderStack(CFG)
-    with torch.no_grad():
-        for p in stack.parameters():
-            p.normal_(0.0, 0.1)
-    stack.eval().fuse_projections()
-    return stack
-
-
 def stacks() -> dict:
     """The contiguous cache (code predictor: 2-position first pass, then 1) and the paged cache (talker: prefill,
     then decode steps), with heads_in_attention, with and without the GEMVs, against eager layers; and how many
@@ -90,7 +81,7 @@ def stacks() -> dict:
     calls = []
     head_norm_args = HeadNorm.args
     HeadNorm.args = lambda self, position: calls.append(position) or head_norm_args(self, position)
-    stack = _stack()
+    stack = random_stack(CFG)
     result = {}
     for gemv_rows in (0, 8):
         kernels = LayerKernels(pre=attention_inputs, post=attention_output_and_mlp, gemv_rows=gemv_rows,
@@ -101,16 +92,8 @@ def stacks() -> dict:
         calls.clear()
         for name, k in (("eager", None), ("fused", kernels)):
             stack.kernels = k
-            kv = kv_cache.ContiguousKV(CFG.num_hidden_layers, b, N_KV, D, 16, torch.float32, "cpu",
-                                       decode_kernel=name == "fused")
-            parts, start = [], 0
-            with torch.no_grad():
-                for s in widths:
-                    kv.begin(s)
-                    parts.append(stack(x[:, start:start + s], torch.arange(start, start + s).expand(b, s), kv))
-                    kv.advance()
-                    start += s
-            outs[name] = torch.cat(parts, dim=1)
+            outs[name] = forwards(stack, x, widths, kv_cache.ContiguousKV(
+                CFG.num_hidden_layers, b, N_KV, D, 16, torch.float32, "cpu", decode_kernel=name == "fused"))
         result[f"contiguous_gemv{gemv_rows}"] = (outs["fused"] - outs["eager"]).abs().max().item()
         result[f"contiguous_gemv{gemv_rows}_head_norm_calls"] = len(calls)
         calls.clear()

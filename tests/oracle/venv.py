@@ -8,14 +8,14 @@ Scripts run inside it with `run_oracle(script, *args)`; they exchange tensors th
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
+
+from tests.cached_venv import cached_venv
 
 ORACLE_PINS = (
     "transformers==4.57.3",
@@ -47,24 +47,13 @@ def oracle_venv_dir() -> Path:
 
 
 def oracle_python() -> Path:
-    """Path to the oracle venv's python, creating the venv once (file-locked against parallel runs)."""
-    venv = oracle_venv_dir()
-    python = venv / "bin" / "python"
-    done = venv / ".complete"
-    if done.exists():
-        return python
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if done.exists():
-            return python
-        print(f"[oracle] creating {venv} (one time, a few minutes)", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    """Path to the oracle venv's python, creating the venv once (a few minutes)."""
+
+    def install(pip: list[str]) -> None:
         subprocess.run([*pip, _torch_requirement(), *ORACLE_PINS], check=True)
         subprocess.run([*pip, "--no-deps", ORACLE_PACKAGE], check=True)
-        done.write_text("ok\n")
-    return python
+
+    return cached_venv(oracle_venv_dir(), "oracle", install)
 
 
 def run_oracle(script: str, *args: str, timeout: float = 1200) -> str:

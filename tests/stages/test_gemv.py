@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from stages import gemv_kernels
 from stages.config import TransformerConfig
 from stages.kv_cache import ContiguousKV
-from stages.layers import DecoderStack, LayerKernels, _rms, attention_inputs, attention_output_and_mlp
+from stages.layers import DecoderStack, LayerKernels, attention_inputs, attention_output_and_mlp
+from tests.kernel_reference import pytorch_gemv
 from tests.triton_interpreter import run_interpreted
 
 
@@ -30,15 +30,6 @@ CFG = TransformerConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=
                         num_key_value_heads=2, head_dim=16)
 
 
-def _pytorch_gemv(x, weight, norm=None, swiglu=False, residual=None, blocks=None):
-    """What gemv computes, in PyTorch: a stand-in for the kernel on CPU."""
-    y = F.linear(_rms(x, *norm) if norm is not None else x, weight)
-    if swiglu:
-        gate, up = y.split(weight.shape[0] // 2, dim=-1)
-        y = F.silu(gate) * up
-    return y + residual if residual is not None else y
-
-
 def test_forwards_of_up_to_gemv_rows_rows_take_the_gemv_path(monkeypatch):
     """Batch x positions decides: 1 and 2 rows (gemv_rows=2) run four GEMVs per layer, 3 rows and a 2-position
     forward of 2 rows the GEMM path; the unfused (eager) stack never does, and the results equal eager."""
@@ -46,7 +37,7 @@ def test_forwards_of_up_to_gemv_rows_rows_take_the_gemv_path(monkeypatch):
 
     def gemv(x, *args, **kwargs):
         rows_seen.append(x.shape[0])
-        return _pytorch_gemv(x, *args, **kwargs)
+        return pytorch_gemv(x, *args, **kwargs)  # a stand-in for the kernel on CPU
 
     monkeypatch.setattr(gemv_kernels, "gemv", gemv)
     torch.manual_seed(0)

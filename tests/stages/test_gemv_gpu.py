@@ -9,23 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from stages import gemv_kernels
 from stages.config import TransformerConfig
 from stages.kv_cache import ContiguousKV
-from stages.layers import DecoderStack, LayerKernels, _rms, attention_inputs, attention_output_and_mlp
+from stages.layers import LayerKernels, attention_inputs, attention_output_and_mlp
+from tests.kernel_reference import forwards, pytorch_gemv, random_stack
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-def _reference(x, w, norm, swiglu, residual):
-    h = _rms(x, *norm) if norm is not None else x
-    y = F.linear(h, w)
-    if swiglu:
-        gate, up = y.split(w.shape[0] // 2, dim=-1)
-        y = F.silu(gate) * up
-    return y + residual if residual is not None else y
 
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
@@ -39,7 +30,7 @@ def test_gemv_matches_pytorch(dtype, rtol, flags, n, k):
         x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
         norm = ((torch.rand(k, generator=gen, device="cuda") + 0.5).to(dtype), 1e-6) if "norm" in flags else None
         res = torch.randn(m, n, generator=gen, device="cuda").to(dtype) if "residual" in flags else None
-        ref = _reference(x, w, norm, swiglu, res).float()
+        ref = pytorch_gemv(x, w, norm, swiglu, res).float()
         out = gemv_kernels.gemv(x, w, norm, swiglu, res).float()
         scale = ref.abs().max().item()
         err = (out - ref).abs().max().item()
@@ -56,29 +47,15 @@ def test_gemv_layer_path_matches_eager(dtype, rtol):
     """A stack's decode forwards (one row; the code predictor's two-row first pass) through the GEMV path against
     its eager layers, over the same cache contents: what the engine's batch-1 graphs run."""
     dt = getattr(torch, dtype)
-    torch.manual_seed(0)
-    stack = DecoderStack(CFG)
-    with torch.no_grad():
-        for p in stack.parameters():
-            p.normal_(0.0, 0.1)
-    stack = stack.to("cuda", dt).eval()
-    stack.fuse_projections()
+    stack = random_stack(CFG, device="cuda", dtype=dt)
     kernels = LayerKernels(pre=attention_inputs, post=attention_output_and_mlp, gemv_rows=8)
     for b, widths in ((1, (2, 1, 1, 1)), (2, (2, 1, 1)), (4, (2, 1))):
         x = torch.randn(b, sum(widths), CFG.hidden_size, device="cuda").to(dt)
         out = {}
         for name, k in (("eager", None), ("gemv", kernels)):
             stack.kernels = k
-            kv = ContiguousKV(CFG.num_hidden_layers, b, CFG.num_key_value_heads, CFG.head_dim, sum(widths), dt, "cuda")
-            parts, start = [], 0
-            with torch.no_grad():
-                for s in widths:
-                    kv.begin(s)
-                    positions = torch.arange(start, start + s, device="cuda").expand(b, s)
-                    parts.append(stack(x[:, start:start + s], positions, kv).float())
-                    kv.advance()
-                    start += s
-            out[name] = torch.cat(parts, dim=1)
+            out[name] = forwards(stack, x, widths, ContiguousKV(CFG.num_hidden_layers, b, CFG.num_key_value_heads,
+                                                                CFG.head_dim, sum(widths), dt, "cuda"))
         stack.kernels = None
         scale = out["eager"].abs().max().item()
         err = (out["gemv"] - out["eager"]).abs().max().item()

@@ -36,18 +36,22 @@ def test_compiled_uniforms_equal_eager(b):
         assert torch.equal(eager, comp), f"{int((eager != comp).sum())} of {eager.numel()} uniforms differ"
 
 
+def _mask_args(b: int) -> tuple:
+    """mask_talker_logits' arguments after the logits: nothing seen, penalty 1, EOS blocked."""
+    suppress = suppressed_ids_mask(VOCAB, CODEBOOK, EOS, torch.device("cuda"))
+    seen = torch.zeros(b, VOCAB, dtype=torch.bool, device="cuda")
+    ones, zeros = torch.ones(b, device="cuda"), torch.zeros(b, dtype=torch.long, device="cuda")
+    return seen, ones, zeros, zeros, suppress, EOS, torch.ones(b, dtype=torch.bool, device="cuda")
+
+
 @pytest.mark.parametrize("b", [1, 64, 256])
 def test_compiled_sampler_never_picks_masked_ids_and_matches_eager(b):
     mask = torch.compile(mask_talker_logits, dynamic=True, fullgraph=True)
     select = torch.compile(select_tokens, dynamic=True, fullgraph=True)
-    suppress = suppressed_ids_mask(VOCAB, CODEBOOK, EOS, torch.device("cuda"))
-    seen = torch.zeros(b, VOCAB, dtype=torch.bool, device="cuda")
-    ones, zeros = torch.ones(b, device="cuda"), torch.zeros(b, dtype=torch.long, device="cuda")
-    block = torch.ones(b, dtype=torch.bool, device="cuda")
     mismatches = 0
     for step in range(30):
         logits, seeds, counters, params = _inputs(b, step)
-        args = (logits, seen, ones, zeros, zeros, suppress, EOS, block)
+        args = (logits, *_mask_args(b))
         eager = select_tokens(mask_talker_logits(*args), params, seeds, counters)
         comp = select(mask(*args), params, seeds, counters)
         assert int(comp.max()) < CODEBOOK and int(comp.min()) >= 0, f"step {step}: compiled picked {comp.max()}"
@@ -63,16 +67,12 @@ def test_sampling_kernel_never_picks_masked_ids_and_matches_eager(b):
     logits, with top-p and greedy rows mixed in, and inside a CUDA graph."""
     from stages import sampling_kernel
 
-    suppress = suppressed_ids_mask(VOCAB, CODEBOOK, EOS, torch.device("cuda"))
-    seen = torch.zeros(b, VOCAB, dtype=torch.bool, device="cuda")
-    ones, zeros = torch.ones(b, device="cuda"), torch.zeros(b, dtype=torch.long, device="cuda")
-    block = torch.ones(b, dtype=torch.bool, device="cuda")
     mismatches = 0
     for step in range(30):
         logits, seeds, counters, params = _inputs(b, step)
         params.top_p[::3] = 0.8
         params.do_sample[1::4] = False
-        masked = mask_talker_logits(logits, seen, ones, zeros, zeros, suppress, EOS, block)
+        masked = mask_talker_logits(logits, *_mask_args(b))
         eager = select_tokens(masked, params, seeds, counters)
         fused = sampling_kernel.select_tokens(masked, params, seeds, counters)
         assert int(fused.max()) < CODEBOOK and int(fused.min()) >= 0, f"step {step}: kernel picked {fused.max()}"
