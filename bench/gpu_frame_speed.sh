@@ -74,7 +74,7 @@ for step in $STEPS; do
                 | grep -vE "^\[talker\] captured|^\{" | tail -40 ;;
     gemv) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_gemv_gpu.py 2>&1 \
              | tee "$OUT/gemv_gpu_tests.log" | grep -E "passed|failed|error|max abs err|Error|assert" | tail -40
-          python3 -m bench.gemv --rows ${GEMV_ROWS_SWEEP:-1,4} --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | tail -20 ;;
+          python3 -m bench.gemv --rows ${GEMV_ROWS_SWEEP:-1} --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | tail -20 ;;
     talker_gemv) checkpoint  # the decode step: layers on cuBLAS / on the GEMVs, heads in compiled kernels / in attention
               for v in ${VARIANTS:-0 0h 0s 4 4hs}; do
                 python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,2,4,256} --steps 30 --compile \
