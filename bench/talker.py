@@ -226,7 +226,8 @@ def main() -> None:
     report = {
         "device": device_name(), "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
         "size": args.size, "kind": args.kind, "dtype": args.dtype, "graphs": bool(runner.graphs),
-        "compile": args.compile, "paged_attention_kernel": runner.use_kernel, "gemv_rows": runner.gemv_rows,
+        "compile": args.compile, "paged_attention_kernel": runner.use_kernel,
+        "gemv_rows": runner.gemv_rows, "gemv_pdl": runner.gemv_pdl,
         "heads_in_attention": runner.heads_in_attention, "sampling_kernel": runner.sampling_kernel,
         "graph_capture_s": round(capture_s, 1), "bandwidth_floor_ms_b1": FLOOR_MS.get(args.size),
         "prefill_ms": prefill_ms,

@@ -26,6 +26,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the layers keep their PyTorch path
     triton = None
 
@@ -39,11 +40,35 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _weight_tile(w_ptr, n, n_ok, k, k_ok, stride_wn, up_offset, SWIGLU: tl.constexpr):
+        """One [BLOCK_N, BLOCK_K] tile of the weight rows (and, SwiGLU, of the up rows `up_offset` below them)."""
+        offs = n[:, None] * stride_wn + k[None, :]
+        ok = n_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        w_up = w
+        if SWIGLU:
+            w_up = tl.load(w_ptr + up_offset * stride_wn + offs, mask=ok, other=0.0).to(tl.float32)
+        return w, w_up
+
+    @triton.jit
+    def _input_tile(x_ptr, norm_ptr, m, m_ok, k, k_ok, stride_xm, rstd, NORM: tl.constexpr):
+        """One [M_P, BLOCK_K] tile of the input rows; NORM: as `_rms` gives it (normalized in fp32, cast to the
+        input dtype, times the weight, rounded to the dtype)."""
+        dt = x_ptr.dtype.element_ty
+        xv = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)
+        if NORM:
+            nw = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            xv = (xv * rstd[:, None]).to(dt).to(tl.float32)
+            xv = (xv * nw[None, :]).to(dt).to(tl.float32)
+        return xv
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, eps,
         M, N, up_offset, stride_xm, stride_wn, stride_om, stride_rm,
         K: tl.constexpr, M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
+        NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -52,6 +77,13 @@ if triton is not None:
         m_ok = m < M
         kk = tl.arange(0, BLOCK_K)
         dt = x_ptr.dtype.element_ty  # where the eager ops round (the model's dtype); the store converts to out's
+        if PDL:  # programmatic dependent launch: the next kernel may start its own weight loads now
+            gdc_launch_dependents()
+        # the first weight tile: weights never change, so it loads before the wait for the previous kernel
+        w, w_up = _weight_tile(w_ptr, n, n_ok, kk, kk < K, stride_wn, up_offset, SWIGLU)
+        if PDL:  # from here on the previous kernel's outputs (x, the residual) are complete and visible
+            gdc_wait()
+        rstd = tl.full([M_P], 1.0, tl.float32)
         if NORM:  # the row's RMS statistics: every program reads the (few-KB) input rows once more
             ss = tl.zeros([M_P], tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -60,24 +92,17 @@ if triton is not None:
                              other=0.0).to(tl.float32)
                 ss += tl.sum(xv * xv, axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
-        acc = tl.zeros([M_P, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([M_P, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        xv = _input_tile(x_ptr, norm_ptr, m, m_ok, kk, kk < K, stride_xm, rstd, NORM)
+        acc = tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
+        acc_up = tl.sum(xv[:, None, :] * w_up[None, :, :], axis=2)  # SwiGLU only (else unused)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + kk
             k_ok = k < K
-            xv = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                         other=0.0).to(tl.float32)
-            if NORM:  # _rms: normalize in fp32, cast to the input dtype, times the weight (rounded to the dtype)
-                nw = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-                xv = (xv * rstd[:, None]).to(dt).to(tl.float32)
-                xv = (xv * nw[None, :]).to(dt).to(tl.float32)
-            w_offs = n[:, None] * stride_wn + k[None, :]
-            w_ok = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_ptr + w_offs, mask=w_ok, other=0.0).to(tl.float32)
+            w, w_up = _weight_tile(w_ptr, n, n_ok, k, k_ok, stride_wn, up_offset, SWIGLU)
+            xv = _input_tile(x_ptr, norm_ptr, m, m_ok, k, k_ok, stride_xm, rstd, NORM)
             acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
-            if SWIGLU:  # the up rows sit `up_offset` rows below the gate rows in the stacked weight
-                wu = tl.load(w_ptr + up_offset * stride_wn + w_offs, mask=w_ok, other=0.0).to(tl.float32)
-                acc_up += tl.sum(xv[:, None, :] * wu[None, :, :], axis=2)
+            if SWIGLU:
+                acc_up += tl.sum(xv[:, None, :] * w_up[None, :, :], axis=2)
         y = acc.to(dt).to(tl.float32)  # the product as F.linear returns it
         if SWIGLU:  # F.silu(gate) * up, each rounded to the dtype as the eager ops are
             gate_act = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)
@@ -109,6 +134,7 @@ def gemv(
     residual: torch.Tensor | None = None,  # [M, N]: added to the product
     blocks: tuple[int, int, int] | None = None,  # (BLOCK_N, BLOCK_K, num_warps); None: `tiling`
     out_dtype: torch.dtype | None = None,  # e.g. fp32 logits: rounded to x's dtype first, as `linear(...).float()`
+    pdl: bool = False,  # programmatic dependent launch (sm_90+): weight loads overlap the previous kernel's end
 ) -> torch.Tensor:
     """-> [M, N] in x's dtype (or `out_dtype`): (RMSNorm(x) if norm) @ weight^T, then SwiGLU and/or + residual."""
     m, k = x.shape
@@ -123,6 +149,7 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, norm_w, res, eps, m, n, n, x.stride(0), weight.stride(0), out.stride(0), res.stride(0),
         K=k, M_P=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, num_warps=warps,
+        NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, PDL=pdl, num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -292,8 +292,10 @@ class DecoderLayer(nn.Module):
         fold = kernels.heads_in_attention and getattr(ctx, "folds_heads", _never)(s)
         sizes = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
         rows = x.reshape(b * s, hidden)
+        pdl = kernels.gemv_pdl
         if few_rows:
-            q, k, v = gemv_kernels.gemv(rows, self.qkv_weight, norm=(ln.weight, ln.eps)).view(b, s, -1).split(sizes, -1)
+            q, k, v = gemv_kernels.gemv(rows, self.qkv_weight, norm=(ln.weight, ln.eps), pdl=pdl).view(b, s, -1).split(
+                sizes, -1)
         elif fold:
             q, k, v = kernels.project(x, ln.weight, ln.eps, (self.qkv_weight,), sizes)
         else:
@@ -311,9 +313,9 @@ class DecoderLayer(nn.Module):
         if not few_rows:
             return kernels.post(x, attn, a.o_proj.weight, post_ln.weight, post_ln.eps, (self.gate_up_weight,),
                                 m.down_proj.weight)
-        h = gemv_kernels.gemv(attn.reshape(b * s, -1), a.o_proj.weight, residual=rows)
-        act = gemv_kernels.gemv(h, self.gate_up_weight, norm=(post_ln.weight, post_ln.eps), swiglu=True)
-        return gemv_kernels.gemv(act, m.down_proj.weight, residual=h).view(b, s, hidden)
+        h = gemv_kernels.gemv(attn.reshape(b * s, -1), a.o_proj.weight, residual=rows, pdl=pdl)
+        act = gemv_kernels.gemv(h, self.gate_up_weight, norm=(post_ln.weight, post_ln.eps), swiglu=True, pdl=pdl)
+        return gemv_kernels.gemv(act, m.down_proj.weight, residual=h, pdl=pdl).view(b, s, hidden)
 
 
 def _never(_s: int) -> bool:
@@ -331,10 +333,11 @@ class LayerKernels:
     heads: Callable = heads_norm_rope  # q/k norm + RoPE on projected rows (the GEMV path's `pre` after its product)
     project: Callable = norm_project  # input norm + q/k/v product alone (`pre` when attention applies the heads')
     gemv_rows: int = 0  # forwards of at most this many rows (batch x positions) take the GEMV path; 0: never
+    gemv_pdl: bool = False  # the GEMVs launch with programmatic dependent launch (sm_90+; stages/gemv_kernels.py)
     heads_in_attention: bool = False  # q/k head norm + RoPE inside the attention kernel where the context can
 
     @classmethod
-    def compiled(cls, gemv_rows: int = 0, heads_in_attention: bool = False) -> LayerKernels:
+    def compiled(cls, gemv_rows: int = 0, heads_in_attention: bool = False, gemv_pdl: bool = False) -> LayerKernels:
         """`gemv_rows` > 0 needs CUDA and Triton (`stages/gemv_kernels.available`), `heads_in_attention` the
         Triton decode attention (`stages/talker/paged_attention.kernel_available`); both act on fused
         projections only."""
@@ -345,7 +348,7 @@ class LayerKernels:
                    norm=torch.compile(_rms, dynamic=True, fullgraph=True),
                    heads=torch.compile(heads_norm_rope, dynamic=True, fullgraph=True),
                    project=torch.compile(norm_project, dynamic=True, fullgraph=True),
-                   gemv_rows=gemv_rows, heads_in_attention=heads_in_attention)
+                   gemv_rows=gemv_rows, heads_in_attention=heads_in_attention, gemv_pdl=gemv_pdl)
 
 
 class DecoderStack(nn.Module):

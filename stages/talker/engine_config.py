@@ -27,6 +27,8 @@ class TalkerEngineConfig:
     gemv_rows: int = 0  # compiled CUDA path: forwards of <= this many rows (<= 8) run each layer as 4 Triton GEMVs
     # with their norms, SwiGLU and residuals fused (stages/gemv_kernels.py); 0: cuBLAS throughout. Off until the
     # H100 step `bench/gpu_frame_speed.sh talker_gemv` has measured it (docs/talker_engine.md)
+    gemv_pdl: bool = False  # with gemv_rows: the GEMVs launch with programmatic dependent launch (H100+), each
+    # loading its first weight tile while the kernel before it finishes; off until measured
     heads_in_attention: bool = False  # compiled CUDA path: the decode attention kernel applies q/k's head norm and
     # RoPE while loading them (two kernels fewer per layer and pass); off until measured, like gemv_rows
     sampling_kernel: bool = False  # CUDA: token selection as one Triton program per row (stages/sampling_kernel.py:

@@ -183,7 +183,8 @@ class TalkerRunner:
     def __init__(self, model: Qwen3TTS, num_slots: int, max_seq_len: int, max_text_rows: int, num_blocks: int,
                  block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
                  compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
-                 gemv_rows: int = 0, heads_in_attention: bool = False, sampling_kernel: bool = False):
+                 gemv_rows: int = 0, heads_in_attention: bool = False, sampling_kernel: bool = False,
+                 gemv_pdl: bool = False):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
@@ -237,6 +238,7 @@ class TalkerRunner:
         self._select, self._mask = select_tokens, mask_talker_logits
         # compiled path only: forwards of <= gemv_rows rows run the layers as Triton GEMVs (stages/gemv_kernels.py)
         self.gemv_rows = gemv_rows if compile and gemv_kernels.available(dev) else 0
+        self.gemv_pdl = gemv_pdl and self.gemv_rows > 0 and torch.cuda.get_device_capability(dev)[0] >= 9
         # compiled path with the decode kernel: q/k head norm + RoPE inside it (HeadNorm), not kernels of their own
         self.heads_in_attention = heads_in_attention and compile and self.use_kernel
         if compile:
@@ -262,7 +264,8 @@ class TalkerRunner:
 
         # shapes seen: talker/code predictor x prefill/decode x batch 1/many; each a compiled variant
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        kernels = LayerKernels.compiled(gemv_rows=self.gemv_rows, heads_in_attention=self.heads_in_attention)
+        kernels = LayerKernels.compiled(gemv_rows=self.gemv_rows, heads_in_attention=self.heads_in_attention,
+                                        gemv_pdl=self.gemv_pdl)
         # also q/k/v and gate/up as one GEMM each (2 of 5 per layer: ~300 fewer kernels per frame) and RoPE from a
         # table; positions stay below max_seq_len (the talker) and 16 (the code predictor's frame)
         self.talker.model.use_kernels(kernels, self.max_seq_len)

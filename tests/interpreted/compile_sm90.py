@@ -1,6 +1,7 @@
 """Runs in the Triton venv (tests/triton_interpreter.py), compiled, not interpreted: every variant of the project's
 decode-path Triton kernels that the engine launches, compiled for sm_90 (the H100) by Triton's own compiler and
-ptxas, which need no GPU. Prints each variant's registers and spill bytes (`ptxas -v`) as JSON.
+ptxas, which need no GPU. Prints each variant's registers and spill bytes (`ptxas -v`) and its vector loads as
+JSON.
 
 Catches what the interpreter cannot: a kernel that does not compile (types, layouts, unsupported ops) and one
 whose tile does not fit in registers."""
@@ -24,17 +25,25 @@ TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple[int, int]:
-    """(registers, spill store bytes) of one variant."""
+def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int, aligned: tuple[str, ...] = ()
+                   ) -> tuple[int, int, int]:
+    """(registers, spill store bytes, vector loads) of one variant. Pointers, and the integer arguments in
+    `aligned`, are marked divisible by 16 as Triton's launcher marks them for the engine's tensors (which is what
+    lets it vectorize loads); the last count is the loads of 8+ bytes in the PTX."""
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, kind in signature.items() if kind.startswith("*") or name in aligned}
+    options = {"num_warps": num_warps, **({"launch_pdl": True} if constexprs.get("PDL") else {})}
     kernel = triton.compile(ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
-                                      constexprs=constexprs), target=TARGET, options={"num_warps": num_warps})
+                                      constexprs=constexprs, attrs=attrs), target=TARGET, options=options)
+    vector_loads = len(re.findall(r"ld\.global(?:\.\w+)*\.v[248]", kernel.asm["ptx"]))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kernel.asm["ptx"])
         f.flush()
         report = subprocess.run([str(PTXAS), "-v", "--gpu-name=sm_90a", "-o", "/dev/null", f.name],
                                 capture_output=True, text=True, check=True).stderr
     spills = re.search(r"(\d+) bytes spill stores", report)
-    return int(re.search(r"Used (\d+) registers", report).group(1)), int(spills.group(1)) if spills else 0
+    return (int(re.search(r"Used (\d+) registers", report).group(1)), int(spills.group(1)) if spills else 0,
+            vector_loads)
 
 
 def gemv() -> dict:
@@ -49,12 +58,13 @@ def gemv() -> dict:
     out = {}
     for n, k, flags in products:
         swiglu = "swiglu" in flags
-        for m in (1, 2, 4, 8):
+        for m, pdl in ((1, False), (2, False), (4, False), (8, False), (1, True)):  # PDL: the batch-1 launch mode
             block_n, block_k, warps = gemv_kernels.tiling(m, n, k, swiglu)
-            out[f"{n}x{k} {flags} rows{m}"] = compile_kernel(gemv_kernels._gemv_kernel, {
+            out[f"{n}x{k} {flags} rows{m}{' pdl' if pdl else ''}"] = compile_kernel(gemv_kernels._gemv_kernel, {
                 **sig, "out_ptr": "*fp32" if "fp32" in flags else "*bf16"}, {
                 "K": k, "M_P": triton.next_power_of_2(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
-                "NORM": "norm" in flags, "SWIGLU": swiglu, "RESIDUAL": "residual" in flags}, warps)
+                "NORM": "norm" in flags, "SWIGLU": swiglu, "RESIDUAL": "residual" in flags, "PDL": pdl}, warps,
+                aligned=("N", "up_offset", "stride_xm", "stride_wn", "stride_om", "stride_rm"))
     return out
 
 
@@ -73,7 +83,7 @@ def attention() -> dict:
             out[f"block{block} warps{warps} page{page} write{write} heads{heads}"] = compile_kernel(
                 paged_attention._paged_decode_kernel, sig,
                 {"GROUP": 2, "GROUP_P": 2, "D": 128, "BLOCK": block, "PAGE": page, "WRITE": write, "HEADS": heads},
-                warps)
+                warps, aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
     return out
 
 
@@ -81,7 +91,8 @@ def sampling() -> dict:
     sig = {"logits_ptr": "*fp32", "out_ptr": "*i64", "do_sample_ptr": "*i1", "temperature_ptr": "*fp32",
            "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "seeds_ptr": "*i64", "counters_ptr": "*i64",
            "stride_row": "i32", "V": "i32"}
-    return {f"vocab{v_p}": compile_kernel(sampling_kernel._select_kernel, sig, {"V_P": v_p}, 8 if v_p >= 4096 else 4)
+    return {f"vocab{v_p}": compile_kernel(sampling_kernel._select_kernel, sig, {"V_P": v_p}, 8 if v_p >= 4096 else 4,
+                                          aligned=("stride_row", "V"))
             for v_p in (2048, 4096)}
 
 

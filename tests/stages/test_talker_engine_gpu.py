@@ -151,14 +151,15 @@ def test_graphed_engine_equals_reference_on_cuda(cuda_model, prompts, exact_pref
         np.testing.assert_array_equal(codes, reference.generate_codes(prompt, GREEDY, n))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["gemv", "gemv+heads-in-attention+sampling-kernel"])
+@pytest.mark.parametrize("fused", [False, True], ids=["gemv", "gemv+pdl+heads-in-attention+sampling-kernel"])
 def test_compiled_engine_with_gemv_rows_equals_reference_on_cuda(cuda_model, prompts, fused):
     """fp32, the serving path: compiled layers, paged kernel, graphs, and the batch 1-2 buckets on the Triton GEMVs
-    (stages/gemv_kernels.py; `gemv_rows`), optionally with q/k's head norm and RoPE in the attention kernel and
-    token selection as one kernel: the same greedy codes as the reference generator, requests joining and
-    leaving so that steps of 1, 2 and more rows all run."""
+    (stages/gemv_kernels.py; `gemv_rows`), optionally launched with programmatic dependent launch, with q/k's head
+    norm and RoPE in the attention kernel and token selection as one kernel: the same greedy codes as the reference
+    generator, requests joining and leaving so that steps of 1, 2 and more rows all run."""
     engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=True, gemv_rows=4,
-                                                         heads_in_attention=fused, sampling_kernel=fused))
+                                                         heads_in_attention=fused, sampling_kernel=fused,
+                                                         gemv_pdl=fused))
     engine.start(log=lambda _m: None)
     try:
         assert engine.runner.gemv_rows == 4 and engine.runner.graphs

@@ -1,6 +1,7 @@
 """The decode path's Triton kernels compile for the H100 (sm_90), in every variant the engine launches, without
-register spills: Triton's compiler and ptxas run on CPU in the Triton venv (tests/triton_interpreter.py,
-tests/interpreted/compile_sm90.py). What they compute is checked by the interpreter tests beside this one."""
+register spills and with vectorized loads: Triton's compiler and ptxas run on CPU in the Triton venv
+(tests/triton_interpreter.py, tests/interpreted/compile_sm90.py). What they compute is checked by the
+interpreter tests beside this one."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from tests.triton_interpreter import run_interpreted
 
 def test_decode_kernels_compile_for_sm90_without_spills():
     result = run_interpreted("compile_sm90.py", interpret=False)
-    # 9 products (8 layer products, the head) x 4 row counts; 4 attention tilings x 3 (plain, new-K/V store, + head
-    # prologue); 2 vocab sizes
-    assert [len(result[k]) for k in ("gemv", "attention", "sampling")] == [36, 12, 2]
+    # 9 products (8 layer products, the head) x (4 row counts + 1 row with programmatic dependent launch); 4
+    # attention tilings x 3 (plain, new-K/V store, + head prologue); 2 vocab sizes
+    assert [len(result[k]) for k in ("gemv", "attention", "sampling")] == [45, 12, 2]
     for group, variants in result.items():
-        for name, (registers, spill_bytes) in variants.items():
+        for name, (registers, spill_bytes, vector_loads) in variants.items():
             assert 0 < registers <= 255 and spill_bytes == 0, (group, name, registers, spill_bytes)
+            # with the launcher's 16-byte alignment facts, weights and K/V are read in 8-16 byte loads
+            assert vector_loads > 0, (group, name)
