@@ -10,7 +10,8 @@ from stages.config import TransformerConfig
 from stages.layers import DecoderStack, _rms
 
 
-def pytorch_gemv(x, weight, norm=None, swiglu=False, residual=None, blocks=None, out_dtype=None) -> torch.Tensor:
+def pytorch_gemv(x, weight, norm=None, swiglu=False, residual=None, blocks=None, out_dtype=None, pdl=False
+                 ) -> torch.Tensor:
     """stages.gemv_kernels.gemv in PyTorch ops: (RMSNorm(x) if norm) @ weight^T, then SwiGLU and/or + residual."""
     y = F.linear(_rms(x, *norm) if norm is not None else x, weight)
     if swiglu:
