@@ -88,13 +88,14 @@ if triton is not None:
             ss = tl.zeros([M_P], tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + kk
-                xv = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :],
-                             other=0.0).to(tl.float32)
+                xv = _input_tile(x_ptr, norm_ptr, m, m_ok, k, k < K, stride_xm, rstd, False)  # as stored
                 ss += tl.sum(xv * xv, axis=1)
             rstd = 1.0 / tl.sqrt(ss / K + eps)
         xv = _input_tile(x_ptr, norm_ptr, m, m_ok, kk, kk < K, stride_xm, rstd, NORM)
         acc = tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
-        acc_up = tl.sum(xv[:, None, :] * w_up[None, :, :], axis=2)  # SwiGLU only (else unused)
+        acc_up = tl.zeros([M_P, BLOCK_N], tl.float32)
+        if SWIGLU:
+            acc_up += tl.sum(xv[:, None, :] * w_up[None, :, :], axis=2)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + kk
             k_ok = k < K

@@ -74,7 +74,7 @@ class ContiguousKV:
         rows = [contiguous_decode_attention(q[:, :, i], self.k[layer_idx], self.v[layer_idx], self._rows,
                                             self._lengths[self.length + i + 1:self.length + i + 2],
                                             new_kv=(k[:, :, i], v[:, :, i]),
-                                            heads=(head_norm, i) if head_norm is not None else None)
+                                            head_norm=head_norm.at(i) if head_norm is not None else None)
                 for i in range(s)]
         return torch.stack(rows, dim=1) if s > 1 else rows[0][:, None]
 

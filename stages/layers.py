@@ -37,12 +37,12 @@ class SelfAttendingContext(Protocol):
     contiguous tensor, and a kernel reads them in place)."""
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               heads: HeadNorm | None = None) -> torch.Tensor:
-        """q [B, h, 1, D], new k/v [B, n_kv, 1, D] -> [B, 1, h*D] (`heads`: q/k before head norm and RoPE)."""
+               head_norm: HeadNorm | None = None) -> torch.Tensor:
+        """q [B, h, 1, D], new k/v [B, n_kv, 1, D] -> [B, 1, h*D] (`head_norm`: q/k before head norm and RoPE)."""
         ...
 
     def folds_heads(self, s: int) -> bool:
-        """Whether `attend` takes `heads` for a forward of `s` new positions per row."""
+        """Whether `attend` takes `head_norm` for a forward of `s` new positions per row."""
         ...
 
 
@@ -203,18 +203,18 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               ctx: AttentionContext | SelfAttendingContext, heads: HeadNorm | None = None) -> torch.Tensor:
+               ctx: AttentionContext | SelfAttendingContext, head_norm: HeadNorm | None = None) -> torch.Tensor:
         """q [B, h, S, D], new k/v [B, n_kv, S, D] -> attention output [B, S, h*D] (cache updated by ctx).
 
-        `heads`: q and k are projections before the head norm and RoPE, which the context's kernel applies (only
-        where `ctx.folds_heads(S)`)."""
+        `head_norm`: q and k are projections before the head norm and RoPE, which the context's kernel applies
+        (only where `ctx.folds_heads(S)`)."""
         if hasattr(ctx, "attend"):
-            return ctx.attend(self.layer_idx, q, k, v, heads)
+            return ctx.attend(self.layer_idx, q, k, v, head_norm)
         b, _, s, _ = q.shape
         if getattr(ctx, "decode_kernel", False) and s <= ctx.KERNEL_MAX_ROWS:
             # a cache with its own decode kernel (ContiguousKV on CUDA), a few new rows: the kernel stores them too
-            return ctx.decode_attention(self.layer_idx, q, k, v, heads).reshape(b, s, self.num_heads * self.head_dim)
-        assert heads is None, "this context cannot apply the head norm and RoPE"
+            return ctx.decode_attention(self.layer_idx, q, k, v, head_norm).reshape(b, s, self.num_heads * self.head_dim)
+        assert head_norm is None, "this context cannot apply the head norm and RoPE"
         k, v = ctx.update(self.layer_idx, k, v)  # [B, n_kv, L, D]
         if s == 1 and not ctx.is_causal:
             # decode: the query heads sharing a KV head become rows of one [group, D] query block, so
@@ -288,8 +288,8 @@ class DecoderLayer(nn.Module):
         a, m = self.self_attn, self.mlp
         ln, post_ln = self.input_layernorm, self.post_attention_layernorm
         b, s, hidden = x.shape
-        few_rows = b * s <= kernels.gemv_rows
-        fold = kernels.heads_in_attention and getattr(ctx, "folds_heads", _never)(s)
+        few_rows = kernels.takes_gemv_path(x)
+        fold = kernels.heads_in_attention and hasattr(ctx, "folds_heads") and ctx.folds_heads(s)
         sizes = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
         rows = x.reshape(b * s, hidden)
         pdl = kernels.gemv_pdl
@@ -318,10 +318,6 @@ class DecoderLayer(nn.Module):
         return gemv_kernels.gemv(act, m.down_proj.weight, residual=h, pdl=pdl).view(b, s, hidden)
 
 
-def _never(_s: int) -> bool:
-    return False
-
-
 @dataclass(frozen=True)
 class LayerKernels:
     """The per-layer functions and the final norm, possibly `torch.compile`d (fused kernels for the CUDA-graph
@@ -335,6 +331,10 @@ class LayerKernels:
     gemv_rows: int = 0  # forwards of at most this many rows (batch x positions) take the GEMV path; 0: never
     gemv_pdl: bool = False  # the GEMVs launch with programmatic dependent launch (sm_90+; stages/gemv_kernels.py)
     heads_in_attention: bool = False  # q/k head norm + RoPE inside the attention kernel where the context can
+
+    def takes_gemv_path(self, x: torch.Tensor) -> bool:
+        """Whether a forward of x [B, S, H] (over fused projections) runs as GEMVs: B x S <= `gemv_rows`."""
+        return x.shape[0] * x.shape[1] <= self.gemv_rows
 
     @classmethod
     def compiled(cls, gemv_rows: int = 0, heads_in_attention: bool = False, gemv_pdl: bool = False) -> LayerKernels:
@@ -385,8 +385,7 @@ class DecoderStack(nn.Module):
 
     def takes_gemv_path(self, x: torch.Tensor) -> bool:
         """Whether a forward of x [B, S, H] runs its layers as Triton GEMVs (`LayerKernels.gemv_rows`)."""
-        return (self.kernels is not None and self.layers[0].qkv_weight is not None
-                and x.shape[0] * x.shape[1] <= self.kernels.gemv_rows)
+        return self.kernels is not None and self.layers[0].qkv_weight is not None and self.kernels.takes_gemv_path(x)
 
     def fuse_projections(self) -> None:
         """Every layer's q/k/v and gate/up as one product each (`DecoderLayer.fuse_projections`)."""

@@ -15,7 +15,7 @@ kernel, tiled for 64-128 keys, took 51 us per call at batch 256 on an H100 (23% 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,17 +42,21 @@ class HeadNorm:
     cos: torch.Tensor  # [B, 1, S, D], the rows' positions (Rotary)
     sin: torch.Tensor
 
-    def args(self, position: int) -> tuple:
-        """The kernel's (q weight, k weight, cos, sin, eps, row stride of cos/sin) for the forward's `position`-th
-        new position of every row."""
-        cos, sin = self.cos[:, 0, position], self.sin[:, 0, position]  # [B, D]
+    def at(self, position: int) -> HeadNorm:
+        """The same for the forward's `position`-th new position alone (one kernel call per new position)."""
+        return replace(self, cos=self.cos[:, :, position:position + 1], sin=self.sin[:, :, position:position + 1])
+
+    def args(self) -> tuple:
+        """The kernel's (q weight, k weight, cos, sin, eps, row stride of cos/sin) for the forward's first new
+        position of every row."""
+        cos, sin = self.cos[:, 0, 0], self.sin[:, 0, 0]  # [B, D]
         assert cos.stride(1) == 1 and cos.stride() == sin.stride()
         return self.q_weight, self.k_weight, cos, sin, self.eps, cos.stride(0)
 
 
-def _head_args(heads: HeadNorm | None, position: int, q: torch.Tensor) -> tuple:
+def _head_args(head_norm: HeadNorm | None, q: torch.Tensor) -> tuple:
     """HeadNorm.args, or placeholders (q's pointer, never read) for a kernel without the head prologue."""
-    return heads.args(position) if heads is not None else (q, q, q, q, 0.0, 0)
+    return head_norm.args() if head_norm is not None else (q, q, q, q, 0.0, 0)
 
 
 if triton is not None:
@@ -150,12 +154,12 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_lens - 1
-    heads: HeadNorm | None = None,  # q and the new key as projected: the kernel norms and rotates them (needs new_kv)
+    head_norm: HeadNorm | None = None,  # q and the new key as projected: the kernel norms and rotates them (new_kv)
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over each row's first seq_lens[row] keys.
 
     With `new_kv`, the kernel first stores each row's new key/value at its last position (seq_lens - 1), which
-    the caller would otherwise do with two copy kernels per layer. With `heads`, q and the new key are the
+    the caller would otherwise do with two copy kernels per layer. With `head_norm`, q and the new key are the
     projections before the head norm and RoPE, which the kernel applies (the key as stored is the rotated one).
 
     Tiling (`bench/paged_attention.py` sweeps it; H100, bf16, 2026-11-23): from 64 rows up, 16 keys per
@@ -173,14 +177,14 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     assert k_pool.stride(2) == 1 and q.stride(2) == 1 and block_table.stride(1) == 1
     kn, vn, new_strides = _new_kv_args(new_kv, q)
-    assert heads is None or new_kv is not None
-    *head_ptrs, eps, stride_cb = _head_args(heads, 0, q)
+    assert head_norm is None or new_kv is not None
+    *head_ptrs, eps, stride_cb = _head_args(head_norm, q)
     _paged_decode_kernel[(b, n_kv)](
         q, k_pool, v_pool, out, block_table, seq_lens, kn, vn, d ** -0.5, *head_ptrs, eps,
         q.stride(0), q.stride(1), block_size * k_pool.stride(0), k_pool.stride(0), k_pool.stride(1),
         block_table.stride(0), 1, out.stride(0), out.stride(1), *new_strides, stride_cb,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d, BLOCK=keys_per_iteration, PAGE=block_size,
-        WRITE=new_kv is not None, HEADS=heads is not None, num_warps=num_warps, num_stages=num_stages,
+        WRITE=new_kv is not None, HEADS=head_norm is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -202,24 +206,24 @@ def contiguous_decode_attention(
     seq_len: torch.Tensor,  # [1] int64: keys every row attends to (the same for all rows)
     num_warps: int = 4,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_len - 1
-    heads: tuple[HeadNorm, int] | None = None,  # (head norm, which new position of the forward this call is)
+    head_norm: HeadNorm | None = None,  # as in paged_decode_attention, for this call's position (HeadNorm.at)
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over the first seq_len keys of each row (with `new_kv`, stored
-    first at position seq_len - 1, and `heads`, as in `paged_decode_attention`)."""
+    first at position seq_len - 1, and `head_norm`, as in `paged_decode_attention`)."""
     b, n_heads, d = q.shape
     n_kv, length = k.shape[1], k.shape[2]
     group = n_heads // n_kv
     out = torch.empty_like(q)
     assert k.stride(3) == 1 and q.stride(2) == 1 and k.stride() == v.stride()
     kn, vn, new_strides = _new_kv_args(new_kv, q)
-    assert heads is None or new_kv is not None
-    *head_ptrs, eps, stride_cb = _head_args(*heads, q) if heads is not None else _head_args(None, 0, q)
+    assert head_norm is None or new_kv is not None
+    *head_ptrs, eps, stride_cb = _head_args(head_norm, q)
     _paged_decode_kernel[(b, n_kv)](
         q, k, v, out, rows, seq_len, kn, vn, d ** -0.5, *head_ptrs, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(2), k.stride(1), rows.stride(0), 0,
         out.stride(0), out.stride(1), *new_strides, stride_cb,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d,
         BLOCK=min(32, max(16, triton.next_power_of_2(length))), PAGE=length, WRITE=new_kv is not None,
-        HEADS=heads is not None, num_warps=num_warps,
+        HEADS=head_norm is not None, num_warps=num_warps,
     )
     return out

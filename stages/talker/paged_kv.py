@@ -93,7 +93,7 @@ class DecodeContext:
         b, heads, _, d = q.shape
         if self.kernel:  # the kernel stores the new k/v at position seq_lens - 1 = positions itself
             out = paged_decode_attention(q[:, :, 0], kl, vl, self.table, self.seq_lens, self.cache.block_size,
-                                         new_kv=(k[:, :, 0], v[:, :, 0]), heads=head_norm)
+                                         new_kv=(k[:, :, 0], v[:, :, 0]), head_norm=head_norm)
             return out.reshape(b, 1, heads * d)
         assert head_norm is None, "the gather path attends over rotated q/k"
         kl.index_copy_(0, self.write_index, k[:, :, 0])

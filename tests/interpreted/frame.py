@@ -27,7 +27,7 @@ def main() -> dict:
     calls = []  # which kernels ran: every GEMV and every attention call that applied a HeadNorm
     gemv, head_norm_args = gemv_kernels.gemv, HeadNorm.args
     gemv_kernels.gemv = lambda *a, **kw: calls.append("gemv") or gemv(*a, **kw)
-    HeadNorm.args = lambda self, position: calls.append("head_norm") or head_norm_args(self, position)
+    HeadNorm.args = lambda self: calls.append("head_norm") or head_norm_args(self)
     torch.manual_seed(0)
     talker = Talker(ModelConfig.from_dict(main_config("1.7b", "custom_voice", tiny=True)).talker).eval()
     with torch.no_grad():

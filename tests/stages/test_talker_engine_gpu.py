@@ -201,7 +201,7 @@ def test_head_norm_in_the_kernel_matches_eager_heads(dtype, atol):
     ref = paged_decode_attention(q_rot[:, :, 0], k_ref, pool.clone(), table, lens, page,
                                  new_kv=(k_rot[:, :, 0], v_ref[:, :, 0]))
     got = paged_decode_attention(q_raw[:, :, 0], k_got, pool.clone(), table, lens, page,
-                                 new_kv=(k_raw[:, :, 0], v_raw[:, :, 0]), heads=HeadNorm(qn_w, kn_w, 1e-6, cos, sin))
+                                 new_kv=(k_raw[:, :, 0], v_raw[:, :, 0]), head_norm=HeadNorm(qn_w, kn_w, 1e-6, cos, sin))
     err_out = (got.float() - ref.float()).abs().max().item()
     err_k = (k_got.float() - k_ref.float()).abs().max().item()
     print(f"head norm in the kernel vs eager heads, {dtype}: out max abs err {err_out:.2e}, stored key {err_k:.2e}")
