@@ -6,7 +6,7 @@ copies together exceed the L2 cache, as a step's weights do), so a call costs wh
 graph: kernel time plus the boundary to the next kernel. The cuBLAS row is the product alone (the compiled
 layer's norm, SwiGLU and residual are further kernels; the Triton rows include them).
 
-    python -m bench.gemv [--rows 1,4] [--warps 4] [--out results.json]    # CUDA only; ~2 min per row count
+    python -m bench.gemv [--rows 1,4] [--warps 4,8] [--out results.json]    # CUDA only; ~3 min per row count
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def graph_us(calls: list, reps: int = 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1", help="row counts (each tiling compiles once per row count: ~1 s)")
-    ap.add_argument("--warps", default="4", help="num_warps values swept (each tiling compiles once per value)")
+    ap.add_argument("--warps", default="4,8", help="num_warps values swept (each tiling compiles once per value)")
     ap.add_argument("--calls", type=int, default=24, help="calls per graph (weight copies cycled)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -80,11 +80,12 @@ def main() -> None:
                "cublas_us": round(cublas, 2), "cublas_tb_s": round(nbytes / cublas / 1e6, 2), "tilings": []}
         default = gemv_kernels.tiling(m, n, k, swiglu)
         rows_p = 1 << (m - 1).bit_length()
-        for bn, bk, warps in itertools.product((4, 8, 16, 32, 64), (32, 64, 128, 256, 512),
+        for bn, bk, warps in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024, 2048),
                                                map(int, args.warps.split(","))):
             tile = rows_p * bn * bk * (2 if swiglu else 1)
-            if not 1024 <= tile <= 8192:
-                continue  # tiny tiles; tiles past what a program holds in registers (4096 never spills on sm_90)
+            if not 1024 <= tile <= 16384 or bk > k:
+                continue  # tiny tiles; tiles past what a program holds in registers (the first sweep, 2026-11-23,
+                # was fastest at its largest BLOCK_K, 512: this one goes on to whole rows)
             blocks = (bn, bk, warps)
             try:
                 out = gemv_kernels.gemv(x, weights[0], norm_w, swiglu, res, blocks=blocks)

@@ -78,8 +78,8 @@ for step in $STEPS; do
     talker_gemv) checkpoint  # the decode step: layers on cuBLAS / on the GEMVs, heads in compiled kernels / in attention
               for v in ${VARIANTS:-0 0h 0s 4 4p 4hsp}; do
                 python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,2,4,256} --steps 30 --compile \
-                  --max-seq-len 1024 --gemv-rows ${v//[^0-9]/} $([[ $v == *h* ]] && echo --heads-in-attention) \
-                  $([[ $v == *s* ]] && echo --sampling-kernel) $([[ $v == *p* ]] && echo --gemv-pdl) --profile --out "$OUT/talker_$v.json" 2>&1 \
+                  --max-seq-len 1024 --gemv-rows ${v//[^0-9]/} $([[ $v == *h* ]] && echo --heads-in-attention || echo --no-heads-in-attention) \
+                  $([[ $v == *s* ]] && echo --sampling-kernel || echo --no-sampling-kernel) $([[ $v == *p* ]] && echo --gemv-pdl) --profile --out "$OUT/talker_$v.json" 2>&1 \
                   | tee "$OUT/talker_$v.log" | grep -vE "^\[talker\] captured|^\{" | tail -30
               done ;;
     talker_check) checkpoint  # graphed + compiled + fused against eager, per batch bucket (first-step logits, codes)

@@ -13,10 +13,11 @@ def add_kernel_flags(ap: argparse.ArgumentParser) -> None:
                     help="with --compile: forwards of <= this many rows run as Triton GEMVs (0: cuBLAS throughout)")
     ap.add_argument("--gemv-pdl", action="store_true", default=TalkerEngineConfig.gemv_pdl,
                     help="with --gemv-rows: the GEMVs use programmatic dependent launch (H100+)")
-    ap.add_argument("--heads-in-attention", action="store_true", default=TalkerEngineConfig.heads_in_attention,
+    ap.add_argument("--heads-in-attention", action=argparse.BooleanOptionalAction,
+                    default=TalkerEngineConfig.heads_in_attention,
                     help="with --compile: the decode attention kernel applies q/k's head norm and RoPE")
-    ap.add_argument("--sampling-kernel", action="store_true", default=TalkerEngineConfig.sampling_kernel,
-                    help="token selection as one Triton program per row")
+    ap.add_argument("--sampling-kernel", action=argparse.BooleanOptionalAction,
+                    default=TalkerEngineConfig.sampling_kernel, help="token selection as one Triton program per row")
 
 
 def kernel_kwargs(args: argparse.Namespace) -> dict:

@@ -25,14 +25,15 @@ class TalkerEngineConfig:
     exact_prefill: bool | None = None  # reference prompt embeddings (bit-exact, slow); None: on CPU only
     attention_kernel: bool | None = None  # paged Triton decode attention; None: where available (CUDA)
     gemv_rows: int = 0  # compiled CUDA path: forwards of <= this many rows (<= 8) run each layer as 4 Triton GEMVs
-    # with their norms, SwiGLU and residuals fused (stages/gemv_kernels.py); 0: cuBLAS throughout. Off until the
-    # H100 step `bench/gpu_frame_speed.sh talker_gemv` has measured it (docs/talker_engine.md)
+    # with their norms, SwiGLU and residuals fused (stages/gemv_kernels.py); 0: cuBLAS throughout. Off: measured
+    # slower than cuBLAS on the H100 (13.9 against 7.2 ms per batch-1 step, docs/benchmarks.md)
     gemv_pdl: bool = False  # with gemv_rows: the GEMVs launch with programmatic dependent launch (H100+), each
-    # loading its first weight tile while the kernel before it finishes; off until measured
-    heads_in_attention: bool = False  # compiled CUDA path: the decode attention kernel applies q/k's head norm and
-    # RoPE while loading them (two kernels fewer per layer and pass); off until measured, like gemv_rows
-    sampling_kernel: bool = False  # CUDA: token selection as one Triton program per row (stages/sampling_kernel.py:
-    # no sort of the vocabulary, 16 times a frame); off until measured, like gemv_rows
+    # loading its first weight tile while the kernel before it finishes (measured: < 1% on the step)
+    heads_in_attention: bool = True  # compiled CUDA path: the decode attention kernel applies q/k's head norm and
+    # RoPE while loading them (two kernels fewer per layer and pass; H100: with sampling_kernel, batch 1 7.22 ->
+    # 6.10 ms per frame, batch 256 10.45 -> 9.74 ms per step, docs/benchmarks.md)
+    sampling_kernel: bool = True  # CUDA: token selection as one Triton program per row (stages/sampling_kernel.py:
+    # no sort of the vocabulary, 16 times a frame)
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
     text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
     compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't
