@@ -55,14 +55,20 @@ if triton is not None:
         return w, w_up
 
     @triton.jit
-    def _input_tile(x_ptr, norm_ptr, m, m_ok, k, k_ok, stride_xm, rstd, NORM: tl.constexpr):
-        """One [M_P, BLOCK_K] tile of the input rows; NORM: as `_rms` gives it (normalized in fp32, cast to the
-        input dtype, times the weight, rounded to the dtype)."""
-        dt = x_ptr.dtype.element_ty
+    def _input_tile(x_ptr, norm_ptr, m, m_ok, k, k_ok, stride_xm, NORM: tl.constexpr):
+        """One [M_P, BLOCK_K] tile of the input rows as stored (fp32) and, NORM, the norm weight's [BLOCK_K]."""
         xv = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                      other=0.0).to(tl.float32)
+        nw = xv
         if NORM:
             nw = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        return xv, nw
+
+    @triton.jit
+    def _normed(xv, nw, rstd, dt: tl.constexpr, NORM: tl.constexpr):
+        """NORM: the input tile as `_rms` gives it (normalized in fp32, cast to the input dtype, times the weight,
+        rounded to the dtype)."""
+        if NORM:
             xv = (xv * rstd[:, None]).to(dt).to(tl.float32)
             xv = (xv * nw[None, :]).to(dt).to(tl.float32)
         return xv
@@ -74,17 +80,18 @@ if triton is not None:
         K: tl.constexpr, M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
     ):
-        # Why the loop looks like this: Triton software-pipelines only loads that feed tl.dot, and a reduction
-        # inside the loop puts a barrier in every iteration. So the products accumulate element-wise
-        # ([rows, BLOCK_N, BLOCK_K] partial sums) and are reduced once after the loop, and each iteration issues
-        # the next weight tile's load before the current tile's FMAs: one tile is always in flight.
+        # Why the loops look like this: Triton software-pipelines only loads that feed tl.dot, and a reduction
+        # inside a loop puts a barrier in every iteration. So the products accumulate element-wise
+        # ([rows, BLOCK_N, BLOCK_K] partial sums) and are reduced once after the loop; each iteration issues the
+        # next tiles' loads (weights, input, norm weight) before the current tiles' FMAs, so one set is always in
+        # flight; and the norm statistics' loop over the (few-KB) input is unrolled, its loads all issued at once.
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         m = tl.arange(0, M_P)
         m_ok = m < M
         kk = tl.arange(0, BLOCK_K)
-        dt = x_ptr.dtype.element_ty  # where the eager ops round (the model's dtype); the store converts to out's
+        dt: tl.constexpr = x_ptr.dtype.element_ty  # where the eager ops round; the store converts to out's dtype
         if PDL:  # programmatic dependent launch: the next kernel may start its own weight loads now
             gdc_launch_dependents()
         # the first weight tile: weights never change, so it loads before the wait for the previous kernel
@@ -92,29 +99,29 @@ if triton is not None:
         if PDL:  # from here on the previous kernel's outputs (x, the residual) are complete and visible
             gdc_wait()
         rstd = tl.full([M_P], 1.0, tl.float32)
-        if NORM:  # the row's RMS statistics: every program reads the (few-KB) input rows once more
+        if NORM:  # the rows' RMS statistics: every program reads the input rows once more
             ss = tl.zeros([M_P, BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + kk
-                xv = _input_tile(x_ptr, norm_ptr, m, m_ok, k, k < K, stride_xm, rstd, False)  # as stored
-                ss += xv * xv
+            for k0 in tl.static_range(0, K, BLOCK_K):
+                xs, _ = _input_tile(x_ptr, norm_ptr, m, m_ok, k0 + kk, k0 + kk < K, stride_xm, False)
+                ss += xs * xs
             rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)
+        xv, nw = _input_tile(x_ptr, norm_ptr, m, m_ok, kk, kk < K, stride_xm, NORM)
         acc = tl.zeros([M_P, BLOCK_N, BLOCK_K], tl.float32)
         acc_up = tl.zeros([M_P, BLOCK_N, BLOCK_K], tl.float32)
         for k0 in range(BLOCK_K, K, BLOCK_K):  # tile k0 loads while tile k0 - BLOCK_K is multiplied
             k = k0 + kk
             w_next, w_up_next = _weight_tile(w_ptr, n, n_ok, k, k < K, stride_wn, up_offset, SWIGLU)
-            xv = _input_tile(x_ptr, norm_ptr, m, m_ok, k - BLOCK_K, k - BLOCK_K < K, stride_xm, rstd, NORM)
-            acc += xv[:, None, :] * w.to(tl.float32)[None, :, :]
+            xv_next, nw_next = _input_tile(x_ptr, norm_ptr, m, m_ok, k, k < K, stride_xm, NORM)
+            xn = _normed(xv, nw, rstd, dt, NORM)
+            acc += xn[:, None, :] * w.to(tl.float32)[None, :, :]
             if SWIGLU:
-                acc_up += xv[:, None, :] * w_up.to(tl.float32)[None, :, :]
-            w, w_up = w_next, w_up_next
-        k = (K - 1) // BLOCK_K * BLOCK_K + kk  # the last tile
-        xv = _input_tile(x_ptr, norm_ptr, m, m_ok, k, k < K, stride_xm, rstd, NORM)
-        acc += xv[:, None, :] * w.to(tl.float32)[None, :, :]
+                acc_up += xn[:, None, :] * w_up.to(tl.float32)[None, :, :]
+            w, w_up, xv, nw = w_next, w_up_next, xv_next, nw_next
+        xn = _normed(xv, nw, rstd, dt, NORM)  # the last tile
+        acc += xn[:, None, :] * w.to(tl.float32)[None, :, :]
         y = tl.sum(acc, axis=2).to(dt).to(tl.float32)  # the product as F.linear returns it
         if SWIGLU:  # F.silu(gate) * up, each rounded to the dtype as the eager ops are
-            acc_up += xv[:, None, :] * w_up.to(tl.float32)[None, :, :]
+            acc_up += xn[:, None, :] * w_up.to(tl.float32)[None, :, :]
             gate_act = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)
             y = gate_act * tl.sum(acc_up, axis=2).to(dt).to(tl.float32)
         out_ok = m_ok[:, None] & n_ok[None, :]
