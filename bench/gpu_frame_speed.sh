@@ -6,8 +6,9 @@
 # c2w_tuned: --stateful --cudnn-benchmark --profile; talker_profile: bench.talker b1/b256 with the profiler;
 # pipeline / pipeline_stateless: both engines in one process, stateful / stateless Code2Wav.
 # gemv: the few-row Triton GEMVs' GPU tests and their tiling sweep against cuBLAS (bench.gemv); talker_gemv:
-# bench.talker --profile per VARIANT (default "0 0h 0s 4 4p 4hsp": --gemv-rows N, "h" adding --heads-in-attention,
-# "s" --sampling-kernel, "p" --gemv-pdl), the first being the step as before (cuBLAS, compiled head norm + RoPE and sampling).
+# bench.talker --profile per VARIANT (default "0hs 4hs 4hsp": --gemv-rows N, "h" adding --heads-in-attention,
+# "s" --sampling-kernel, "p" --gemv-pdl; a letter left out passes --no-...), "0hs" being the default step.
+# attention: bench.paged_attention, the decode-attention tiling sweep in CUDA graphs, with and without loads_first.
 # KERNEL_FLAGS (e.g. "--gemv-rows 4 --heads-in-attention --sampling-kernel") go to talker_check and pipeline.
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
 # codebook-0 logits and codes, then steps equal).
@@ -75,8 +76,10 @@ for step in $STEPS; do
     gemv) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_gemv_gpu.py 2>&1 \
              | tee "$OUT/gemv_gpu_tests.log" | grep -E "passed|failed|error|max abs err|Error|assert" | tail -40
           python3 -m bench.gemv --rows ${GEMV_ROWS_SWEEP:-1} --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | tail -20 ;;
+    attention) python3 -m bench.paged_attention --out "$OUT/paged_attention.json" 2>&1 | tee "$OUT/paged_attention.log" \
+                 | grep -E "^batch|^contiguous|Error" | tail -12 ;;
     talker_gemv) checkpoint  # the decode step: layers on cuBLAS / on the GEMVs, heads in compiled kernels / in attention
-              for v in ${VARIANTS:-0 0h 0s 4 4p 4hsp}; do
+              for v in ${VARIANTS:-0hs 4hs 4hsp}; do
                 python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,2,4,256} --steps 30 --compile \
                   --max-seq-len 1024 --gemv-rows ${v//[^0-9]/} $([[ $v == *h* ]] && echo --heads-in-attention || echo --no-heads-in-attention) \
                   $([[ $v == *s* ]] && echo --sampling-kernel || echo --no-sampling-kernel) $([[ $v == *p* ]] && echo --gemv-pdl) --profile --out "$OUT/talker_$v.json" 2>&1 \

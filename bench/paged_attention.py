@@ -1,7 +1,9 @@
 """Tiling sweep of the Triton decode-attention kernel (stages/talker/paged_attention.py) on the shapes the
-talker decodes: microseconds per call and effective HBM bandwidth (K and V bytes read / time).
+talker decodes: microseconds per call and effective HBM bandwidth (K and V bytes read / time), each variant timed
+as a CUDA graph of back-to-back calls (as the engine's graphs run it), with and without `loads_first` (each
+tile's V load issued with its K load).
 
-    python -m bench.paged_attention                     # CUDA only; ~1 min
+    python -m bench.paged_attention                     # CUDA only; ~2 min
 """
 
 from __future__ import annotations
@@ -13,19 +15,13 @@ import json
 
 import torch
 
+from bench.gemv import graph_us
 from stages.talker.paged_attention import contiguous_decode_attention, paged_decode_attention
 
 
-def time_us(fn, iters: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+def time_us(fn, calls: int = 24) -> float:
+    """Microseconds per call: `calls` calls captured in one CUDA graph (launch cost as inside the step's graph)."""
+    return graph_us([fn] * calls)
 
 
 def main() -> None:
@@ -48,22 +44,26 @@ def main() -> None:
         ref = paged_decode_attention(q, k_pool, v_pool, table, lens, page)
         nbytes = 2 * b * keys * n_kv * d * 2
         results = []
-        for block, warps, stages in itertools.product((16, 32, 64), (1, 2, 4, 8), (1, 2, 3)):
-            call = functools.partial(paged_decode_attention, q, k_pool, v_pool, table, lens, page, block, warps, stages)
+        for block, warps, stages, first in itertools.product((16, 32, 64), (1, 2, 4, 8), (1, 2, 3), (False, True)):
+            call = functools.partial(paged_decode_attention, q, k_pool, v_pool, table, lens, page, block, warps, stages,
+                                     loads_first=first)
             try:
                 err = (call().float() - ref.float()).abs().max().item()
                 us = time_us(call)
             except Exception as e:  # a tiling Triton cannot build (shared memory)
                 print(f"b={b} keys={keys} block={block} warps={warps} stages={stages}: {type(e).__name__}")
                 continue
-            results.append(dict(block=block, warps=warps, stages=stages, us=round(us, 2),
+            results.append(dict(block=block, warps=warps, stages=stages, loads_first=first, us=round(us, 2),
                                 gb_s=round(nbytes / us / 1e3, 1), max_diff=err))
         results.sort(key=lambda r: r["us"])
-        default = next(r for r in results if (r["block"], r["warps"], r["stages"]) == (32, 4, 2))
-        print(f"batch {b}, {keys} keys: default {default['us']} us ({default['gb_s']} GB/s); best "
-              + ", ".join(f"{r['block']}/{r['warps']}/{r['stages']} {r['us']} us ({r['gb_s']} GB/s)"
-                          for r in results[:4]), flush=True)
-        rows.append(dict(batch=b, keys=keys, default=default, best=results[:6]))
+        engine = (16 if b >= 64 else 32, 1 if b >= 128 else 2 if b >= 64 else 4, 2)  # paged_decode_attention's
+        default, first = (next(r for r in results if (r["block"], r["warps"], r["stages"]) == engine
+                               and r["loads_first"] == f) for f in (False, True))
+        print(f"batch {b}, {keys} keys: engine's tiling {default['us']} us ({default['gb_s']} GB/s), with loads_first "
+              f"{first['us']} us; best " + ", ".join(
+                  f"{r['block']}/{r['warps']}/{r['stages']}{'/first' if r['loads_first'] else ''} {r['us']} us "
+                  f"({r['gb_s']} GB/s)" for r in results[:4]), flush=True)
+        rows.append(dict(batch=b, keys=keys, default=default, loads_first=first, best=results[:6]))
     for b in map(int, args.batches.split(",")):  # the code predictor's contiguous cache: 16 positions
         k = torch.randn(b, n_kv, 16, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)

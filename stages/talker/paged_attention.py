@@ -88,7 +88,7 @@ if triton is not None:
         stride_qb, stride_qh, stride_kblock, stride_kt, stride_kh, stride_tb, stride_len, stride_ob, stride_oh,
         stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
-        WRITE: tl.constexpr, HEADS: tl.constexpr,
+        WRITE: tl.constexpr, HEADS: tl.constexpr, LOADS_FIRST: tl.constexpr = False,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -128,13 +128,18 @@ if triton is not None:
             n_ok = n < seq_len
             block = tl.load(table_ptr + row * stride_tb + n // PAGE, mask=n_ok, other=0)
             offs = (block * stride_kblock + (n % PAGE) * stride_kt)[:, None] + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0).to(tl.float32)  # [N, D]
+            k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0)  # [N, D]
+            if LOADS_FIRST:  # V's load in flight with K's: the softmax's reductions (barriers) no longer delay it
+                v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0)
+            k = k.to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [G, N]
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0).to(tl.float32)  # [N, D]
+            if not LOADS_FIRST:
+                v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0)
+            v = v.to(tl.float32)  # [N, D]
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             m = m_new
@@ -155,6 +160,7 @@ def paged_decode_attention(
     num_stages: int = 2,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_lens - 1
     head_norm: HeadNorm | None = None,  # q and the new key as projected: the kernel norms and rotates them (new_kv)
+    loads_first: bool = False,  # each tile's V load issued with its K load (bench/paged_attention.py; unmeasured)
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over each row's first seq_lens[row] keys.
 
@@ -184,7 +190,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), block_size * k_pool.stride(0), k_pool.stride(0), k_pool.stride(1),
         block_table.stride(0), 1, out.stride(0), out.stride(1), *new_strides, stride_cb,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d, BLOCK=keys_per_iteration, PAGE=block_size,
-        WRITE=new_kv is not None, HEADS=head_norm is not None, num_warps=num_warps, num_stages=num_stages,
+        WRITE=new_kv is not None, HEADS=head_norm is not None, LOADS_FIRST=loads_first, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

@@ -79,10 +79,12 @@ def attention() -> dict:
     # the paged tilings (batch >= 128, >= 64, below) and the contiguous cache's (16 positions), with and without
     # the new-K/V store and the head prologue
     for block, warps, page in ((16, 1, 16), (16, 2, 16), (32, 4, 16), (16, 4, 16)):
-        for write, heads in ((False, False), (True, False), (True, True)):
-            out[f"block{block} warps{warps} page{page} write{write} heads{heads}"] = compile_kernel(
+        for write, heads, first in ((False, False, False), (True, False, False), (True, True, False),
+                                    (True, True, True)):  # the last: each tile's V load issued with its K load
+            out[f"block{block} warps{warps} page{page} write{write} heads{heads} loads_first{first}"] = compile_kernel(
                 paged_attention._paged_decode_kernel, sig,
-                {"GROUP": 2, "GROUP_P": 2, "D": 128, "BLOCK": block, "PAGE": page, "WRITE": write, "HEADS": heads},
+                {"GROUP": 2, "GROUP_P": 2, "D": 128, "BLOCK": block, "PAGE": page, "WRITE": write, "HEADS": heads,
+                 "LOADS_FIRST": first},
                 warps, aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
     return out
 

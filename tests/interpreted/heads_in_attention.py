@@ -38,18 +38,20 @@ def kernel_alone() -> dict:
     table = torch.randperm(blocks, generator=gen)[:b * 3].view(b, 3)
     lens = positions[:, 0] + 1
     out, stored = {}, {}
-    for name in ("reference", "fused"):
+    for name in ("reference", "fused", "loads_first"):
         k_pool, v_pool = pool.clone(), pool.clone()
         if name == "reference":
             o = paged_decode_attention(q_rot[:, :, 0], k_pool, v_pool, table, lens, page,
                                        new_kv=(k_rot[:, :, 0], v_ref[:, :, 0]))
-        else:
-            o = paged_decode_attention(q_raw[:, :, 0], k_pool, v_pool, table, lens, page,
+        else:  # keys_per_iteration 4: several tiles per row, so loads_first reorders loads across iterations
+            o = paged_decode_attention(q_raw[:, :, 0], k_pool, v_pool, table, lens, page, keys_per_iteration=4,
                                        new_kv=(k_raw[:, :, 0], v_raw[:, :, 0]),
-                                       head_norm=HeadNorm(qn_w, kn_w, EPS, cos, sin))
+                                       head_norm=HeadNorm(qn_w, kn_w, EPS, cos, sin), loads_first=name == "loads_first")
         out[name], stored[name] = o, k_pool
     result = {"paged_out": (out["fused"] - out["reference"]).abs().max().item(),
-              "paged_stored_k": (stored["fused"] - stored["reference"]).abs().max().item()}
+              "paged_stored_k": (stored["fused"] - stored["reference"]).abs().max().item(),
+              # the load order alone changes: the same values, bit for bit
+              "paged_loads_first_vs_default": (out["loads_first"] - out["fused"]).abs().max().item()}
     # contiguous cache: 2 new positions (the code predictor's first pass), one call each
     cos2, sin2 = rotary(torch.arange(2).expand(b, 2), torch.float32)
     qkv2 = torch.randn(b, 2, (H + 2 * N_KV) * D, generator=gen)

@@ -14,6 +14,7 @@ def test_decode_kernel_applies_head_norm_and_rope_as_the_eager_layers_do():
     result = run_interpreted("heads_in_attention.py")
     for name, err in result["kernel"].items():
         assert err <= 1e-6, (name, err)  # seen: <= 4.8e-7
+    assert result["kernel"]["paged_loads_first_vs_default"] == 0.0  # `loads_first` reorders loads, not math
     stacks = result["stacks"]
     for gemv_rows in (0, 8):
         for cache, calls in (("contiguous", 8), ("paged", 6)):  # (2 + 1 + 1) positions x 2 layers; 3 steps x 2
