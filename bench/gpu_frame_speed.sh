@@ -9,6 +9,7 @@
 # bench.talker --profile per VARIANT (default "0hs 4hs 4hsp": --gemv-rows N, "h" adding --heads-in-attention,
 # "s" --sampling-kernel, "p" --gemv-pdl; a letter left out passes --no-...), "0hs" being the default step.
 # attention: bench.paged_attention, the decode-attention tiling sweep in CUDA graphs, with and without loads_first.
+# select: bench.select, token selection per call (compiled sort, the sampling kernel by bisection and by radix select).
 # KERNEL_FLAGS (e.g. "--gemv-rows 4 --heads-in-attention --sampling-kernel") go to talker_check and pipeline.
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
 # codebook-0 logits and codes, then steps equal).
@@ -78,6 +79,7 @@ for step in $STEPS; do
           python3 -m bench.gemv --rows ${GEMV_ROWS_SWEEP:-1} --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | tail -20 ;;
     attention) python3 -m bench.paged_attention --out "$OUT/paged_attention.json" 2>&1 | tee "$OUT/paged_attention.log" \
                  | grep -E "^batch|^contiguous|Error" | tail -12 ;;
+    select) python3 -m bench.select --out "$OUT/select.json" 2>&1 | tee "$OUT/select.log" | grep -E "^batch|Error" | tail -12 ;;
     talker_gemv) checkpoint  # the decode step: layers on cuBLAS / on the GEMVs, heads in compiled kernels / in attention
               for v in ${VARIANTS:-0hs 4hs 4hsp}; do
                 python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,2,4,256} --steps 30 --compile \

@@ -27,9 +27,11 @@ def rows(vocab: int, seed: int) -> dict:
     counters = torch.randint(0, 2**20, (b,), generator=gen)
     ref = sampling.select_tokens(logits, params, seeds, counters)
     got = sampling_kernel.select_tokens(logits, params, seeds, counters)
+    radix = sampling_kernel.select_tokens(logits, params, seeds, counters, radix=True)
     kept = torch.isfinite(logits.gather(1, got[:, None]))[:, 0]
     return {"rows": b, "equal": int((ref == got).sum()), "sampled_rows": int(params.do_sample.sum()),
-            "finite_choice": int(kept.sum()), "distinct_tokens": len(set(got.tolist()))}
+            "finite_choice": int(kept.sum()), "distinct_tokens": len(set(got.tolist())),
+            "radix_equal": int((radix == got).sum())}
 
 
 if __name__ == "__main__":

@@ -17,3 +17,4 @@ def test_sampling_kernel_draws_what_select_tokens_draws():
         assert r["equal"] == r["rows"], (name, r)  # fp32, summation order only: no race that close here
         assert r["finite_choice"] == r["rows"], (name, r)
         assert r["distinct_tokens"] > 100, (name, r)  # the rows' draws differ from one another
+        assert r["radix_equal"] == r["rows"], (name, r)  # radix select finds the same top-k threshold
