@@ -16,7 +16,7 @@ import json
 import torch
 
 from bench.gemv import graph_us
-from stages.talker.paged_attention import contiguous_decode_attention, paged_decode_attention
+from stages.talker.paged_attention import contiguous_decode_attention, decode_tiling, paged_decode_attention
 
 
 def time_us(fn, calls: int = 24) -> float:
@@ -56,7 +56,7 @@ def main() -> None:
             results.append(dict(block=block, warps=warps, stages=stages, loads_first=first, us=round(us, 2),
                                 gb_s=round(nbytes / us / 1e3, 1), max_diff=err))
         results.sort(key=lambda r: r["us"])
-        engine = (16 if b >= 64 else 32, 1 if b >= 128 else 2 if b >= 64 else 4, 2)  # paged_decode_attention's
+        engine = (*decode_tiling(b), 2)  # paged_decode_attention's tiling and num_stages
         default, first = (next(r for r in results if (r["block"], r["warps"], r["stages"]) == engine
                                and r["loads_first"] == f) for f in (False, True))
         print(f"batch {b}, {keys} keys: engine's tiling {default['us']} us ({default['gb_s']} GB/s), with loads_first "

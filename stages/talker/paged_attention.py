@@ -172,11 +172,9 @@ def paged_decode_attention(
     iteration and one warp per program (two below 128 rows) read K/V at 2.6-2.8 TB/s at batch 256-512,
     against 1.1 TB/s with 32 keys and 4 warps: many small programs keep more loads in flight than few wide
     ones. Below 64 rows the call is launch-bound and 32 keys x 4 warps measured as well or better in graphs."""
-    rows = q.shape[0]
-    if keys_per_iteration is None:
-        keys_per_iteration = 16 if rows >= 64 else 32
-    if num_warps is None:
-        num_warps = 1 if rows >= 128 else 2 if rows >= 64 else 4
+    default_keys, default_warps = decode_tiling(q.shape[0])
+    keys_per_iteration = keys_per_iteration or default_keys
+    num_warps = num_warps or default_warps
     b, n_heads, d = q.shape
     n_kv = k_pool.shape[1]
     group = n_heads // n_kv
@@ -194,6 +192,11 @@ def paged_decode_attention(
         num_stages=num_stages,
     )
     return out
+
+
+def decode_tiling(rows: int) -> tuple[int, int]:
+    """(keys per iteration, num_warps) of `paged_decode_attention` for a batch of `rows` (its docstring says why)."""
+    return (16 if rows >= 64 else 32), (1 if rows >= 128 else 2 if rows >= 64 else 4)
 
 
 def _new_kv_args(new_kv: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor) -> tuple:
