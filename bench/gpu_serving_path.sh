@@ -10,7 +10,8 @@
 #   ingress4 grpc + 4 ingress replicas from the start
 #   direct   ingress4 + RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (same-loop routing, buffered logs) and HAProxy
 #            straight to the ingress replicas (RAY_SERVE_ENABLE_HA_PROXY=1, no Serve proxy hop)
-#   inproc   both engines in one process (bench.pipeline), levels $CONCURRENCY, first chunk of 1 frame
+#   inproc   both engines in one process (bench.pipeline), levels $CONCURRENCY, first chunk of 1 frame, stateful
+#            Code2Wav (as high_concurrency.yaml)
 #   gpu1     scale-out baseline on a multi-GPU host: high_concurrency.yaml on GPU 0 only (CUDA_VISIBLE_DEVICES=0)
 #   replicas scale-out: configs/replicas.yaml on every GPU of the host (one co-located pair per GPU raylet,
 #            4 ingress replicas per GPU); gpu1 and replicas use the Serve proxy and the same levels
@@ -48,7 +49,7 @@ for variant in "$@"; do
             [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \
               --device cuda 2>&1 | tail -2
             PYTHONPATH="$REPO:${PYTHONPATH:-}" timeout "$VARIANT_BUDGET_S" python3 -m bench.pipeline --checkpoint "$CKPT" \
-              --levels "$CONCURRENCY" --compile --slots 512 --first-chunk-frames 1 \
+              --levels "$CONCURRENCY" --compile --slots 512 --first-chunk-frames 1 --stateful-code2wav \
               --out "$ROOT_OUT/$variant/pipeline.json" 2>&1 | tee "$ROOT_OUT/$variant/pipeline.log" | tail -8 ;;
     *) echo "unknown variant $variant"; exit 2 ;;
   esac

@@ -24,7 +24,7 @@ class TalkerEngineConfig:
     compile: bool = True  # torch.compile the per-layer math and sampling (CUDA only)
     exact_prefill: bool | None = None  # reference prompt embeddings (bit-exact, slow); None: on CPU only
     attention_kernel: bool | None = None  # paged Triton decode attention; None: where available (CUDA)
-    gemv_rows: int = 0  # compiled CUDA path: forwards of <= this many rows (<= 8) run each layer as 4 Triton GEMVs
+    gemv_rows: int = 4  # compiled CUDA path: forwards of <= this many rows (<= 8) run each layer as 4 Triton GEMVs
     # with their norms, SwiGLU and residuals fused (stages/gemv_kernels.py); 0: cuBLAS throughout. Off: measured
     # slower than cuBLAS on the H100 (13.9 against 7.2 ms per batch-1 step, docs/benchmarks.md)
     gemv_pdl: bool = False  # with gemv_rows: the GEMVs launch with programmatic dependent launch (H100+), each

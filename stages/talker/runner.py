@@ -183,7 +183,7 @@ class TalkerRunner:
     def __init__(self, model: Qwen3TTS, num_slots: int, max_seq_len: int, max_text_rows: int, num_blocks: int,
                  block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
                  compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
-                 gemv_rows: int = 0, heads_in_attention: bool = True, sampling_kernel: bool = True,
+                 gemv_rows: int = 4, heads_in_attention: bool = True, sampling_kernel: bool = True,
                  gemv_pdl: bool = False):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
