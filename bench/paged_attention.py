@@ -56,8 +56,8 @@ def main() -> None:
             results.append(dict(block=block, warps=warps, stages=stages, loads_first=first, us=round(us, 2),
                                 gb_s=round(nbytes / us / 1e3, 1), max_diff=err))
         results.sort(key=lambda r: r["us"])
-        keys_per_iteration, warps, _ = decode_tiling(b)  # paged_decode_attention's tiling (num_stages 2)
-        default, first = (next(r for r in results if (r["block"], r["warps"], r["stages"]) == (keys_per_iteration, warps, 2)
+        engine = (*decode_tiling(b), 2)  # paged_decode_attention's tiling and num_stages
+        default, first = (next(r for r in results if (r["block"], r["warps"], r["stages"]) == engine
                                and r["loads_first"] == f) for f in (False, True))
         print(f"batch {b}, {keys} keys: engine's tiling {default['us']} us ({default['gb_s']} GB/s), with loads_first "
               f"{first['us']} us; best " + ", ".join(

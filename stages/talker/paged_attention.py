@@ -160,7 +160,7 @@ def paged_decode_attention(
     num_stages: int = 2,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_lens - 1
     head_norm: HeadNorm | None = None,  # q and the new key as projected: the kernel norms and rotates them (new_kv)
-    loads_first: bool | None = None,  # each tile's V load issued with its K load (default: `decode_tiling`)
+    loads_first: bool = False,  # each tile's V load issued with its K load (measured: no gain in the step; below)
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over each row's first seq_lens[row] keys.
 
@@ -168,17 +168,17 @@ def paged_decode_attention(
     the caller would otherwise do with two copy kernels per layer. With `head_norm`, q and the new key are the
     projections before the head norm and RoPE, which the kernel applies (the key as stored is the rotated one).
 
-    Tiling (`bench/paged_attention.py` sweeps it in CUDA graphs; H100, bf16, 2026-11-23): from 128 rows up, 16
-    keys per iteration and one warp per program read K/V at 2.7-2.8 TB/s at batch 256-512, against 1.1 TB/s
-    with 32 keys and 4 warps: many small programs keep more loads in flight than few wide ones. At 64 rows,
-    32 keys x 1 warp with each tile's V load issued with its K load (`loads_first`) took 25.6 / 68.3 us at
-    160 / 420 keys against 31.3 / 80.5 us for the earlier 16 keys x 2 warps (loads_first made no difference,
-    +-1%, from 256 rows up). Below 64 rows the call is launch-bound and 32 keys x 4 warps measured within 2% of
-    the best tiling."""
-    default_keys, default_warps, default_first = decode_tiling(q.shape[0])
+    Tiling (`bench/paged_attention.py` sweeps it; H100, bf16, 2026-11-23): from 64 rows up, 16 keys per
+    iteration and one warp per program (two below 128 rows) read K/V at 2.6-2.8 TB/s at batch 256-512,
+    against 1.1 TB/s with 32 keys and 4 warps: many small programs keep more loads in flight than few wide
+    ones. Below 64 rows the call is launch-bound and 32 keys x 4 warps measured as well or better in graphs.
+    `loads_first` and 32 keys x 1 warp won the sweep at 64 rows (25.6 / 68.3 us at 160 / 420 keys against
+    31.3 / 80.5 us), but in the decode step at batch 64 this kernel's 108 calls took 1.53 ms with them against
+    1.43 ms without (`bench.talker --profile`, same H100 call): most calls are the code predictor's, over
+    <= 17 keys, which the sweep does not cover. From 256 rows up loads_first made no difference (+-1%)."""
+    default_keys, default_warps = decode_tiling(q.shape[0])
     keys_per_iteration = keys_per_iteration or default_keys
     num_warps = num_warps or default_warps
-    loads_first = default_first if loads_first is None else loads_first
     b, n_heads, d = q.shape
     n_kv = k_pool.shape[1]
     group = n_heads // n_kv
@@ -198,14 +198,9 @@ def paged_decode_attention(
     return out
 
 
-def decode_tiling(rows: int) -> tuple[int, int, bool]:
-    """(keys per iteration, num_warps, loads_first) of `paged_decode_attention` for a batch of `rows` (its
-    docstring says why)."""
-    if rows >= 128:
-        return 16, 1, False
-    if rows >= 64:
-        return 32, 1, True
-    return 32, 4, False
+def decode_tiling(rows: int) -> tuple[int, int]:
+    """(keys per iteration, num_warps) of `paged_decode_attention` for a batch of `rows` (its docstring says why)."""
+    return (16 if rows >= 64 else 32), (1 if rows >= 128 else 2 if rows >= 64 else 4)
 
 
 def _new_kv_args(new_kv: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor) -> tuple:
