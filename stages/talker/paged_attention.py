@@ -173,9 +173,11 @@ def paged_decode_attention(
     against 1.1 TB/s with 32 keys and 4 warps: many small programs keep more loads in flight than few wide
     ones. Below 64 rows the call is launch-bound and 32 keys x 4 warps measured as well or better in graphs.
     `loads_first` and 32 keys x 1 warp won the sweep at 64 rows (25.6 / 68.3 us at 160 / 420 keys against
-    31.3 / 80.5 us), but in the decode step at batch 64 this kernel's 108 calls took 1.53 ms with them against
-    1.43 ms without (`bench.talker --profile`, same H100 call): most calls are the code predictor's, over
-    <= 17 keys, which the sweep does not cover. From 256 rows up loads_first made no difference (+-1%)."""
+    31.3 / 80.5 us), but in the decode step at batch 64 this kernel's 108 calls (28 of them here, the rest the
+    code predictor's `contiguous_decode_attention`) took 1.53 ms with them against 1.43 ms without
+    (`bench.talker --profile`, same H100 call). The sweep calls the kernel without the step's new-key store
+    and head-norm prologue (`new_kv`, `head_norm`); that is the likely difference, not measured apart. From
+    256 rows up loads_first made no difference (+-1%)."""
     default_keys, default_warps = decode_tiling(q.shape[0])
     keys_per_iteration = keys_per_iteration or default_keys
     num_warps = num_warps or default_warps
