@@ -6,9 +6,11 @@
 # c2w_tuned: --stateful --cudnn-benchmark --profile; talker_profile: bench.talker b1/b256 with the profiler;
 # pipeline / pipeline_stateless: both engines in one process, stateful / stateless Code2Wav.
 # gemv: the few-row Triton GEMVs' GPU tests and their tiling sweep against cuBLAS (bench.gemv); talker_gemv:
-# bench.talker --profile per VARIANT (default "0hs 4hs 4hsp": --gemv-rows N, "h" adding --heads-in-attention,
-# "s" --sampling-kernel, "p" --gemv-pdl; a letter left out passes --no-...), "0hs" being the default step.
-# attention: bench.paged_attention, the decode-attention tiling sweep in CUDA graphs, with and without loads_first.
+# bench.talker --profile per VARIANT (default "4hs 4hsa": --gemv-rows N, "h" adding --heads-in-attention,
+# "s" --sampling-kernel, "p" --gemv-pdl, "a" --attention-splits; a letter left out passes --no-...), "4hs"
+# being the default step.
+# attention: bench.paged_attention, the decode-attention tiling sweep in CUDA graphs, with and without loads_first,
+# and the splits sweep at a few rows (1-32 programs per row and KV head, 160-2000 keys).
 # select: bench.select, token selection per call (compiled sort, the sampling kernel by bisection and by radix select).
 # KERNEL_FLAGS (e.g. "--gemv-rows 4 --heads-in-attention --sampling-kernel") go to talker_check and pipeline.
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
@@ -78,13 +80,14 @@ for step in $STEPS; do
              | tee "$OUT/gemv_gpu_tests.log" | grep -E "passed|failed|error|max abs err|Error|assert" | tail -40
           python3 -m bench.gemv --rows ${GEMV_ROWS_SWEEP:-1} --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | tail -20 ;;
     attention) python3 -m bench.paged_attention --out "$OUT/paged_attention.json" 2>&1 | tee "$OUT/paged_attention.log" \
-                 | grep -E "^batch|^contiguous|Error" | tail -12 ;;
+                 | grep -E "^batch|^contiguous|^splits|Error" | tail -30 ;;
     select) python3 -m bench.select --out "$OUT/select.json" 2>&1 | tee "$OUT/select.log" | grep -E "^batch|Error" | tail -12 ;;
     talker_gemv) checkpoint  # the decode step: layers on cuBLAS / on the GEMVs, heads in compiled kernels / in attention
-              for v in ${VARIANTS:-0hs 4hs 4hsp}; do
+              for v in ${VARIANTS:-4hs 4hsa}; do
                 python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,2,4,256} --steps 30 --compile \
                   --max-seq-len 1024 --gemv-rows ${v//[^0-9]/} $([[ $v == *h* ]] && echo --heads-in-attention || echo --no-heads-in-attention) \
-                  $([[ $v == *s* ]] && echo --sampling-kernel || echo --no-sampling-kernel) $([[ $v == *p* ]] && echo --gemv-pdl) --profile --out "$OUT/talker_$v.json" 2>&1 \
+                  $([[ $v == *s* ]] && echo --sampling-kernel || echo --no-sampling-kernel) $([[ $v == *p* ]] && echo --gemv-pdl) \
+                  $([[ $v == *a* ]] && echo --attention-splits || echo --no-attention-splits) --profile --out "$OUT/talker_$v.json" 2>&1 \
                   | tee "$OUT/talker_$v.log" | grep -vE "^\[talker\] captured|^\{" | tail -30
               done ;;
     talker_check) checkpoint  # graphed + compiled + fused against eager, per batch bucket (first-step logits, codes)

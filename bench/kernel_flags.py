@@ -16,6 +16,9 @@ def add_kernel_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--heads-in-attention", action=argparse.BooleanOptionalAction,
                     default=TalkerEngineConfig.heads_in_attention,
                     help="with --compile: the decode attention kernel applies q/k's head norm and RoPE")
+    ap.add_argument("--attention-splits", action=argparse.BooleanOptionalAction,
+                    default=TalkerEngineConfig.attention_splits,
+                    help="decode attention: a few rows' keys split over more programs (flash decoding)")
     ap.add_argument("--sampling-kernel", action=argparse.BooleanOptionalAction,
                     default=TalkerEngineConfig.sampling_kernel, help="token selection as one Triton program per row")
 
@@ -23,4 +26,4 @@ def add_kernel_flags(ap: argparse.ArgumentParser) -> None:
 def kernel_kwargs(args: argparse.Namespace) -> dict:
     """The flags as TalkerEngineConfig / TalkerRunner keyword arguments."""
     return {"gemv_rows": args.gemv_rows, "gemv_pdl": args.gemv_pdl, "heads_in_attention": args.heads_in_attention,
-            "sampling_kernel": args.sampling_kernel}
+            "sampling_kernel": args.sampling_kernel, "attention_splits": args.attention_splits}

@@ -25,13 +25,15 @@ class TalkerEngineConfig:
     exact_prefill: bool | None = None  # reference prompt embeddings (bit-exact, slow); None: on CPU only
     attention_kernel: bool | None = None  # paged Triton decode attention; None: where available (CUDA)
     gemv_rows: int = 4  # compiled CUDA path: forwards of <= this many rows (<= 8) run each layer as 4 Triton GEMVs
-    # with their norms, SwiGLU and residuals fused (stages/gemv_kernels.py); 0: cuBLAS throughout. Off: measured
-    # slower than cuBLAS on the H100 (13.9 against 7.2 ms per batch-1 step, docs/benchmarks.md)
+    # with their norms, SwiGLU and residuals fused (stages/gemv_kernels.py); 0: cuBLAS throughout. H100: batch 1
+    # 6.18 -> 4.99 ms per step (docs/benchmarks.md, "Few-row GEMVs on by default")
     gemv_pdl: bool = False  # with gemv_rows: the GEMVs launch with programmatic dependent launch (H100+), each
     # loading its first weight tile while the kernel before it finishes (measured: < 1% on the step)
     heads_in_attention: bool = True  # compiled CUDA path: the decode attention kernel applies q/k's head norm and
     # RoPE while loading them (two kernels fewer per layer and pass; H100: with sampling_kernel, batch 1 7.22 ->
     # 6.10 ms per frame, batch 256 10.45 -> 9.74 ms per step, docs/benchmarks.md)
+    attention_splits: bool = False  # decode kernel: batches with fewer rows x KV heads than an H100 has SMs split
+    # each row's keys over several programs, merged by a second kernel (paged_attention.decode_splits); unmeasured
     sampling_kernel: bool = True  # CUDA: token selection as one Triton program per row (stages/sampling_kernel.py:
     # no sort of the vocabulary, 16 times a frame)
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long

@@ -82,36 +82,58 @@ if triton is not None:
         return ((x * cos).to(dt).to(tl.float32) + (x_rot * sin).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
+    def _store_new_kv(k_ptr, v_ptr, table_ptr, kn_ptr, vn_ptr, kw_ptr, cos_ptr, sin_ptr, eps, row, kv_head, last,
+                      stride_kblock, stride_kt, stride_kh, stride_tb, stride_knb, stride_knh, stride_vnb, stride_vnh,
+                      stride_cb, D: tl.constexpr, PAGE: tl.constexpr, HEADS: tl.constexpr):
+        """The row's new key/value to its position `last` (the key through its head norm and RoPE with HEADS)."""
+        d1 = tl.arange(0, D)[None, :]  # [1, D]: one head vector, in the 2-D shape the head prologue takes
+        last_block = tl.load(table_ptr + row * stride_tb + last // PAGE)
+        last_offs = last_block * stride_kblock + (last % PAGE) * stride_kt + kv_head * stride_kh + d1
+        kn_offs = row * stride_knb + kv_head * stride_knh + d1
+        if HEADS:  # the key as projected: its head norm and RoPE happen here
+            k_new = _head_norm_rope(kn_ptr, kn_offs, d1, kw_ptr, cos_ptr + row * stride_cb,
+                                    sin_ptr + row * stride_cb, eps, d1 < D, D)
+        else:
+            k_new = tl.load(kn_ptr + kn_offs)
+        v_new = tl.load(vn_ptr + row * stride_vnb + kv_head * stride_vnh + d1)
+        tl.store(k_ptr + last_offs, k_new)
+        tl.store(v_ptr + last_offs, v_new)
+        # bar.sync orders the stores before every thread's loads of them (the same CTA reads them back); a
+        # select of the registers in every tile instead made the batch-256 calls ~20% slower (H100)
+        tl.debug_barrier()
+
+    @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, kn_ptr, vn_ptr, sm_scale,
-        qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps,
+        qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps, part_ptr, ml_ptr,
         stride_qb, stride_qh, stride_kblock, stride_kt, stride_kh, stride_tb, stride_len, stride_ob, stride_oh,
         stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
-        WRITE: tl.constexpr, HEADS: tl.constexpr, LOADS_FIRST: tl.constexpr = False,
+        WRITE: tl.constexpr, HEADS: tl.constexpr, LOADS_FIRST: tl.constexpr = False, SPLITS: tl.constexpr = 1,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq_len = tl.load(lens_ptr + row * stride_len)
         g = tl.arange(0, GROUP_P)
         d = tl.arange(0, D)
+        if SPLITS == 1:
+            lo = 0
+            hi = seq_len
+        else:  # this program's share of the keys: whole tiles, the last splits possibly empty
+            split = tl.program_id(2)
+            chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK) * BLOCK
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, seq_len)
         if WRITE:  # the row's new key/value go to its last position here, not in two copy kernels before the call
             last = seq_len - 1
-            last_block = tl.load(table_ptr + row * stride_tb + last // PAGE)
-            d1 = d[None, :]  # [1, D]: one head vector, in the 2-D shape the head prologue takes
-            last_offs = last_block * stride_kblock + (last % PAGE) * stride_kt + kv_head * stride_kh + d1
-            kn_offs = row * stride_knb + kv_head * stride_knh + d1
-            if HEADS:  # the key as projected: its head norm and RoPE happen here
-                k_new = _head_norm_rope(kn_ptr, kn_offs, d1, kw_ptr, cos_ptr + row * stride_cb,
-                                        sin_ptr + row * stride_cb, eps, d1 < D, D)
-            else:
-                k_new = tl.load(kn_ptr + kn_offs)
-            v_new = tl.load(vn_ptr + row * stride_vnb + kv_head * stride_vnh + d1)
-            tl.store(k_ptr + last_offs, k_new)
-            tl.store(v_ptr + last_offs, v_new)
-            # bar.sync orders the stores before every thread's loads below (the same CTA reads them back); a
-            # select of the registers in every tile instead made the batch-256 calls ~20% slower (H100)
-            tl.debug_barrier()
+            if SPLITS == 1:
+                _store_new_kv(k_ptr, v_ptr, table_ptr, kn_ptr, vn_ptr, kw_ptr, cos_ptr, sin_ptr, eps, row, kv_head,
+                              last, stride_kblock, stride_kt, stride_kh, stride_tb, stride_knb, stride_knh,
+                              stride_vnb, stride_vnh, stride_cb, D, PAGE, HEADS)
+            elif (last >= lo) & (last < hi):  # only the split that reads the last position writes it
+                _store_new_kv(k_ptr, v_ptr, table_ptr, kn_ptr, vn_ptr, kw_ptr, cos_ptr, sin_ptr, eps, row, kv_head,
+                              last, stride_kblock, stride_kt, stride_kh, stride_tb, stride_knb, stride_knh,
+                              stride_vnb, stride_vnh, stride_cb, D, PAGE, HEADS)
         g_ok = g < GROUP
         heads = kv_head * GROUP + g
         q_offs = row * stride_qb + heads[:, None] * stride_qh + d[None, :]
@@ -123,9 +145,9 @@ if triton is not None:
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_sum = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, D], tl.float32)
-        for start in range(0, seq_len, BLOCK):
+        for start in range(lo, hi, BLOCK):
             n = start + tl.arange(0, BLOCK)
-            n_ok = n < seq_len
+            n_ok = n < hi
             block = tl.load(table_ptr + row * stride_tb + n // PAGE, mask=n_ok, other=0)
             offs = (block * stride_kblock + (n % PAGE) * stride_kt)[:, None] + kv_head * stride_kh + d[None, :]
             k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0)  # [N, D]
@@ -143,9 +165,29 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             m = m_new
-        out = acc / l_sum[:, None]
-        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        if SPLITS == 1:
+            out = acc / l_sum[:, None]
+            tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        else:  # unnormalized partials; `_combine_splits_kernel` merges a row's splits (an empty one: m = -inf)
+            part = (row * tl.num_programs(1) * GROUP + heads) * SPLITS + split  # [G]: [B, H, SPLITS] index
+            tl.store(part_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
+            tl.store(ml_ptr + part * 2, m, mask=g_ok)
+            tl.store(ml_ptr + part * 2 + 1, l_sum, mask=g_ok)
+
+    @triton.jit
+    def _combine_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, SPLITS: tl.constexpr, D: tl.constexpr):
+        """One (row, head): softmax-weighted merge of its SPLITS partial results (acc, running max m, sum l)."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        s = tl.arange(0, SPLITS)
+        part = (row * tl.num_programs(1) + head) * SPLITS + s  # [SPLITS]
+        m = tl.load(ml_ptr + part * 2)
+        l_sum = tl.load(ml_ptr + part * 2 + 1)
+        acc = tl.load(part_ptr + part[:, None] * D + tl.arange(0, D)[None, :])  # [SPLITS, D]
+        w = tl.exp(m - tl.max(m, axis=0))  # an empty split: exp(-inf) = 0
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
+        tl.store(out_ptr + row * stride_ob + head * stride_oh + tl.arange(0, D), out.to(out_ptr.dtype.element_ty))
 
 
 def paged_decode_attention(
@@ -161,6 +203,7 @@ def paged_decode_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_lens - 1
     head_norm: HeadNorm | None = None,  # q and the new key as projected: the kernel norms and rotates them (new_kv)
     loads_first: bool = False,  # each tile's V load issued with its K load (measured: no gain in the step; below)
+    splits: int = 1,  # programs per (row, KV head), each over a share of the keys, then merged (`decode_splits`)
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over each row's first seq_lens[row] keys.
 
@@ -177,7 +220,14 @@ def paged_decode_attention(
     code predictor's `contiguous_decode_attention`) took 1.53 ms with them against 1.43 ms without
     (`bench.talker --profile`, same H100 call). The sweep calls the kernel without the step's new-key store
     and head-norm prologue (`new_kv`, `head_norm`); that is the likely difference, not measured apart. From
-    256 rows up loads_first made no difference (+-1%)."""
+    256 rows up loads_first made no difference (+-1%).
+
+    With `splits` > 1 (a power of two) each (row, KV head) is `splits` programs over consecutive whole tiles of
+    its keys, writing unnormalized partials that a second kernel merges ("flash decoding"): at a few rows the
+    grid is rows x KV heads = 8 programs for batch 1 on a GPU with 132 SMs, each walking every key in turn.
+    The split that holds the last position stores the new key/value; a split past the row's keys is empty.
+    Same math, another summation order: fp32 equal to ~1e-7, not bit for bit."""
+    assert splits >= 1 and splits & (splits - 1) == 0, splits
     default_keys, default_warps = decode_tiling(q.shape[0])
     keys_per_iteration = keys_per_iteration or default_keys
     num_warps = num_warps or default_warps
@@ -189,15 +239,32 @@ def paged_decode_attention(
     kn, vn, new_strides = _new_kv_args(new_kv, q)
     assert head_norm is None or new_kv is not None
     *head_ptrs, eps, stride_cb = _head_args(head_norm, q)
-    _paged_decode_kernel[(b, n_kv)](
-        q, k_pool, v_pool, out, block_table, seq_lens, kn, vn, d ** -0.5, *head_ptrs, eps,
+    if splits > 1:  # [B, H, splits, D] partial sums and [B, H, splits, (max, sum)], fp32
+        part = torch.empty(b, n_heads, splits, d, device=q.device, dtype=torch.float32)
+        ml = torch.empty(b, n_heads, splits, 2, device=q.device, dtype=torch.float32)
+    else:
+        part = ml = q  # never read
+    _paged_decode_kernel[(b, n_kv, splits)](
+        q, k_pool, v_pool, out, block_table, seq_lens, kn, vn, d ** -0.5, *head_ptrs, eps, part, ml,
         q.stride(0), q.stride(1), block_size * k_pool.stride(0), k_pool.stride(0), k_pool.stride(1),
         block_table.stride(0), 1, out.stride(0), out.stride(1), *new_strides, stride_cb,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d, BLOCK=keys_per_iteration, PAGE=block_size,
-        WRITE=new_kv is not None, HEADS=head_norm is not None, LOADS_FIRST=loads_first, num_warps=num_warps,
-        num_stages=num_stages,
+        WRITE=new_kv is not None, HEADS=head_norm is not None, LOADS_FIRST=loads_first, SPLITS=splits,
+        num_warps=num_warps, num_stages=num_stages,
     )
+    if splits > 1:
+        _combine_splits_kernel[(b, n_heads)](part, ml, out, out.stride(0), out.stride(1), SPLITS=splits, D=d,
+                                             num_warps=1)
     return out
+
+
+def decode_splits(rows: int, n_kv: int, programs: int = 128) -> int:
+    """`paged_decode_attention`'s splits for `attention_splits`: enough for about `programs` programs (one per
+    SM of an H100) when rows x KV heads alone are fewer; 1 from there up. A power of two, at most 16."""
+    splits = 1
+    while rows * n_kv * splits < programs and splits < 16:
+        splits *= 2
+    return splits
 
 
 def decode_tiling(rows: int) -> tuple[int, int]:
@@ -235,7 +302,7 @@ def contiguous_decode_attention(
     assert head_norm is None or new_kv is not None
     *head_ptrs, eps, stride_cb = _head_args(head_norm, q)
     _paged_decode_kernel[(b, n_kv)](
-        q, k, v, out, rows, seq_len, kn, vn, d ** -0.5, *head_ptrs, eps,
+        q, k, v, out, rows, seq_len, kn, vn, d ** -0.5, *head_ptrs, eps, q, q,
         q.stride(0), q.stride(1), k.stride(0), k.stride(2), k.stride(1), rows.stride(0), 0,
         out.stride(0), out.stride(1), *new_strides, stride_cb,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stages.talker.paged_attention import HeadNorm, paged_decode_attention
+from stages.talker.paged_attention import HeadNorm, decode_splits, paged_decode_attention
 
 
 class PagedKVCache:
@@ -65,12 +65,15 @@ class DecodeContext:
 
     `kernel=True` reads the keys in place through the block table (Triton, CUDA); otherwise the first
     `attn_len` positions of every row are gathered and attended with SDPA under a mask (the reference
-    path, exact on any device).
+    path, exact on any device). `split_keys` (kernel only): few rows spread each row's keys over several
+    programs (`decode_splits`).
     """
 
-    def __init__(self, cache: PagedKVCache, positions: torch.Tensor, attn_len: int, kernel: bool):
+    def __init__(self, cache: PagedKVCache, positions: torch.Tensor, attn_len: int, kernel: bool,
+                 split_keys: bool = False):
         b = positions.shape[0]
         self.cache, self.positions, self.kernel = cache, positions, kernel
+        self.splits = decode_splits(b, cache.k.shape[2]) if kernel and split_keys else 1
         if kernel:  # the kernel finds each row's write position through the block table itself
             self.seq_lens = positions + 1
             self.table = cache.block_table[:b]
@@ -93,7 +96,7 @@ class DecodeContext:
         b, heads, _, d = q.shape
         if self.kernel:  # the kernel stores the new k/v at position seq_lens - 1 = positions itself
             out = paged_decode_attention(q[:, :, 0], kl, vl, self.table, self.seq_lens, self.cache.block_size,
-                                         new_kv=(k[:, :, 0], v[:, :, 0]), head_norm=head_norm)
+                                         new_kv=(k[:, :, 0], v[:, :, 0]), head_norm=head_norm, splits=self.splits)
             return out.reshape(b, 1, heads * d)
         assert head_norm is None, "the gather path attends over rotated q/k"
         kl.index_copy_(0, self.write_index, k[:, :, 0])

@@ -184,7 +184,7 @@ class TalkerRunner:
                  block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
                  compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
                  gemv_rows: int = 4, heads_in_attention: bool = True, sampling_kernel: bool = True,
-                 gemv_pdl: bool = False):
+                 gemv_pdl: bool = False, attention_splits: bool = False):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
@@ -241,6 +241,8 @@ class TalkerRunner:
         self.gemv_pdl = gemv_pdl and self.gemv_rows > 0 and torch.cuda.get_device_capability(dev)[0] >= 9
         # compiled path with the decode kernel: q/k head norm + RoPE inside it (HeadNorm), not kernels of their own
         self.heads_in_attention = heads_in_attention and compile and self.use_kernel
+        # decode kernel: a few rows' keys split over more programs (paged_attention.decode_splits)
+        self.attention_splits = attention_splits and self.use_kernel
         if compile:
             self._enable_compile()
         if sampling_kernel and sampling_kernel_module.available(dev):  # one Triton program per row, no sort
@@ -475,7 +477,7 @@ class TalkerRunner:
         text_rows = torch.where(has_text[:, None], text_rows, self.tts_pad[None, :])
         x = next_talker_input(self.talker, codes, text_rows)
         positions = self.positions[:b]
-        ctx = DecodeContext(self.kv, positions, attn_len, self.use_kernel)
+        ctx = DecodeContext(self.kv, positions, attn_len, self.use_kernel, split_keys=self.attention_splits)
         hidden = self.talker.forward_hidden(x, positions[:, None], ctx)[:, -1]
         self.hidden[:b] = hidden
         # padding rows (free rows) also advance; saturating keeps their writes inside their (scratch) table

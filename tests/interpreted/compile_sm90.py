@@ -71,7 +71,8 @@ def gemv() -> dict:
 def attention() -> dict:
     sig = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
     sig |= {"table_ptr": "*i64", "lens_ptr": "*i64", "kn_ptr": "*bf16", "vn_ptr": "*bf16", "sm_scale": "fp32",
-            "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "eps": "fp32"}
+            "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "eps": "fp32",
+            "part_ptr": "*fp32", "ml_ptr": "*fp32"}
     sig |= dict.fromkeys(("stride_qb", "stride_qh", "stride_kblock", "stride_kt", "stride_kh", "stride_tb", "stride_len",
                           "stride_ob", "stride_oh", "stride_knb", "stride_knh", "stride_vnb", "stride_vnh", "stride_cb"),
                          "i32")
@@ -84,8 +85,19 @@ def attention() -> dict:
             out[f"block{block} warps{warps} page{page} write{write} heads{heads} loads_first{first}"] = compile_kernel(
                 paged_attention._paged_decode_kernel, sig,
                 {"GROUP": 2, "GROUP_P": 2, "D": 128, "BLOCK": block, "PAGE": page, "WRITE": write, "HEADS": heads,
-                 "LOADS_FIRST": first},
+                 "LOADS_FIRST": first, "SPLITS": 1},
                 warps, aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
+    # keys split over several programs (attention_splits: batch 1 and 8 of decode_splits), and their merge
+    for splits in (2, 16):
+        out[f"block32 warps4 page16 write heads splits{splits}"] = compile_kernel(
+            paged_attention._paged_decode_kernel, sig,
+            {"GROUP": 2, "GROUP_P": 2, "D": 128, "BLOCK": 32, "PAGE": 16, "WRITE": True, "HEADS": True,
+             "LOADS_FIRST": False, "SPLITS": splits},
+            4, aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
+        out[f"combine splits{splits}"] = compile_kernel(
+            paged_attention._combine_splits_kernel,
+            {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "stride_ob": "i32", "stride_oh": "i32"},
+            {"SPLITS": splits, "D": 128}, 1, aligned=("stride_ob", "stride_oh"))
     return out
 
 

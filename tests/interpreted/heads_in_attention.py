@@ -38,20 +38,31 @@ def kernel_alone() -> dict:
     table = torch.randperm(blocks, generator=gen)[:b * 3].view(b, 3)
     lens = positions[:, 0] + 1
     out, stored = {}, {}
-    for name in ("reference", "fused", "loads_first"):
+    for name in ("reference", "fused", "loads_first", "split2", "split4"):
         k_pool, v_pool = pool.clone(), pool.clone()
         if name == "reference":
             o = paged_decode_attention(q_rot[:, :, 0], k_pool, v_pool, table, lens, page,
                                        new_kv=(k_rot[:, :, 0], v_ref[:, :, 0]))
-        else:  # keys_per_iteration 4: several tiles per row, so loads_first reorders loads across iterations
+        else:  # keys_per_iteration 4: several tiles per row, so loads_first reorders loads across iterations;
+            # split4 over 9 / 7 / 3 keys: tiles 0-3, 4-7, 8 (the new key in the third split), 0-3, 4-6 and two
+            # empty splits, 0-2 and three empty ones
             o = paged_decode_attention(q_raw[:, :, 0], k_pool, v_pool, table, lens, page, keys_per_iteration=4,
                                        new_kv=(k_raw[:, :, 0], v_raw[:, :, 0]),
-                                       head_norm=HeadNorm(qn_w, kn_w, EPS, cos, sin), loads_first=name == "loads_first")
+                                       head_norm=HeadNorm(qn_w, kn_w, EPS, cos, sin), loads_first=name == "loads_first",
+                                       splits=int(name[5:]) if name.startswith("split") else 1)
         out[name], stored[name] = o, k_pool
     result = {"paged_out": (out["fused"] - out["reference"]).abs().max().item(),
               "paged_stored_k": (stored["fused"] - stored["reference"]).abs().max().item(),
               # the load order alone changes: the same values, bit for bit
               "paged_loads_first_vs_default": (out["loads_first"] - out["fused"]).abs().max().item()}
+    for name in ("split2", "split4"):  # the key/value the split kernel stored, and its merged output
+        result[f"paged_{name}_out"] = (out[name] - out["reference"]).abs().max().item()
+        result[f"paged_{name}_stored_k"] = (stored[name] - stored["reference"]).abs().max().item()
+    # reading only (no new key), 8 splits of one 4-key tile at most: every row has empty splits
+    k_pool = stored["reference"]
+    plain = paged_decode_attention(q_rot[:, :, 0], k_pool, k_pool, table, lens, page, keys_per_iteration=4)
+    split = paged_decode_attention(q_rot[:, :, 0], k_pool, k_pool, table, lens, page, keys_per_iteration=4, splits=8)
+    result["paged_split8_read_only"] = (split - plain).abs().max().item()
     # contiguous cache: 2 new positions (the code predictor's first pass), one call each
     cos2, sin2 = rotary(torch.arange(2).expand(b, 2), torch.float32)
     qkv2 = torch.randn(b, 2, (H + 2 * N_KV) * D, generator=gen)
@@ -78,7 +89,8 @@ CFG = TransformerConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=
 
 def stacks() -> dict:
     """The contiguous cache (code predictor: 2-position first pass, then 1) and the paged cache (talker: prefill,
-    then decode steps), with heads_in_attention, with and without the GEMVs, against eager layers; and how many
+    then decode steps; with and without split keys), with heads_in_attention, with and without the GEMVs, against
+    eager layers; and how many
     kernel calls applied a HeadNorm (the path was taken, not the compiled heads before the kernel)."""
     kv_cache.kernel_available = lambda _device: True  # the decode kernel on CPU tensors (interpreted)
     calls = []
@@ -104,7 +116,9 @@ def stacks() -> dict:
         prompt_lens, steps, page = (5, 3), 3, 4
         x = torch.randn(2, max(prompt_lens) + steps, CFG.hidden_size)
         outs = {}
-        for name, k in (("eager", None), ("fused", kernels)):
+        for name, k in (("eager", None), ("fused", kernels), ("split", kernels)):
+            if name == "split":  # the same with each row's keys split over decode_splits(2, N_KV) = 16 programs
+                result[f"paged_gemv{gemv_rows}_head_norm_calls"] = len(calls)
             stack.kernels = None
             cache = PagedKVCache(CFG.num_hidden_layers, 8, page, N_KV, D, 2, 16, torch.float32, torch.device("cpu"))
             cache.block_table[0, :4] = torch.tensor([3, 0, 6, 1])
@@ -119,12 +133,13 @@ def stacks() -> dict:
                 positions = torch.tensor(prompt_lens)
                 parts = []
                 for t in range(steps):
-                    ctx = DecodeContext(cache, positions, 16, kernel=name == "fused")
+                    ctx = DecodeContext(cache, positions, 16, kernel=name != "eager", split_keys=name == "split")
+                    assert ctx.splits == (16 if name == "split" else 1)
                     parts.append(stack(x[:, width + t:width + t + 1], positions[:, None], ctx))
                     positions = positions + 1
             outs[name] = torch.cat(parts, dim=1)
         result[f"paged_gemv{gemv_rows}"] = (outs["fused"] - outs["eager"]).abs().max().item()
-        result[f"paged_gemv{gemv_rows}_head_norm_calls"] = len(calls)
+        result[f"paged_split_gemv{gemv_rows}"] = (outs["split"] - outs["eager"]).abs().max().item()
     return result
 
 

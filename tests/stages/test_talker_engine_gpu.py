@@ -61,11 +61,13 @@ def _run(engine, requests, stagger=False):
 
 @pytest.mark.parametrize("write", [False, True], ids=["read", "store-new-kv"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("b", [37, 96, 256])  # the three tilings (rows < 64, < 128, >= 128)
-def test_paged_kernel_matches_gather_attention(dtype, atol, b, write):
+@pytest.mark.parametrize("b,splits", [(37, 1), (96, 1), (256, 1),  # the three tilings (rows < 64, < 128, >= 128)
+                                      (1, 16), (4, 4), (8, 2)])  # attention_splits' batches (decode_splits)
+def test_paged_kernel_matches_gather_attention(dtype, atol, b, splits, write):
     """The Triton paged decode attention against gather + SDPA on scattered blocks and uneven lengths. With
     `write`, the kernel also stores each row's new key/value at its last position (what the engine runs): the
-    pool must then equal an index_copy of them, bit for bit."""
+    pool must then equal an index_copy of them, bit for bit. With `splits`, each row's keys are split over that
+    many programs (only the one holding the last position stores the new key: a race otherwise)."""
     from stages.talker.paged_attention import paged_decode_attention
 
     torch.manual_seed(0)
@@ -73,7 +75,7 @@ def test_paged_kernel_matches_gather_attention(dtype, atol, b, write):
     k_pool = torch.randn(blocks * page, n_kv, d, device="cuda", dtype=dtype)
     v_pool = torch.randn_like(k_pool)
     lens = torch.randint(1, 400, (b,), device="cuda")
-    lens[0], lens[1] = 1, 399
+    lens[0], lens[-1] = 1, 399  # (batch 1: one row of 399)
     per = -(-400 // page)
     table = torch.randperm(blocks, device="cuda")[:b * per].view(b, per)  # scattered, not contiguous
     q = torch.randn(b, heads, d, device="cuda", dtype=dtype)
@@ -84,17 +86,17 @@ def test_paged_kernel_matches_gather_attention(dtype, atol, b, write):
         last = lens - 1
         index = table[torch.arange(b, device="cuda"), last // page] * page + last % page
         expected_k, expected_v = k_pool.clone().index_copy_(0, index, k_new), v_pool.clone().index_copy_(0, index, v_new)
-        out = paged_decode_attention(q, k_pool, v_pool, table, lens, page, new_kv=(k_new, v_new))
+        out = paged_decode_attention(q, k_pool, v_pool, table, lens, page, new_kv=(k_new, v_new), splits=splits)
         assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
     else:
-        out = paged_decode_attention(q, k_pool, v_pool, table, lens, page)
+        out = paged_decode_attention(q, k_pool, v_pool, table, lens, page, splits=splits)
     keys = torch.arange(per * page, device="cuda")
     index = table[:, keys // page] * page + keys % page  # [b, L]
     k, v = k_pool[index].float().transpose(1, 2), v_pool[index].float().transpose(1, 2)
     mask = (keys[None, :] < lens[:, None])[:, None, None, :]
     ref = F.scaled_dot_product_attention(q.float().reshape(b, n_kv, heads // n_kv, d), k, v, attn_mask=mask)
     err = (out.float() - ref.reshape(b, heads, d)).abs().max().item()
-    print(f"paged kernel vs gather, {dtype}, {b} rows, write {write}: max abs err {err:.2e}")
+    print(f"paged kernel vs gather, {dtype}, {b} rows, {splits} splits, write {write}: max abs err {err:.2e}")
     assert err <= atol
 
 
@@ -151,19 +153,22 @@ def test_graphed_engine_equals_reference_on_cuda(cuda_model, prompts, exact_pref
         np.testing.assert_array_equal(codes, reference.generate_codes(prompt, GREEDY, n))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["gemv", "gemv+pdl+heads-in-attention+sampling-kernel"])
+@pytest.mark.parametrize("fused", [False, True],
+                         ids=["gemv", "gemv+pdl+heads-in-attention+sampling-kernel+attention-splits"])
 def test_compiled_engine_with_gemv_rows_equals_reference_on_cuda(cuda_model, prompts, fused):
     """fp32, the serving path: compiled layers, paged kernel, graphs, and the batch 1-2 buckets on the Triton GEMVs
     (stages/gemv_kernels.py; `gemv_rows`), optionally launched with programmatic dependent launch, with q/k's head
-    norm and RoPE in the attention kernel and token selection as one kernel: the same greedy codes as the reference
-    generator, requests joining and leaving so that steps of 1, 2 and more rows all run."""
+    norm and RoPE in the attention kernel, token selection as one kernel and a few rows' keys split over more
+    programs: the same greedy codes as the reference generator, requests joining and leaving so that steps of 1,
+    2 and more rows all run."""
     engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=True, gemv_rows=4,
                                                          heads_in_attention=fused, sampling_kernel=fused,
-                                                         gemv_pdl=fused))
+                                                         gemv_pdl=fused, attention_splits=fused))
     engine.start(log=lambda _m: None)
     try:
         assert engine.runner.gemv_rows == 4 and engine.runner.graphs
         assert engine.runner.heads_in_attention is fused and engine.runner.sampling_kernel is fused
+        assert engine.runner.attention_splits is fused
         lengths = [12, 20, 7, 15, 11]
         results = _run(engine, [SynthesisRequest(f"g{i}", p, GREEDY, n)
                                 for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))], stagger=True)
