@@ -1,7 +1,8 @@
 """One codec frame's code-predictor loop with every opt-in kernel path at once, on CPU under Triton's interpreter
 (tests/triton_interpreter.py, tests/interpreted/frame.py): the GEMVs with the final norm + head fused
 (stages/gemv_kernels.py), q/k's head norm + RoPE in the attention kernel, and the sampling kernel, against the
-eager path in fp32: the same 16 codes, greedy and seeded sampling (one row each)."""
+eager path in fp32: the same 16 codes, greedy and seeded sampling (one row each). The tiny talker's code predictor
+has 256 ids (2048 in the releases), which the interpreter's GEMV for its head runs 8x faster."""
 
 from __future__ import annotations
 
