@@ -11,7 +11,7 @@
 # being the default step.
 # attention: bench.paged_attention, the decode-attention tiling sweep in CUDA graphs, with and without loads_first,
 # and the splits sweep at a few rows (1-32 programs per row and KV head, 160-2000 keys).
-# select: bench.select, token selection per call (compiled sort, the sampling kernel by bisection and by radix select).
+# select: bench.select, token selection per call (compiled sort, the sampling kernel).
 # KERNEL_FLAGS (e.g. "--gemv-rows 4 --heads-in-attention --sampling-kernel") go to talker_check and pipeline.
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
 # codebook-0 logits and codes, then steps equal).

@@ -1,8 +1,8 @@
 """Token selection per call, as the step's graphs run it: the compiled `select_tokens` (sort-based) against the
-sampling kernel (stages/sampling_kernel.py) with top-k by bisection (the engine's) and by radix select, on the
-talker's (3072) and the code predictor's (2048) vocabularies at the default sampling parameters (temperature 0.9,
-top-k 50, top-p 1.0) and with top-p 0.8. Each variant is timed as a CUDA graph of back-to-back calls; the three
-must pick the same ids.
+sampling kernel (stages/sampling_kernel.py, top-k by bisection), on the talker's (3072) and the code predictor's
+(2048) vocabularies at the default sampling parameters (temperature 0.9, top-k 50, top-p 1.0) and with top-p 0.8.
+Each variant is timed as a CUDA graph of back-to-back calls; both must pick the same ids. (A radix-select variant
+measured 1.3-1.5x slower than bisection on the H100 and was removed: docs/benchmarks.md.)
 
     python -m bench.select [--batches 1,64,256] [--out results.json]    # CUDA only; ~1 min
 """
@@ -37,9 +37,7 @@ def main() -> None:
         seeds = torch.randint(0, 2**40, (b,), device="cuda")
         counters = torch.randint(0, 2**20, (b,), device="cuda")
         variants = {"compiled_sort": functools.partial(compiled, logits, params, seeds, counters),
-                    "kernel_bisection": functools.partial(sampling_kernel.select_tokens, logits, params, seeds, counters),
-                    "kernel_radix": functools.partial(sampling_kernel.select_tokens, logits, params, seeds, counters,
-                                                      radix=True)}
+                    "kernel_bisection": functools.partial(sampling_kernel.select_tokens, logits, params, seeds, counters)}
         ids = {name: call() for name, call in variants.items()}
         row = {"batch": b, "vocab": vocab, "top_p": top_p,
                "same_ids": {name: int((t == ids["compiled_sort"]).sum()) for name, t in ids.items()},

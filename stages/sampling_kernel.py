@@ -49,7 +49,7 @@ if triton is not None:
     @triton.jit
     def _select_kernel(
         logits_ptr, out_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, counters_ptr,
-        stride_row, V, V_P: tl.constexpr, RADIX: tl.constexpr = False,
+        stride_row, V, V_P: tl.constexpr,
     ):
         row = tl.program_id(0)
         idx = tl.arange(0, V_P)
@@ -64,24 +64,11 @@ if triton is not None:
         # top-k: the k-th largest key, from the top bit down (ties at the boundary are kept)
         k = tl.minimum(tl.maximum(tl.load(top_k_ptr + row), 1), V)
         kth = tl.zeros([], tl.int64)
-        if RADIX:  # 8 bits a round: the digit's histogram in the keys sharing the bits found so far
-            bins = tl.arange(0, 256)
-            rank = k.to(tl.int64)  # the k-th key's rank among the keys sharing those bits
-            for r in tl.static_range(4):
-                shift = 24 - 8 * r
-                if r == 0:
-                    group = key >= 0  # every score; not the padding
-                else:
-                    group = (key >> (shift + 8)) == (kth >> (shift + 8))
-                hist = tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=group)
-                at_least = tl.flip(tl.cumsum(tl.flip(hist, 0), 0), 0)  # [256]: keys in the group with digit >= d
-                digit = tl.max(tl.where(at_least >= rank, bins, 0), axis=0)
-                rank -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-                kth |= digit.to(tl.int64) << shift
-        else:  # 1 bit a round: 32 counts of key >= candidate
-            for i in tl.static_range(32):
-                cand = kth | (1 << (31 - i))
-                kth = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, kth)
+        # 1 bit a round: 32 counts of key >= candidate (a radix select, 4 rounds of an 8-bit tl.histogram, found the
+        # same threshold 1.3-1.5x slower on the H100: docs/benchmarks.md, "Few-row GEMVs on by default")
+        for i in tl.static_range(32):
+            cand = kth | (1 << (31 - i))
+            kth = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, kth)
         keep = key >= kth
         top = tl.max(scores, axis=0)
         top_p = tl.load(top_p_ptr + row)
@@ -108,18 +95,15 @@ if triton is not None:
 
 
 def select_tokens(
-    logits: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor, counters: torch.Tensor, radix: bool = False
+    logits: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor, counters: torch.Tensor
 ) -> torch.Tensor:
-    """`stages.sampling.select_tokens` in one kernel: logits [B, V] fp32 -> token ids [B] int64.
-
-    `radix`: top-k's threshold by radix select (4 rounds of an 8-bit histogram) instead of 32 bisection rounds,
-    the same threshold; not yet measured on a GPU (`python -m bench.select`), so the engine keeps bisection."""
+    """`stages.sampling.select_tokens` in one kernel: logits [B, V] fp32 -> token ids [B] int64."""
     b, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     v_p = triton.next_power_of_2(vocab)
     _select_kernel[(b,)](
         logits, out, params.do_sample, params.temperature, params.top_k, params.top_p, seeds, counters,
-        logits.stride(0), vocab, V_P=v_p, RADIX=radix, num_warps=8 if v_p >= 4096 else 4,
+        logits.stride(0), vocab, V_P=v_p, num_warps=8 if v_p >= 4096 else 4,
     )
     return out

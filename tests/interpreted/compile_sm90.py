@@ -105,9 +105,8 @@ def sampling() -> dict:
     sig = {"logits_ptr": "*fp32", "out_ptr": "*i64", "do_sample_ptr": "*i1", "temperature_ptr": "*fp32",
            "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "seeds_ptr": "*i64", "counters_ptr": "*i64",
            "stride_row": "i32", "V": "i32"}
-    return {f"vocab{v_p}{' radix' if radix else ''}": compile_kernel(
-        sampling_kernel._select_kernel, sig, {"V_P": v_p, "RADIX": radix}, 8 if v_p >= 4096 else 4,
-        aligned=("stride_row", "V")) for v_p in (2048, 4096) for radix in (False, True)}
+    return {f"vocab{v_p}": compile_kernel(sampling_kernel._select_kernel, sig, {"V_P": v_p}, 8 if v_p >= 4096 else 4,
+                                          aligned=("stride_row", "V")) for v_p in (2048, 4096)}
 
 
 if __name__ == "__main__":

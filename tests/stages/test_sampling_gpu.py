@@ -77,8 +77,6 @@ def test_sampling_kernel_never_picks_masked_ids_and_matches_eager(b):
         fused = sampling_kernel.select_tokens(masked, params, seeds, counters)
         assert int(fused.max()) < CODEBOOK and int(fused.min()) >= 0, f"step {step}: kernel picked {fused.max()}"
         mismatches += int((eager != fused).sum())
-        # radix select finds the same top-k threshold as bisection: the same ids, bit for bit
-        assert torch.equal(sampling_kernel.select_tokens(masked, params, seeds, counters, radix=True), fused)
     assert mismatches <= 0.01 * 30 * b, f"{mismatches} of {30 * b} draws differ from eager"
     graph, out = torch.cuda.CUDAGraph(), None
     with torch.cuda.graph(graph):

@@ -9,9 +9,7 @@ from tests.triton_interpreter import run_interpreted
 def test_sampling_kernel_draws_what_select_tokens_draws():
     """Every combination of sampling/greedy, temperature, top-k (1 .. off) and top-p (off .. 0.02), masked ids
     and tied scores (some at the top-k boundary), two vocabulary sizes (a power of two, and one padded to the
-    next): the same ids as select_tokens for the same seeds and counters, always a finite-logit id. Radix select
-    (slow under the interpreter) on the sampled rows with top-p off or 0.02 and every sampled row with many ties:
-    the same ids as bisection."""
+    next): the same ids as select_tokens for the same seeds and counters, always a finite-logit id."""
     result = run_interpreted("sampling_kernel.py")
     assert len(result) == 2
     for name, r in result.items():
@@ -19,6 +17,3 @@ def test_sampling_kernel_draws_what_select_tokens_draws():
         assert r["equal"] == r["rows"], (name, r)  # fp32, summation order only: no race that close here
         assert r["finite_choice"] == r["rows"], (name, r)
         assert r["distinct_tokens"] > 100, (name, r)  # the rows' draws differ from one another
-        # 3 temperatures x 5 top-k x 2 top-p, and the 6 other sampled rows with many ties (12 in all)
-        assert r["radix_rows"] == 36 and r["radix_tied_rows"] == 12, (name, r)
-        assert r["radix_equal"] == r["radix_rows"], (name, r)  # radix select finds the same top-k threshold

@@ -12,8 +12,8 @@ def test_decode_kernels_compile_for_sm90_without_spills():
     result = run_interpreted("compile_sm90.py", interpret=False)
     # 9 products (8 layer products, the head) x (4 row counts + 1 row with programmatic dependent launch); 4
     # attention tilings x 4 (plain, new-K/V store, + head prologue, + V loaded with K) + 2 split counts x (split
-    # kernel, merge); 2 vocab sizes x (bisection, radix select)
-    assert [len(result[k]) for k in ("gemv", "attention", "sampling")] == [45, 20, 4]
+    # kernel, merge); 2 vocab sizes
+    assert [len(result[k]) for k in ("gemv", "attention", "sampling")] == [45, 20, 2]
     for group, variants in result.items():
         for name, (registers, spill_bytes, vector_loads) in variants.items():
             assert 0 < registers <= 255 and spill_bytes == 0, (group, name, registers, spill_bytes)
