@@ -10,6 +10,8 @@
 #   ingress4 grpc + 4 ingress replicas from the start
 #   direct   ingress4 + RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (same-loop routing, buffered logs) and HAProxy
 #            straight to the ingress replicas (RAY_SERVE_ENABLE_HA_PROXY=1, no Serve proxy hop)
+#   mps      direct with the CUDA MPS control daemon running (the Talker's and Code2Wav's processes share one
+#            MPS server: their kernels overlap instead of time-slicing the GPU); the daemon quits after
 #   inproc   both engines in one process (bench.pipeline), levels $CONCURRENCY, first chunk of 1 frame, stateful
 #            Code2Wav (as high_concurrency.yaml)
 #   gpu1     scale-out baseline on a multi-GPU host: high_concurrency.yaml on GPU 0 only (CUDA_VISIBLE_DEVICES=0)
@@ -39,6 +41,13 @@ for variant in "$@"; do
                 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
     direct) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
               RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
+    mps) nvidia-cuda-mps-control -d && echo "MPS control daemon started"
+         OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
+           RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed
+         # the replicas should be MPS clients (type M+C) of one server
+         { echo get_server_list | nvidia-cuda-mps-control; nvidia-smi | tail -8; } > "$ROOT_OUT/$variant/mps.txt" 2>&1
+         OUT=$ROOT_OUT/$variant bash bench/gpu_serve_runbook.sh stop
+         echo quit | nvidia-cuda-mps-control ;;
     gpu1) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CUDA_VISIBLE_DEVICES=0 CONFIG=configs/high_concurrency.yaml \
             bash bench/gpu_serve_runbook.sh setup closed stop ;;
     replicas) n=$(nvidia-smi -L | grep -c '^GPU')
