@@ -7,7 +7,8 @@ are) leave through per-request `ChunkStream`s, one event-loop callback per step 
 
 One iteration of the loop:
 1. drain commands (new requests, aborts: a waiting request that is aborted leaves without a prefill);
-2. admit at most one batch (<= max_prefill_batch): staged on the host, one copy, prefill graph; nothing waits;
+2. admit a batch (<= max_prefill_batch): staged on the host, one copy, prefill graph; nothing waits; up to
+   max_prefills_per_step batches while every running stream's handed-out audio leads its playback enough;
 3. launch step N+1 for every running row;
 4. read step N's output (the one wait per step, while step N+1 runs) and do its bookkeeping, vectorized
    over the rows; Python touches a request only when it completes a chunk or finishes.
@@ -40,6 +41,7 @@ import torch
 from stages.chunking import ChunkSchedule, StreamChunker
 from stages.compile_cache import CompileCache
 from stages.contract import (
+    FRAME_SECONDS,
     NUM_CODEBOOKS,
     EngineOverloadedError,
     FinishReason,
@@ -384,6 +386,9 @@ class TalkerEngine:
         self._codes = np.zeros((self.num_slots, cfg.max_seq_len, NUM_CODEBOOKS), dtype=np.int16)
         self._launched_pos = np.zeros(self.num_slots, dtype=np.int64)
         self._launched_steps = np.zeros(self.num_slots, dtype=np.int64)
+        # per ticket, for admission's lead check: when its first chunk was handed out, frames handed out since
+        self._first_chunk_time = np.full(self.num_slots, np.inf)
+        self._handed_frames = np.zeros(self.num_slots, dtype=np.int64)
         self._by_ticket: list[Sequence | None] = [None] * self.num_slots
         if cfg.cuda_graphs and model.device.type == "cuda":
             log(f"[talker] capturing CUDA graphs for batch buckets {self._buckets} x "
@@ -401,7 +406,7 @@ class TalkerEngine:
             if self._stop:
                 break
             self._expire_text_waits()
-            self._admit()
+            self._admit_batches()
             launched = self._launch()
             if pending is not None:
                 self._process(pending)
@@ -460,11 +465,34 @@ class TalkerEngine:
         self._adds_drained += 1
         return True
 
-    def _admit(self) -> None:
+    def _admit_batches(self) -> None:
+        """One admission, and more (up to max_prefills_per_step) while requests wait and no running stream would
+        feel the wait: each extra prefill delays the next step by its own time, so it runs only while every
+        running stream's handed-out audio is at least admission_lead_s ahead of its playback (a stream plays from
+        its first chunk's hand-over on; one without a chunk yet is not playing)."""
+        cfg, sched = self.config, self.scheduler
+        for i in range(cfg.max_prefills_per_step):
+            if i and not (sched.waiting or sched.restarts):
+                return
+            if i and sched.num_running and self._min_lead_s() < cfg.admission_lead_s:
+                return
+            if not self._admit():
+                return
+
+    def _min_lead_s(self) -> float:
+        """The least lead among running streams: audio handed out minus audio played (inf: none is playing)."""
+        tickets = np.fromiter((s.ticket for s in self.scheduler.running), dtype=np.int64,
+                              count=self.scheduler.num_running)
+        played = time.monotonic() - self._first_chunk_time[tickets]  # -inf where no chunk yet
+        lead = self._handed_frames[tickets] * FRAME_SECONDS - played
+        return float(lead.min())
+
+    def _admit(self) -> bool:
+        """One batched prefill of what the scheduler admits; whether it admitted any."""
         sched, runner = self.scheduler, self.runner
         batch = sched.admit()
         if not batch:
-            return
+            return False
         t0 = time.perf_counter()
         try:
             runner.admit([
@@ -479,14 +507,15 @@ class TalkerEngine:
             self._free_rows(before)
             for s in batch:
                 s.output.stream.fail(e)
-            return
+            return True
         now = time.monotonic()
         for s in batch:
+            t = s.ticket
             if s.admitted_at is None:
                 s.admitted_at = now
                 self._admitted += 1
                 self._admission_wait += now - s.enqueued_at
-            t = s.ticket
+                self._first_chunk_time[t], self._handed_frames[t] = np.inf, 0  # not playing yet
             self._by_ticket[t] = s
             self._launched_pos[t] = s.prompt_len
             self._launched_steps[t] = sched.frames[t]  # 0, or (a live request's next segment) its frames so far
@@ -500,6 +529,7 @@ class TalkerEngine:
         self._progress_at = time.monotonic()
         if self.on_admit is not None:
             self.on_admit([s.request_id for s in batch])
+        return True
 
     def _launch(self) -> tuple[int, int, np.ndarray, np.ndarray] | None:
         """Launch the next step for every running row, unless no row can use it: rows that already have a step
@@ -569,8 +599,10 @@ class TalkerEngine:
             chunks = [c for c in chunks if c is not None]
             if chunks:
                 deliveries.append((o.stream, chunks))
+                self._handed_frames[t] += sum(c.num_new for c in chunks)
                 if seq.first_chunk_at is None and any(c.num_new for c in chunks):
                     seq.first_chunk_at = time.monotonic()
+                    self._first_chunk_time[t] = seq.first_chunk_at
                     self._first_chunks += 1
                     self._first_chunk_wait += seq.first_chunk_at - seq.enqueued_at
         ChunkStream.deliver_many(deliveries)

@@ -18,7 +18,11 @@ class TalkerEngineConfig:
     max_text_rows: int = 1024  # trailing text rows per request (longest streaming-text input)
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512)
     length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)  # gather-attention path only
-    max_prefill_batch: int = 16  # requests admitted per loop iteration (one batched prefill)
+    max_prefill_batch: int = 16  # requests in one batched prefill (one admission)
+    max_prefills_per_step: int = 1  # admissions one loop iteration may launch before its step: more than one only
+    # while every running stream's handed-out audio is ahead of its playback by admission_lead_s (a burst of
+    # arrivals is prefilled at once instead of one batch per step; docs/talker_engine.md, "Admission")
+    admission_lead_s: float = 0.3
     max_waiting: int = 4096  # queued requests at most; more are refused (overload)
     cuda_graphs: bool = True
     compile: bool = True  # torch.compile the per-layer math and sampling (CUDA only)
@@ -46,6 +50,8 @@ class TalkerEngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_seq_len < 16:
             raise ValueError("max_num_seqs must be >= 1 and max_seq_len >= 16")
+        if self.max_prefills_per_step < 1:
+            raise ValueError("max_prefills_per_step must be >= 1")
         if not 0 <= self.gemv_rows <= 8:  # stages/gemv_kernels.MAX_ROWS (this module stays torch-free)
             raise ValueError("gemv_rows must be in 0..8")
         if isinstance(self.schedule, dict):  # from YAML / JSON kwargs

@@ -251,3 +251,66 @@ def test_engine_cuts_chunks_by_the_schedule_with_left_context(model, prompts):
     for c in chunks[1:]:
         done = sum(x.num_new for x in chunks[:c.seq])
         np.testing.assert_array_equal(c.codes[:c.context], reference[done - c.context:done])
+
+
+def _queue_while_held(engine, requests):
+    """Queue `requests` while the engine thread is held in a run_on_device call, so that one command drain
+    takes them all (a burst of arrivals); -> their streams."""
+    import threading
+
+    release, held = threading.Event(), threading.Event()
+    engine.run_on_device(lambda: held.set() or release.wait())
+    held.wait()
+    streams = [engine.add_request(r) for r in requests]
+    release.set()
+    return streams
+
+
+@pytest.mark.parametrize("per_step", [1, 4])
+def test_a_burst_is_admitted_in_several_prefills_before_one_step(model, prompts, per_step):
+    """8 requests arriving at once, 2 per prefill: with max_prefills_per_step 4 all four prefills run before
+    the first step (no stream is playing yet); with 1, one prefill per step, as before."""
+    engine = _engine(model, max_num_seqs=8, max_prefill_batch=2, max_prefills_per_step=per_step)
+    steps_at_admission = []
+    engine.on_admit = lambda ids: steps_at_admission.append((len(ids), engine.stats().steps))
+    try:
+        async def main():
+            streams = _queue_while_held(engine, [SynthesisRequest(f"b{i}", prompts[i % 5], GREEDY, 6)
+                                                 for i in range(8)])
+            return [[c async for c in s] for s in streams]
+        chunks = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [n for n, _ in steps_at_admission] == [2, 2, 2, 2]
+    steps = [s for _, s in steps_at_admission]
+    # steps read so far at each admission: an iteration launches its step after its prefills and reads the one
+    # before, so one prefill per iteration sees 0, 0, 1, 2 and all four prefills in the first iteration 0, 0, 0, 0
+    assert steps == ([0, 0, 0, 0] if per_step == 4 else [0, 0, 1, 2])
+    assert all(sum(c.num_new for c in cs) == 6 for cs in chunks)
+
+
+@pytest.mark.parametrize("lead_s,together", [(1e9, False), (-1e9, True)])
+def test_extra_prefills_wait_while_a_playing_stream_lacks_lead(model, prompts, lead_s, together):
+    """A stream is playing (its first chunk handed out) when 4 requests arrive at once, 2 per prefill: with an
+    admission lead it cannot have (1e9 s), one prefill per step; with any lead enough (-1e9 s), both prefills
+    before the next step."""
+    engine = _engine(model, max_num_seqs=8, max_prefill_batch=2, max_prefills_per_step=4, admission_lead_s=lead_s)
+    admissions = []
+    engine.on_admit = lambda ids: admissions.append((ids, engine.stats().steps))
+    try:
+        async def main():
+            playing = engine.add_request(SynthesisRequest("playing", prompts[0], GREEDY, 60))
+            first = await playing.__anext__()  # its first chunk was handed out: it plays from here on
+            streams = _queue_while_held(engine, [SynthesisRequest(f"n{i}", prompts[i + 1], GREEDY, 4)
+                                                 for i in range(4)])
+            rest = [[c async for c in s] for s in streams]
+            return first, rest, [c async for c in playing]
+        first, rest, playing_rest = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert first.num_new > 0
+    burst = [steps for ids, steps in admissions if ids[0].startswith("n")]
+    assert len(burst) == 2
+    assert (burst[0] == burst[1]) is together
+    assert all(sum(c.num_new for c in cs) == 4 for cs in rest)
+    assert first.num_new + sum(c.num_new for c in playing_rest) == 60
