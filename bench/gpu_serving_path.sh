@@ -16,7 +16,8 @@
 #            Code2Wav (as high_concurrency.yaml)
 #   gpu1     scale-out baseline on a multi-GPU host: high_concurrency.yaml on GPU 0 only (CUDA_VISIBLE_DEVICES=0)
 #   replicas scale-out: configs/replicas.yaml on every GPU of the host (one co-located pair per GPU raylet,
-#            4 ingress replicas per GPU); gpu1 and replicas use the Serve proxy and the same levels
+#            4 ingress replicas per GPU); gpu1 and replicas use the Serve proxy and the same levels, or with
+#            DIRECT=1 both the direct variant's throughput-optimized mode and HAProxy ingress
 # Results: two files per variant, $OUT/<variant>.tar.gz (everything) and $OUT/<variant>.md (the table): the
 # device tool returns at most 8 files, and a lost in-process run (2026-11-22) taught that. BUDGET_S: per variant
 # (default 250). Order the variants by priority: a command cut at its time limit keeps what is done.
@@ -27,7 +28,9 @@ ROOT_OUT=${OUT:-bench/out/serving_path}
 export CONCURRENCY=${CONCURRENCY:-1,64,128,256}
 VARIANT_BUDGET_S=${BUDGET_S:-250}
 INGRESS4="ingress.deployment_config.autoscaling_config.min_replicas=4"
-LIVE_STAGE=${LIVE:+live}  # LIVE=1: each served variant also runs the WebSocket live-text stage (bench.live) first
+LIVE_STAGE=${LIVE:+live}
+DIRECT_ENV=()  # DIRECT=1: gpu1 and replicas as the direct variant (throughput-optimized Serve, HAProxy ingress)
+if [ "${DIRECT:-0}" = 1 ]; then DIRECT_ENV=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1); fi  # LIVE=1: each served variant also runs the WebSocket live-text stage (bench.live) first
 mkdir -p "$ROOT_OUT"
 for variant in "$@"; do
   mkdir -p "$ROOT_OUT/$variant"
@@ -48,10 +51,10 @@ for variant in "$@"; do
          { echo get_server_list | nvidia-cuda-mps-control; nvidia-smi | tail -8; } > "$ROOT_OUT/$variant/mps.txt" 2>&1
          OUT=$ROOT_OUT/$variant bash bench/gpu_serve_runbook.sh stop
          echo quit | nvidia-cuda-mps-control ;;
-    gpu1) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CUDA_VISIBLE_DEVICES=0 CONFIG=configs/high_concurrency.yaml \
-            bash bench/gpu_serve_runbook.sh setup closed stop ;;
+    gpu1) env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CUDA_VISIBLE_DEVICES=0 \
+            CONFIG=configs/high_concurrency.yaml bash bench/gpu_serve_runbook.sh setup closed stop ;;
     replicas) n=$(nvidia-smi -L | grep -c '^GPU')
-              OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/replicas.yaml \
+              env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/replicas.yaml \
                 SET="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))" \
                 bash bench/gpu_serve_runbook.sh setup closed stop ;;
     inproc) CKPT=${CKPT:-/tmp/qwen3-serve-bench/ckpt/1.7b-custom_voice}
