@@ -241,6 +241,7 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
     prefill_s = after.prefill_seconds - before.prefill_seconds
     step_s = after.step_seconds - before.step_seconds
     prefills = after.prefills - before.prefills
+    burst_prefills = after.burst_prefills - before.burst_prefills
     calls = decoder.calls[calls_before:] if decoder else []
     dec_batches = [n for _, _, n, _ in calls]
     gapped = [r for r in records if r.max_deficit_s > GAP_FREE_S]
@@ -258,7 +259,7 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
         "gapped_talker_ms_per_frame": pct([r.worst_frame_s * 1e3 for r in gapped], 50),
         "steps": steps, "mean_batch": (after.frames - before.frames) / max(steps, 1),
         "step_ms": step_s / max(steps, 1) * 1e3,
-        "prefills": prefills, "prefill_ms": prefill_s / max(prefills, 1) * 1e3,
+        "prefills": prefills, "burst_prefills": burst_prefills, "prefill_ms": prefill_s / max(prefills, 1) * 1e3,
         "prefill_share": prefill_s / wall, "step_share": step_s / wall,
         "decode_batches": len(dec_batches), "mean_decode_batch": statistics.fmean(dec_batches) if dec_batches else 0,
         "bad_codes": [r.bad_codes for r in records if r.bad_codes],
@@ -335,7 +336,8 @@ def _parse_ramp(text: str) -> tuple[int, ...] | None:
 
 
 HEADER = ("| ramp | decode policy | c | requests | TTFA p50 / p95 / max (ms) | E2E p50 / p95 (ms) | audio-s/s | gap-free | "
-          "gapped at chunk (count); its decode wait, talker ms/frame | mean batch | step ms | prefills, ms each | "
+          "gapped at chunk (count); its decode wait, talker ms/frame | mean batch | step ms | "
+          "prefills (of them in a burst), ms each | "
           "prefill / step share of wall | "
           "decode batches, mean size | bad codes |\n"
           "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
@@ -350,7 +352,7 @@ def row(r: dict) -> str:
             f"{t['p50']:.1f} / {t['p95']:.1f} / {t['max']:.1f} | "
             f"{e['p50']:.0f} / {e['p95']:.0f} | {r['audio_s_per_s']:.1f} | {r['gap_free_share']:.0%} | "
             f"{gapped or '-'} | {r['mean_batch']:.1f} | "
-            f"{r['step_ms']:.2f} | {r['prefills']}, {r['prefill_ms']:.2f} | "
+            f"{r['step_ms']:.2f} | {r['prefills']} ({r.get('burst_prefills', 0)}), {r['prefill_ms']:.2f} | "
             f"{r['prefill_share']:.0%} / {r['step_share']:.0%} | {r['decode_batches']}, "
             f"{r['mean_decode_batch']:.1f} | {len(r['bad_codes'])} |")
 

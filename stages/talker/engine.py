@@ -74,6 +74,7 @@ class EngineStats:
     steps: int
     frames: int
     prefills: int = 0  # batched prefills run (admissions)
+    burst_prefills: int = 0  # of them, launched after another in the same iteration (max_prefills_per_step)
     prefill_seconds: float = 0.0  # engine-thread time spent launching them (they never wait for the device)
     step_seconds: float = 0.0  # engine-thread time spent launching steps and reading their output
     parked: int = 0  # live text: prefilled requests waiting for text, off the rows (they keep slot and KV)
@@ -113,7 +114,7 @@ class TalkerEngine:
         self._stop = False
         self._error: BaseException | None = None
         self._seed_counter = itertools.count(int(time.time_ns() % (1 << 31)))
-        self._steps = self._frames = self._prefills = 0
+        self._steps = self._frames = self._prefills = self._burst_prefills = 0
         self._admitted = self._first_chunks = 0
         self._admission_wait = self._first_chunk_wait = 0.0
         self._prefill_seconds = self._step_seconds = 0.0
@@ -322,7 +323,8 @@ class TalkerEngine:
             waiting=sched.num_waiting + self._adds_queued, running=sched.num_running, max_running=self.num_slots,
             kv_reserved_tokens=sched.reserved_positions,
             kv_total_tokens=sched.blocks.num_blocks * sched.blocks.block_size, steps=self._steps,
-            frames=self._frames, prefills=self._prefills, prefill_seconds=self._prefill_seconds,
+            frames=self._frames, prefills=self._prefills, burst_prefills=self._burst_prefills,
+            prefill_seconds=self._prefill_seconds,
             step_seconds=self._step_seconds, parked=sched.num_parked, held=sched.num_held,
             admitted=self._admitted, admission_wait_seconds=self._admission_wait,
             first_chunks=self._first_chunks, first_chunk_seconds=self._first_chunk_wait,
@@ -478,6 +480,8 @@ class TalkerEngine:
                 return
             if not self._admit():
                 return
+            if i:
+                self._burst_prefills += 1
 
     def _min_lead_s(self) -> float:
         """The least lead among running streams: audio handed out minus audio played (inf: none is playing)."""

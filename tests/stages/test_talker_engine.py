@@ -279,6 +279,7 @@ def test_a_burst_is_admitted_in_several_prefills_before_one_step(model, prompts,
                                                  for i in range(8)])
             return [[c async for c in s] for s in streams]
         chunks = asyncio.run(main())
+        stats = engine.stats()
     finally:
         engine.shutdown()
     assert [n for n, _ in steps_at_admission] == [2, 2, 2, 2]
@@ -286,6 +287,7 @@ def test_a_burst_is_admitted_in_several_prefills_before_one_step(model, prompts,
     # steps read so far at each admission: an iteration launches its step after its prefills and reads the one
     # before, so one prefill per iteration sees 0, 0, 1, 2 and all four prefills in the first iteration 0, 0, 0, 0
     assert steps == ([0, 0, 0, 0] if per_step == 4 else [0, 0, 1, 2])
+    assert stats.prefills == 4 and stats.burst_prefills == (3 if per_step == 4 else 0)
     assert all(sum(c.num_new for c in cs) == 6 for cs in chunks)
 
 
