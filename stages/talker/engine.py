@@ -388,9 +388,9 @@ class TalkerEngine:
         self._codes = np.zeros((self.num_slots, cfg.max_seq_len, NUM_CODEBOOKS), dtype=np.int16)
         self._launched_pos = np.zeros(self.num_slots, dtype=np.int64)
         self._launched_steps = np.zeros(self.num_slots, dtype=np.int64)
-        # per ticket, for admission's lead check: when its first chunk was handed out, frames handed out since
-        self._first_chunk_time = np.full(self.num_slots, np.inf)
-        self._handed_frames = np.zeros(self.num_slots, dtype=np.int64)
+        # per ticket, for admission's lead check: when the audio handed out so far ends if its listener plays it
+        # from the first chunk on without a pause (a pause: playback resumes with the next chunk); inf: no chunk yet
+        self._play_end = np.full(self.num_slots, np.inf)
         self._by_ticket: list[Sequence | None] = [None] * self.num_slots
         if cfg.cuda_graphs and model.device.type == "cuda":
             log(f"[talker] capturing CUDA graphs for batch buckets {self._buckets} x "
@@ -470,8 +470,9 @@ class TalkerEngine:
     def _admit_batches(self) -> None:
         """One admission, and more (up to max_prefills_per_step) while requests wait and no running stream would
         feel the wait: each extra prefill delays the next step by its own time, so it runs only while every
-        running stream's handed-out audio is at least admission_lead_s ahead of its playback (a stream plays from
-        its first chunk's hand-over on; one without a chunk yet is not playing)."""
+        running stream has at least admission_lead_s of handed-out audio not yet played (`_play_end`: a listener
+        plays from its first chunk's hand-over on and resumes after a pause, e.g. a live stream waiting for
+        text, when the next chunk comes; one without a chunk yet is not playing)."""
         cfg, sched = self.config, self.scheduler
         for i in range(cfg.max_prefills_per_step):
             if i and not (sched.waiting or sched.restarts):
@@ -484,12 +485,10 @@ class TalkerEngine:
                 self._burst_prefills += 1
 
     def _min_lead_s(self) -> float:
-        """The least lead among running streams: audio handed out minus audio played (inf: none is playing)."""
+        """The least lead among running streams: audio handed out not yet played (inf: none is playing)."""
         tickets = np.fromiter((s.ticket for s in self.scheduler.running), dtype=np.int64,
                               count=self.scheduler.num_running)
-        played = time.monotonic() - self._first_chunk_time[tickets]  # -inf where no chunk yet
-        lead = self._handed_frames[tickets] * FRAME_SECONDS - played
-        return float(lead.min())
+        return float(self._play_end[tickets].min() - time.monotonic())
 
     def _admit(self) -> bool:
         """One batched prefill of what the scheduler admits; whether it admitted any."""
@@ -511,7 +510,7 @@ class TalkerEngine:
             self._free_rows(before)
             for s in batch:
                 s.output.stream.fail(e)
-            return True
+            return False  # no burst after a failed prefill: the next iteration tries the next batch
         now = time.monotonic()
         for s in batch:
             t = s.ticket
@@ -519,7 +518,7 @@ class TalkerEngine:
                 s.admitted_at = now
                 self._admitted += 1
                 self._admission_wait += now - s.enqueued_at
-                self._first_chunk_time[t], self._handed_frames[t] = np.inf, 0  # not playing yet
+                self._play_end[t] = np.inf  # not playing yet
             self._by_ticket[t] = s
             self._launched_pos[t] = s.prompt_len
             self._launched_steps[t] = sched.frames[t]  # 0, or (a live request's next segment) its frames so far
@@ -603,10 +602,13 @@ class TalkerEngine:
             chunks = [c for c in chunks if c is not None]
             if chunks:
                 deliveries.append((o.stream, chunks))
-                self._handed_frames[t] += sum(c.num_new for c in chunks)
-                if seq.first_chunk_at is None and any(c.num_new for c in chunks):
+                new_frames = sum(c.num_new for c in chunks)
+                if new_frames:  # the listener's buffer: it plays on from where it is, or from now after a pause
+                    now = time.monotonic()
+                    end = self._play_end[t]
+                    self._play_end[t] = (now if end == np.inf else max(end, now)) + new_frames * FRAME_SECONDS
+                if seq.first_chunk_at is None and new_frames:
                     seq.first_chunk_at = time.monotonic()
-                    self._first_chunk_time[t] = seq.first_chunk_at
                     self._first_chunks += 1
                     self._first_chunk_wait += seq.first_chunk_at - seq.enqueued_at
         ChunkStream.deliver_many(deliveries)

@@ -207,6 +207,36 @@ def test_a_failed_admission_fails_only_its_batch(model, prompt):
     assert ready and stats.running == 0 and stats.kv_reserved_tokens == 0
 
 
+def test_a_failed_admission_ends_a_burst_and_the_next_iteration_goes_on(model, prompt):
+    """Three requests at once, one per prefill, up to 4 prefills per iteration: the first prefill fails (its
+    request alone), which ends that iteration's admissions; the next iteration admits the other two, the second
+    as a burst prefill (no stream plays yet). Only prefills that ran are counted."""
+    import threading
+
+    engine = _faulty_engine(model, max_num_seqs=4, max_prefill_batch=1, max_prefills_per_step=4)
+    admitted = []
+    engine.on_admit = lambda ids: admitted.append((ids[0], engine.stats().steps))
+    try:
+        async def main():
+            release, held = threading.Event(), threading.Event()
+            engine.run_on_device(lambda: held.set() or release.wait())  # one drain takes all three
+            held.wait()
+            streams = [engine.add_request(SynthesisRequest(rid, prompt, max_frames=5, seed=seed))
+                       for rid, seed in (("bad", 666), ("ok1", 1), ("ok2", 2))]
+            release.set()
+            with pytest.raises(ValueError, match="bad admission"):
+                await _drain(streams[0])
+            return [await _drain(s) for s in streams[1:]], [s.finish_reason for s in streams[1:]]
+        (ok1, ok2), reasons = asyncio.run(main())
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert [rid for rid, _ in admitted] == ["ok1", "ok2"] and admitted[0][1] == admitted[1][1]
+    assert stats.prefills == 2 and stats.burst_prefills == 1
+    assert reasons == [FinishReason.LENGTH, FinishReason.LENGTH]
+    assert sum(c.num_new for c in ok1) == 5 and sum(c.num_new for c in ok2) == 5
+
+
 async def _drain(stream):
     return [c async for c in stream]
 
