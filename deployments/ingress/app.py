@@ -25,9 +25,10 @@ from deployments.http_guard import BodyGuard, BodyLimits
 
 TITLE, VERSION = "Qwen3-TTS on Ray Serve", "0.1.0"
 
-# (HTTP method, path) -> the server method that answers it. Methods of one path served by the same server
-# method become one route (GET and HEAD /health). The order is the OpenAPI document's ("WEBSOCKET" routes are
-# not in it: docs/websocket.md describes their messages).
+# (HTTP method, path) -> the server method that answers it: one route each, so that each has its own OpenAPI
+# operation id (GET and HEAD /health: health_health_get, health_health_head; one route for both gave both
+# the first method's id). The order is the OpenAPI document's
+# ("WEBSOCKET" routes are not in it: docs/websocket.md describes their messages).
 ENDPOINTS: dict[tuple[str, str], str] = {
     ("POST", "/v1/audio/speech"): "speech",
     ("GET", "/v1/models"): "models",
@@ -55,14 +56,11 @@ def make_fastapi_app(body_limits: BodyLimits | None) -> FastAPI:
 
 def make_fastapi_ingress(cls: type, *, app: FastAPI, endpoints: dict[tuple[str, str], str] = ENDPOINTS) -> type:
     """`cls` with `endpoints` registered on `app` and the app attached: the class for `serve.deployment`."""
-    routes: dict[tuple[str, str], list[str]] = {}  # (path, method name) -> HTTP methods
     for (http_method, path), name in endpoints.items():
-        routes.setdefault((path, name), []).append(http_method)
-    for (path, name), http_methods in routes.items():
-        if http_methods == ["WEBSOCKET"]:
+        if http_method == "WEBSOCKET":
             app.add_api_websocket_route(path, _endpoint(cls, name))
         else:
-            app.api_route(path, methods=http_methods)(_endpoint(cls, name))
+            app.api_route(path, methods=[http_method])(_endpoint(cls, name))
     return serve.ingress(app)(cls)
 
 
