@@ -116,21 +116,19 @@ if triton is not None:
         seq_len = tl.load(lens_ptr + row * stride_len)
         g = tl.arange(0, GROUP_P)
         d = tl.arange(0, D)
+        last = seq_len - 1
         if SPLITS == 1:
             lo = 0
             hi = seq_len
+            holds_last = True  # a Python bool: the `if` below is resolved at compile time
         else:  # this program's share of the keys: whole tiles, the last splits possibly empty
             split = tl.program_id(2)
             chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK) * BLOCK
             lo = split * chunk
             hi = tl.minimum(lo + chunk, seq_len)
+            holds_last = (last >= lo) & (last < hi)  # only the split that reads the last position writes it
         if WRITE:  # the row's new key/value go to its last position here, not in two copy kernels before the call
-            last = seq_len - 1
-            if SPLITS == 1:
-                _store_new_kv(k_ptr, v_ptr, table_ptr, kn_ptr, vn_ptr, kw_ptr, cos_ptr, sin_ptr, eps, row, kv_head,
-                              last, stride_kblock, stride_kt, stride_kh, stride_tb, stride_knb, stride_knh,
-                              stride_vnb, stride_vnh, stride_cb, D, PAGE, HEADS)
-            elif (last >= lo) & (last < hi):  # only the split that reads the last position writes it
+            if holds_last:
                 _store_new_kv(k_ptr, v_ptr, table_ptr, kn_ptr, vn_ptr, kw_ptr, cos_ptr, sin_ptr, eps, row, kv_head,
                               last, stride_kblock, stride_kt, stride_kh, stride_tb, stride_knb, stride_knh,
                               stride_vnb, stride_vnh, stride_cb, D, PAGE, HEADS)
