@@ -486,9 +486,12 @@ class TalkerEngine:
 
     def _min_lead_s(self) -> float:
         """The least lead among running streams: audio handed out not yet played (inf: none is playing)."""
-        tickets = np.fromiter((s.ticket for s in self.scheduler.running), dtype=np.int64,
-                              count=self.scheduler.num_running)
-        return float(self._play_end[tickets].min() - time.monotonic())
+        return float(self._play_end[self._running_tickets()].min() - time.monotonic())
+
+    def _running_tickets(self) -> np.ndarray:
+        """The running requests' tickets, in row order."""
+        sched = self.scheduler
+        return np.fromiter((s.ticket for s in sched.running), dtype=np.int64, count=sched.num_running)
 
     def _admit(self) -> bool:
         """One batched prefill of what the scheduler admits; whether it admitted any."""
@@ -541,8 +544,7 @@ class TalkerEngine:
         if sched.num_running == 0:
             return None
         t0 = time.perf_counter()
-        tickets = np.fromiter((s.ticket for s in sched.running), dtype=np.int64, count=sched.num_running)
-        tickets = self._park_starved(tickets)  # live text: rows whose next text is not there leave first
+        tickets = self._park_starved(self._running_tickets())  # live text: rows whose next text is not there leave first
         if self._text_dirty:
             self._write_text()
         n = len(tickets)
@@ -608,7 +610,7 @@ class TalkerEngine:
                     end = self._play_end[t]
                     self._play_end[t] = (now if end == np.inf else max(end, now)) + new_frames * FRAME_SECONDS
                 if seq.first_chunk_at is None and new_frames:
-                    seq.first_chunk_at = time.monotonic()
+                    seq.first_chunk_at = now
                     self._first_chunks += 1
                     self._first_chunk_wait += seq.first_chunk_at - seq.enqueued_at
         ChunkStream.deliver_many(deliveries)
@@ -697,7 +699,7 @@ class TalkerEngine:
             self._wait_for_text(seq)
         self.parks += len(seqs)
         self._progress_at = time.monotonic()
-        return np.fromiter((s.ticket for s in sched.running), dtype=np.int64, count=sched.num_running)
+        return self._running_tickets()
 
     def _unpark(self, seq: Sequence) -> None:
         """A parked request has its next text: it continues at the end of the rows, where it stopped."""

@@ -134,6 +134,7 @@ class _Staging:
             self.views[name] = as_float[:, at:at + n]
             at += n
         self.views["frames"] = self.views["frames"].unflatten(1, (width, NUM_CODEBOOKS))
+        self.copied: torch.cuda.Event | None = None  # host stage: recorded after its last copy to the device
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.views[name]
@@ -229,10 +230,9 @@ class TalkerRunner:
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         width = max(max_seq_len, max_text_rows)
         stage = (self.max_prefill_batch, width, max_text_rows, self.kv.blocks_per_seq, cfg.hidden_size)
+        # two alternate; one is rewritten only once its last copy is done (`_Staging.copied`): one admission per
+        # engine iteration never waits for that (the step read in between is queued after the copy), a burst may
         self._host_stage = [_Staging(*stage, device="cpu", pin=self.cuda) for _ in range(2)]
-        # a host stage is rewritten only once its last copy is done: one admission per engine iteration never
-        # waits on these (the step read in between is queued after the copy), a burst of admissions may
-        self._host_stage_copied: list[torch.cuda.Event | None] = [None, None]
         self._stage_turn = 0
         self._stage = _Staging(*stage, device=dev, pin=False)
         self._parked: list[torch.Tensor] | None = None  # per-row state of parked requests, by park slot (lazy)
@@ -356,16 +356,15 @@ class TalkerRunner:
             (nb, w), tw = key, self.trailing_width
         else:
             nb, w, tw = n, _round_up(width, _WIDTH_MULTIPLE), min(_round_up(trailing, _WIDTH_MULTIPLE), self.max_text_rows)
-        turn = self._stage_turn
+        host = self._host_stage[self._stage_turn]
         self._stage_turn ^= 1
-        host = self._host_stage[turn]
-        if self._host_stage_copied[turn] is not None:
-            self._host_stage_copied[turn].synchronize()  # its previous batch's copy may still be queued
+        if host.copied is not None:
+            host.copied.synchronize()  # its previous batch's copy may still be queued
         self._write_stage(host, batch, nb, w, tw)
         self._stage.buf[:nb].copy_(host.buf[:nb], non_blocking=True)
         if self.cuda:
-            self._host_stage_copied[turn] = self._host_stage_copied[turn] or torch.cuda.Event()
-            self._host_stage_copied[turn].record()
+            host.copied = host.copied or torch.cuda.Event()
+            host.copied.record()
         if key is not None:
             self.prefill_graphs[key].replay()
         elif exact:
