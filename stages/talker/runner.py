@@ -185,7 +185,7 @@ class TalkerRunner:
                  block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
                  compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
                  gemv_rows: int = 4, heads_in_attention: bool = True, sampling_kernel: bool = True,
-                 gemv_pdl: bool = False, attention_splits: bool = False):
+                 gemv_pdl: bool = False, attention_splits: bool = True):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
