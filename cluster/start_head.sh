@@ -22,6 +22,9 @@ Options:
                                start_workers.sh uses 11000-19999, so both fit on one host)
   --object-store-memory BYTES  object store of the head (default: Ray's, 30% of RAM)
   --restart                    `ray stop` first: stops EVERY Ray process on this host
+  --mps                        start the CUDA MPS control daemon (nvidia-cuda-mps-control -d) before
+                               Ray, unless one runs: replicas sharing a GPU overlap their kernels
+                               (docs/serving.md, "CUDA MPS"); with --stop: quit it after `ray stop`
   --stop                       `ray stop` and exit (safe to repeat)
   --dry-run                    print the commands, run nothing
   -h, --help                   this text
@@ -50,6 +53,7 @@ WORKER_PORTS="10002-10999"
 OBJECT_STORE=""
 RESTART=0
 STOP=0
+MPS=0
 DRY_RUN=0
 EXTRA=()
 
@@ -64,6 +68,7 @@ while [[ $# -gt 0 ]]; do
     --object-store-memory) OBJECT_STORE="${2:?--object-store-memory needs a value}"; shift 2 ;;
     --restart) RESTART=1; shift ;;
     --stop) STOP=1; shift ;;
+    --mps) MPS=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; EXTRA=("$@"); break ;;
@@ -92,6 +97,7 @@ port_in_use() {
 
 if [[ $STOP -eq 1 ]]; then
   run "$RAY_BIN" stop
+  [[ $MPS -eq 0 ]] || stop_mps
   exit 0
 fi
 
@@ -127,6 +133,7 @@ ARGS=(
 [[ -z "$OBJECT_STORE" ]] || ARGS+=(--object-store-memory="$OBJECT_STORE")
 ARGS+=(${EXTRA[@]+"${EXTRA[@]}"})
 
+[[ $MPS -eq 0 ]] || start_mps  # before Ray: only processes started after the daemon become its clients
 run env "${GPU_ENV[@]}" "$RAY_BIN" start "${ARGS[@]}"
 
 if [[ $DRY_RUN -eq 0 ]]; then

@@ -28,6 +28,9 @@ Options:
   --agent-port-base P          raylet i serves its dashboard agent on P+i (default 52366)
   --metrics-port-base P        raylet i exports Prometheus metrics on P+i (default 8081)
   --restart                    `ray stop` first: stops EVERY Ray process on this host, head included
+  --mps                        start the CUDA MPS control daemon (nvidia-cuda-mps-control -d) before
+                               Ray, unless one runs: replicas sharing a GPU overlap their kernels
+                               (docs/serving.md, "CUDA MPS"); with --stop: quit it after `ray stop`
   --stop                       `ray stop` and exit (safe to repeat)
   --dry-run                    print the commands, run nothing
   -h, --help                   this text
@@ -56,6 +59,7 @@ AGENT_PORT_BASE=52366
 METRICS_PORT_BASE=8081
 RESTART=0
 STOP=0
+MPS=0
 DRY_RUN=0
 EXTRA=()
 
@@ -72,6 +76,7 @@ while [[ $# -gt 0 ]]; do
     --metrics-port-base) METRICS_PORT_BASE="${2:?--metrics-port-base needs a value}"; shift 2 ;;
     --restart) RESTART=1; shift ;;
     --stop) STOP=1; shift ;;
+    --mps) MPS=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; EXTRA=("$@"); break ;;
@@ -84,6 +89,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 if [[ $STOP -eq 1 ]]; then
   run "$RAY_BIN" stop
+  [[ $MPS -eq 0 ]] || stop_mps
   exit 0
 fi
 
@@ -178,6 +184,8 @@ for i in "${!GPU_LIST[@]}"; do
     echo "start_workers.sh: GPU $k already has a raylet on this host; skipped"
     continue
   fi
+  # MPS before the first raylet it starts: only processes started after the daemon become its clients
+  if [[ $MPS -eq 1 && $started -eq 0 ]]; then start_mps; fi
   lo=$(( MIN_WORKER_PORT + i * PORT_SPAN ))
   hi=$(( lo + PORT_SPAN - 1 ))
   args=(

@@ -437,6 +437,55 @@ def test_scripts_really_run_ray_with_the_environment(tmp_path):
     assert calls[2]["argv"] == ["stop"]
 
 
+FAKE_MPS = """#!{python}
+import json, os, sys
+with open(os.environ["FAKE_RAY_LOG"], "a") as f:
+    f.write(json.dumps({{"mps": sys.argv[1:], "stdin": "" if sys.argv[1:] == ["-d"] else sys.stdin.read()}}) + "\\n")
+"""
+
+
+def test_mps_daemon_starts_before_ray_once_and_quits_with_stop(tmp_path):
+    """--mps: the MPS control daemon is started before the first `ray start` (processes started before it are
+    not its clients), not again while one runs, and `--stop --mps` quits it after `ray stop`. A process whose
+    command line is `<control name> -d` stands for a running daemon (the real one never runs in CI: the
+    fake has a name of its own)."""
+    fake_ray, fake_mps = tmp_path / "ray", tmp_path / "fake-mps-control-test"
+    fake_ray.write_text(FAKE_RAY.format(python=sys.executable))
+    fake_mps.write_text(FAKE_MPS.format(python=sys.executable))
+    for fake in (fake_ray, fake_mps):
+        fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    env = {"RAY": str(fake_ray), "MPS_CONTROL": str(fake_mps), "FAKE_RAY_LOG": str(log)}
+
+    def calls() -> list[dict]:
+        out = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        log.unlink(missing_ok=True)
+        return out
+
+    dry = _run([str(START_HEAD), "--dry-run", "--restart", "--gpu", "0", "--mps"], env=env).stdout.splitlines()
+    assert [line.split()[1] for line in dry if line.startswith("+ ")][-2:] == [str(fake_mps), "env"]
+    _run([str(START_WORKERS), "--address", "10.9.9.9:59998", "--gpus", "0,1", "--mps"], env=env)
+    assert [c.get("mps") or c["argv"][0] for c in calls()] == [["-d"], "start", "start"]
+    _run([str(START_WORKERS), "--stop", "--mps"], env=env)  # no daemon runs: only `ray stop`
+    assert [c.get("mps") or c["argv"] for c in calls()] == [["stop"]]
+
+    # a running daemon: started again by no one, quit by --stop --mps (after `ray stop`)
+    daemon = subprocess.Popen([fake_mps.name, "-d"], executable=sys.executable, stdin=subprocess.PIPE)
+    try:
+        out = _run([str(START_WORKERS), "--address", "10.9.9.9:59998", "--gpus", "0", "--mps"], env=env).stdout
+        assert "already runs" in out
+        assert [c.get("mps") or c["argv"][0] for c in calls()] == ["start"]
+        _run([str(START_HEAD), "--stop", "--mps"], env=env)
+        assert calls() == [{"argv": ["stop"], "cvd": None, "override": None}, {"mps": [], "stdin": "quit\n"}]
+    finally:
+        daemon.kill()
+        daemon.wait()
+
+    missing = _run([str(START_HEAD), "--restart", "--mps"], env={**env, "MPS_CONTROL": str(tmp_path / "absent")},
+                   check=False)
+    assert missing.returncode == 2 and "not found" in missing.stderr
+
+
 # ---------------------------------------------------------------------------------------------- Grafana
 
 
