@@ -11,6 +11,7 @@ to the GIL it shares with Serve's event loops inside the replica?).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -30,12 +31,17 @@ def main() -> None:
     from deployments.constants import TALKER_DEPLOYMENT_PREFIX
 
     ray.init(address="auto", namespace="serve", log_to_driver=False)
-    handle = serve.get_deployment_handle(TALKER_DEPLOYMENT_PREFIX + args.model, app_name=args.app)
-    before = handle.engine_stats.remote().result()
-    t0 = time.perf_counter()
-    time.sleep(args.seconds)
-    after = handle.engine_stats.remote().result()
-    wall = time.perf_counter() - t0
+
+    async def window() -> tuple[dict, dict, float]:
+        # inside an event loop: with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 a handle routes on the caller's loop and
+        # refuses calls made outside one (the served configuration of the serving-path runs sets it)
+        handle = serve.get_deployment_handle(TALKER_DEPLOYMENT_PREFIX + args.model, app_name=args.app)
+        first = await handle.engine_stats.remote()
+        t0 = time.perf_counter()
+        await asyncio.sleep(args.seconds)
+        return first, await handle.engine_stats.remote(), time.perf_counter() - t0
+
+    before, after, wall = asyncio.run(window())
     steps = after["steps"] - before["steps"]
     report = {
         "window_s": round(wall, 2), "steps": steps,

@@ -57,7 +57,7 @@ from stages.talker.paged_kv import PagedKVCache
 from stages.talker.prefill import build_prefill
 from stages.talker.prompt_plan import plan_prompt
 from stages.talker.runner import COMPILED_SOURCES, Admission, TalkerRunner
-from stages.talker.scheduler import Scheduler, Sequence
+from stages.talker.scheduler import RowMove, Scheduler, Sequence
 from stages.talker.stream import ChunkStream
 from stages.text_stream import TextPiece, TextStream
 
@@ -628,8 +628,7 @@ class TalkerEngine:
         for seq, _ in finished:
             self._by_ticket[seq.ticket] = None
             self._text_dirty.pop(id(seq), None)
-        for move in sched.release([s for s, _ in finished]):
-            self.runner.move_row(move.src, move.dst, sched.running[move.dst].trailing_len)
+        self._move_rows(sched.release([s for s, _ in finished]))
         self._free_rows(before)
         # streams end only once the rows are free: a consumer that sees the end then reads stats sees them free
         for seq, outcome in finished:
@@ -692,8 +691,7 @@ class TalkerEngine:
         for seq in seqs:  # saved before any row moves into theirs (device order: after the step in flight)
             runner.park_row(seq.row, seq.ticket)
         before = sched.num_running
-        for move in sched.park(seqs):
-            runner.move_row(move.src, move.dst, sched.running[move.dst].trailing_len)
+        self._move_rows(sched.park(seqs))
         self._free_rows(before)
         for seq in seqs:
             self._wait_for_text(seq)
@@ -733,8 +731,7 @@ class TalkerEngine:
         KV, and prefills its next segment when that has text (or finishes if the text has ended)."""
         sched = self.scheduler
         before = sched.num_running
-        for move in sched.park([seq], restart=True):
-            self.runner.move_row(move.src, move.dst, sched.running[move.dst].trailing_len)
+        self._move_rows(sched.park([seq], restart=True))
         self._free_rows(before)
         seq.restart = True  # also when it was parked already (waiting for text when its EOS was read)
         sched.generation[seq.ticket] = next(sched._gen)  # the step launched after its EOS is dropped
@@ -797,10 +794,14 @@ class TalkerEngine:
             self._end(seq, outcome)
         self._text_dirty.pop(id(seq), None)
 
+    def _move_rows(self, moves: list[RowMove]) -> None:
+        """The scheduler's row moves, done by the runner in one batch."""
+        running = self.scheduler.running
+        self.runner.move_rows([(m.src, m.dst, running[m.dst].trailing_len) for m in moves])
+
     def _free_rows(self, before: int) -> None:
         """Rows [running, before) are free now: their KV tables point at the scratch block again."""
-        for row in range(self.scheduler.num_running, before):
-            self.runner.free_row(row)
+        self.runner.free_rows(self.scheduler.num_running, before)
 
     @staticmethod
     def _end(seq: Sequence, outcome: FinishReason | BaseException) -> None:

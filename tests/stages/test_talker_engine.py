@@ -6,6 +6,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from stages.contract import FinishReason, InvalidRequestError, SamplingParams, SynthesisRequest
 from stages.prompts import build_prompt
@@ -316,3 +317,33 @@ def test_extra_prefills_wait_while_a_playing_stream_lacks_lead(model, prompts, l
     assert (burst[0] == burst[1]) is together
     assert all(sum(c.num_new for c in cs) == 4 for cs in rest)
     assert first.num_new + sum(c.num_new for c in playing_rest) == 60
+
+
+def test_runner_moves_several_rows_at_once_and_frees_a_range(model):
+    """`move_rows` does a release's moves in one gather + scatter: every destination gets its source's small
+    state and its first trailing_len text rows (as one move at a time would), rows that do not move keep theirs;
+    `free_rows` points a range of rows' KV tables at the scratch block. (The engine runs no request meanwhile.)"""
+    engine = _engine(model, max_num_seqs=8)
+    try:
+        runner = engine.runner
+        tensors = runner._row_tensors()
+        for t in tensors:  # distinct contents per row
+            t.copy_(torch.arange(t.numel(), dtype=torch.float64).reshape(t.shape).to(t.dtype))
+        runner.trailing.normal_()
+        before = [t.clone() for t in tensors]
+        trailing = runner.trailing.clone()
+        runner.move_rows([(6, 1, 3), (7, 4, 5), (5, 2, 0)])
+        for t, b in zip(tensors, before, strict=True):
+            for src, dst in ((6, 1), (7, 4), (5, 2)):
+                assert torch.equal(t[dst], b[src])
+            for row in (0, 3, 5, 6, 7):
+                assert torch.equal(t[row], b[row])
+        assert torch.equal(runner.trailing[1, :3], trailing[6, :3])
+        assert torch.equal(runner.trailing[4, :5], trailing[7, :5])
+        assert torch.equal(runner.trailing[0], trailing[0]) and torch.equal(runner.trailing[3], trailing[3])
+        kept = runner.kv.block_table[:5].clone()
+        runner.free_rows(5, 8)
+        assert (runner.kv.block_table[5:8] == runner.kv.scratch_block).all()
+        assert torch.equal(runner.kv.block_table[:5], kept)
+    finally:
+        engine.shutdown()

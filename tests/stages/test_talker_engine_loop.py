@@ -67,11 +67,13 @@ class FakeRunner:
     def step_output(self, turn: int, n: int) -> np.ndarray:
         return self.outputs[turn][:n]
 
-    def move_row(self, src: int, dst: int, trailing_len: int) -> None:
-        self.rows[dst] = self.rows[src]
+    def move_rows(self, moves: list[tuple[int, int, int]]) -> None:
+        sources = [self.rows[src] for src, _, _ in moves]  # all at once, as the runner's gather + scatter
+        for (_, dst, _), state in zip(moves, sources, strict=True):
+            self.rows[dst] = state
 
-    def free_row(self, row: int) -> None:
-        self.rows[row] = None
+    def free_rows(self, start: int, stop: int) -> None:
+        self.rows[start:stop] = [None] * (stop - start)
 
 
 @pytest.fixture(scope="module")
