@@ -1,7 +1,8 @@
 """The Talker engine's own step statistics inside a running Serve app, over an interval.
 
-Connects to the running Ray cluster, reads `Talker:<model>.engine_stats()` twice, `--seconds` apart, and prints
-the engine's mean step time, mean batch and prefill share over that window as JSON: the served step time to
+Connects to the running Ray cluster, reads `Talker:<model>.engine_stats()` and `Code2Wav.engine_stats()` (one
+replica of each) twice, `--seconds` apart, and prints the engine's mean step time, mean batch and prefill share
+over that window, and Code2Wav's decode calls, chunks per call and busy share, as JSON: the served step time to
 compare with `bench/pipeline.py`'s in-process step at the same batch (issue 10: does the engine loop lose time
 to the GIL it shares with Serve's event loops inside the replica?).
 
@@ -28,20 +29,22 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from deployments.constants import TALKER_DEPLOYMENT_PREFIX
+    from deployments.constants import CODE2WAV_DEPLOYMENT_NAME, TALKER_DEPLOYMENT_PREFIX
 
     ray.init(address="auto", namespace="serve", log_to_driver=False)
 
     async def window() -> tuple[dict, dict, float]:
         # inside an event loop: with RAY_SERVE_THROUGHPUT_OPTIMIZED=1 a handle routes on the caller's loop and
         # refuses calls made outside one (the served configuration of the serving-path runs sets it)
-        handle = serve.get_deployment_handle(TALKER_DEPLOYMENT_PREFIX + args.model, app_name=args.app)
-        first = await handle.engine_stats.remote()
+        talker = serve.get_deployment_handle(TALKER_DEPLOYMENT_PREFIX + args.model, app_name=args.app)
+        code2wav = serve.get_deployment_handle(CODE2WAV_DEPLOYMENT_NAME, app_name=args.app)
+        first = await asyncio.gather(talker.engine_stats.remote(), code2wav.engine_stats.remote())
         t0 = time.perf_counter()
         await asyncio.sleep(args.seconds)
-        return first, await handle.engine_stats.remote(), time.perf_counter() - t0
+        last = await asyncio.gather(talker.engine_stats.remote(), code2wav.engine_stats.remote())
+        return first, last, time.perf_counter() - t0
 
-    before, after, wall = asyncio.run(window())
+    (before, c2w_before), (after, c2w_after), wall = asyncio.run(window())
     steps = after["steps"] - before["steps"]
     report = {
         "window_s": round(wall, 2), "steps": steps,
@@ -54,10 +57,23 @@ def main() -> None:
         # add -> first chunk with frames (the rest of a client's time to first audio is the serving path)
         "engine_admission_wait_ms": _mean_ms(before, after, "admission_wait_seconds", "admitted"),
         "engine_first_chunk_ms": _mean_ms(before, after, "first_chunk_seconds", "first_chunks"),
+        "code2wav": _code2wav_window(c2w_before, c2w_after, wall),
     }
     print(json.dumps(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+def _code2wav_window(before: dict, after: dict, wall: float) -> dict:
+    """One Code2Wav replica over the window: decode calls, chunks per call, the share of the window it spent
+    decoding (waiting on the GPU included), and the work per new frame (left context and padding included)."""
+    d = {k: after[k] - before[k] for k in ("batches", "chunks", "forwards", "new_frames", "decoded_frames",
+                                           "padded_frames", "busy_s")}
+    return {"decode_calls": d["batches"], "chunks_per_call": round(d["chunks"] / max(d["batches"], 1), 1),
+            "forwards": d["forwards"], "busy_share": round(d["busy_s"] / wall, 3),
+            "decoded_per_new_frame": round(d["decoded_frames"] / max(d["new_frames"], 1), 2),
+            "padded_per_new_frame": round(d["padded_frames"] / max(d["new_frames"], 1), 2),
+            "new_frames_per_s": round(d["new_frames"] / wall, 1)}
 
 
 def _mean_ms(before: dict, after: dict, seconds: str, count: str) -> float | None:

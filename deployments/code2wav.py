@@ -14,6 +14,7 @@ batch when the thread is free: the GPU sees a few large batches, not one small b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -165,6 +166,11 @@ class Code2WavServer:
 
     async def ready(self) -> bool:
         return self._engine is not None
+
+    async def engine_stats(self) -> dict:
+        """The engine's counters (`Code2WavStats`: decode calls, chunks, frames new / decoded / padded, busy
+        seconds), read twice over a window by `bench.serve_engine_stats` (this replica's only)."""
+        return dataclasses.asdict(self._engine.stats())
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: chunks pending and no decode finished for too long."""

@@ -184,6 +184,12 @@ def engine_stats(model: str) -> dict:
     return talker_handle(model).engine_stats.remote().result(timeout_s=30)
 
 
+def code2wav_stats() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("Code2Wav", app_name=APP).engine_stats.remote().result(timeout_s=30)
+
+
 def speech(**fields) -> dict:
     """A request body that always terminates on random weights: fixed length, no EOS."""
     return {"model": "cv", "input": "Hello from the tests.", "voice": "vivian", "max_new_tokens": 6,

@@ -14,7 +14,7 @@ import soundfile as sf
 
 from deployments.first_audio_timing import parse_server_timing
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
-from tests.serve.conftest import engine_stats, pcm_of, speech
+from tests.serve.conftest import code2wav_stats, engine_stats, pcm_of, speech
 
 pytestmark = pytest.mark.serve
 
@@ -124,6 +124,20 @@ def test_the_response_says_where_its_first_audio_went(http, stream, first_frames
     assert (stages["talker_decode"] if by_talker else stages["code2wav"]) > 0
     assert sum(stages[name] for name in hops) == pytest.approx(stages["total"], abs=0.01 * len(hops) + 0.01)
 
+
+
+def test_code2wav_engine_stats_count_the_chunks_it_decoded(http):
+    """`Code2Wav.engine_stats()` (what bench.serve_engine_stats reads over a window): a 4-frame stream whose
+    first chunk is 3 frames (more than cv's Talker decodes itself) reaches Code2Wav, and its counters move."""
+    before = code2wav_stats()
+    body = speech(response_format="pcm", max_new_tokens=4, initial_codec_chunk_frames=3)
+    r = http.post("/v1/audio/speech", json=body)
+    assert r.status_code == 200 and len(r.content) == 4 * SAMPLES_PER_FRAME * 2
+    after = code2wav_stats()
+    assert after["batches"] > before["batches"] and after["chunks"] > before["chunks"]
+    assert after["new_frames"] - before["new_frames"] >= 3  # at least the first chunk's frames (Code2Wav decoded it)
+    assert after["decoded_frames"] - before["decoded_frames"] >= after["new_frames"] - before["new_frames"]
+    assert after["busy_s"] > before["busy_s"]
 
 def test_sixteen_concurrent_streams_all_complete(base_url):
     async def one(client, i):
