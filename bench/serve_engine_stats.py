@@ -1,10 +1,10 @@
 """The Talker engine's own step statistics inside a running Serve app, over an interval.
 
 Connects to the running Ray cluster, reads `Talker:<model>.engine_stats()` and `Code2Wav.engine_stats()` (one
-replica of each) twice, `--seconds` apart, and prints the engine's mean step time, mean batch and prefill share
-over that window, and Code2Wav's decode calls, chunks per call and busy share, as JSON: the served step time to
-compare with `bench/pipeline.py`'s in-process step at the same batch (issue 10: does the engine loop lose time
-to the GIL it shares with Serve's event loops inside the replica?).
+replica of each, the same one at both ends) twice, `--seconds` apart, and prints the engine's mean step time,
+mean batch and prefill share over that window, and Code2Wav's decode calls, chunks per call and busy share, as
+JSON: the served step time to compare with `bench/pipeline.py`'s in-process step at the same batch (issue 10:
+does the engine loop lose time to the GIL it shares with Serve's event loops inside the replica?).
 
     python -m bench.serve_engine_stats --model qwen3-tts --seconds 10 --out stats.json
 """
@@ -41,7 +41,8 @@ def main() -> None:
         first = await asyncio.gather(talker.engine_stats.remote(), code2wav.engine_stats.remote())
         t0 = time.perf_counter()
         await asyncio.sleep(args.seconds)
-        last = await asyncio.gather(talker.engine_stats.remote(), code2wav.engine_stats.remote())
+        last = await asyncio.gather(_same_replica(talker, first[0]["replica"]),
+                                    _same_replica(code2wav, first[1]["replica"]))
         return first, last, time.perf_counter() - t0
 
     (before, c2w_before), (after, c2w_after), wall = asyncio.run(window())
@@ -62,6 +63,16 @@ def main() -> None:
     print(json.dumps(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+async def _same_replica(handle, replica: str, tries: int = 32) -> dict:
+    """Counters of the replica the window's first read came from (with several replicas the router picks one per
+    call: the difference of two replicas' counters means nothing)."""
+    for _ in range(tries):
+        stats = await handle.engine_stats.remote()
+        if stats["replica"] == replica:
+            return stats
+    raise RuntimeError(f"{tries} reads never reached replica {replica} again")
 
 
 def _code2wav_window(before: dict, after: dict, wall: float) -> dict:

@@ -25,7 +25,7 @@ MPS_BIN="${MPS_CONTROL:-nvidia-cuda-mps-control}"
 mps_daemon_running() {
   local dir args
   for dir in /proc/[0-9]*; do
-    mapfile -d '' -t args < "$dir/cmdline" 2>/dev/null || continue
+    { mapfile -d '' -t args < "$dir/cmdline"; } 2>/dev/null || continue  # a process gone meanwhile: skipped
     if [[ ${#args[@]} -ge 2 && "${args[0]##*/}" == "${MPS_BIN##*/}" && "${args[1]}" == -d ]]; then
       return 0
     fi
@@ -42,7 +42,9 @@ start_mps() {
     echo "${0##*/}: --mps: $MPS_BIN not found (it ships with the NVIDIA driver)" >&2
     exit 2
   fi
-  run "$MPS_BIN" -d
+  # every GPU of the host: a client's device numbers count within the daemon's visible devices, and the raylets
+  # set their own CUDA_VISIBLE_DEVICES
+  run env -u CUDA_VISIBLE_DEVICES "$MPS_BIN" -d
 }
 
 stop_mps() {

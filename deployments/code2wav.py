@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from ray import ObjectRef
+from ray import ObjectRef, serve
 
 from deployments import constants as C
 from deployments import first_audio_timing
@@ -169,8 +169,8 @@ class Code2WavServer:
 
     async def engine_stats(self) -> dict:
         """The engine's counters (`Code2WavStats`: decode calls, chunks, frames new / decoded / padded, busy
-        seconds), read twice over a window by `bench.serve_engine_stats` (this replica's only)."""
-        return dataclasses.asdict(self._engine.stats())
+        seconds) and which replica answered (`replica`), read twice over a window by `bench.serve_engine_stats`."""
+        return {"replica": serve.get_replica_context().replica_id.unique_id, **dataclasses.asdict(self._engine.stats())}
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: chunks pending and no decode finished for too long."""

@@ -201,8 +201,12 @@ class TalkerServer:
             return await asyncio.wrap_future(run_on_device(work))
         return await asyncio.get_running_loop().run_in_executor(self._voice_executor, work)
 
-    async def engine_stats(self) -> dict[str, int]:
-        return dataclasses.asdict(self._engine.stats())
+    async def engine_stats(self) -> dict:
+        """The engine's counters (`EngineStats`) and which replica answered (`replica`: a window read twice by
+        `bench.serve_engine_stats` must come from one replica)."""
+        from ray import serve
+
+        return {"replica": serve.get_replica_context().replica_id.unique_id, **dataclasses.asdict(self._engine.stats())}
 
     # ------------------------------------------------------------------ Serve hooks
     def check_health(self) -> None:

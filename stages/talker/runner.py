@@ -141,13 +141,14 @@ class _Staging:
 
 
 class _IntStage:
-    """int64 values crossing to the device: a pinned host buffer per turn (two alternate) and one device buffer.
-    A host buffer is rewritten only once its last copy is done (an event; on CPU copies are synchronous)."""
+    """int64 values crossing to the device: a pinned host buffer per turn (`turns` of them in a ring) and one
+    device buffer. A host buffer is rewritten only once its last copy is done (an event; on CPU copies are
+    synchronous): with enough turns for the calls one engine iteration makes, that wait is never a real one."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, turns: int = 2):
         self.device, self.cuda = device, device.type == "cuda"
-        self._host: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * 2
-        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._host: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * turns
+        self._events: list[torch.cuda.Event | None] = [None] * turns
         self._dev = torch.zeros(0, dtype=torch.long, device=device)
         self._turn = 0
 
@@ -169,7 +170,7 @@ class _IntStage:
         if self.cuda:
             self._events[t] = self._events[t] or torch.cuda.Event()
             self._events[t].record()
-        self._turn ^= 1
+        self._turn = (t + 1) % len(self._host)
         return self._dev[:n]
 
 
@@ -237,7 +238,7 @@ class TalkerRunner:
         self._stage = _Staging(*stage, device=dev, pin=False)
         self._parked: list[torch.Tensor] | None = None  # per-row state of parked requests, by park slot (lazy)
         self._text_stage = _IntStage(dev)
-        self._move_stage = _IntStage(dev)  # row moves' source and destination indices
+        self._move_stage = _IntStage(dev, turns=8)  # row moves' indices (several calls per iteration)
         self._init_tts_pad()
         self._select, self._mask = select_tokens, mask_talker_logits
         # compiled path only: forwards of <= gemv_rows rows run the layers as Triton GEMVs (stages/gemv_kernels.py)
@@ -289,21 +290,30 @@ class TalkerRunner:
         trailing_len text rows move, their KV stays in its blocks. The scheduler moves each row at most once
         and no destination is also a source (rows above the new count fill holes below it), so one gather and
         one scatter per row tensor do all moves at once (a request's ~14 indexing ops each made the releases
-        of a served c=256 about a fifth of the engine thread's time); the indices cross in one staged copy.
-        Ordered after any step in flight; no host sync."""
+        of a served c=256 about a fifth of the engine thread's time). The text rows move by (row, position)
+        pairs: each request's own length, no temporary of the longest one's width per move. The indices cross
+        in one staged copy (a ring of 8 host buffers: several releases and parks per iteration never wait on
+        a copy). Ordered after any step in flight; no host sync."""
         if not moves:
             return
         n = len(moves)
-        host = self._move_stage.host(2 * n)
-        host[:n] = [m[0] for m in moves]
-        host[n:] = [m[1] for m in moves]
-        index = self._move_stage.copy(2 * n)
-        src, dst = index[:n], index[n:]
+        moved = np.array(moves, dtype=np.int64).reshape(n, 3)
+        lengths = moved[:, 2]
+        k = int(lengths.sum())
+        host = self._move_stage.host(2 * n + 3 * k)
+        host[:n], host[n:2 * n] = moved[:, 0], moved[:, 1]
+        if k:
+            starts = np.cumsum(lengths) - lengths
+            host[2 * n:2 * n + k] = np.repeat(moved[:, 0], lengths)  # source row of each text row
+            host[2 * n + k:2 * n + 2 * k] = np.repeat(moved[:, 1], lengths)  # its destination row
+            host[2 * n + 2 * k:] = np.arange(k) - np.repeat(starts, lengths)  # its position in both
+        index = self._move_stage.copy(2 * n + 3 * k)
+        src, dst = index[:n], index[n:2 * n]
         for t in self._row_tensors():
             t[dst] = t[src]
-        width = max(m[2] for m in moves)
-        if width:  # rows past a request's own trailing_len are never read: the longest one's width serves all
-            self.trailing[dst, :width] = self.trailing[src, :width]
+        if k:
+            text_src, text_dst, position = index[2 * n:2 * n + k], index[2 * n + k:2 * n + 2 * k], index[2 * n + 2 * k:]
+            self.trailing[text_dst, position] = self.trailing[text_src, position]
 
     def free_rows(self, start: int, stop: int) -> None:
         """Rows [start, stop) nobody runs in any more: their KV tables point at the scratch block again, so the

@@ -440,7 +440,8 @@ def test_scripts_really_run_ray_with_the_environment(tmp_path):
 FAKE_MPS = """#!{python}
 import json, os, sys
 with open(os.environ["FAKE_RAY_LOG"], "a") as f:
-    f.write(json.dumps({{"mps": sys.argv[1:], "stdin": "" if sys.argv[1:] == ["-d"] else sys.stdin.read()}}) + "\\n")
+    f.write(json.dumps({{"mps": sys.argv[1:], "stdin": "" if sys.argv[1:] == ["-d"] else sys.stdin.read(),
+                        "cvd": os.environ.get("CUDA_VISIBLE_DEVICES")}}) + "\\n")
 """
 
 
@@ -462,10 +463,17 @@ def test_mps_daemon_starts_before_ray_once_and_quits_with_stop(tmp_path):
         log.unlink(missing_ok=True)
         return out
 
-    dry = _run([str(START_HEAD), "--dry-run", "--restart", "--gpu", "0", "--mps"], env=env).stdout.splitlines()
-    assert [line.split()[1] for line in dry if line.startswith("+ ")][-2:] == [str(fake_mps), "env"]
-    _run([str(START_WORKERS), "--address", "10.9.9.9:59998", "--gpus", "0,1", "--mps"], env=env)
-    assert [c.get("mps") or c["argv"][0] for c in calls()] == [["-d"], "start", "start"]
+    dry = _run([str(START_HEAD), "--dry-run", "--restart", "--gpu", "0", "--mps"],
+               env={**env, "CUDA_VISIBLE_DEVICES": "3"}).stdout.splitlines()
+    commands = [shlex.split(line[2:]) for line in dry if line.startswith("+ ")]
+    # the daemon sees every GPU of the host (no CUDA_VISIBLE_DEVICES of the caller), then Ray starts
+    assert commands[-2] == ["env", "-u", "CUDA_VISIBLE_DEVICES", str(fake_mps), "-d"]
+    assert commands[-1][:2] == ["env", "CUDA_VISIBLE_DEVICES=0"] and commands[-1][3] == "start"
+    _run([str(START_WORKERS), "--address", "10.9.9.9:59998", "--gpus", "0,1", "--mps"],
+         env={**env, "CUDA_VISIBLE_DEVICES": "0,1"})
+    started = calls()
+    assert [c.get("mps") or c["argv"][0] for c in started] == [["-d"], "start", "start"]
+    assert started[0]["cvd"] is None and [c["cvd"] for c in started[1:]] == ["0", "1"]
     _run([str(START_WORKERS), "--stop", "--mps"], env=env)  # no daemon runs: only `ray stop`
     assert [c.get("mps") or c["argv"] for c in calls()] == [["stop"]]
 
@@ -476,7 +484,8 @@ def test_mps_daemon_starts_before_ray_once_and_quits_with_stop(tmp_path):
         assert "already runs" in out
         assert [c.get("mps") or c["argv"][0] for c in calls()] == ["start"]
         _run([str(START_HEAD), "--stop", "--mps"], env=env)
-        assert calls() == [{"argv": ["stop"], "cvd": None, "override": None}, {"mps": [], "stdin": "quit\n"}]
+        assert calls() == [{"argv": ["stop"], "cvd": None, "override": None},
+                           {"mps": [], "stdin": "quit\n", "cvd": None}]
     finally:
         daemon.kill()
         daemon.wait()

@@ -341,6 +341,12 @@ def test_runner_moves_several_rows_at_once_and_frees_a_range(model):
         assert torch.equal(runner.trailing[1, :3], trailing[6, :3])
         assert torch.equal(runner.trailing[4, :5], trailing[7, :5])
         assert torch.equal(runner.trailing[0], trailing[0]) and torch.equal(runner.trailing[3], trailing[3])
+        # only each request's own text rows move: past them, and for a request without text, nothing changes
+        assert torch.equal(runner.trailing[1, 3:], trailing[1, 3:]) and torch.equal(runner.trailing[4, 5:], trailing[4, 5:])
+        assert torch.equal(runner.trailing[2], trailing[2])
+        for _ in range(12):  # more calls than the staging ring has buffers: each call's indices stay its own
+            runner.move_rows([(6, 1, 2)])
+        assert torch.equal(runner.trailing[1, :2], trailing[6, :2])
         kept = runner.kv.block_table[:5].clone()
         runner.free_rows(5, 8)
         assert (runner.kv.block_table[5:8] == runner.kv.scratch_block).all()
