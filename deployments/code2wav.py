@@ -19,14 +19,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from ray import ObjectRef, serve
+from ray import ObjectRef
 
 from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.audio_formats import float_to_pcm16
 from deployments.coalescing import Coalescer
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
-from deployments.loading import build_engine, load_model, replica_log
+from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import DecodedChunk, talker_decoded
 from deployments.metrics import Code2WavMetrics
 from stages.contract import NUM_CODEBOOKS, CodecChunk
@@ -170,7 +170,7 @@ class Code2WavServer:
     async def engine_stats(self) -> dict:
         """The engine's counters (`Code2WavStats`: decode calls, chunks, frames new / decoded / padded, busy
         seconds) and which replica answered (`replica`), read twice over a window by `bench.serve_engine_stats`."""
-        return {"replica": serve.get_replica_context().replica_id.unique_id, **dataclasses.asdict(self._engine.stats())}
+        return {"replica": this_replica(), **dataclasses.asdict(self._engine.stats())}
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: chunks pending and no decode finished for too long."""

@@ -25,6 +25,18 @@ Log = Callable[[str], None]
 logger = logging.getLogger("ray.serve")
 
 
+def this_replica() -> str | None:
+    """This Serve replica's unique id (which replica answered a stats call); None outside a replica (a server
+    class built directly, as in tests)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except RayServeException:
+        return None
+
+
 def replica_log(prefix: str) -> Log:
     """A `log` callable for the stages' loaders: start-up progress reaches the `serve run` console.
 

@@ -24,7 +24,7 @@ from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
 from deployments.first_chunk_decoder import FirstChunkDecoder
-from deployments.loading import build_engine, load_model, replica_log
+from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import GenerateOptions, ModelInfo
 from deployments.metrics import TalkerMetrics
 from stages.chunking import ChunkSchedule
@@ -204,9 +204,7 @@ class TalkerServer:
     async def engine_stats(self) -> dict:
         """The engine's counters (`EngineStats`) and which replica answered (`replica`: a window read twice by
         `bench.serve_engine_stats` must come from one replica)."""
-        from ray import serve
-
-        return {"replica": serve.get_replica_context().replica_id.unique_id, **dataclasses.asdict(self._engine.stats())}
+        return {"replica": this_replica(), **dataclasses.asdict(self._engine.stats())}
 
     # ------------------------------------------------------------------ Serve hooks
     def check_health(self) -> None:
