@@ -134,43 +134,58 @@ class _Staging:
             self.views[name] = as_float[:, at:at + n]
             at += n
         self.views["frames"] = self.views["frames"].unflatten(1, (width, NUM_CODEBOOKS))
-        self.copied: torch.cuda.Event | None = None  # host stage: recorded after its last copy to the device
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.views[name]
 
 
+class _HostRing:
+    """Pinned host buffers used in turn, each handed out again only once the copy recorded after its last use
+    is done (an event; on CPU copies are synchronous). With as many buffers as one engine iteration uses, that
+    wait is never a real one."""
+
+    def __init__(self, buffers: list, cuda: bool):
+        self.buffers, self.cuda = buffers, cuda
+        self._events: list[torch.cuda.Event | None] = [None] * len(buffers)
+        self._turn = 0
+
+    def take(self) -> int:
+        """The next buffer's index, free to rewrite."""
+        t = self._turn
+        if self._events[t] is not None:
+            self._events[t].synchronize()  # its previous copy: long done, in practice
+        self._turn = (t + 1) % len(self.buffers)
+        return t
+
+    def copied(self, t: int) -> None:
+        """Buffer t's copy to the device is enqueued: it is reused only once that copy is done."""
+        if self.cuda:
+            self._events[t] = self._events[t] or torch.cuda.Event()
+            self._events[t].record()
+
+
 class _IntStage:
-    """int64 values crossing to the device: a pinned host buffer per turn (`turns` of them in a ring) and one
-    device buffer. A host buffer is rewritten only once its last copy is done (an event; on CPU copies are
-    synchronous): with enough turns for the calls one engine iteration makes, that wait is never a real one."""
+    """int64 values crossing to the device: pinned host buffers in a ring (`turns`) and one device buffer."""
 
     def __init__(self, device: torch.device, turns: int = 2):
-        self.device, self.cuda = device, device.type == "cuda"
-        self._host: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * turns
-        self._events: list[torch.cuda.Event | None] = [None] * turns
+        self.device = device
+        self._ring = _HostRing([torch.zeros(0, dtype=torch.long)] * turns, cuda=device.type == "cuda")
         self._dev = torch.zeros(0, dtype=torch.long, device=device)
         self._turn = 0
 
     def host(self, n: int) -> np.ndarray:
         """The next turn's host buffer, [n] (valid until `copy`)."""
-        t = self._turn
-        if self._events[t] is not None:
-            self._events[t].synchronize()  # its previous copy: long done, in practice
-        if self._host[t].numel() < n:
-            self._host[t] = torch.zeros(_round_up(2 * n, 1024), dtype=torch.long, pin_memory=self.cuda)
-        return self._host[t][:n].numpy()
+        t = self._turn = self._ring.take()
+        if self._ring.buffers[t].numel() < n:
+            self._ring.buffers[t] = torch.zeros(_round_up(2 * n, 1024), dtype=torch.long, pin_memory=self._ring.cuda)
+        return self._ring.buffers[t][:n].numpy()
 
     def copy(self, n: int) -> torch.Tensor:
         """Copy the first n values of this turn's host buffer to the device (non-blocking); the device view."""
         if self._dev.numel() < n:
             self._dev = torch.zeros(_round_up(2 * n, 1024), dtype=torch.long, device=self.device)
-        t = self._turn
-        self._dev[:n].copy_(self._host[t][:n], non_blocking=True)
-        if self.cuda:
-            self._events[t] = self._events[t] or torch.cuda.Event()
-            self._events[t].record()
-        self._turn = (t + 1) % len(self._host)
+        self._dev[:n].copy_(self._ring.buffers[self._turn][:n], non_blocking=True)
+        self._ring.copied(self._turn)
         return self._dev[:n]
 
 
@@ -231,10 +246,9 @@ class TalkerRunner:
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         width = max(max_seq_len, max_text_rows)
         stage = (self.max_prefill_batch, width, max_text_rows, self.kv.blocks_per_seq, cfg.hidden_size)
-        # two alternate; one is rewritten only once its last copy is done (`_Staging.copied`): one admission per
-        # engine iteration never waits for that (the step read in between is queued after the copy), a burst may
-        self._host_stage = [_Staging(*stage, device="cpu", pin=self.cuda) for _ in range(2)]
-        self._stage_turn = 0
+        # two in turn: one admission per engine iteration never waits for a copy (the step read in between is
+        # queued after it); a burst of 3+ may
+        self._host_stage = _HostRing([_Staging(*stage, device="cpu", pin=self.cuda) for _ in range(2)], self.cuda)
         self._stage = _Staging(*stage, device=dev, pin=False)
         self._parked: list[torch.Tensor] | None = None  # per-row state of parked requests, by park slot (lazy)
         self._text_stage = _IntStage(dev)
@@ -381,15 +395,11 @@ class TalkerRunner:
             (nb, w), tw = key, self.trailing_width
         else:
             nb, w, tw = n, _round_up(width, _WIDTH_MULTIPLE), min(_round_up(trailing, _WIDTH_MULTIPLE), self.max_text_rows)
-        host = self._host_stage[self._stage_turn]
-        self._stage_turn ^= 1
-        if host.copied is not None:
-            host.copied.synchronize()  # its previous batch's copy may still be queued
+        turn = self._host_stage.take()
+        host = self._host_stage.buffers[turn]
         self._write_stage(host, batch, nb, w, tw)
         self._stage.buf[:nb].copy_(host.buf[:nb], non_blocking=True)
-        if self.cuda:
-            host.copied = host.copied or torch.cuda.Event()
-            host.copied.record()
+        self._host_stage.copied(turn)
         if key is not None:
             self.prefill_graphs[key].replay()
         elif exact:
@@ -583,7 +593,7 @@ class TalkerRunner:
             if (i + 1) % max(1, len(keys) // 10) == 0 or i + 1 == len(keys):
                 log(f"[talker] captured {i + 1}/{len(keys)} decode graphs ({time.perf_counter() - t0:.1f} s)")
         # prefill graphs read the device staging rows: fill them with padding (the scratch row) for capture
-        host = self._host_stage[0]
+        host = self._host_stage.buffers[0]  # a blocking copy below: no event needed
         self._write_stage(host, [], self.max_prefill_batch, max(self.prefill_width_buckets), self.trailing_width)
         self._stage.buf.copy_(host.buf)
         prefill_keys = [(b, w) for b in self.prefill_batch_buckets for w in self.prefill_width_buckets]
