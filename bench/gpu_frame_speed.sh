@@ -7,7 +7,7 @@
 # pipeline / pipeline_stateless: both engines in one process, stateful / stateless Code2Wav.
 # gemv: the few-row Triton GEMVs' GPU tests and their tiling sweep against cuBLAS (bench.gemv); talker_gemv:
 # bench.talker --profile per VARIANT (default "4hs 4hsa": --gemv-rows N, "h" adding --heads-in-attention,
-# "s" --sampling-kernel, "p" --gemv-pdl, "a" --attention-splits; a letter left out passes --no-...), "4hs"
+# "s" --sampling-kernel, "p" --pdl, "a" --attention-splits; a letter left out passes --no-...), "4hs"
 # being the default step.
 # attention: bench.paged_attention, the decode-attention tiling sweep in CUDA graphs, with and without loads_first,
 # and the splits sweep at a few rows (1-32 programs per row and KV head, 160-2000 keys).
@@ -86,7 +86,7 @@ for step in $STEPS; do
               for v in ${VARIANTS:-4hs 4hsa}; do
                 python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,2,4,256} --steps 30 --compile \
                   --max-seq-len 1024 --gemv-rows ${v//[^0-9]/} $([[ $v == *h* ]] && echo --heads-in-attention || echo --no-heads-in-attention) \
-                  $([[ $v == *s* ]] && echo --sampling-kernel || echo --no-sampling-kernel) $([[ $v == *p* ]] && echo --gemv-pdl) \
+                  $([[ $v == *s* ]] && echo --sampling-kernel || echo --no-sampling-kernel) $([[ $v == *p* ]] && echo --pdl || echo --no-pdl) \
                   $([[ $v == *a* ]] && echo --attention-splits || echo --no-attention-splits) --profile --out "$OUT/talker_$v.json" 2>&1 \
                   | tee "$OUT/talker_$v.log" | grep -vE "^\[talker\] captured|^\{" | tail -30
               done ;;

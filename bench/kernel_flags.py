@@ -11,8 +11,8 @@ from stages.talker.engine_config import TalkerEngineConfig
 def add_kernel_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gemv-rows", type=int, default=TalkerEngineConfig.gemv_rows,
                     help="with --compile: forwards of <= this many rows run as Triton GEMVs (0: cuBLAS throughout)")
-    ap.add_argument("--gemv-pdl", action="store_true", default=TalkerEngineConfig.gemv_pdl,
-                    help="with --gemv-rows: the GEMVs use programmatic dependent launch (H100+)")
+    ap.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=TalkerEngineConfig.pdl,
+                    help="with --compile: the step's Triton kernels use programmatic dependent launch (H100+)")
     ap.add_argument("--heads-in-attention", action=argparse.BooleanOptionalAction,
                     default=TalkerEngineConfig.heads_in_attention,
                     help="with --compile: the decode attention kernel applies q/k's head norm and RoPE")
@@ -25,5 +25,5 @@ def add_kernel_flags(ap: argparse.ArgumentParser) -> None:
 
 def kernel_kwargs(args: argparse.Namespace) -> dict:
     """The flags as TalkerEngineConfig / TalkerRunner keyword arguments."""
-    return {"gemv_rows": args.gemv_rows, "gemv_pdl": args.gemv_pdl, "heads_in_attention": args.heads_in_attention,
+    return {"gemv_rows": args.gemv_rows, "pdl": args.pdl, "heads_in_attention": args.heads_in_attention,
             "sampling_kernel": args.sampling_kernel, "attention_splits": args.attention_splits}

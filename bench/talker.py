@@ -227,7 +227,7 @@ def main() -> None:
         "device": device_name(), "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
         "size": args.size, "kind": args.kind, "dtype": args.dtype, "graphs": bool(runner.graphs),
         "compile": args.compile, "paged_attention_kernel": runner.use_kernel,
-        "gemv_rows": runner.gemv_rows, "gemv_pdl": runner.gemv_pdl,
+        "gemv_rows": runner.gemv_rows, "pdl": runner.pdl,
         "heads_in_attention": runner.heads_in_attention, "sampling_kernel": runner.sampling_kernel,
         "attention_splits": runner.attention_splits,
         "graph_capture_s": round(capture_s, 1), "bandwidth_floor_ms_b1": FLOOR_MS.get(args.size),

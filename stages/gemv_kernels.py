@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from stages.pdl import launch_args
+
 try:
     import triton
     import triton.language as tl
@@ -167,6 +169,6 @@ def gemv(
         x, weight, out, norm_w, res, eps, m, n, n, x.stride(0), weight.stride(0), out.stride(0), res.stride(0),
         K=k, M_P=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
         NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, PDL=pdl, num_warps=warps,
-        **({"launch_pdl": True} if pdl else {}),
+        **launch_args(pdl),
     )
     return out

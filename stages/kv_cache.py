@@ -22,8 +22,9 @@ class ContiguousKV:
     KERNEL_MAX_ROWS = 4  # on CUDA, forwards of at most this many new rows use the decode kernel (decode_attention)
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str, decode_kernel: bool = True):
+                 dtype: torch.dtype, device: torch.device | str, decode_kernel: bool = True, pdl: bool = False):
         shape = (batch, num_kv_heads, max_len, head_dim)
+        self.pdl = pdl  # the decode kernel launches with programmatic dependent launch (stages/pdl.py)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # one-position decode steps on CUDA: the Triton decode kernel (stages/talker/paged_attention.py)
@@ -74,7 +75,8 @@ class ContiguousKV:
         rows = [contiguous_decode_attention(q[:, :, i], self.k[layer_idx], self.v[layer_idx], self._rows,
                                             self._lengths[self.length + i + 1:self.length + i + 2],
                                             new_kv=(k[:, :, i], v[:, :, i]),
-                                            head_norm=head_norm.at(i) if head_norm is not None else None)
+                                            head_norm=head_norm.at(i) if head_norm is not None else None,
+                                            pdl=self.pdl)
                 for i in range(s)]
         return torch.stack(rows, dim=1) if s > 1 else rows[0][:, None]
 

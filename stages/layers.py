@@ -292,7 +292,7 @@ class DecoderLayer(nn.Module):
         fold = kernels.heads_in_attention and hasattr(ctx, "folds_heads") and ctx.folds_heads(s)
         sizes = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim)
         rows = x.reshape(b * s, hidden)
-        pdl = kernels.gemv_pdl
+        pdl = kernels.pdl
         if few_rows:
             q, k, v = gemv_kernels.gemv(rows, self.qkv_weight, norm=(ln.weight, ln.eps), pdl=pdl).view(b, s, -1).split(
                 sizes, -1)
@@ -329,7 +329,7 @@ class LayerKernels:
     heads: Callable = heads_norm_rope  # q/k norm + RoPE on projected rows (the GEMV path's `pre` after its product)
     project: Callable = norm_project  # input norm + q/k/v product alone (`pre` when attention applies the heads')
     gemv_rows: int = 0  # forwards of at most this many rows (batch x positions) take the GEMV path; 0: never
-    gemv_pdl: bool = False  # the GEMVs launch with programmatic dependent launch (sm_90+; stages/gemv_kernels.py)
+    pdl: bool = False  # the GEMVs launch with programmatic dependent launch (sm_90+; stages/pdl.py)
     heads_in_attention: bool = False  # q/k head norm + RoPE inside the attention kernel where the context can
 
     def takes_gemv_path(self, x: torch.Tensor) -> bool:
@@ -337,7 +337,7 @@ class LayerKernels:
         return x.shape[0] * x.shape[1] <= self.gemv_rows
 
     @classmethod
-    def compiled(cls, gemv_rows: int = 0, heads_in_attention: bool = False, gemv_pdl: bool = False) -> LayerKernels:
+    def compiled(cls, gemv_rows: int = 0, heads_in_attention: bool = False, pdl: bool = False) -> LayerKernels:
         """`gemv_rows` > 0 needs CUDA and Triton (`stages/gemv_kernels.available`), `heads_in_attention` the
         Triton decode attention (`stages/talker/paged_attention.kernel_available`); both act on fused
         projections only."""
@@ -348,7 +348,7 @@ class LayerKernels:
                    norm=torch.compile(_rms, dynamic=True, fullgraph=True),
                    heads=torch.compile(heads_norm_rope, dynamic=True, fullgraph=True),
                    project=torch.compile(norm_project, dynamic=True, fullgraph=True),
-                   gemv_rows=gemv_rows, heads_in_attention=heads_in_attention, gemv_pdl=gemv_pdl)
+                   gemv_rows=gemv_rows, heads_in_attention=heads_in_attention, pdl=pdl)
 
 
 class DecoderStack(nn.Module):

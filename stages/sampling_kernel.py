@@ -5,8 +5,9 @@ The compiled `select_tokens` sorts every row (for the k-th largest score and top
 5-6 more kernels around the sort; a frame samples 16 times (codebook 0, then the code predictor's 15), and on the
 H100 the radix sorts alone took 0.33 ms of the 6.8 ms batch-1 step (`docs/benchmarks.md`, "Fewer kernels per
 frame"). Here the row stays in registers and both thresholds are found by bisection on the scores' bits:
-- each fp32 score maps to an order-preserving 32-bit key; the k-th largest key is built bit by bit from the top
-  (32 counts of `key >= candidate`), and top-k keeps `key >= kth` (ties at the boundary kept, as the sort does);
+- each fp32 score maps to an order-preserving 32-bit key; the k-th largest key is built from the top bit down,
+  two bits a round, stopping once a candidate is met by exactly k keys (`_top_k_threshold`), and top-k keeps
+  `key >= kth` (ties at the boundary kept, as the sort does);
 - top-p (only for rows with top_p < 1) keeps an id while the probability mass strictly above its score is below
   top_p, which is what `mass_before < top_p` over the sorted row means: the largest key whose mass above is
   still >= top_p is found the same way (32 masked sums), and the ids above it stay;
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import torch
 
+from stages.pdl import launch_args
 from stages.sampling import SamplingTensors
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the engine samples with `select_tokens`
     triton = None
 
@@ -47,29 +50,41 @@ if triton is not None:
         return x ^ (x >> 15)
 
     @triton.jit
-    def _select_kernel(
-        logits_ptr, out_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, counters_ptr,
-        stride_row, V, V_P: tl.constexpr,
-    ):
-        row = tl.program_id(0)
-        idx = tl.arange(0, V_P)
-        ok = idx < V
-        logits = tl.load(logits_ptr + row * stride_row + idx, mask=ok, other=float("-inf"))
-        greedy = tl.argmax(logits, axis=0, tie_break_left=True)
+    def _top_k_threshold(key, k):
+        """The k-th largest key (ties at the boundary kept by `key >= threshold`), built from the top bit down two
+        bits a round: the three candidates' counts of `key >= candidate` travel in one int64 sum (21 bits each),
+        so a round is one reduction (a barrier across warps), not three. It stops early once a candidate is met
+        by exactly k keys: that candidate already keeps the same ids as the exact k-th largest key (k keys >= it,
+        so the k-th largest is >= it and the next one below it), which on model logits is about half-way down
+        the 32 bits. (One bit a round, no early stop: 32 reductions, 21.6 us per call at batch 1 on the H100.)"""
+        kth = tl.zeros([], tl.int64)
+        shift = tl.full([], 30, tl.int64)
+        exact = tl.zeros([], tl.int32)
+        while (shift >= 0) & (exact == 0):
+            c1 = kth | (1 << shift)
+            c2 = kth | (2 << shift)
+            c3 = kth | (3 << shift)
+            packed = tl.sum((key >= c1).to(tl.int64) + ((key >= c2).to(tl.int64) << 21)
+                            + ((key >= c3).to(tl.int64) << 42), axis=0)
+            n1 = packed & 0x1FFFFF
+            n2 = (packed >> 21) & 0x1FFFFF
+            n3 = packed >> 42
+            met = tl.where(n3 >= k, n3, tl.where(n2 >= k, n2, tl.where(n1 >= k, n1, -1)))
+            kth = tl.where(n3 >= k, c3, tl.where(n2 >= k, c2, tl.where(n1 >= k, c1, kth)))
+            exact = (met == k).to(tl.int32)
+            shift -= 2
+        return kth
+
+    @triton.jit
+    def _sample_row(logits, idx, ok, row, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, counters_ptr, V):
+        """One row's draw: temperature, top-k, top-p, then the exponential race on its counter-based uniforms."""
         scores = logits / tl.load(temperature_ptr + row) + 0.0  # + 0.0: -0.0 and 0.0 are one score, one key
         # order-preserving keys: negative floats reversed below positive ones; padding (-1) below every score
         bits = scores.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
         key = tl.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits + 0x80000000)
         key = tl.where(ok, key, -1)
-        # top-k: the k-th largest key, from the top bit down (ties at the boundary are kept)
         k = tl.minimum(tl.maximum(tl.load(top_k_ptr + row), 1), V)
-        kth = tl.zeros([], tl.int64)
-        # 1 bit a round: 32 counts of key >= candidate (a radix select, 4 rounds of an 8-bit tl.histogram, found the
-        # same threshold 1.3-1.5x slower on the H100: docs/benchmarks.md, "Few-row GEMVs on by default")
-        for i in tl.static_range(32):
-            cand = kth | (1 << (31 - i))
-            kth = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, kth)
-        keep = key >= kth
+        keep = key >= _top_k_threshold(key, k)
         top = tl.max(scores, axis=0)
         top_p = tl.load(top_p_ptr + row)
         if top_p < 1.0:  # keep an id while the mass strictly above its score is < top_p (the top id always)
@@ -89,21 +104,39 @@ if triton is not None:
         draws = _mix32(seed_row ^ _mix32(idx.to(tl.int64) + 0x1E3779B9))
         uniform = (((draws >> 8) & 0xFFFFFF).to(tl.float32) + 0.5) * (1.0 / 16777216)
         race = tl.where(probs > 0, probs / -tl.log(uniform), -1.0)
-        sampled = tl.argmax(race, axis=0, tie_break_left=True)
-        token = tl.where(tl.load(do_sample_ptr + row) != 0, sampled, greedy)
+        return tl.argmax(race, axis=0, tie_break_left=True)
+
+    @triton.jit
+    def _select_kernel(
+        logits_ptr, out_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, counters_ptr,
+        stride_row, V, V_P: tl.constexpr, PDL: tl.constexpr,
+    ):
+        if PDL:  # programmatic dependent launch (stages/pdl.py)
+            gdc_launch_dependents()
+            gdc_wait()
+        row = tl.program_id(0)
+        idx = tl.arange(0, V_P)
+        ok = idx < V
+        logits = tl.load(logits_ptr + row * stride_row + idx, mask=ok, other=float("-inf"))
+        if tl.load(do_sample_ptr + row) != 0:  # a greedy row runs none of the sampling
+            token = _sample_row(logits, idx, ok, row, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, counters_ptr,
+                                V)
+        else:
+            token = tl.argmax(logits, axis=0, tie_break_left=True)
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
 def select_tokens(
-    logits: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor, counters: torch.Tensor
+    logits: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor, counters: torch.Tensor, pdl: bool = False
 ) -> torch.Tensor:
     """`stages.sampling.select_tokens` in one kernel: logits [B, V] fp32 -> token ids [B] int64."""
     b, vocab = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert vocab < 1 << 21, "the top-k rounds count in 21-bit fields"
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     v_p = triton.next_power_of_2(vocab)
     _select_kernel[(b,)](
         logits, out, params.do_sample, params.temperature, params.top_k, params.top_p, seeds, counters,
-        logits.stride(0), vocab, V_P=v_p, num_warps=8 if v_p >= 4096 else 4,
+        logits.stride(0), vocab, V_P=v_p, PDL=pdl, num_warps=8 if v_p >= 4096 else 4, **launch_args(pdl),
     )
     return out

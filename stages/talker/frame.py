@@ -14,11 +14,12 @@ from stages.sampling import SamplingTensors, select_tokens
 from stages.talker.model import Talker
 
 
-def new_code_predictor_cache(talker: Talker, batch: int) -> ContiguousKV:
+def new_code_predictor_cache(talker: Talker, batch: int, pdl: bool = False) -> ContiguousKV:
+    """`pdl`: its decode kernel launches with programmatic dependent launch (stages/pdl.py)."""
     cp = talker.config.code_predictor.transformer
     w = talker.codec_head.weight
     return ContiguousKV(cp.num_hidden_layers, batch, cp.num_key_value_heads, cp.head_dim, NUM_CODEBOOKS,
-                        dtype=w.dtype, device=w.device)
+                        dtype=w.dtype, device=w.device, pdl=pdl)
 
 
 def predict_frame_codes(

@@ -78,7 +78,7 @@ class CodePredictor(nn.Module):
             h = self.model(x, positions, ctx, final_norm=False)
             norm = self.model.norm
             return gemv_kernels.gemv(h[:, -1], self.lm_head[group].weight, norm=(norm.weight, norm.eps),
-                                     out_dtype=torch.float32, pdl=self.model.kernels.gemv_pdl)
+                                     out_dtype=torch.float32, pdl=self.model.kernels.pdl)
         h = self.model(x, positions, ctx)
         return self.lm_head[group](h[:, -1])
 

@@ -19,9 +19,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from stages.pdl import launch_args
+
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the engine uses the gather path there
     triton = None
 
@@ -110,7 +113,11 @@ if triton is not None:
         stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
         WRITE: tl.constexpr, HEADS: tl.constexpr, LOADS_FIRST: tl.constexpr = False, SPLITS: tl.constexpr = 1,
+        PDL: tl.constexpr = False,
     ):
+        if PDL:  # programmatic dependent launch: the next kernel may launch now; wait for the previous one's writes
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq_len = tl.load(lens_ptr + row * stride_len)
@@ -174,8 +181,12 @@ if triton is not None:
             tl.store(ml_ptr + part * 2 + 1, l_sum, mask=g_ok)
 
     @triton.jit
-    def _combine_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, SPLITS: tl.constexpr, D: tl.constexpr):
+    def _combine_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, SPLITS: tl.constexpr, D: tl.constexpr,
+                               PDL: tl.constexpr = False):
         """One (row, head): softmax-weighted merge of its SPLITS partial results (acc, running max m, sum l)."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0)
         head = tl.program_id(1)
         s = tl.arange(0, SPLITS)
@@ -202,6 +213,7 @@ def paged_decode_attention(
     head_norm: HeadNorm | None = None,  # q and the new key as projected: the kernel norms and rotates them (new_kv)
     loads_first: bool = False,  # each tile's V load issued with its K load (measured: no gain in the step; below)
     splits: int = 1,  # programs per (row, KV head), each over a share of the keys, then merged (`decode_splits`)
+    pdl: bool = False,  # programmatic dependent launch (sm_90+): launched while the previous kernel ends
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over each row's first seq_lens[row] keys.
 
@@ -247,12 +259,12 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), block_size * k_pool.stride(0), k_pool.stride(0), k_pool.stride(1),
         block_table.stride(0), 1, out.stride(0), out.stride(1), *new_strides, stride_cb,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d, BLOCK=keys_per_iteration, PAGE=block_size,
-        WRITE=new_kv is not None, HEADS=head_norm is not None, LOADS_FIRST=loads_first, SPLITS=splits,
-        num_warps=num_warps, num_stages=num_stages,
+        WRITE=new_kv is not None, HEADS=head_norm is not None, LOADS_FIRST=loads_first, SPLITS=splits, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **launch_args(pdl),
     )
     if splits > 1:
-        _combine_splits_kernel[(b, n_heads)](part, ml, out, out.stride(0), out.stride(1), SPLITS=splits, D=d,
-                                             num_warps=1)
+        _combine_splits_kernel[(b, n_heads)](part, ml, out, out.stride(0), out.stride(1), SPLITS=splits, D=d, PDL=pdl,
+                                             num_warps=1, **launch_args(pdl))
     return out
 
 
@@ -288,6 +300,7 @@ def contiguous_decode_attention(
     num_warps: int = 4,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_len - 1
     head_norm: HeadNorm | None = None,  # as in paged_decode_attention, for this call's position (HeadNorm.at)
+    pdl: bool = False,  # as in paged_decode_attention
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over the first seq_len keys of each row (with `new_kv`, stored
     first at position seq_len - 1, and `head_norm`, as in `paged_decode_attention`)."""
@@ -305,6 +318,6 @@ def contiguous_decode_attention(
         out.stride(0), out.stride(1), *new_strides, stride_cb,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d,
         BLOCK=min(32, max(16, triton.next_power_of_2(length))), PAGE=length, WRITE=new_kv is not None,
-        HEADS=head_norm is not None, num_warps=num_warps,
+        HEADS=head_norm is not None, PDL=pdl, num_warps=num_warps, **launch_args(pdl),
     )
     return out

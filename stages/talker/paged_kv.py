@@ -66,13 +66,14 @@ class DecodeContext:
     `kernel=True` reads the keys in place through the block table (Triton, CUDA); otherwise the first
     `attn_len` positions of every row are gathered and attended with SDPA under a mask (the reference
     path, exact on any device). `split_keys` (kernel only): few rows spread each row's keys over several
-    programs (`decode_splits`).
+    programs (`decode_splits`); `pdl` (kernel only): launched with programmatic dependent launch.
     """
 
     def __init__(self, cache: PagedKVCache, positions: torch.Tensor, attn_len: int, kernel: bool,
-                 split_keys: bool = False):
+                 split_keys: bool = False, pdl: bool = False):
         b = positions.shape[0]
         self.cache, self.positions, self.kernel = cache, positions, kernel
+        self.pdl = pdl and kernel  # the kernel launches with programmatic dependent launch (stages/pdl.py)
         self.splits = decode_splits(b, cache.k.shape[2]) if kernel and split_keys else 1
         if kernel:  # the kernel finds each row's write position through the block table itself
             self.seq_lens = positions + 1
@@ -96,7 +97,8 @@ class DecodeContext:
         b, heads, _, d = q.shape
         if self.kernel:  # the kernel stores the new k/v at position seq_lens - 1 = positions itself
             out = paged_decode_attention(q[:, :, 0], kl, vl, self.table, self.seq_lens, self.cache.block_size,
-                                         new_kv=(k[:, :, 0], v[:, :, 0]), head_norm=head_norm, splits=self.splits)
+                                         new_kv=(k[:, :, 0], v[:, :, 0]), head_norm=head_norm, splits=self.splits,
+                                         pdl=self.pdl)
             return out.reshape(b, 1, heads * d)
         assert head_norm is None, "the gather path attends over rotated q/k"
         kl.index_copy_(0, self.write_index, k[:, :, 0])

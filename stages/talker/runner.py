@@ -23,6 +23,7 @@ copy for all requests per loop iteration (`write_text`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stages import gemv_kernels, layers, sampling
+from stages import pdl as pdl_module
 from stages import sampling_kernel as sampling_kernel_module
 from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.layers import LayerKernels
@@ -201,7 +203,7 @@ class TalkerRunner:
                  block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
                  compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
                  gemv_rows: int = 4, heads_in_attention: bool = True, sampling_kernel: bool = True,
-                 gemv_pdl: bool = False, attention_splits: bool = True):
+                 pdl: bool = False, attention_splits: bool = True):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
@@ -257,16 +259,17 @@ class TalkerRunner:
         self._select, self._mask = select_tokens, mask_talker_logits
         # compiled path only: forwards of <= gemv_rows rows run the layers as Triton GEMVs (stages/gemv_kernels.py)
         self.gemv_rows = gemv_rows if compile and gemv_kernels.available(dev) else 0
-        self.gemv_pdl = gemv_pdl and self.gemv_rows > 0 and torch.cuda.get_device_capability(dev)[0] >= 9
         # compiled path with the decode kernel: q/k head norm + RoPE inside it (HeadNorm), not kernels of their own
         self.heads_in_attention = heads_in_attention and compile and self.use_kernel
         # decode kernel: a few rows' keys split over more programs (paged_attention.decode_splits)
         self.attention_splits = attention_splits and self.use_kernel
+        # compiled CUDA path, sm_90+: the step's Triton kernels launch with programmatic dependent launch
+        self.pdl = pdl and compile and pdl_module.supported(dev)
         if compile:
             self._enable_compile()
-        if sampling_kernel and sampling_kernel_module.available(dev):  # one Triton program per row, no sort
-            self._select = sampling_kernel_module.select_tokens
-        self.sampling_kernel = self._select is sampling_kernel_module.select_tokens
+        self.sampling_kernel = sampling_kernel and sampling_kernel_module.available(dev)
+        if self.sampling_kernel:  # one Triton program per row, no sort
+            self._select = functools.partial(sampling_kernel_module.select_tokens, pdl=self.pdl)
 
     def _init_tts_pad(self) -> None:
         ids = self.model.config.text_ids
@@ -286,7 +289,7 @@ class TalkerRunner:
         # shapes seen: talker/code predictor x prefill/decode x batch 1/many; each a compiled variant
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         kernels = LayerKernels.compiled(gemv_rows=self.gemv_rows, heads_in_attention=self.heads_in_attention,
-                                        gemv_pdl=self.gemv_pdl)
+                                        pdl=self.pdl)
         # also q/k/v and gate/up as one GEMM each (2 of 5 per layer: ~300 fewer kernels per frame) and RoPE from a
         # table; positions stay below max_seq_len (the talker) and 16 (the code predictor's frame)
         self.talker.model.use_kernels(kernels, self.max_seq_len)
@@ -520,7 +523,8 @@ class TalkerRunner:
         text_rows = torch.where(has_text[:, None], text_rows, self.tts_pad[None, :])
         x = next_talker_input(self.talker, codes, text_rows)
         positions = self.positions[:b]
-        ctx = DecodeContext(self.kv, positions, attn_len, self.use_kernel, split_keys=self.attention_splits)
+        ctx = DecodeContext(self.kv, positions, attn_len, self.use_kernel, split_keys=self.attention_splits,
+                            pdl=self.pdl)
         hidden = self.talker.forward_hidden(x, positions[:, None], ctx)[:, -1]
         self.hidden[:b] = hidden
         # padding rows (free rows) also advance; saturating keeps their writes inside their (scratch) table
@@ -535,7 +539,7 @@ class TalkerRunner:
 
     def cp_cache(self, b: int):
         if b not in self.cp_caches:
-            self.cp_caches[b] = new_code_predictor_cache(self.talker, b)
+            self.cp_caches[b] = new_code_predictor_cache(self.talker, b, pdl=self.pdl)
         return self.cp_caches[b]
 
     @torch.no_grad()

@@ -87,17 +87,20 @@ def attention() -> dict:
                 {"GROUP": 2, "GROUP_P": 2, "D": 128, "BLOCK": block, "PAGE": page, "WRITE": write, "HEADS": heads,
                  "LOADS_FIRST": first, "SPLITS": 1},
                 warps, aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
-    # keys split over several programs (attention_splits: batch 1 and 8 of decode_splits), and their merge
-    for splits in (2, 16):
-        out[f"block32 warps4 page16 write heads splits{splits}"] = compile_kernel(
+    # keys split over several programs (attention_splits: batch 1 and 8 of decode_splits), and their merge; PDL:
+    # the step's launch mode with `pdl` (batch 1: 16 splits; the code predictor's contiguous cache: no splits)
+    for splits, pdl in ((2, False), (16, False), (16, True), (1, True)):
+        name = f"splits{splits}{' pdl' if pdl else ''}"
+        out[f"block32 warps4 page16 write heads {name}"] = compile_kernel(
             paged_attention._paged_decode_kernel, sig,
             {"GROUP": 2, "GROUP_P": 2, "D": 128, "BLOCK": 32, "PAGE": 16, "WRITE": True, "HEADS": True,
-             "LOADS_FIRST": False, "SPLITS": splits},
+             "LOADS_FIRST": False, "SPLITS": splits, "PDL": pdl},
             4, aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
-        out[f"combine splits{splits}"] = compile_kernel(
-            paged_attention._combine_splits_kernel,
-            {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "stride_ob": "i32", "stride_oh": "i32"},
-            {"SPLITS": splits, "D": 128}, 1, aligned=("stride_ob", "stride_oh"))
+        if splits > 1:
+            out[f"combine {name}"] = compile_kernel(
+                paged_attention._combine_splits_kernel,
+                {"part_ptr": "*fp32", "ml_ptr": "*fp32", "out_ptr": "*bf16", "stride_ob": "i32", "stride_oh": "i32"},
+                {"SPLITS": splits, "D": 128, "PDL": pdl}, 1, aligned=("stride_ob", "stride_oh"))
     return out
 
 
@@ -105,8 +108,9 @@ def sampling() -> dict:
     sig = {"logits_ptr": "*fp32", "out_ptr": "*i64", "do_sample_ptr": "*i1", "temperature_ptr": "*fp32",
            "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "seeds_ptr": "*i64", "counters_ptr": "*i64",
            "stride_row": "i32", "V": "i32"}
-    return {f"vocab{v_p}": compile_kernel(sampling_kernel._select_kernel, sig, {"V_P": v_p}, 8 if v_p >= 4096 else 4,
-                                          aligned=("stride_row", "V")) for v_p in (2048, 4096)}
+    return {f"vocab{v_p}{' pdl' if pdl else ''}": compile_kernel(
+        sampling_kernel._select_kernel, sig, {"V_P": v_p, "PDL": pdl}, 8 if v_p >= 4096 else 4,
+        aligned=("stride_row", "V")) for v_p in (2048, 4096) for pdl in (False, True)}
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def test_compiled_engine_with_gemv_rows_equals_reference_on_cuda(cuda_model, pro
     2 and more rows all run."""
     engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=True, gemv_rows=4,
                                                          heads_in_attention=fused, sampling_kernel=fused,
-                                                         gemv_pdl=fused, attention_splits=fused))
+                                                         pdl=fused, attention_splits=fused))
     engine.start(log=lambda _m: None)
     try:
         assert engine.runner.gemv_rows == 4 and engine.runner.graphs
