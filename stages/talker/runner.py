@@ -203,7 +203,7 @@ class TalkerRunner:
                  block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
                  compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
                  gemv_rows: int = 4, heads_in_attention: bool = True, sampling_kernel: bool = True,
-                 pdl: bool = False, attention_splits: bool = True):
+                 pdl: bool = True, attention_splits: bool = True):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
@@ -263,13 +263,16 @@ class TalkerRunner:
         self.heads_in_attention = heads_in_attention and compile and self.use_kernel
         # decode kernel: a few rows' keys split over more programs (paged_attention.decode_splits)
         self.attention_splits = attention_splits and self.use_kernel
-        # compiled CUDA path, sm_90+: the step's Triton kernels launch with programmatic dependent launch
+        # compiled CUDA path, sm_90+: the Triton kernels of steps with few rows launch with programmatic
+        # dependent launch (`pdl_at`)
         self.pdl = pdl and compile and pdl_module.supported(dev)
         if compile:
             self._enable_compile()
         self.sampling_kernel = sampling_kernel and sampling_kernel_module.available(dev)
         if self.sampling_kernel:  # one Triton program per row, no sort
-            self._select = functools.partial(sampling_kernel_module.select_tokens, pdl=self.pdl)
+            self._select = sampling_kernel_module.select_tokens
+        self._select_pdl = (functools.partial(sampling_kernel_module.select_tokens, pdl=True)
+                            if self.sampling_kernel and self.pdl else self._select)
 
     def _init_tts_pad(self) -> None:
         ids = self.model.config.text_ids
@@ -514,8 +517,9 @@ class TalkerRunner:
         p = self.params.rows(b)
         frame_index = self.frame_index[:b]
         c0 = self.c0[:b]
+        select = self._select_pdl if self.pdl_at(b) else self._select
         codes = predict_frame_codes(self.talker, self.hidden[:b], c0, self.cp_cache(b), p.sub, p.seeds, frame_index,
-                                    self._select)
+                                    select)
         self.seen[:b].scatter_(1, c0[:, None], True)
         has_text = frame_index < self.trailing_len[:b]
         text_idx = torch.minimum(frame_index, (self.trailing_len[:b] - 1).clamp(min=0))
@@ -524,7 +528,7 @@ class TalkerRunner:
         x = next_talker_input(self.talker, codes, text_rows)
         positions = self.positions[:b]
         ctx = DecodeContext(self.kv, positions, attn_len, self.use_kernel, split_keys=self.attention_splits,
-                            pdl=self.pdl)
+                            pdl=self.pdl_at(b))
         hidden = self.talker.forward_hidden(x, positions[:, None], ctx)[:, -1]
         self.hidden[:b] = hidden
         # padding rows (free rows) also advance; saturating keeps their writes inside their (scratch) table
@@ -532,15 +536,21 @@ class TalkerRunner:
         self.frame_index[:b] += 1
         logits = self._mask(self.talker.codec_logits(hidden).float(), self.seen[:b], p.penalty,
                             self.frame_index[:b], p.min_frames, self.suppress, self.eos, p.suppress_eos)
-        next_c0 = self._select(logits, p.talker, p.seeds, self.frame_index[:b] * NUM_CODEBOOKS)
+        next_c0 = select(logits, p.talker, p.seeds, self.frame_index[:b] * NUM_CODEBOOKS)
         self.c0[:b] = next_c0
         self.out[:b, :NUM_CODEBOOKS] = codes
         self.out[:b, NUM_CODEBOOKS] = next_c0
 
     def cp_cache(self, b: int):
         if b not in self.cp_caches:
-            self.cp_caches[b] = new_code_predictor_cache(self.talker, b, pdl=self.pdl)
+            self.cp_caches[b] = new_code_predictor_cache(self.talker, b, pdl=self.pdl_at(b))
         return self.cp_caches[b]
+
+    def pdl_at(self, b: int) -> bool:
+        """Whether a decode step of b rows launches its Triton kernels with PDL: only where its layers run as GEMVs
+        (b <= gemv_rows), the launch-bound steps. H100 (docs/benchmarks.md, "PDL at batch 1"): batch 1 4.63 ->
+        4.37 ms; batch 8 6.21 -> 6.45 and 256 9.55 -> 9.70 ms, so larger steps launch plainly."""
+        return self.pdl and b <= self.gemv_rows
 
     @torch.no_grad()
     def launch_step(self, b: int, attn_len: int) -> int:
