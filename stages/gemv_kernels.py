@@ -10,7 +10,9 @@ kernel boundaries. Here each product is one kernel with what sits around it:
   points as `stages/layers._rms`) is computed by every program from the input row, which is a few KB;
 - `SWIGLU`: the stacked gate/up weight gives two accumulators per output column, and `silu(gate) * up` is the
   epilogue (the MLP's intermediate never exists unactivated);
-- `RESIDUAL`: the residual add is the epilogue of o_proj and down_proj.
+- `RESIDUAL`: the residual add is the epilogue of o_proj and down_proj;
+- `BIAS`: a bias added to the fp32 product before its rounding, as F.linear's epilogue does (the code predictor's
+  input projection, 2048 -> 1024 in the 1.7B model).
 
 So a layer is norm+q/k/v, q/k norm + RoPE, attention, o_proj+residual, norm+gate/up+SwiGLU, down+residual. Each
 program computes `BLOCK_N` output columns for all rows, reading its weight rows once over K (fp32 FMAs on CUDA
@@ -77,10 +79,10 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, eps,
+        x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, bias_ptr, eps,
         M, N, up_offset, stride_xm, stride_wn, stride_om, stride_rm,
         K: tl.constexpr, M_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+        NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, BIAS: tl.constexpr = False,
     ):
         # Why the loops look like this: Triton software-pipelines only loads that feed tl.dot, and a reduction
         # inside a loop puts a barrier in every iteration. So the products accumulate element-wise
@@ -121,7 +123,10 @@ if triton is not None:
             w, w_up, xv, nw = w_next, w_up_next, xv_next, nw_next
         xn = _normed(xv, nw, rstd, dt, NORM)  # the last tile
         acc += xn[:, None, :] * w.to(tl.float32)[None, :, :]
-        y = tl.sum(acc, axis=2).to(dt).to(tl.float32)  # the product as F.linear returns it
+        y = tl.sum(acc, axis=2)
+        if BIAS:
+            y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = y.to(dt).to(tl.float32)  # the product as F.linear returns it
         if SWIGLU:  # F.silu(gate) * up, each rounded to the dtype as the eager ops are
             acc_up += xn[:, None, :] * w_up.to(tl.float32)[None, :, :]
             gate_act = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32)
@@ -154,21 +159,26 @@ def gemv(
     blocks: tuple[int, int, int] | None = None,  # (BLOCK_N, BLOCK_K, num_warps); None: `tiling`
     out_dtype: torch.dtype | None = None,  # e.g. fp32 logits: rounded to x's dtype first, as `linear(...).float()`
     pdl: bool = False,  # programmatic dependent launch (sm_90+): weight loads overlap the previous kernel's end
+    bias: torch.Tensor | None = None,  # [N]: added before the product's rounding (not with SwiGLU)
 ) -> torch.Tensor:
-    """-> [M, N] in x's dtype (or `out_dtype`): (RMSNorm(x) if norm) @ weight^T, then SwiGLU and/or + residual."""
+    """-> [M, N] in x's dtype (or `out_dtype`): (RMSNorm(x) if norm) @ weight^T (+ bias), then SwiGLU and/or +
+    residual."""
     m, k = x.shape
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if residual is not None:
         assert residual.shape == (m, n) and residual.stride(1) == 1
+    assert bias is None or (bias.shape == (n,) and bias.is_contiguous() and not swiglu)
     block_n, block_k, warps = blocks or tiling(m, n, k, swiglu)
     norm_w, eps = norm if norm is not None else (x, 0.0)
     res = residual if residual is not None else out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, norm_w, res, eps, m, n, n, x.stride(0), weight.stride(0), out.stride(0), res.stride(0),
+        x, weight, out, norm_w, res, bias if bias is not None else out, eps, m, n, n, x.stride(0), weight.stride(0),
+        out.stride(0), res.stride(0),
         K=k, M_P=max(1, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, PDL=pdl, num_warps=warps,
+        NORM=norm is not None, SWIGLU=swiglu, RESIDUAL=residual is not None, PDL=pdl, BIAS=bias is not None,
+        num_warps=warps,
         **launch_args(pdl),
     )
     return out

@@ -100,9 +100,10 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
 
 
 def select_tokens(
-    logits: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor, counters: torch.Tensor
+    logits: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor, counters: torch.Tensor, counter_offset: int = 0
 ) -> torch.Tensor:
-    """logits [B, V] fp32 (already penalized/masked) -> token ids [B] int64."""
+    """logits [B, V] fp32 (already penalized/masked) -> token ids [B] int64, drawn with the uniforms of counters
+    + counter_offset (an int, so that a frame's 16 draws share one counter tensor)."""
     greedy = logits.argmax(dim=-1)
     vocab = logits.shape[-1]
     scores = logits / params.temperature[:, None]
@@ -121,7 +122,7 @@ def select_tokens(
     threshold = sorted_scores.gather(1, last_kept)
     scores = scores.masked_fill(scores < threshold, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    race = probs / -torch.log(uniform_from_counter(seeds, counters, vocab))
+    race = probs / -torch.log(uniform_from_counter(seeds, counters + counter_offset if counter_offset else counters, vocab))
     # a dropped id (probability 0) can never win, not even against a NaN race value
     sampled = torch.where(probs > 0, race, -1.0).argmax(dim=-1)
     return torch.where(params.do_sample, sampled, greedy)

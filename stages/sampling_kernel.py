@@ -89,7 +89,8 @@ if triton is not None:
         return kth
 
     @triton.jit
-    def _sample_row(logits, idx, ok, row, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, counters_ptr, V):
+    def _sample_row(logits, idx, ok, row, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, counters_ptr,
+                    counter_offset, V):
         """One row's draw: temperature, top-k, top-p, then the exponential race on its counter-based uniforms."""
         scores = logits / tl.load(temperature_ptr + row) + 0.0  # + 0.0: -0.0 and 0.0 are one score, one key
         # order-preserving uint32 keys: negative floats reversed below positive ones; padding 0, below every score
@@ -114,7 +115,8 @@ if triton is not None:
         weights = tl.where(keep, tl.exp(scores - top), 0.0)
         probs = weights / tl.sum(weights, axis=0)
         # the exponential race on uniform_from_counter's uniforms
-        seed_row = _mix32(_mix32(tl.load(seeds_ptr + row)) ^ ((tl.load(counters_ptr + row) * 0x61C88647) & 0xFFFFFFFF))
+        counter = tl.load(counters_ptr + row) + counter_offset
+        seed_row = _mix32(_mix32(tl.load(seeds_ptr + row)) ^ ((counter * 0x61C88647) & 0xFFFFFFFF))
         draws = _mix32_u32(seed_row.to(tl.uint32) ^ _mix32_u32(idx.to(tl.uint32) + 0x1E3779B9))
         uniform = (((draws >> 8) & 0xFFFFFF).to(tl.float32) + 0.5) * (1.0 / 16777216)
         race = tl.where(probs > 0, probs / -tl.log(uniform), -1.0)
@@ -123,7 +125,7 @@ if triton is not None:
     @triton.jit
     def _select_kernel(
         logits_ptr, out_ptr, do_sample_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, counters_ptr,
-        stride_row, V, V_P: tl.constexpr, PDL: tl.constexpr,
+        counter_offset, stride_row, V, V_P: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # programmatic dependent launch (stages/pdl.py)
             gdc_launch_dependents()
@@ -134,14 +136,15 @@ if triton is not None:
         logits = tl.load(logits_ptr + row * stride_row + idx, mask=ok, other=float("-inf"))
         if tl.load(do_sample_ptr + row) != 0:  # a greedy row runs none of the sampling
             token = _sample_row(logits, idx, ok, row, temperature_ptr, top_k_ptr, top_p_ptr, seeds_ptr, counters_ptr,
-                                V)
+                                counter_offset, V)
         else:
             token = tl.argmax(logits, axis=0, tie_break_left=True)
         tl.store(out_ptr + row, token.to(tl.int64))
 
 
 def select_tokens(
-    logits: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor, counters: torch.Tensor, pdl: bool = False
+    logits: torch.Tensor, params: SamplingTensors, seeds: torch.Tensor, counters: torch.Tensor, counter_offset: int = 0,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`stages.sampling.select_tokens` in one kernel: logits [B, V] fp32 -> token ids [B] int64."""
     b, vocab = logits.shape
@@ -150,7 +153,7 @@ def select_tokens(
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     v_p = triton.next_power_of_2(vocab)
     _select_kernel[(b,)](
-        logits, out, params.do_sample, params.temperature, params.top_k, params.top_p, seeds, counters,
+        logits, out, params.do_sample, params.temperature, params.top_k, params.top_p, seeds, counters, counter_offset,
         logits.stride(0), vocab, V_P=v_p, PDL=pdl, num_warps=8 if v_p >= 4096 else 4, **launch_args(pdl),
     )
     return out

@@ -10,10 +10,11 @@ from stages.config import TransformerConfig
 from stages.layers import DecoderStack, _rms
 
 
-def pytorch_gemv(x, weight, norm=None, swiglu=False, residual=None, blocks=None, out_dtype=None, pdl=False
-                 ) -> torch.Tensor:
-    """stages.gemv_kernels.gemv in PyTorch ops: (RMSNorm(x) if norm) @ weight^T, then SwiGLU and/or + residual."""
-    y = F.linear(_rms(x, *norm) if norm is not None else x, weight)
+def pytorch_gemv(x, weight, norm=None, swiglu=False, residual=None, blocks=None, out_dtype=None, pdl=False,
+                 bias=None) -> torch.Tensor:
+    """stages.gemv_kernels.gemv in PyTorch ops: (RMSNorm(x) if norm) @ weight^T (+ bias), then SwiGLU and/or +
+    residual."""
+    y = F.linear(_rms(x, *norm) if norm is not None else x, weight, bias)
     if swiglu:
         gate, up = y.split(weight.shape[0] // 2, dim=-1)
         y = F.silu(gate) * up

@@ -39,12 +39,13 @@ def predict_frame_codes(
     inputs = torch.stack((hidden, talker.embed_codec(c0)), dim=1)  # [B, 2, H]
     steps = torch.arange(NUM_CODEBOOKS, device=hidden.device).expand(b, NUM_CODEBOOKS)  # every pass's positions
     positions = steps[:, :2]
+    counters = frame_index * NUM_CODEBOOKS  # pass g draws with counters + g + 1 (an int: no kernel per pass)
     codes = [c0]
     for group in range(NUM_CODEBOOKS - 1):
         cache.begin(inputs.shape[1])
         logits = cp.forward_step(inputs, positions, cache, group).float()
         cache.advance()
-        code = select(logits, params, seeds, frame_index * NUM_CODEBOOKS + group + 1)
+        code = select(logits, params, seeds, counters, group + 1)
         codes.append(code)
         if group < NUM_CODEBOOKS - 2:
             inputs = cp.model.codec_embedding[group](code)[:, None]  # [B, 1, H]

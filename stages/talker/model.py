@@ -71,15 +71,22 @@ class CodePredictor(nn.Module):
     ) -> torch.Tensor:
         """inputs [B, S, H_talker] -> logits [B, vocab] of codebook `group + 1` (last row only).
 
-        On the GEMV path (a few rows, stages/gemv_kernels.py) the final norm, this head and the logits' cast to
-        fp32 are one kernel; the logits are then fp32 (elsewhere in the model's dtype)."""
-        x = self.small_to_mtp_projection(inputs)
-        if self.model.takes_gemv_path(x):
+        On the GEMV path (a few rows, stages/gemv_kernels.py) the input projection is a GEMV too, and the final
+        norm, this head and the logits' cast to fp32 are one kernel; the logits are then fp32 (elsewhere in the
+        model's dtype)."""
+        proj = self.small_to_mtp_projection
+        if self.model.takes_gemv_path(inputs):
+            if isinstance(proj, nn.Linear):  # the 1.7B model's 2048 -> 1024 (the 0.6B model's is the identity)
+                b, s, width = inputs.shape
+                x = gemv_kernels.gemv(inputs.reshape(b * s, width), proj.weight, bias=proj.bias,
+                                      pdl=self.model.kernels.pdl).view(b, s, -1)
+            else:
+                x = inputs
             h = self.model(x, positions, ctx, final_norm=False)
             norm = self.model.norm
             return gemv_kernels.gemv(h[:, -1], self.lm_head[group].weight, norm=(norm.weight, norm.eps),
                                      out_dtype=torch.float32, pdl=self.model.kernels.pdl)
-        h = self.model(x, positions, ctx)
+        h = self.model(proj(inputs), positions, ctx)
         return self.lm_head[group](h[:, -1])
 
 

@@ -48,13 +48,14 @@ def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int, aligne
 
 def gemv() -> dict:
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "norm_ptr": "*bf16", "res_ptr": "*bf16",
-           "eps": "fp32", "M": "i32", "N": "i32", "up_offset": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "stride_om": "i32", "stride_rm": "i32"}
+           "bias_ptr": "*bf16", "eps": "fp32", "M": "i32", "N": "i32", "up_offset": "i32", "stride_xm": "i32",
+           "stride_wn": "i32", "stride_om": "i32", "stride_rm": "i32"}
     # (N, K, flags) of every product: 1.7B talker (2048 / 6144) and both code predictors and the 0.6B talker (1024 /
     # 3072); q/k/v is 4096 rows in all of them
     products = [(4096, 2048, "norm"), (2048, 2048, "residual"), (6144, 2048, "norm,swiglu"), (2048, 6144, "residual"),
                 (4096, 1024, "norm"), (1024, 2048, "residual"), (3072, 1024, "norm,swiglu"), (1024, 3072, "residual"),
-                (2048, 1024, "norm,fp32")]  # the last: the code predictor's final norm + head, fp32 logits
+                (2048, 1024, "norm,fp32"), (1024, 2048, "bias")]  # the code predictor's final norm + head (fp32
+    # logits) and its input projection (1.7B: talker width 2048 -> 1024)
     out = {}
     for n, k, flags in products:
         swiglu = "swiglu" in flags
@@ -63,7 +64,8 @@ def gemv() -> dict:
             out[f"{n}x{k} {flags} rows{m}{' pdl' if pdl else ''}"] = compile_kernel(gemv_kernels._gemv_kernel, {
                 **sig, "out_ptr": "*fp32" if "fp32" in flags else "*bf16"}, {
                 "K": k, "M_P": triton.next_power_of_2(m), "BLOCK_N": block_n, "BLOCK_K": block_k,
-                "NORM": "norm" in flags, "SWIGLU": swiglu, "RESIDUAL": "residual" in flags, "PDL": pdl}, warps,
+                "NORM": "norm" in flags, "SWIGLU": swiglu, "RESIDUAL": "residual" in flags, "PDL": pdl,
+                "BIAS": "bias" in flags}, warps,
                 aligned=("N", "up_offset", "stride_xm", "stride_wn", "stride_om", "stride_rm"))
     return out
 
@@ -107,7 +109,7 @@ def attention() -> dict:
 def sampling() -> dict:
     sig = {"logits_ptr": "*fp32", "out_ptr": "*i64", "do_sample_ptr": "*i1", "temperature_ptr": "*fp32",
            "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "seeds_ptr": "*i64", "counters_ptr": "*i64",
-           "stride_row": "i32", "V": "i32"}
+           "counter_offset": "i32", "stride_row": "i32", "V": "i32"}
     return {f"vocab{v_p}{' pdl' if pdl else ''}": compile_kernel(
         sampling_kernel._select_kernel, sig, {"V_P": v_p, "PDL": pdl}, 8 if v_p >= 4096 else 4,
         aligned=("stride_row", "V")) for v_p in (2048, 4096) for pdl in (False, True)}

@@ -20,7 +20,7 @@ def products() -> dict:
     tiles, the default tiling and a small explicit one."""
     gen = torch.Generator().manual_seed(0)
     worst = {}
-    for flags in ("", "norm", "residual", "norm,swiglu", "norm,swiglu,residual"):
+    for flags in ("", "norm", "residual", "norm,swiglu", "norm,swiglu,residual", "bias"):
         swiglu = "swiglu" in flags
         for n, k in ((64, 128), (40, 72)):  # tiles that divide, ragged tiles
             w = torch.randn(2 * n if swiglu else n, k, generator=gen) / k ** 0.5
@@ -28,9 +28,10 @@ def products() -> dict:
                 x = torch.randn(m, k, generator=gen)
                 norm = (torch.rand(k, generator=gen) + 0.5, 1e-6) if "norm" in flags else None
                 res = torch.randn(m, n, generator=gen) if "residual" in flags else None
-                ref = pytorch_gemv(x, w, norm, swiglu, res)
+                bias = torch.randn(n, generator=gen) if "bias" in flags else None
+                ref = pytorch_gemv(x, w, norm, swiglu, res, bias=bias)
                 for blocks in (None, (8, 32, 4)):
-                    out = gemv_kernels.gemv(x, w, norm, swiglu, res, blocks=blocks)
+                    out = gemv_kernels.gemv(x, w, norm, swiglu, res, blocks=blocks, bias=bias)
                     err = ((out - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
                     worst[flags or "plain"] = max(worst.get(flags or "plain", 0.0), err)
     return worst

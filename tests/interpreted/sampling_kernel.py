@@ -28,8 +28,11 @@ def rows(vocab: int, seed: int) -> dict:
     counters = torch.randint(0, 2**20, (b,), generator=gen)
     ref = sampling.select_tokens(logits, params, seeds, counters)
     got = sampling_kernel.select_tokens(logits, params, seeds, counters)
+    # the same draws from counters given as a tensor and an int offset (a frame's passes share one tensor)
+    offset = sampling_kernel.select_tokens(logits, params, seeds, counters - 7, 7)
     kept = torch.isfinite(logits.gather(1, got[:, None]))[:, 0]
-    return {"rows": b, "equal": int((ref == got).sum()), "sampled_rows": int(params.do_sample.sum()),
+    return {"rows": b, "equal": int((ref == got).sum()), "offset_equal": int((offset == got).sum()),
+            "sampled_rows": int(params.do_sample.sum()),
             "finite_choice": int(kept.sum()), "distinct_tokens": len(set(got.tolist()))}
 
 

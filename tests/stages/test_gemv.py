@@ -19,7 +19,7 @@ def test_gemv_kernels_compute_what_pytorch_does():
     """fp32 under the interpreter: every flag set (norm prologue, SwiGLU and residual epilogues) over 1-8 rows and
     ragged tiles, and a stack's decode forwards through the GEMV path against its eager layers."""
     result = run_interpreted("gemv.py")
-    assert set(result["products"]) == {"plain", "norm", "residual", "norm,swiglu", "norm,swiglu,residual"}
+    assert set(result["products"]) == {"plain", "norm", "residual", "norm,swiglu", "norm,swiglu,residual", "bias"}
     for flags, err in result["products"].items():
         assert err <= 2e-6, (flags, err)  # summation order only (seen: <= 6.1e-7)
     for batch, err in result["layer_path"].items():

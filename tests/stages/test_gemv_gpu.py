@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
-@pytest.mark.parametrize("flags", ["", "norm", "residual", "norm,swiglu", "norm,swiglu,residual"])
+@pytest.mark.parametrize("flags", ["", "norm", "residual", "norm,swiglu", "norm,swiglu,residual", "bias"])
 @pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (200, 328)])  # the last: no tile divides it
 def test_gemv_matches_pytorch(dtype, rtol, flags, n, k):
     gen = torch.Generator(device="cuda").manual_seed(n + k)
@@ -30,8 +30,9 @@ def test_gemv_matches_pytorch(dtype, rtol, flags, n, k):
         x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
         norm = ((torch.rand(k, generator=gen, device="cuda") + 0.5).to(dtype), 1e-6) if "norm" in flags else None
         res = torch.randn(m, n, generator=gen, device="cuda").to(dtype) if "residual" in flags else None
-        ref = pytorch_gemv(x, w, norm, swiglu, res).float()
-        out = gemv_kernels.gemv(x, w, norm, swiglu, res).float()
+        bias = torch.randn(n, generator=gen, device="cuda").to(dtype) if "bias" in flags else None
+        ref = pytorch_gemv(x, w, norm, swiglu, res, bias=bias).float()
+        out = gemv_kernels.gemv(x, w, norm, swiglu, res, bias=bias).float()
         scale = ref.abs().max().item()
         err = (out - ref).abs().max().item()
         print(f"gemv {dtype} {flags or 'plain'} {m}x{k} -> {n}: max abs err {err:.2e} (max |y| {scale:.2f})")
