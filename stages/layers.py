@@ -98,8 +98,17 @@ class Rotary(nn.Module):
         self.inv_freq.copy_(rope_inv_freq(self.head_dim, self.theta, self.inv_freq.device))
 
     @torch.no_grad()
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, S] -> cos, sin [B, 1, S, D] in `dtype` (computed in fp32 like the original)."""
+    def forward(self, positions: torch.Tensor | slice, dtype: torch.dtype, batch: int = 1
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, S] -> cos, sin [B, 1, S, D] in `dtype` (computed in fp32 like the original). A slice is
+        the same positions for all `batch` rows (the code predictor's passes): with the table, its rows expanded
+        over the batch, a view that costs no kernel."""
+        if isinstance(positions, slice):
+            if self.table is not None and self.table.dtype == dtype:
+                rows = self.table[:, positions]  # [2, S, D]
+                cos_sin = rows[:, None, None].expand(2, batch, 1, *rows.shape[1:])
+                return cos_sin[0], cos_sin[1]
+            positions = torch.arange(positions.start, positions.stop, device=self.inv_freq.device).expand(batch, -1)
         if self.table is not None and self.table.dtype == dtype:
             cos_sin = self.table[:, positions]  # [2, B, S, D]
             return cos_sin[0][:, None], cos_sin[1][:, None]
@@ -362,11 +371,11 @@ class DecoderStack(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
         self.kernels: LayerKernels | None = None  # None: eager; set by an engine that compiles
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | slice, ctx: AttentionContext,
                 final_norm: bool = True) -> torch.Tensor:
-        """x [B, S, H], positions [B, S] -> [B, S, H] after the final norm (before it: `final_norm=False`, for a
-        caller that fuses it into its head's product)."""
-        cos, sin = self.rotary(positions, x.dtype)
+        """x [B, S, H], positions [B, S] (or a slice: the same for every row) -> [B, S, H] after the final norm
+        (before it: `final_norm=False`, for a caller that fuses it into its head's product)."""
+        cos, sin = self.rotary(positions, x.dtype, x.shape[0])
         for layer in self.layers:
             x = layer(x, cos, sin, ctx, self.kernels)
         if not final_norm:

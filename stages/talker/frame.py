@@ -34,11 +34,9 @@ def predict_frame_codes(
 ) -> torch.Tensor:
     """-> codes [B, 16] of the frame (c0 first)."""
     cp = talker.code_predictor
-    b = hidden.shape[0]
     cache.reset()
     inputs = torch.stack((hidden, talker.embed_codec(c0)), dim=1)  # [B, 2, H]
-    steps = torch.arange(NUM_CODEBOOKS, device=hidden.device).expand(b, NUM_CODEBOOKS)  # every pass's positions
-    positions = steps[:, :2]
+    positions = slice(0, 2)  # the same for every row: RoPE's rows are a view of its table (no kernel per pass)
     counters = frame_index * NUM_CODEBOOKS  # pass g draws with counters + g + 1 (an int: no kernel per pass)
     codes = [c0]
     for group in range(NUM_CODEBOOKS - 1):
@@ -49,7 +47,7 @@ def predict_frame_codes(
         codes.append(code)
         if group < NUM_CODEBOOKS - 2:
             inputs = cp.model.codec_embedding[group](code)[:, None]  # [B, 1, H]
-            positions = steps[:, group + 2:group + 3]  # a view: no kernel per pass
+            positions = slice(group + 2, group + 3)
     return torch.stack(codes, dim=1)
 
 

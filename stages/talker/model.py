@@ -67,7 +67,7 @@ class CodePredictor(nn.Module):
             self.small_to_mtp_projection = nn.Identity()
 
     def forward_step(
-        self, inputs: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext, group: int
+        self, inputs: torch.Tensor, positions: torch.Tensor | slice, ctx: AttentionContext, group: int
     ) -> torch.Tensor:
         """inputs [B, S, H_talker] -> logits [B, vocab] of codebook `group + 1` (last row only).
 
