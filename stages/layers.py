@@ -183,8 +183,8 @@ def attention_output_and_mlp(
     return x + F.linear(F.silu(gate) * up, down_w)
 
 
-def _stack_as_views(*linears: nn.Linear) -> torch.Tensor:
-    """One tensor holding the linears' weights row after row; each `weight` becomes a view of its rows, so the
+def stack_as_views(*linears: nn.Linear | nn.Embedding) -> torch.Tensor:
+    """One tensor holding the modules' weights row after row; each `weight` becomes a view of its rows, so the
     state dict keeps the checkpoint's names and no weight is held twice."""
     stacked = torch.cat([lin.weight.detach() for lin in linears])
     at = 0
@@ -270,8 +270,8 @@ class DecoderLayer(nn.Module):
         if self.qkv_weight is not None:
             return
         a, m = self.self_attn, self.mlp
-        self.qkv_weight = _stack_as_views(a.q_proj, a.k_proj, a.v_proj)
-        self.gate_up_weight = _stack_as_views(m.gate_proj, m.up_proj)
+        self.qkv_weight = stack_as_views(a.q_proj, a.k_proj, a.v_proj)
+        self.gate_up_weight = stack_as_views(m.gate_proj, m.up_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: AttentionContext | SelfAttendingContext, kernels: LayerKernels | None = None) -> torch.Tensor:

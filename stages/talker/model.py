@@ -12,7 +12,7 @@ from torch import nn
 
 from stages import gemv_kernels
 from stages.config import TalkerConfig
-from stages.layers import AttentionContext, DecoderStack
+from stages.layers import AttentionContext, DecoderStack, stack_as_views
 
 
 class TextProjection(nn.Module):
@@ -100,6 +100,19 @@ class Talker(nn.Module):
         self.text_projection = TextProjection(cfg.text_hidden_size, cfg.text_hidden_size, cfg.hidden_size)
         self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.code_predictor = CodePredictor(cfg)
+        self.codec_tables: torch.Tensor | None = None  # the 16 codebooks' embeddings stacked (stack_codec_embeddings)
+        self.codec_offsets: torch.Tensor | None = None  # [16]: each codebook's first row in codec_tables
+
+    def stack_codec_embeddings(self) -> None:
+        """The 16 codebook embeddings as one table, each module's weight a view of its rows (no weight twice, the
+        state dict unchanged), so that `embed_frame_codes` is one gather instead of 16 lookups and a stack. Call
+        it once the weights are loaded and placed (a later `.to()` would copy table and views apart)."""
+        if self.codec_tables is not None:
+            return
+        tables = [self.model.codec_embedding, *self.code_predictor.model.codec_embedding]
+        sizes = torch.tensor([t.weight.shape[0] for t in tables])
+        self.codec_tables = stack_as_views(*tables)
+        self.codec_offsets = (sizes.cumsum(0) - sizes).to(self.codec_tables.device)
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         """P(ids): text tokens [...] -> [..., H]."""
@@ -113,8 +126,10 @@ class Talker(nn.Module):
         """Sum of all 16 codebook embeddings of frames: codes [..., 16] -> [..., H].
 
         Stacked then summed over the codebook axis, in the same order as the official model, so the
-        fp32 result is bit-identical.
+        fp32 result is bit-identical; with `stack_codec_embeddings`, the stack is one gather from the joint table.
         """
+        if self.codec_tables is not None:
+            return F.embedding(codes + self.codec_offsets, self.codec_tables).sum(-2)
         tables = [self.model.codec_embedding, *self.code_predictor.model.codec_embedding]
         parts = [table(codes[..., q]) for q, table in enumerate(tables)]
         return torch.stack(parts, dim=-2).sum(-2)

@@ -297,6 +297,7 @@ class TalkerRunner:
         # table; positions stay below max_seq_len (the talker) and 16 (the code predictor's frame)
         self.talker.model.use_kernels(kernels, self.max_seq_len)
         self.talker.code_predictor.model.use_kernels(kernels, NUM_CODEBOOKS)
+        self.talker.stack_codec_embeddings()  # a frame's 16 codebook embeddings in one gather
         self._select = torch.compile(select_tokens, dynamic=True, fullgraph=True)
         self._mask = torch.compile(mask_talker_logits, dynamic=True, fullgraph=True)
 

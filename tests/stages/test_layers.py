@@ -97,6 +97,24 @@ def test_rope_table_lookup_is_bit_identical_to_computing_it():
     assert all(torch.equal(a, b) for a, b in zip(rotary(positions, torch.float32), fresh, strict=True))
 
 
+def test_rope_of_a_slice_is_the_same_positions_for_every_row_and_a_view_with_the_table():
+    """The code predictor's passes give positions as a slice (the same for every row): the values of the tensor
+    form, and with the table a view of its rows (a graphed pass then runs no index kernel for RoPE)."""
+    from stages.layers import Rotary
+
+    rotary = Rotary(CFG.head_dim, CFG.rope_theta)
+    as_tensor = torch.arange(3, 5).expand(4, 2)
+    for table in (False, True):
+        if table:
+            rotary.build_table(16, torch.float32)
+        want = rotary(as_tensor, torch.float32)
+        got = rotary(slice(3, 5), torch.float32, batch=4)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+        assert got[0].shape == (4, 1, 2, CFG.head_dim)
+        if table:
+            assert got[0].stride(0) == 0 and got[0].untyped_storage().data_ptr() == rotary.table.untyped_storage().data_ptr()
+
+
 def test_use_kernels_sets_the_engine_path_up():
     x = torch.randn(2, 6, CFG.hidden_size, generator=torch.Generator().manual_seed(2))
     stack = _stack()

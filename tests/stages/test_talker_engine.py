@@ -353,3 +353,20 @@ def test_runner_moves_several_rows_at_once_and_frees_a_range(model):
         assert torch.equal(runner.kv.block_table[:5], kept)
     finally:
         engine.shutdown()
+
+
+def test_stacked_codec_embeddings_are_views_and_embed_frames_bit_identically(tiny_custom_voice):
+    """Talker.stack_codec_embeddings (the compiled engine's one-gather frame embedding): the 16 codebook
+    embeddings become rows of one table (views: the state dict and the memory unchanged) and embed_frame_codes
+    gives the same bits as 16 lookups, stacked and summed."""
+    talker = Qwen3TTS.load(tiny_custom_voice, dtype="float32", decoder=False).talker
+    before = {k: v.clone() for k, v in talker.state_dict().items()}
+    codes = torch.stack([torch.randint(0, 2048, (3, 5), generator=torch.Generator().manual_seed(q)) for q in range(16)], -1)
+    want = talker.embed_frame_codes(codes)
+    talker.stack_codec_embeddings()
+    assert torch.equal(talker.embed_frame_codes(codes), want)
+    after = talker.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    table = talker.codec_tables.untyped_storage().data_ptr()
+    assert talker.model.codec_embedding.weight.untyped_storage().data_ptr() == table
+    assert all(e.weight.untyped_storage().data_ptr() == table for e in talker.code_predictor.model.codec_embedding)
