@@ -32,10 +32,12 @@ class TalkerEngineConfig:
     gemv_rows: int = 4  # compiled CUDA path: forwards of <= this many rows (<= 8) run each layer as 4 Triton GEMVs
     # with their norms, SwiGLU and residuals fused (stages/gemv_kernels.py); 0: cuBLAS throughout. H100: batch 1
     # 6.18 -> 4.99 ms per step (docs/benchmarks.md, "Few-row GEMVs on by default")
-    pdl: bool = True  # compiled CUDA path, H100+: in steps of <= gemv_rows rows the Triton kernels (GEMVs, decode
+    pdl: bool = False  # compiled CUDA path, H100+: in steps of <= gemv_rows rows the Triton kernels (GEMVs, decode
     # attention and its merge, token selection) launch with programmatic dependent launch (stages/pdl.py): each
-    # starts while the kernel before it ends, a GEMV loading its first weight tile meanwhile. H100: batch 1 4.63 ->
-    # 4.37 ms per step; slower at batch 8 and 256, which launch plainly (TalkerRunner.pdl_at)
+    # starts while the kernel before it ends. For a Talker with its GPU alone (configs/split.yaml): H100 batch 1
+    # 4.89 -> 4.09 ms per step with this session's other cuts. Off by default: its kernels then hold the SMs
+    # without a gap, and a Code2Wav on the same GPU decoded first chunks in ~8.5 ms instead of ~5.5 (in process,
+    # c=1 first audio p95 15.3 -> 23.7 ms). Steps of more rows always launch plainly (TalkerRunner.pdl_at)
     heads_in_attention: bool = True  # compiled CUDA path: the decode attention kernel applies q/k's head norm and
     # RoPE while loading them (two kernels fewer per layer and pass; H100: with sampling_kernel, batch 1 7.22 ->
     # 6.10 ms per frame, batch 256 10.45 -> 9.74 ms per step, docs/benchmarks.md)

@@ -203,7 +203,7 @@ class TalkerRunner:
                  block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
                  compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
                  gemv_rows: int = 4, heads_in_attention: bool = True, sampling_kernel: bool = True,
-                 pdl: bool = True, attention_splits: bool = True):
+                 pdl: bool = False, attention_splits: bool = True):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
@@ -548,9 +548,10 @@ class TalkerRunner:
         return self.cp_caches[b]
 
     def pdl_at(self, b: int) -> bool:
-        """Whether a decode step of b rows launches its Triton kernels with PDL: only where its layers run as GEMVs
-        (b <= gemv_rows), the launch-bound steps. H100 (docs/benchmarks.md, "PDL at batch 1"): batch 1 4.63 ->
-        4.37 ms; batch 8 6.21 -> 6.45 and 256 9.55 -> 9.70 ms, so larger steps launch plainly."""
+        """Whether a decode step of b rows launches its Triton kernels with PDL (`pdl` on): only where its layers run
+        as GEMVs (b <= gemv_rows), the launch-bound steps. H100 (docs/benchmarks.md, "Programmatic dependent launch"):
+        batch 1 4.63 -> 4.37 ms; batch 8 6.21 -> 6.45 and 256 9.55 -> 9.70 ms with it, so larger steps launch
+        plainly."""
         return self.pdl and b <= self.gemv_rows
 
     @torch.no_grad()
