@@ -13,6 +13,23 @@ from __future__ import annotations
 
 import torch
 
+try:
+    import triton
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # CPU-only installs: no Triton kernels run
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def begin():
+        """A PDL-launched kernel's first statement when it has nothing to do before its inputs are ready: the next
+        kernel may launch now, and this one waits for the previous one. (A GEMV splits the two around its first
+        weight tile's load instead.)"""
+        gdc_launch_dependents()
+        gdc_wait()
+
 
 def supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

@@ -12,21 +12,24 @@ frame"). Here the row stays in registers and both thresholds are found by bisect
   top_p, which is what `mass_before < top_p` over the sorted row means: the largest key whose mass above is
   still >= top_p is found the same way (32 masked sums), and the ids above it stay;
 - the draw is the same exponential race on the same counter-based uniforms (`uniform_from_counter`'s hash, in
-  uint32 per id), so a seeded request draws the same ids as with `select_tokens`, up to the summation order of the
+  uint32), so a seeded request draws the same ids as with `select_tokens`, up to the summation order of the
   softmax (a race decided by less than that rounding may go the other way).
+The code stays small (loops, not unrolled; uint32, not int64): in the decode step the kernel runs after ~40 others
+and its instructions come from L2 again. On the H100 a version of 5,700 SASS instructions took 21.6 us per call
+there against 10.3 us back to back; at 2,600, ~10 us.
 """
 
 from __future__ import annotations
 
 import torch
 
+from stages import pdl
 from stages.pdl import launch_args
 from stages.sampling import SamplingTensors
 
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the engine samples with `select_tokens`
     triton = None
 
@@ -39,20 +42,8 @@ if triton is not None:
 
     @triton.jit
     def _mix32(x):
-        """stages/sampling._mix32 on int64 values (< 2**32 after every step, products < 2**63)."""
-        x = x & 0xFFFFFFFF
-        x = x ^ (x >> 16)
-        x = (x * 0x7FEB352D) & 0xFFFFFFFF
-        x = x ^ (x >> 15)
-        x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
-        x = x ^ (x >> 12)
-        x = (x * 0x297A2D39) & 0xFFFFFFFF
-        return x ^ (x >> 15)
-
-    @triton.jit
-    def _mix32_u32(x):
-        """`_mix32` in uint32 arithmetic, for the per-id hashes: a wrapping product is the masked one, and each
-        is one multiply instead of int64's several (the vocabulary's worth of them, in every call)."""
+        """stages/sampling._mix32 in uint32 arithmetic (its int64 values masked to 32 bits are these; a wrapping
+        product is the masked one): one multiply each instead of int64's several, a vocabulary's worth per call."""
         x = x ^ (x >> 16)
         x = x * 0x7FEB352D
         x = x ^ (x >> 15)
@@ -106,7 +97,7 @@ if triton is not None:
             weights = tl.where(keep, tl.exp(scores - top), 0.0)
             probs = weights / tl.sum(weights, axis=0)
             above = tl.zeros([], tl.uint32)  # the largest key whose mass above is still >= top_p
-            for i in range(32):  # a loop, not unrolled: the kernel's code stays small (see `_select_kernel`)
+            for i in range(32):  # a loop, not unrolled: the kernel's code stays small (module docstring)
                 cand = above | (tl.full([], 1, tl.uint32) << (31 - i))
                 mass = tl.sum(tl.where(key > cand, probs, 0.0), axis=0)
                 above = tl.where(mass >= top_p, cand, above)
@@ -116,8 +107,8 @@ if triton is not None:
         probs = weights / tl.sum(weights, axis=0)
         # the exponential race on uniform_from_counter's uniforms
         counter = tl.load(counters_ptr + row) + counter_offset
-        seed_row = _mix32(_mix32(tl.load(seeds_ptr + row)) ^ ((counter * 0x61C88647) & 0xFFFFFFFF))
-        draws = _mix32_u32(seed_row.to(tl.uint32) ^ _mix32_u32(idx.to(tl.uint32) + 0x1E3779B9))
+        seed_row = _mix32(_mix32(tl.load(seeds_ptr + row).to(tl.uint32)) ^ (counter.to(tl.uint32) * 0x61C88647))
+        draws = _mix32(seed_row ^ _mix32(idx.to(tl.uint32) + 0x1E3779B9))
         uniform = (((draws >> 8) & 0xFFFFFF).to(tl.float32) + 0.5) * (1.0 / 16777216)
         race = tl.where(probs > 0, probs / -tl.log(uniform), -1.0)
         return tl.argmax(race, axis=0, tie_break_left=True)
@@ -128,8 +119,7 @@ if triton is not None:
         counter_offset, stride_row, V, V_P: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # programmatic dependent launch (stages/pdl.py)
-            gdc_launch_dependents()
-            gdc_wait()
+            pdl.begin()
         row = tl.program_id(0)
         idx = tl.arange(0, V_P)
         ok = idx < V

@@ -19,12 +19,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from stages import pdl
 from stages.pdl import launch_args
 
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the engine uses the gather path there
     triton = None
 
@@ -116,8 +116,7 @@ if triton is not None:
         PDL: tl.constexpr = False,
     ):
         if PDL:  # programmatic dependent launch: the next kernel may launch now; wait for the previous one's writes
-            gdc_launch_dependents()
-            gdc_wait()
+            pdl.begin()
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq_len = tl.load(lens_ptr + row * stride_len)
@@ -185,8 +184,7 @@ if triton is not None:
                                PDL: tl.constexpr = False):
         """One (row, head): softmax-weighted merge of its SPLITS partial results (acc, running max m, sum l)."""
         if PDL:
-            gdc_launch_dependents()
-            gdc_wait()
+            pdl.begin()
         row = tl.program_id(0)
         head = tl.program_id(1)
         s = tl.arange(0, SPLITS)
