@@ -65,18 +65,41 @@ class CodePredictor(nn.Module):
             self.small_to_mtp_projection: nn.Module = nn.Linear(cfg.hidden_size, cp.transformer.hidden_size, bias=True)
         else:
             self.small_to_mtp_projection = nn.Identity()
+        # codec_embedding[g] through the input projection, per id (`project_codec_embeddings`), or None
+        self.projected_embeddings: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def project_codec_embeddings(self) -> None:
+        """Precompute small_to_mtp_projection(codec_embedding[g].weight) for the 1.7B model's 2048 -> 1024
+        projection (the 0.6B model's is the identity: nothing to do), so that a few-row pass's input is one row
+        lookup instead of a lookup and a GEMV (`pass_inputs`). The tables hold what the projection gives for each id
+        (F.linear over all ids at once: within the model dtype's rounding of the per-step product). Tables for the
+        14 codebooks that feed a pass (the 15th only feeds the talker): 59 MB in bf16 at 1.7B."""
+        proj = self.small_to_mtp_projection
+        if isinstance(proj, nn.Linear):
+            assert proj.in_features != proj.out_features, "forward_step tells projected inputs by their width"
+            self.projected_embeddings = [proj(table.weight) for table in self.model.codec_embedding[:-1]]
+
+    def pass_inputs(self, code: torch.Tensor, group: int) -> torch.Tensor:
+        """Input of the pass after `group`, from its code [B]: [B, 1, H_talker], or [B, 1, H_cp] already projected
+        (a row of `projected_embeddings`) where that pass runs as GEMVs; `forward_step` tells them by width."""
+        if self.projected_embeddings is not None and self.model.takes_gemv_path(code[:, None]):
+            return F.embedding(code, self.projected_embeddings[group])[:, None]
+        return self.model.codec_embedding[group](code)[:, None]
 
     def forward_step(
         self, inputs: torch.Tensor, positions: torch.Tensor | slice, ctx: AttentionContext, group: int
     ) -> torch.Tensor:
-        """inputs [B, S, H_talker] -> logits [B, vocab] of codebook `group + 1` (last row only).
+        """inputs [B, S, H_talker] (or [B, 1, H_cp] from `pass_inputs`) -> logits [B, vocab] of codebook `group + 1`
+        (last row only).
 
         On the GEMV path (a few rows, stages/gemv_kernels.py) the input projection is a GEMV too, and the final
         norm, this head and the logits' cast to fp32 are one kernel; the logits are then fp32 (elsewhere in the
         model's dtype)."""
         proj = self.small_to_mtp_projection
         if self.model.takes_gemv_path(inputs):
-            if isinstance(proj, nn.Linear):  # the 1.7B model's 2048 -> 1024 (the 0.6B model's is the identity)
+            # the 1.7B model's 2048 -> 1024 (the 0.6B model's is the identity), unless `pass_inputs` projected already
+            if isinstance(proj, nn.Linear) and inputs.shape[-1] == proj.in_features:
                 b, s, width = inputs.shape
                 x = gemv_kernels.gemv(inputs.reshape(b * s, width), proj.weight, bias=proj.bias,
                                       pdl=self.model.kernels.pdl).view(b, s, -1)
@@ -140,3 +163,11 @@ class Talker(nn.Module):
 
     def codec_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.codec_head(hidden)
+
+    def codec_logits_fp32(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] -> `codec_logits(hidden).float()` [B, vocab]. On the GEMV path (a few rows) one GEMV whose
+        fp32 output is rounded to the model's dtype first, so the same values as the eager head and cast, without
+        the cuBLAS launch and the cast's kernel in the few-row step."""
+        if self.model.takes_gemv_path(hidden[:, None]):
+            return gemv_kernels.gemv(hidden, self.codec_head.weight, out_dtype=torch.float32, pdl=self.model.kernels.pdl)
+        return self.codec_head(hidden).float()

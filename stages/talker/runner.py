@@ -46,7 +46,13 @@ from stages.sampling import (
     select_tokens,
     suppressed_ids_mask,
 )
-from stages.talker.frame import new_code_predictor_cache, next_talker_input, predict_frame_codes
+from stages.talker.frame import (
+    advance_rows,
+    new_code_predictor_cache,
+    predict_frame_codes,
+    record_step,
+    step_talker_input,
+)
 from stages.talker.paged_attention import kernel_available
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from stages.talker.prefill import PrefillEmbeds
@@ -257,6 +263,7 @@ class TalkerRunner:
         self._move_stage = _IntStage(dev, turns=8)  # row moves' indices (several calls per iteration)
         self._init_tts_pad()
         self._select, self._mask = select_tokens, mask_talker_logits
+        self._step_talker_input, self._advance_rows, self._record_step = step_talker_input, advance_rows, record_step
         # compiled path only: forwards of <= gemv_rows rows run the layers as Triton GEMVs (stages/gemv_kernels.py)
         self.gemv_rows = gemv_rows if compile and gemv_kernels.available(dev) else 0
         # compiled path with the decode kernel: q/k head norm + RoPE inside it (HeadNorm), not kernels of their own
@@ -298,8 +305,13 @@ class TalkerRunner:
         self.talker.model.use_kernels(kernels, self.max_seq_len)
         self.talker.code_predictor.model.use_kernels(kernels, NUM_CODEBOOKS)
         self.talker.stack_codec_embeddings()  # a frame's 16 codebook embeddings in one gather
+        if self.gemv_rows:  # few-row passes look their projected input up instead of a lookup and a GEMV
+            self.talker.code_predictor.project_codec_embeddings()
         self._select = torch.compile(select_tokens, dynamic=True, fullgraph=True)
         self._mask = torch.compile(mask_talker_logits, dynamic=True, fullgraph=True)
+        # the step's glue between the layers (text rows and embeddings, row bookkeeping): ~20 small kernels eager
+        self._step_talker_input, self._advance_rows, self._record_step = (
+            torch.compile(f, dynamic=True, fullgraph=True) for f in (step_talker_input, advance_rows, record_step))
 
     # ---------------------------------------------------------------- rows
     def _row_tensors(self) -> list[torch.Tensor]:
@@ -519,28 +531,21 @@ class TalkerRunner:
         frame_index = self.frame_index[:b]
         c0 = self.c0[:b]
         select = self._select_pdl if self.pdl_at(b) else self._select
+        counters = frame_index * NUM_CODEBOOKS  # this frame's draws; the next c0's are counters + 16
         codes = predict_frame_codes(self.talker, self.hidden[:b], c0, self.cp_cache(b), p.sub, p.seeds, frame_index,
-                                    select)
-        self.seen[:b].scatter_(1, c0[:, None], True)
-        has_text = frame_index < self.trailing_len[:b]
-        text_idx = torch.minimum(frame_index, (self.trailing_len[:b] - 1).clamp(min=0))
-        text_rows = self.trailing[torch.arange(b, device=self.device), text_idx]
-        text_rows = torch.where(has_text[:, None], text_rows, self.tts_pad[None, :])
-        x = next_talker_input(self.talker, codes, text_rows)
+                                    select, counters=counters)
+        x = self._step_talker_input(self.talker, codes, frame_index, self.trailing[:b], self.trailing_len[:b],
+                                    self.tts_pad)
         positions = self.positions[:b]
         ctx = DecodeContext(self.kv, positions, attn_len, self.use_kernel, split_keys=self.attention_splits,
                             pdl=self.pdl_at(b))
         hidden = self.talker.forward_hidden(x, positions[:, None], ctx)[:, -1]
         self.hidden[:b] = hidden
-        # padding rows (free rows) also advance; saturating keeps their writes inside their (scratch) table
-        self.positions[:b] = (self.positions[:b] + 1).clamp_(max=self.max_seq_len - 1)
-        self.frame_index[:b] += 1
-        logits = self._mask(self.talker.codec_logits(hidden).float(), self.seen[:b], p.penalty,
-                            self.frame_index[:b], p.min_frames, self.suppress, self.eos, p.suppress_eos)
-        next_c0 = select(logits, p.talker, p.seeds, self.frame_index[:b] * NUM_CODEBOOKS)
-        self.c0[:b] = next_c0
-        self.out[:b, :NUM_CODEBOOKS] = codes
-        self.out[:b, NUM_CODEBOOKS] = next_c0
+        self._advance_rows(positions, frame_index, self.seen[:b], c0, self.max_seq_len - 1)
+        logits = self._mask(self.talker.codec_logits_fp32(hidden), self.seen[:b], p.penalty,
+                            frame_index, p.min_frames, self.suppress, self.eos, p.suppress_eos)
+        next_c0 = select(logits, p.talker, p.seeds, counters, NUM_CODEBOOKS)  # (frame_index + 1) * 16
+        self._record_step(self.out[:b], c0, codes, next_c0)
 
     def cp_cache(self, b: int):
         if b not in self.cp_caches:

@@ -50,10 +50,11 @@ def main() -> dict:
     codes, logits, kernel_calls = {}, {}, {}
     for name in ("eager", "fused"):
         fused = name == "fused"
-        cp_stack.kernels = None
+        cp_stack.kernels = talker.code_predictor.projected_embeddings = None
         if fused:
             cp_stack.use_kernels(LayerKernels(pre=attention_inputs, post=attention_output_and_mlp,
                                               gemv_rows=8, heads_in_attention=True), NUM_CODEBOOKS)
+            talker.code_predictor.project_codec_embeddings()  # as the runner does with gemv_rows
         cache = new_code_predictor_cache(talker, b)
         cache.decode_kernel = fused
         calls.clear()

@@ -370,3 +370,29 @@ def test_stacked_codec_embeddings_are_views_and_embed_frames_bit_identically(tin
     table = talker.codec_tables.untyped_storage().data_ptr()
     assert talker.model.codec_embedding.weight.untyped_storage().data_ptr() == table
     assert all(e.weight.untyped_storage().data_ptr() == table for e in talker.code_predictor.model.codec_embedding)
+
+
+def test_projected_pass_inputs_are_the_projection_of_the_lookup_on_the_few_row_path_only(tiny_custom_voice):
+    """CodePredictor.project_codec_embeddings (the compiled engine with gemv_rows): a few-row pass's input is one
+    lookup in a precomputed table, the input projection of the codebook's embedding of that id; wider passes and an
+    engine without the tables look up the talker-wide embedding as before."""
+    from stages.layers import LayerKernels, attention_inputs, attention_output_and_mlp
+
+    talker = Qwen3TTS.load(tiny_custom_voice, dtype="float32", decoder=False).talker
+    cp = talker.code_predictor
+    codes = torch.randint(0, 2048, (3,), generator=torch.Generator().manual_seed(1))
+    plain = cp.pass_inputs(codes, 4)
+    assert torch.equal(plain, cp.model.codec_embedding[4](codes)[:, None])  # no tables yet
+    cp.project_codec_embeddings()
+    assert len(cp.projected_embeddings) == 14  # the 15th codebook feeds the talker only
+    assert torch.equal(cp.pass_inputs(codes, 4), plain)  # no GEMV path: the lookup
+    cp.model.kernels = LayerKernels(pre=attention_inputs, post=attention_output_and_mlp, gemv_rows=4)
+    cp.model.fuse_projections()
+    try:
+        projected = cp.pass_inputs(codes, 4)
+        want = cp.small_to_mtp_projection(cp.model.codec_embedding[4](codes))[:, None]
+        assert projected.shape == want.shape and torch.allclose(projected, want, atol=1e-6, rtol=0)
+        wide = torch.randint(0, 2048, (5,))  # 5 rows > gemv_rows: the talker-wide lookup
+        assert torch.equal(cp.pass_inputs(wide, 2), cp.model.codec_embedding[2](wide)[:, None])
+    finally:
+        cp.model.kernels = None
