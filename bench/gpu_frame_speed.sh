@@ -12,7 +12,7 @@
 # attention: bench.paged_attention, the decode-attention tiling sweep in CUDA graphs, with and without loads_first,
 # and the splits sweep at a few rows (1-32 programs per row and KV head, 160-2000 keys).
 # select: bench.select, token selection per call (compiled sort, the sampling kernel).
-# KERNEL_FLAGS (e.g. "--gemv-rows 4 --heads-in-attention --sampling-kernel") go to talker_check and pipeline.
+# KERNEL_FLAGS (e.g. "--pdl") go to talker_check, talker_profile, talker_before and pipeline.
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
 # codebook-0 logits and codes, then steps equal).
 # peer: faster-qwen3-tts 0.5.4 timed on the same checkpoint (python -m bench.peer_faster_qwen3_tts: its CUDA-graph
@@ -53,7 +53,7 @@ for step in $STEPS; do
              tests/stages/test_code2wav_engine.py 2>&1 | tee "$OUT/gpu_tests.log" \
              | grep -E "passed|failed|error|max diff|Error|assert" | tail -24 ;;
     talker_tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_talker_engine_gpu.py tests/stages/test_gemv_gpu.py \
-             tests/stages/test_sampling_gpu.py 2>&1 | tee "$OUT/talker_gpu_tests.log" \
+             tests/stages/test_sampling_gpu.py tests/stages/test_pdl_gpu.py 2>&1 | tee "$OUT/talker_gpu_tests.log" \
              | grep -E "passed|failed|error|max abs err|Error|assert" | tail -24 ;;
     code2wav) python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --out "$OUT/c2w_stateless" \
                 2>&1 | tee "$OUT/c2w_stateless.log" | grep -E "^batch|latency|streams|best" | tail -8
@@ -74,7 +74,7 @@ for step in $STEPS; do
                  | grep -E "^batch|best|captured in" | tail -6 ;;
     talker_profile) checkpoint
               python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,256} --steps 30 --compile \
-                --max-seq-len 1024 --profile --out "$OUT/talker_profile.json" 2>&1 | tee "$OUT/talker_profile.log" \
+                --max-seq-len 1024 --profile ${KERNEL_FLAGS:-} --out "$OUT/talker_profile.json" 2>&1 | tee "$OUT/talker_profile.log" \
                 | grep -vE "^\[talker\] captured|^\{" | tail -40 ;;
     gemv) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_gemv_gpu.py 2>&1 \
              | tee "$OUT/gemv_gpu_tests.log" | grep -E "passed|failed|error|max abs err|Error|assert" | tail -40
@@ -108,7 +108,7 @@ for step in $STEPS; do
               rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf "${BEFORE:-.before.tar.gz}" -C /tmp/before
               CK=$(cd "$CKPT" && pwd)
               (cd /tmp/before && python3 -m bench.talker --checkpoint "$CK" --batches ${BATCHES:-1,256} --steps 30 \
-                --compile --max-seq-len 1024 --profile --out /tmp/before/talker_profile.json) 2>&1 \
+                --compile --max-seq-len 1024 --profile ${KERNEL_FLAGS:-} --out /tmp/before/talker_profile.json) 2>&1 \
                 | tee "$OUT/talker_before.log" | grep -vE "^\[talker\] captured|^\{" | tail -40
               cp /tmp/before/talker_profile.json "$OUT/talker_before.json" ;;
     startup) checkpoint
