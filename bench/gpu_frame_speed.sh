@@ -30,8 +30,9 @@
 # talker_before: talker_profile with an earlier tree (BEFORE=a tar.gz of `git archive <commit> stages bench`,
 # carried), same checkpoint and call: the before/after of a kernel change.
 # startup: bench.startup twice (the engines' start phase by phase, high_concurrency.yaml's engine config): cold
-# (empty Inductor/Triton caches and compile-cache dir; under py-spy if PYSPY=path/to/py-spy), then with only
-# the compile-cache file it wrote (Inductor/Triton caches deleted, as on a new machine sharing the cache dir).
+# (empty Inductor/Triton caches and compile-cache dir), then from the compile-cache dir alone (the file and the
+# Triton cache the replicas keep beside it; Inductor's cache deleted: a new machine sharing the serve home's cache
+# dir); both under py-spy if PYSPY=path/to/py-spy.
 # No Ray needed (nothing to carry). Results (logs, JSON) land in $OUT; the random 1.7B checkpoint in $W.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
@@ -113,12 +114,14 @@ for step in $STEPS; do
               cp /tmp/before/talker_profile.json "$OUT/talker_before.json" ;;
     startup) checkpoint
               S=/tmp/startup; rm -rf $S; mkdir -p $S
-              export TORCHINDUCTOR_CACHE_DIR=$S/inductor TRITON_CACHE_DIR=$S/triton
+              # Triton's cache under the compile-cache dir, as the replicas keep it (deployments/constants.py)
+              export TORCHINDUCTOR_CACHE_DIR=$S/inductor TRITON_CACHE_DIR=$S/cc/triton
               ${PYSPY:+$PYSPY record -r 50 --format speedscope -o "$OUT/startup_cold.speedscope" --} \
                 python3 -m bench.startup --checkpoint "$CKPT" --compile-cache-dir $S/cc --out "$OUT/startup_cold.json" \
                 2>&1 | tee "$OUT/startup_cold.log" | grep -E "^\[\+|^\{" | grep -vE "captured [0-9]+/" | tail -30
-              rm -rf $S/inductor $S/triton
-              python3 -m bench.startup --checkpoint "$CKPT" --compile-cache-dir $S/cc --out "$OUT/startup_cached.json" \
+              rm -rf $S/inductor
+              ${PYSPY:+$PYSPY record -r 50 --format speedscope -o "$OUT/startup_cached.speedscope" --} \
+                python3 -m bench.startup --checkpoint "$CKPT" --compile-cache-dir $S/cc --out "$OUT/startup_cached.json" \
                 2>&1 | tee "$OUT/startup_cached.log" | grep -E "^\[\+|^\{" | grep -vE "captured [0-9]+/" | tail -30
               unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR ;;
     pipeline) checkpoint
