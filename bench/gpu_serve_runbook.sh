@@ -82,6 +82,9 @@ env_setup() {
       "$(ls .gpubundle/wheels/soxr-*.whl .whl/soxr-*.whl 2>/dev/null | head -1)" \
       || { say "no soxr wheel in .gpubundle/wheels/ or .whl/ (see docs/benchmarks.md)"; exit 3; }
   fi
+  if [ ! -f /tmp/site/.bytecode_done ]; then  # as `pip install` leaves Ray (the bundle unpacks without bytecode)
+    python3 -m compileall -q -j 0 /tmp/site /tmp/main_site > /dev/null 2>&1; touch /tmp/site/.bytecode_done
+  fi
 }
 
 write_config() {

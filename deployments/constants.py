@@ -27,6 +27,9 @@ COMPILE_CACHE_DIR = _env_path("QWEN3_TTS_COMPILE_CACHE_DIR", QWEN3_TTS_SERVE_HOM
 # Triton's cache for the replicas (unless TRITON_CACHE_DIR is set): the project's own kernels (paged attention,
 # the vocoder's) compile per shape family on first use; beside the compile cache, a start from it compiles none
 TRITON_CACHE_DIR = COMPILE_CACHE_DIR / "triton"
+# Python bytecode of what a GPU replica imports (torch, Triton, sympy...) where the installed packages carry none
+# (deployments/loading.keep_bytecode); QWEN3_TTS_PYCACHE_DIR=off leaves Python's own choice alone
+PYCACHE_DIR = os.environ.get("QWEN3_TTS_PYCACHE_DIR", str(COMPILE_CACHE_DIR / "pycache"))
 
 # deployment names (YAML `deployments:` overrides must use these)
 INGRESS_DEPLOYMENT_NAME = "TTSIngress"

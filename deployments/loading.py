@@ -114,6 +114,29 @@ def keep_triton_kernels(env: MutableMapping[str, str] = os.environ) -> str:
     return env.setdefault("TRITON_CACHE_DIR", str(C.TRITON_CACHE_DIR))
 
 
+def keep_bytecode(probe: str = "torch", pycache_dir: str = C.PYCACHE_DIR) -> str | None:
+    """Keep the bytecode of modules imported from here on under `pycache_dir` when the installed `probe` package
+    carries none where Python looks (installed without bytecode, as uv does by default, and often run with
+    PYTHONDONTWRITEBYTECODE=1, as container images set it): then every replica start compiles torch, Triton and
+    sympy from source again, ~7-9 s of a GPU replica's start on an H100 host (docs/benchmarks.md, "Ready").
+    Bytecode goes to that directory only (the installed packages stay untouched), beside the compile cache, so a
+    restart or another machine sharing the directory reads it. Returns the prefix in use, or None if nothing was
+    changed (bytecode present, a prefix already set by PYTHONPYCACHEPREFIX, `pycache_dir` "off", or no `probe`)."""
+    import importlib.util
+    import sys
+
+    if pycache_dir == "off" or sys.pycache_prefix is not None:
+        return None
+    spec = importlib.util.find_spec(probe)  # a top-level package: found without importing it
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    if os.path.exists(importlib.util.cache_from_source(spec.origin)):
+        return None  # the package has its bytecode
+    sys.pycache_prefix = pycache_dir
+    sys.dont_write_bytecode = False  # writes go to pycache_dir only
+    return pycache_dir
+
+
 def configure_torch(options: _RuntimeOptions, device: str) -> None:
     """Per-process torch settings: CPU threads, a GPU memory cap (fractional GPUs share memory), Triton's cache."""
     import torch
@@ -136,7 +159,9 @@ async def load_model(options: _RuntimeOptions, source: CheckpointSource, log: Lo
     """
     import asyncio
 
-    from stages.qwen3_tts import Qwen3TTS
+    if (prefix := keep_bytecode()) is not None:
+        log(f"bytecode of the modules imported from here on kept in {prefix} (the installed packages have none)")
+    from stages.qwen3_tts import Qwen3TTS  # torch, Triton...
 
     path = await asyncio.to_thread(checkpoint_location, source, log)
     device, dtype = resolve_device_dtype(options)
