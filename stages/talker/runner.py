@@ -46,6 +46,8 @@ from stages.sampling import (
     select_tokens,
     suppressed_ids_mask,
 )
+from stages.talker import frame as frame_module
+from stages.talker import model as talker_model
 from stages.talker.frame import (
     advance_rows,
     new_code_predictor_cache,
@@ -58,8 +60,9 @@ from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from stages.talker.prefill import PrefillEmbeds
 from stages.talker.prompt_plan import NONE, PromptPlan, embed_rows, embed_text_rows
 
-# the files whose functions `compile` hands to torch.compile: the compile cache keys their source (CompileCache)
-COMPILED_SOURCES = (layers.__file__, sampling.__file__)
+# the files whose functions `compile` hands to torch.compile, and those the traced code calls into (the step's glue
+# reads the talker's embedding tables): the compile cache keys their source (CompileCache)
+COMPILED_SOURCES = (layers.__file__, sampling.__file__, frame_module.__file__, talker_model.__file__)
 PREFILL_WIDTH_BUCKETS = (16, 32, 64, 128)  # graphed prefill widths (CustomVoice/VoiceDesign prompts fit)
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # graphed prefill batches (the engine admits <= 16 per step)
 PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)
