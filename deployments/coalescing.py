@@ -1,7 +1,9 @@
 """Coalescer: work that arrives while a batch runs waits for the next batch, in a replica's event loop.
 
 One drainer task takes everything waiting and runs it as one batch (or the groups the policy asks for: items
-that `first` selects in a batch of their own ahead of the rest, at most `max_batch` per batch). A failed batch
+that `first` selects in a batch of their own ahead of the rest, at most `max_batch` per batch). With `hold`,
+a batch that the policy finds too small waits for more items, up to the time `hold` names, and leaves as soon as
+an arrival makes it big enough (fewer, larger batches where every item has time to spare). A failed batch
 fails only its own items. Each submitter's future is shielded: a caller that leaves does not cancel the batch
 the others share. Used by Code2Wav (the calls of several ingress replicas) and the Talker's first-chunk decoder.
 """
@@ -18,22 +20,42 @@ R = TypeVar("R")
 
 class Coalescer(Generic[T, R]):
     def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], first: Callable[[T], bool] | None = None,
-                 max_batch: int | None = None):
-        """`run`: one batch -> one result per item (raises to fail the batch)."""
-        self._run, self._first, self._max_batch = run, first, max_batch
+                 max_batch: int | None = None, hold: Callable[[list[T]], float] | None = None):
+        """`run`: one batch -> one result per item (raises to fail the batch). `hold`: the items waiting -> seconds
+        the next batch may still wait for more (0: run it now); asked again at each arrival, the wait counted from
+        the first time it was asked for that batch."""
+        self._run, self._first, self._max_batch, self._hold = run, first, max_batch, hold
         self.waiting: list[tuple[T, asyncio.Future]] = []  # items (and their answers' futures) for the next batch
         self._drainer: asyncio.Task | None = None
+        self._arrived = asyncio.Event()  # set by every submit: a holding batch looks again
+        self.held = 0  # batches that waited for more items (metrics, tests)
 
     async def submit(self, item: T) -> R:
         """`item`'s result, once a batch holding it has run."""
         future = asyncio.get_running_loop().create_future()
         self.waiting.append((item, future))
+        self._arrived.set()
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.get_running_loop().create_task(self._drain())
         return await asyncio.shield(future)
 
+    async def _fill(self) -> None:
+        """Wait while `hold` asks for more items (an arrival, or its time running out, ends each wait)."""
+        if self._hold is None or (wait := self._hold([item for item, _ in self.waiting])) <= 0:
+            return
+        self.held += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while (left := deadline - loop.time()) > 0 and self._hold([item for item, _ in self.waiting]) > 0:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                return
+
     async def _drain(self) -> None:
         while self.waiting:
+            await self._fill()
             taken, self.waiting = self.waiting, []
             for batch in self._batches(taken):
                 try:

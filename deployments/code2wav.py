@@ -63,7 +63,18 @@ class Code2WavServer:
         # no audio buffered, and in the batch of every waiting chunk a first chunk took as long as the whole
         # batch (H100, c=256: 87 ms at the median)
         self._batches: Coalescer[list[CodecChunk], tuple[list[np.ndarray], tuple[float, float]]] = Coalescer(
-            self._decode_calls, first=lambda chunks: all(c.seq < streaming.urgent_chunks for c in chunks))
+            self._decode_calls, first=lambda chunks: all(c.seq < streaming.urgent_chunks for c in chunks),
+            hold=self._fill_time)
+
+    def _fill_time(self, calls: list[list[CodecChunk]]) -> float:
+        """Seconds the next batch may wait for more chunks (`batch_fill_chunks`): none once it is big enough or
+        holds a stream's first two chunks (a listener waits for the first; the second must follow within the
+        first's audio); the later chunks of a stream leave while the earlier ones play."""
+        cfg = self._config
+        chunks = [c for call in calls for c in call]
+        if len(chunks) >= cfg.batch_fill_chunks or any(c.seq <= 1 for c in chunks):
+            return 0.0
+        return cfg.batch_fill_wait_ms / 1000
 
     async def start(self) -> None:
         cfg = self._config

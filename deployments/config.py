@@ -132,6 +132,10 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
 
     model: str | None = Field(None, description="checkpoint whose speech_tokenizer/ to load; None = the first model's")
     max_batch_size: int = Field(C.DEFAULT_CODE2WAV_MAX_BATCH_SIZE, ge=1, description="chunks decoded in one forward")
+    batch_fill_chunks: int = Field(0, ge=0, description=(
+        "a batch of fewer chunks waits up to batch_fill_wait_ms for more, unless it holds a stream's first two "
+        "chunks (their listener waits): fewer, larger decodes under load; 0 = a batch never waits"))
+    batch_fill_wait_ms: float = Field(4.0, ge=0, description="the longest a batch waits to fill (batch_fill_chunks)")
     stall_timeout_s: float = Field(C.CODE2WAV_STALL_TIMEOUT_S, gt=0, description=(
         "check_health fails (Serve replaces the replica) when chunks wait this long without a decode finishing"))
 

@@ -187,6 +187,41 @@ def test_code2wav_decodes_calls_of_first_chunks_before_the_others(loop, talker, 
         assert [x.pcm.size for x in answer] == [c.num_new * SAMPLES_PER_FRAME for c in call]
 
 
+def test_code2wav_batch_waits_to_fill_but_never_with_a_streams_first_chunks(loop, talker, code2wav, monkeypatch):
+    """`batch_fill_chunks`: a batch of later chunks waits for more (here until the third arrives: the wait is far
+    longer than the test), while a batch holding a stream's first or second chunk leaves at once."""
+    a = loop.run_until_complete(_collect(talker.generate(_request(talker, 20, rid="fill"))))
+    assert len(a) >= 5
+    monkeypatch.setattr(code2wav, "_config", code2wav._config.model_copy(
+        update={"batch_fill_chunks": 3, "batch_fill_wait_ms": 60_000.0}))
+    engine, batches = code2wav._engine, []
+    real_decode = engine.decode
+    monkeypatch.setattr(engine, "decode",
+                        lambda work, **kw: batches.append([c.seq for c in work]) or real_decode(work, **kw))
+    coalescer = code2wav._batches
+
+    async def scenario():
+        held = coalescer.held
+        calls = [asyncio.ensure_future(code2wav.decode_many([a[2]]))]
+        while coalescer.held == held:  # loop turns until the batch of one later chunk holds
+            await asyncio.sleep(0)
+        calls.append(asyncio.ensure_future(code2wav.decode_many([a[3]])))
+        for _ in range(20):  # two chunks: still short of three, nothing decodes
+            await asyncio.sleep(0)
+        assert batches == [] and not any(c.done() for c in calls)
+        calls.append(asyncio.ensure_future(code2wav.decode_many([a[4]])))
+        answers = await asyncio.gather(*calls)
+        first_two = await code2wav.decode_many([a[0], a[1]])  # a listener waits: no hold
+        return held, answers, first_two
+
+    held, answers, first_two = loop.run_until_complete(scenario())
+    assert batches == [[2, 3, 4], [0, 1]]
+    assert coalescer.held == held + 1  # the first-chunk batch did not wait
+    assert [answer.seq for (answer,) in answers] == [2, 3, 4] and [x.seq for x in first_two] == [0, 1]
+    for chunk, (answer,) in zip(a[2:5], answers, strict=True):
+        assert answer.pcm.size == chunk.num_new * SAMPLES_PER_FRAME
+
+
 def test_chunks_the_talker_decodes_continue_exactly_into_code2wavs(loop, decoding_talker, talker, code2wav):
     """Talker-decoded chunks 0 and 1 + Code2Wav's decode of the rest == Code2Wav decoding the whole stream."""
     from deployments.decode_batcher import DecodeBatcher
