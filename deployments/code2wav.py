@@ -69,10 +69,12 @@ class Code2WavServer:
     def _fill_time(self, calls: list[list[CodecChunk]]) -> float:
         """Seconds the next batch may wait for more chunks (`batch_fill_chunks`): none once it is big enough or
         holds a stream's first two chunks (a listener waits for the first; the second must follow within the
-        first's audio); the later chunks of a stream leave while the earlier ones play."""
+        first's audio) or an urgent one (`streaming.urgent_chunks`); the later chunks of a stream leave while the
+        earlier ones play."""
         cfg = self._config
         chunks = [c for call in calls for c in call]
-        if len(chunks) >= cfg.batch_fill_chunks or any(c.seq <= 1 for c in chunks):
+        waited_for = max(2, self._streaming.urgent_chunks)
+        if len(chunks) >= cfg.batch_fill_chunks or any(c.seq < waited_for for c in chunks):
             return 0.0
         return cfg.batch_fill_wait_ms / 1000
 
