@@ -30,10 +30,8 @@ from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import write_random_checkpoint
-from stages.sampling import mask_talker_logits, select_tokens
-from stages.talker.frame import advance_rows, record_step, step_talker_input
 from stages.talker.prompt_plan import plan_prompt
-from stages.talker.runner import Admission, TalkerRunner
+from stages.talker.runner import EAGER_STEP_FUNCTIONS, Admission, TalkerRunner
 
 # bf16 weight bytes read per frame at batch 1 (research brief §8) and the H100's ~3.0 TB/s
 FLOOR_MS = {"0.6b": 1.10, "1.7b": 1.77}
@@ -71,11 +69,9 @@ def eager_reference(runner: TalkerRunner, on: bool = True):
         yield
         return
     graphs, runner.graphs = runner.graphs, {}
-    eager = {"_select": select_tokens, "_mask": mask_talker_logits, "_step_talker_input": step_talker_input,
-             "_advance_rows": advance_rows, "_record_step": record_step}
-    kernels, compiled = runner.talker.model.kernels, {name: getattr(runner, name) for name in eager}
+    kernels, compiled = runner.talker.model.kernels, {name: getattr(runner, name) for name in EAGER_STEP_FUNCTIONS}
     runner.talker.model.kernels = runner.talker.code_predictor.model.kernels = None
-    for name, fn in eager.items():
+    for name, fn in EAGER_STEP_FUNCTIONS.items():
         setattr(runner, name, fn)
     try:
         yield

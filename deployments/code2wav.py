@@ -72,6 +72,8 @@ class Code2WavServer:
         first's audio) or an urgent one (`streaming.urgent_chunks`); the later chunks of a stream leave while the
         earlier ones play."""
         cfg = self._config
+        if not cfg.batch_fill_chunks:  # off (the default): nothing to count
+            return 0.0
         chunks = [c for call in calls for c in call]
         waited_for = max(2, self._streaming.urgent_chunks)
         if len(chunks) >= cfg.batch_fill_chunks or any(c.seq < waited_for for c in chunks):

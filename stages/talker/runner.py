@@ -67,6 +67,12 @@ PREFILL_WIDTH_BUCKETS = (16, 32, 64, 128)  # graphed prefill widths (CustomVoice
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # graphed prefill batches (the engine admits <= 16 per step)
 PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)
 _WIDTH_MULTIPLE = 16  # eager prefill pads widths to this: fewer distinct shapes
+# the decode step's functions outside the layers, as the runner's attributes: eager, or torch.compile'd with `compile`
+# (the step's glue between the layers is ~20 small kernels eager); the sampling kernel may replace `_select`
+EAGER_STEP_FUNCTIONS: dict[str, Callable] = {
+    "_select": select_tokens, "_mask": mask_talker_logits, "_step_talker_input": step_talker_input,
+    "_advance_rows": advance_rows, "_record_step": record_step,
+}
 
 
 @dataclass
@@ -265,8 +271,8 @@ class TalkerRunner:
         self._text_stage = _IntStage(dev)
         self._move_stage = _IntStage(dev, turns=8)  # row moves' indices (several calls per iteration)
         self._init_tts_pad()
-        self._select, self._mask = select_tokens, mask_talker_logits
-        self._step_talker_input, self._advance_rows, self._record_step = step_talker_input, advance_rows, record_step
+        for name, fn in EAGER_STEP_FUNCTIONS.items():
+            setattr(self, name, fn)
         # compiled path only: forwards of <= gemv_rows rows run the layers as Triton GEMVs (stages/gemv_kernels.py)
         self.gemv_rows = gemv_rows if compile and gemv_kernels.available(dev) else 0
         # compiled path with the decode kernel: q/k head norm + RoPE inside it (HeadNorm), not kernels of their own
@@ -310,11 +316,8 @@ class TalkerRunner:
         self.talker.stack_codec_embeddings()  # a frame's 16 codebook embeddings in one gather
         if self.gemv_rows:  # few-row passes look their projected input up instead of a lookup and a GEMV
             self.talker.code_predictor.project_codec_embeddings()
-        self._select = torch.compile(select_tokens, dynamic=True, fullgraph=True)
-        self._mask = torch.compile(mask_talker_logits, dynamic=True, fullgraph=True)
-        # the step's glue between the layers (text rows and embeddings, row bookkeeping): ~20 small kernels eager
-        self._step_talker_input, self._advance_rows, self._record_step = (
-            torch.compile(f, dynamic=True, fullgraph=True) for f in (step_talker_input, advance_rows, record_step))
+        for name, fn in EAGER_STEP_FUNCTIONS.items():
+            setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True))
 
     # ---------------------------------------------------------------- rows
     def _row_tensors(self) -> list[torch.Tensor]:
