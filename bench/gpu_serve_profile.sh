@@ -6,6 +6,7 @@
 # replica: --gil (who holds the GIL) and --idle (where every thread is, waiting included), and the busy threads
 # of the Code2Wav replica and of one ingress replica. Every window lies inside the load: C x 30 requests, cut at
 # LOAD_S seconds (default 24; the windows end 20 s in).
+# PYSPY=0: the engines' statistics alone (py-spy sampling slows the replicas it attaches to).
 # DIRECT=1: HAProxy straight to the ingress replicas + throughput-optimized Serve, 4 ingress replicas (the
 # served configuration of docs/results/serving_path_h100.json); MPS=1: the CUDA MPS daemon runs meanwhile.
 # Results in $OUT/<C>/: load.log, served_engine_stats.json, talker_gil.txt, talker_idle.txt, code2wav_busy.txt,
@@ -32,10 +33,12 @@ for C in ${LEVELS//,/ }; do
   sleep 6
   python3 -m bench.serve_engine_stats --seconds 8 --out "$D/served_engine_stats.json" > "$D/stats.log" 2>&1 &
   STATS=$!
-  py-spy record --threads -r 100 -d 8 -f raw -o "$D/code2wav_busy.txt" -p "$C2W" >/dev/null 2>&1 &
-  py-spy record --threads -r 100 -d 8 -f raw -o "$D/ingress_busy.txt" -p "$ING" >/dev/null 2>&1 &
-  py-spy record --gil --threads -r 100 -d 8 -f raw -o "$D/talker_gil.txt" -p "$PID" >/dev/null 2>&1
-  py-spy record --idle --threads -r 100 -d 6 -f raw -o "$D/talker_idle.txt" -p "$PID" >/dev/null 2>&1
+  if [ "${PYSPY:-1}" = 1 ]; then
+    py-spy record --threads -r 100 -d 8 -f raw -o "$D/code2wav_busy.txt" -p "$C2W" >/dev/null 2>&1 &
+    py-spy record --threads -r 100 -d 8 -f raw -o "$D/ingress_busy.txt" -p "$ING" >/dev/null 2>&1 &
+    py-spy record --gil --threads -r 100 -d 8 -f raw -o "$D/talker_gil.txt" -p "$PID" >/dev/null 2>&1
+    py-spy record --idle --threads -r 100 -d 6 -f raw -o "$D/talker_idle.txt" -p "$PID" >/dev/null 2>&1
+  fi
   wait "$STATS"; wait "$LOAD"
   { echo "== c=$C"; grep -E "^closed" "$D/load.log"; cat "$D/served_engine_stats.json" 2>/dev/null || tail -3 "$D/stats.log"
     echo

@@ -50,7 +50,12 @@ for variant in "$@"; do
          OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
            RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed
          # the replicas should be MPS clients (type M+C) of one server
-         { echo get_server_list | nvidia-cuda-mps-control; nvidia-smi | tail -8; } > "$ROOT_OUT/$variant/mps.txt" 2>&1
+         { echo get_server_list | nvidia-cuda-mps-control; nvidia-smi | tail -8
+           # and each replica's CUDA_MPS_* settings (EXTRA_SET can give one deployment its own, e.g. Code2Wav's
+           # ray_actor_options.runtime_env.env_vars.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
+           for pid in $(pgrep -f 'ServeReplica:'); do
+             echo "$(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-60): $(tr '\0' '\n' < "/proc/$pid/environ" | grep '^CUDA_MPS' | tr '\n' ' ')"
+           done; } > "$ROOT_OUT/$variant/mps.txt" 2>&1
          OUT=$ROOT_OUT/$variant bash bench/gpu_serve_runbook.sh stop
          echo quit | nvidia-cuda-mps-control ;;
     gpu1) env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CUDA_VISIBLE_DEVICES=0 \

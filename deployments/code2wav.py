@@ -24,7 +24,7 @@ from ray import ObjectRef
 from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.audio_formats import float_to_pcm16
-from deployments.coalescing import Coalescer
+from deployments.coalescing import ArrivalRate, Coalescer
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import DecodedChunk, talker_decoded
@@ -65,20 +65,25 @@ class Code2WavServer:
         self._batches: Coalescer[list[CodecChunk], tuple[list[np.ndarray], tuple[float, float]]] = Coalescer(
             self._decode_calls, first=lambda chunks: all(c.seq < streaming.urgent_chunks for c in chunks),
             hold=self._fill_time)
+        self._arrivals = ArrivalRate(clock=lambda: self._clock())  # chunks per second lately (batch fill)
 
     def _fill_time(self, calls: list[list[CodecChunk]]) -> float:
-        """Seconds the next batch may wait for more chunks (`batch_fill_chunks`): none once it is big enough or
+        """Seconds the next batch may wait for more chunks (`batch_fill_chunks`): none once it is big enough,
         holds a stream's first two chunks (a listener waits for the first; the second must follow within the
-        first's audio) or an urgent one (`streaming.urgent_chunks`); the later chunks of a stream leave while the
-        earlier ones play."""
+        first's audio) or an urgent one (`streaming.urgent_chunks`), or when chunks arrive too seldom for one
+        more to be expected within the wait (light load: waiting would only delay this batch); the later
+        chunks of a stream leave while the earlier ones play. Why wait at all: under load, each small decode
+        is a forward of the codec decoder beside the Talker's steps on a shared GPU, and fewer, larger ones
+        leave the Talker more of it (docs/benchmarks.md)."""
         cfg = self._config
-        if not cfg.batch_fill_chunks:  # off (the default): nothing to count
+        if not cfg.batch_fill_chunks:  # off: nothing to count
             return 0.0
         chunks = [c for call in calls for c in call]
         waited_for = max(2, self._streaming.urgent_chunks)
         if len(chunks) >= cfg.batch_fill_chunks or any(c.seq < waited_for for c in chunks):
             return 0.0
-        return cfg.batch_fill_wait_ms / 1000
+        wait_s = cfg.batch_fill_wait_ms / 1000
+        return wait_s if self._arrivals.per_second() * wait_s >= 1.0 else 0.0
 
     async def start(self) -> None:
         cfg = self._config
@@ -109,6 +114,7 @@ class Code2WavServer:
         """
         n = len(chunks)
         t0, arrived = time.perf_counter(), first_audio_timing.now()
+        self._arrivals.add(n)
         if self._inflight == 0:
             self._last_progress = self._clock()
         self._inflight += n

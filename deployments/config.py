@@ -70,6 +70,11 @@ class _RuntimeOptions(_DeploymentOptions):
     engine_cls: str | None = Field(None, description="import path 'module:Class' of the engine (tests inject fakes)")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="fields of the engine's config dataclass")
     cpu_threads: int | None = Field(None, ge=1, description="torch.set_num_threads in the replica")
+    gil_switch_interval_ms: float | None = Field(
+        None, gt=0, le=100,
+        description="sys.setswitchinterval in the replica (Python's default: 5 ms): how long a thread that wants "
+        "the GIL waits for the one holding it (the engine's thread vs Serve's event loop)",
+    )
     gpu_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="torch.cuda.set_per_process_memory_fraction: Ray does not isolate GPU memory"
     )

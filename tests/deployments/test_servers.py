@@ -222,6 +222,27 @@ def test_code2wav_batch_waits_to_fill_but_never_with_a_streams_first_chunks(loop
         assert answer.pcm.size == chunk.num_new * SAMPLES_PER_FRAME
 
 
+def test_code2wav_batch_does_not_wait_when_chunks_arrive_seldom(loop, talker, code2wav, monkeypatch):
+    """At light load (here one chunk every 200 ms against a 20 ms wait) no second chunk is expected within the
+    wait: a batch of later chunks leaves at once; a burst of arrivals makes the next one wait again."""
+    a = loop.run_until_complete(_collect(talker.generate(_request(talker, 20, rid="seldom"))))
+    assert len(a) >= 5
+    now = [1000.0]
+    monkeypatch.setattr(code2wav, "_clock", lambda: now[0])
+    monkeypatch.setattr(code2wav, "_config", code2wav._config.model_copy(
+        update={"batch_fill_chunks": 64, "batch_fill_wait_ms": 20.0}))
+    coalescer, held = code2wav._batches, code2wav._batches.held
+    for chunk in a[2:5]:
+        now[0] += 10.0  # long after any earlier arrival: the rate has decayed
+        loop.run_until_complete(code2wav.decode_many([chunk]))
+        now[0] += 0.2
+    assert coalescer.held == held
+    burst = [a[2]] * 63  # 63 chunks at one instant (well above 1 per 20 ms), short of the 64 that end a wait
+    assert code2wav._fill_time([burst]) == 0.0  # not yet counted as arrivals
+    code2wav._arrivals.add(len(burst))
+    assert code2wav._fill_time([burst]) == pytest.approx(0.020)
+
+
 def test_chunks_the_talker_decodes_continue_exactly_into_code2wavs(loop, decoding_talker, talker, code2wav):
     """Talker-decoded chunks 0 and 1 + Code2Wav's decode of the rest == Code2Wav decoding the whole stream."""
     from deployments.decode_batcher import DecodeBatcher
