@@ -2,7 +2,8 @@
 
 Connects to the running Ray cluster, reads `Talker:<model>.engine_stats()` and `Code2Wav.engine_stats()` (one
 replica of each, the same one at both ends) twice, `--seconds` apart, and prints the engine's mean step time,
-mean batch and prefill share over that window, and Code2Wav's decode calls, chunks per call and busy share, as
+mean batch and prefill share over that window, Code2Wav's decode calls, chunks per call and busy share (and the
+same of the Talker replica's first-chunk decoder, when it has one), as
 JSON: the served step time to compare with `bench/pipeline.py`'s in-process step at the same batch (issue 10:
 does the engine loop lose time to the GIL it shares with Serve's event loops inside the replica?).
 
@@ -60,6 +61,9 @@ def main() -> None:
         "engine_first_chunk_ms": _mean_ms(before, after, "first_chunk_seconds", "first_chunks"),
         "code2wav": _code2wav_window(c2w_before, c2w_after, wall),
     }
+    if "first_chunk_decoder" in before:  # the Talker's own decodes of first chunks, beside its steps
+        report["talker_first_chunk_decoder"] = _code2wav_window(before["first_chunk_decoder"],
+                                                                after["first_chunk_decoder"], wall)
     print(json.dumps(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

@@ -98,5 +98,9 @@ class FirstChunkDecoder:
         with torch.cuda.stream(self._stream):
             return self._engine.decode(chunks)
 
+    def stats(self):
+        """Its engine's counters (`stages.code2wav.engine.Code2WavStats`)."""
+        return self._engine.stats()
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False)

@@ -203,8 +203,12 @@ class TalkerServer:
 
     async def engine_stats(self) -> dict:
         """The engine's counters (`EngineStats`) and which replica answered (`replica`: a window read twice by
-        `bench.serve_engine_stats` must come from one replica)."""
-        return {"replica": this_replica(), **dataclasses.asdict(self._engine.stats())}
+        `bench.serve_engine_stats` must come from one replica), with the first-chunk decoder's (`Code2WavStats`:
+        its forwards share this replica's GPU with the engine's steps) when it has one."""
+        stats = {"replica": this_replica(), **dataclasses.asdict(self._engine.stats())}
+        if self._first_decoder is not None:
+            stats["first_chunk_decoder"] = dataclasses.asdict(self._first_decoder.stats())
+        return stats
 
     # ------------------------------------------------------------------ Serve hooks
     def check_health(self) -> None:

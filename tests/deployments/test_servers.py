@@ -248,6 +248,7 @@ def test_chunks_the_talker_decodes_continue_exactly_into_code2wavs(loop, decodin
     from deployments.decode_batcher import DecodeBatcher
 
     before = decoding_talker._first_decoder.decoded  # (its start-up warm-up request decoded one)
+    stats_before = loop.run_until_complete(decoding_talker.engine_stats())["first_chunk_decoder"]
     chunks = loop.run_until_complete(_collect(decoding_talker.generate(_request(decoding_talker, 13, rid="fc"))))
     plain = loop.run_until_complete(_collect(talker.generate(_request(talker, 13, rid="fc-plain"))))
     assert all(c.pcm is not None and c.pcm.dtype == np.int16 for c in chunks[:2])
@@ -255,6 +256,10 @@ def test_chunks_the_talker_decodes_continue_exactly_into_code2wavs(loop, decodin
     for ours, theirs in zip(chunks, plain, strict=True):  # the same codes (same seed): only the first has PCM
         np.testing.assert_array_equal(ours.codes, theirs.codes)
     assert decoding_talker._first_decoder.decoded == before + 2
+    # what bench.serve_engine_stats reads: the Talker's own decodes, beside its engine's counters
+    stats_after = loop.run_until_complete(decoding_talker.engine_stats())["first_chunk_decoder"]
+    assert stats_after["chunks"] == stats_before["chunks"] + 2 and stats_after["forwards"] > stats_before["forwards"]
+    assert "first_chunk_decoder" not in loop.run_until_complete(talker.engine_stats())
 
     async def through_code2wav(stream):
         # the ingress's path: a chunk with PCM is answered at once, the others decoded by Code2Wav
