@@ -18,7 +18,9 @@ left context (its `fresh` path).
 
 Only while the engine runs at most `max_running` requests when the first chunk is cut: under load the decode
 would take GPU time from every running stream's step, and Code2Wav batches them with everything else more
-cheaply.
+cheaply. With `fill_s` a batch of first-chunk decodes waits that long for more while they arrive often enough
+for one more to be expected within the wait: fewer decoder forwards beside the engine's steps, for first audio
+that much later (off by default; docs/serving.md).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from deployments.audio_formats import float_to_pcm16
-from deployments.coalescing import Coalescer
+from deployments.coalescing import ArrivalRate, Coalescer
 from stages.chunking import ChunkSchedule
 from stages.contract import CodecChunk
 
@@ -39,9 +41,11 @@ MAX_BATCH = 8  # chunks decoded together (those waiting while a decode runs)
 
 
 class FirstChunkDecoder:
-    def __init__(self, decoder_model: Any, schedule: ChunkSchedule, max_running: int, log=print):
+    def __init__(self, decoder_model: Any, schedule: ChunkSchedule, max_running: int, log=print,
+                 fill_s: float = 0.0, clock=time.monotonic):
         """`decoder_model`: the checkpoint's codec decoder (`Qwen3TTS.decoder`), on the Talker's device;
-        `schedule`: the deployment's, whose first two chunks (without reference context) get graphs."""
+        `schedule`: the deployment's, whose first two chunks (without reference context) get graphs; `fill_s`:
+        how long a batch may wait for more (0: never)."""
         from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 
         self.max_running = max_running
@@ -56,7 +60,10 @@ class FirstChunkDecoder:
         self._stream = None
         # decodes waiting together share one forward (padded to the longest: the decoder is causal, so padding
         # after a chunk never changes its samples)
-        self._batches: Coalescer[CodecChunk, np.ndarray] = Coalescer(self._decode_batch, max_batch=MAX_BATCH)
+        self._batches: Coalescer[CodecChunk, np.ndarray] = Coalescer(self._decode_batch, max_batch=MAX_BATCH,
+                                                                     hold=self._fill_time)
+        self.fill_s = fill_s
+        self._arrivals = ArrivalRate(clock=clock)  # first-chunk decodes asked per second lately
         self._log = log
         self.decoded = 0  # chunks decoded here
 
@@ -83,7 +90,13 @@ class FirstChunkDecoder:
 
     async def decode(self, chunk: CodecChunk) -> np.ndarray:
         """int16 PCM of the chunk's new frames (a cancelled stream does not cancel the others' decode)."""
+        self._arrivals.add(1)
         return await self._batches.submit(chunk)
+
+    def _fill_time(self, chunks: list[CodecChunk]) -> float:
+        if not self.fill_s or len(chunks) >= MAX_BATCH:
+            return 0.0
+        return self.fill_s if self._arrivals.per_second() * self.fill_s >= 1.0 else 0.0
 
     async def _decode_batch(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
         waves = await asyncio.get_running_loop().run_in_executor(self._executor, self._decode, chunks)

@@ -80,7 +80,8 @@ class TalkerServer:
         self._schedule = self._streaming.schedule()
         if decode_first:
             self._first_decoder = FirstChunkDecoder(model.decoder, self._schedule,
-                                                    cfg.first_chunk_decode_max_running, log)
+                                                    cfg.first_chunk_decode_max_running, log,
+                                                    fill_s=cfg.first_chunk_decode_fill_ms / 1000)
             await asyncio.to_thread(self._first_decoder.start)
         self._info = ModelInfo(
             name=cfg.name, aliases=tuple(cfg.aliases), config=model.config, generation=model.generation,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -241,6 +242,43 @@ def test_code2wav_batch_does_not_wait_when_chunks_arrive_seldom(loop, talker, co
     assert code2wav._fill_time([burst]) == 0.0  # not yet counted as arrivals
     code2wav._arrivals.add(len(burst))
     assert code2wav._fill_time([burst]) == pytest.approx(0.020)
+
+
+def test_first_chunk_decodes_wait_to_batch_only_when_set_and_arriving_often(loop, decoding_talker, monkeypatch):
+    """`first_chunk_decode_fill_ms`: off, a decode never waits; on, a lone decode waits for the next while
+    first chunks arrive often (here until the second arrives: the wait is far longer than the test), and not
+    when they arrive seldom (a stream alone would only get its first audio later)."""
+    from deployments.coalescing import ArrivalRate
+    from deployments.first_chunk_decoder import MAX_BATCH
+
+    decoder = decoding_talker._first_decoder
+    chunks = loop.run_until_complete(_collect(decoding_talker.generate(_request(decoding_talker, 5, rid="ff"))))
+    first = dataclasses.replace(chunks[0], pcm=None, request_id="ff-again")
+    assert decoder.fill_s == 0.0 and decoder._fill_time([first]) == 0.0
+    now = [0.0]
+    monkeypatch.setattr(decoder, "fill_s", 60.0)
+    monkeypatch.setattr(decoder, "_arrivals", ArrivalRate(clock=lambda: now[0]))
+    assert decoder._fill_time([first]) == 0.0  # nothing arrived lately: no second one expected
+    decoder._arrivals.add(1)
+    assert decoder._fill_time([first]) == 60.0 and decoder._fill_time([first] * MAX_BATCH) == 0.0
+    engine, batches = decoder._engine, []
+    real_decode = engine.decode
+    monkeypatch.setattr(engine, "decode", lambda work, **kw: batches.append(len(work)) or real_decode(work, **kw))
+
+    async def scenario():
+        held = decoder._batches.held
+        one = asyncio.ensure_future(decoder.decode(first))
+        while decoder._batches.held == held:  # loop turns until the lone decode holds
+            await asyncio.sleep(0)
+        assert batches == [] and not one.done()
+        two = asyncio.ensure_future(decoder.decode(dataclasses.replace(first, request_id="ff-third")))
+        monkeypatch.setattr(decoder, "fill_s", 0.0)  # the next look ends the wait (as reaching its length would)
+        return await asyncio.gather(one, two)
+
+    pcm_one, pcm_two = loop.run_until_complete(scenario())
+    assert batches == [2]
+    np.testing.assert_array_equal(pcm_one, pcm_two)
+    assert pcm_one.size == first.num_new * SAMPLES_PER_FRAME
 
 
 def test_chunks_the_talker_decodes_continue_exactly_into_code2wavs(loop, decoding_talker, talker, code2wav):
