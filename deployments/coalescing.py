@@ -37,6 +37,11 @@ class ArrivalRate:
     def per_second(self) -> float:
         return self._decayed(self._clock()) / self._tau
 
+    def wait_if_more_expected(self, wait_s: float) -> float:
+        """`wait_s` if at least one more item is expected within it at the current rate, else 0 (a `hold`'s
+        answer: waiting for nothing only delays the batch that waits)."""
+        return wait_s if self.per_second() * wait_s >= 1.0 else 0.0
+
     def _decayed(self, now: float) -> float:
         return self._level * math.exp(-max(0.0, now - self._at) / self._tau)
 

@@ -82,8 +82,7 @@ class Code2WavServer:
         waited_for = max(2, self._streaming.urgent_chunks)
         if len(chunks) >= cfg.batch_fill_chunks or any(c.seq < waited_for for c in chunks):
             return 0.0
-        wait_s = cfg.batch_fill_wait_ms / 1000
-        return wait_s if self._arrivals.per_second() * wait_s >= 1.0 else 0.0
+        return self._arrivals.wait_if_more_expected(cfg.batch_fill_wait_ms / 1000)
 
     async def start(self) -> None:
         cfg = self._config

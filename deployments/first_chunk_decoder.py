@@ -42,7 +42,7 @@ MAX_BATCH = 8  # chunks decoded together (those waiting while a decode runs)
 
 class FirstChunkDecoder:
     def __init__(self, decoder_model: Any, schedule: ChunkSchedule, max_running: int, log=print,
-                 fill_s: float = 0.0, clock=time.monotonic):
+                 fill_s: float = 0.0):
         """`decoder_model`: the checkpoint's codec decoder (`Qwen3TTS.decoder`), on the Talker's device;
         `schedule`: the deployment's, whose first two chunks (without reference context) get graphs; `fill_s`:
         how long a batch may wait for more (0: never)."""
@@ -63,7 +63,7 @@ class FirstChunkDecoder:
         self._batches: Coalescer[CodecChunk, np.ndarray] = Coalescer(self._decode_batch, max_batch=MAX_BATCH,
                                                                      hold=self._fill_time)
         self.fill_s = fill_s
-        self._arrivals = ArrivalRate(clock=clock)  # first-chunk decodes asked per second lately
+        self._arrivals = ArrivalRate()  # first-chunk decodes asked per second lately
         self._log = log
         self.decoded = 0  # chunks decoded here
 
@@ -96,7 +96,7 @@ class FirstChunkDecoder:
     def _fill_time(self, chunks: list[CodecChunk]) -> float:
         if not self.fill_s or len(chunks) >= MAX_BATCH:
             return 0.0
-        return self.fill_s if self._arrivals.per_second() * self.fill_s >= 1.0 else 0.0
+        return self._arrivals.wait_if_more_expected(self.fill_s)
 
     async def _decode_batch(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
         waves = await asyncio.get_running_loop().run_in_executor(self._executor, self._decode, chunks)
