@@ -24,7 +24,8 @@
 # `path=value` overrides of the config's args, e.g. "models.0.engine_kwargs.max_num_seqs=128"), SIZE (1.7b),
 # KIND (custom_voice), MAX_NEW_TOKENS (75 = 6 s of audio), CONCURRENCY, RATES, CLOSED_MIN / CLOSED_PER_LEVEL
 # (requests per closed point: max(min, k x c)), OPEN_MIN / OPEN_SECONDS (per open point: max(min, s x r)),
-# READY_TIMEOUT_S (420), PORT (8000), RAY_PORT (6379, split placement), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use
+# LOADGEN_PROCESSES (1: worker processes of bench.loadgen reading the streams), READY_TIMEOUT_S (420),
+# PORT (8000), RAY_PORT (6379, split placement), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use
 # the current Python environment: the CPU dry run in docs/benchmarks.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled \
@@ -189,7 +190,7 @@ sweep() {  # sweep MODE LEVELS SECONDS
   [ "$mode" = open ] && per=(--requests "$OPEN_MIN" --requests-per-level "$OPEN_SECONDS" --rate "$levels")
   say "$mode sweep ($levels), ${secs}s budget"
   python3 -m bench.loadgen --url "$URL" --mode "$mode" "${per[@]}" --max-new-tokens "$MAX_NEW_TOKENS" \
-    --fixed-length --warmup 4 --timeout 300 --max-seconds "$secs" --progress plain --label "$(label)" --out "$dir"
+    --fixed-length --warmup 4 --timeout 300 --max-seconds "$secs" --processes "${LOADGEN_PROCESSES:-1}" --progress plain --label "$(label)" --out "$dir"
   [ -n "$smi" ] && kill "$smi" 2>/dev/null
   cat "$dir/results.md"
   collect

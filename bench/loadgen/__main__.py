@@ -28,6 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from .client import SpeechClient, SpeechSettings
+from .fanout import ProcessPoolClient
 from .progress import make_progress
 from .report import build_document, write_results
 from .runner import SweepConfig, SweepOutcome, sweep
@@ -71,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--continuity-threshold", type=float, default=0.1, help="seconds of deficit still continuous")
     ap.add_argument("--rebuffer-resume-s", type=float, default=0.0,
                     help="rebuffering player: audio buffered before it resumes after a stall")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="worker processes that send the requests and read the streams (the parent only schedules): "
+                         "one event loop falls behind at hundreds of streams")
     ap.add_argument("--seed", type=int, default=0, help="sentence order and Poisson arrivals")
     ap.add_argument("--label", default="", help="free text kept in the results (device, config)")
     ap.add_argument("--progress", choices=["auto", "tqdm", "plain", "none"], default="auto")
@@ -79,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.fixed_length and not args.max_new_tokens:
         ap.error("--fixed-length needs --max-new-tokens")
+    if args.processes < 1:
+        ap.error("--processes must be >= 1")
     return args
 
 
@@ -110,7 +116,7 @@ async def amain(args: argparse.Namespace) -> SweepOutcome:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "host": platform.node(), "python": platform.python_version(),
         "command": "python -m bench.loadgen " + shlex.join(sys.argv[1:]),
-        "settings": asdict(settings), "sweep": asdict(cfg),
+        "settings": asdict(settings), "sweep": asdict(cfg), "processes": args.processes,
         "texts": f"{len(sentences)} {args.language} sentences from {args.sentences or 'bench/loadgen/sentences.txt'}",
         "server_models": await _server_models(args.url),
     }
@@ -122,7 +128,9 @@ async def amain(args: argparse.Namespace) -> SweepOutcome:
               f"{s.audio_s_per_s:.1f} audio-s/s  continuous {_share(s.continuous_share)}", flush=True)
         write_results(build_document(meta, outcome, cfg.rebuffer_resume_s), args.out, plots=False)
 
-    async with SpeechClient(args.url, settings) as client:
+    client = SpeechClient(args.url, settings) if args.processes == 1 else ProcessPoolClient(
+        args.url, settings, args.processes)
+    async with client:
         outcome = await sweep(client, cfg, pool.draw, on_point,
                               lambda label, total: make_progress(args.progress, label, total))
     doc = build_document(meta, outcome, cfg.rebuffer_resume_s)

@@ -83,6 +83,9 @@ class SpeechClient:
     def reset_peak(self) -> None:
         self.peak_inflight = self.inflight
 
+    def worker_loop_lag(self) -> list[float]:
+        return []  # no workers: the load point measures this loop's lag itself
+
     async def synthesize(self, r: RequestResult, origin: float) -> None:
         """Run request `r`; times are `time.perf_counter() - origin`. Never raises except on cancellation
         (then `r.failure == "aborted"`)."""

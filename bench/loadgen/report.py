@@ -88,7 +88,8 @@ def markdown(doc: dict[str, Any]) -> str:
     lag = max((p["loop_lag_ms"]["max"] or 0.0 for p in points), default=0.0)
     late = max((p["send_lag_ms"]["max"] or 0.0 for p in points), default=0.0)
     lines += ["", f"Stopped: {doc.get('stop_reason') or 'all levels ran'}. "
-              f"Load generator event-loop lag, worst: {lag:.0f} ms; latest send after its due time: {late:.0f} ms"
+              f"Load generator ({doc['meta'].get('processes', 1)} process(es) reading streams) event-loop lag, "
+              f"worst: {lag:.0f} ms; latest send after its due time: {late:.0f} ms"
               f"{' (high: the client may inflate latencies)' if max(lag, late) > 50 else ''}.", ""]
     return "\n".join(lines)
 

@@ -10,14 +10,29 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from .client import SpeechClient
 from .progress import Progress
 from .records import LoadPoint, Mode, PointRun, RequestResult
 from .sentences import Sentence
 from .summary import PointSummary, summarize
 
 LAG_TICK_S = 0.05
+
+
+class Client(Protocol):
+    """What a load point drives: `SpeechClient` (one event loop) or `fanout.ProcessPoolClient` (workers)."""
+
+    inflight: int
+    peak_inflight: int
+
+    def reset_peak(self) -> None: ...
+
+    def worker_loop_lag(self) -> list[float]:
+        """Event-loop lag samples (s) of worker processes since the last call; [] without workers."""
+        ...
+
+    async def synthesize(self, r: RequestResult, origin: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -65,13 +80,14 @@ async def _lag_monitor(samples: list[float]) -> None:
         samples.append(max(0.0, time.perf_counter() - t - LAG_TICK_S))
 
 
-async def run_point(client: SpeechClient, point: LoadPoint, texts: list[Sentence], rng: random.Random,
+async def run_point(client: Client, point: LoadPoint, texts: list[Sentence], rng: random.Random,
                     deadline: float | None = None, progress: Progress | None = None) -> PointRun:
     """One load point; `deadline` (perf_counter) cancels what is still running and marks it aborted."""
     results = [RequestResult(index=i, text=s.text, language=s.language) for i, s in enumerate(texts)]
     run = PointRun(point=point, results=results)
     origin = time.perf_counter()
     client.reset_peak()
+    client.worker_loop_lag()  # drop what earlier points left
     lag = asyncio.create_task(_lag_monitor(run.loop_lag_s))
 
     async def one(r: RequestResult) -> None:
@@ -96,6 +112,7 @@ async def run_point(client: SpeechClient, point: LoadPoint, texts: list[Sentence
         lag.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await lag
+    run.loop_lag_s.extend(client.worker_loop_lag())  # the worst loop of all counts
     sent = [r for r in results if r.sent_s is not None]
     if sent:
         start = min(r.scheduled_s for r in sent)
@@ -150,7 +167,7 @@ def _stop_reason(cfg: SweepConfig, s: PointSummary) -> str | None:
     return None
 
 
-async def sweep(client: SpeechClient, cfg: SweepConfig, draw: Callable[[random.Random, int], list[Sentence]],
+async def sweep(client: Client, cfg: SweepConfig, draw: Callable[[random.Random, int], list[Sentence]],
                 on_point: Callable[[SweepOutcome], None] | None = None,
                 progress_factory: Callable[[str, int], Progress] | None = None) -> SweepOutcome:
     """Warm up, then run each level in order until one fails the stop rule or the budget ends."""

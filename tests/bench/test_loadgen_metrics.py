@@ -238,6 +238,9 @@ class FakeClient:
     def reset_peak(self) -> None:
         self.peak_inflight = self.inflight
 
+    def worker_loop_lag(self) -> list[float]:
+        return []
+
     async def synthesize(self, r: RequestResult, origin: float) -> None:
         self.inflight += 1
         self.peak_inflight = max(self.peak_inflight, self.inflight)

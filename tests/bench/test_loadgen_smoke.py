@@ -87,8 +87,9 @@ def test_closed_and_open_loop_against_the_embedded_default(local_server, tmp_pat
     assert "| 2 | 4 / 4 | 0 |" in md
 
     opened = loadgen(tmp_path / "open", "--url", local_server, "--mode", "open", "--rate", "4", "--requests", "4",
-                     "--stream-format", "sse", "--language", "zh", "--no-plots")
-    check_point(opened["points"][0], 4)
+                     "--stream-format", "sse", "--language", "zh", "--no-plots", "--processes", "2")
+    check_point(opened["points"][0], 4)  # two worker processes read the streams
+    assert opened["meta"]["processes"] == 2
 
     try:
         import matplotlib  # noqa: F401
