@@ -17,7 +17,8 @@
 #   gpu1     scale-out baseline on a multi-GPU host: high_concurrency.yaml on GPU 0 only (CUDA_VISIBLE_DEVICES=0)
 #   replicas scale-out: configs/replicas.yaml on every GPU of the host (one co-located pair per GPU raylet,
 #            4 ingress replicas per GPU); gpu1 and replicas use the Serve proxy and the same levels, or with
-#            DIRECT=1 both the direct variant's throughput-optimized mode and HAProxy ingress
+#            DIRECT=1 both the direct variant's throughput-optimized mode and HAProxy ingress, and with MPS=1 both
+#            run under the MPS control daemon as the mps variant does (one MPS server per GPU)
 # Results: two files per variant, $OUT/<variant>.tar.gz (everything) and $OUT/<variant>.md (the table): the
 # device tool returns at most 8 files, and a lost in-process run (2026-11-22) taught that. BUDGET_S: per variant
 # (default 250). Order the variants by priority: a command cut at its time limit keeps what is done.
@@ -33,6 +34,9 @@ INGRESS4="ingress.deployment_config.autoscaling_config.min_replicas=4${EXTRA_SET
 LIVE_STAGE=${LIVE:+live}
 DIRECT_ENV=()  # DIRECT=1: gpu1 and replicas as the direct variant (throughput-optimized Serve, HAProxy ingress)
 if [ "${DIRECT:-0}" = 1 ]; then DIRECT_ENV=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1); fi  # LIVE=1: each served variant also runs the WebSocket live-text stage (bench.live) first
+mps_start() { nvidia-cuda-mps-control -d && echo "MPS control daemon started"; }
+mps_stop() { echo quit | nvidia-cuda-mps-control; }
+SCALE_MPS=${MPS:-0}  # MPS=1: gpu1 and replicas under MPS
 mkdir -p "$ROOT_OUT"
 for variant in "$@"; do
   mkdir -p "$ROOT_OUT/$variant"
@@ -46,7 +50,7 @@ for variant in "$@"; do
                 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
     direct) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
               RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
-    mps) nvidia-cuda-mps-control -d && echo "MPS control daemon started"
+    mps) mps_start
          OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
            RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed
          # the replicas should be MPS clients (type M+C) of one server
@@ -57,13 +61,17 @@ for variant in "$@"; do
              echo "$(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-60): $(tr '\0' '\n' < "/proc/$pid/environ" | grep '^CUDA_MPS' | tr '\n' ' ')"
            done; } > "$ROOT_OUT/$variant/mps.txt" 2>&1
          OUT=$ROOT_OUT/$variant bash bench/gpu_serve_runbook.sh stop
-         echo quit | nvidia-cuda-mps-control ;;
-    gpu1) env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CUDA_VISIBLE_DEVICES=0 \
-            CONFIG=configs/high_concurrency.yaml bash bench/gpu_serve_runbook.sh setup closed stop ;;
-    replicas) n=$(nvidia-smi -L | grep -c '^GPU')
+         mps_stop ;;
+    gpu1) [ "$SCALE_MPS" = 1 ] && mps_start
+          env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CUDA_VISIBLE_DEVICES=0 \
+            CONFIG=configs/high_concurrency.yaml bash bench/gpu_serve_runbook.sh setup closed stop
+          [ "$SCALE_MPS" = 1 ] && mps_stop ;;
+    replicas) [ "$SCALE_MPS" = 1 ] && mps_start
+              n=$(nvidia-smi -L | grep -c '^GPU')
               env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/replicas.yaml \
                 SET="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))" \
-                bash bench/gpu_serve_runbook.sh setup closed stop ;;
+                bash bench/gpu_serve_runbook.sh setup closed stop
+              [ "$SCALE_MPS" = 1 ] && mps_stop ;;
     inproc) CKPT=${CKPT:-/tmp/qwen3-serve-bench/ckpt/1.7b-custom_voice}
             [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \
               --device cuda 2>&1 | tail -2
