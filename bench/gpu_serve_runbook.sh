@@ -181,10 +181,15 @@ sweep() {  # sweep MODE LEVELS SECONDS
   ready || { say "server not ready: run the setup stage first"; return 1; }
   local dir="$W/results/$mode"; rm -rf "$dir"; mkdir -p "$dir"
   cp "$W/serve.yaml" "$dir/serve_config.yaml"
-  local smi=""
+  local smi="" cpu=""
   if command -v nvidia-smi > /dev/null; then
     nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 2 > "$dir/gpu.csv" &
     smi=$!
+  fi
+  # where the host's CPU goes (replicas, load generator, Ray): the busiest processes every 5 s
+  if command -v top > /dev/null; then
+    while :; do top -b -n 1 -w 220 -o %CPU | head -32; sleep 5; done > "$dir/cpu.txt" 2>&1 &
+    cpu=$!
   fi
   local per=(--requests "$CLOSED_MIN" --requests-per-level "$CLOSED_PER_LEVEL" --concurrency "$levels")
   [ "$mode" = open ] && per=(--requests "$OPEN_MIN" --requests-per-level "$OPEN_SECONDS" --rate "$levels")
@@ -192,6 +197,7 @@ sweep() {  # sweep MODE LEVELS SECONDS
   python3 -m bench.loadgen --url "$URL" --mode "$mode" "${per[@]}" --max-new-tokens "$MAX_NEW_TOKENS" \
     --fixed-length --warmup 4 --timeout 300 --max-seconds "$secs" --processes "${LOADGEN_PROCESSES:-1}" --progress plain --label "$(label)" --out "$dir"
   [ -n "$smi" ] && kill "$smi" 2>/dev/null
+  [ -n "$cpu" ] && kill "$cpu" 2>/dev/null
   cat "$dir/results.md"
   collect
 }

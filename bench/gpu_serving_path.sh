@@ -19,6 +19,9 @@
 #            4 ingress replicas per GPU); gpu1 and replicas use the Serve proxy and the same levels, or with
 #            DIRECT=1 both the direct variant's throughput-optimized mode and HAProxy ingress, and with MPS=1 both
 #            run under the MPS control daemon as the mps variant does (one MPS server per GPU)
+#   split    scale-out by stage on a 2-GPU host: configs/split.yaml (the Talker alone on GPU 0, Code2Wav alone on
+#            GPU 1) with high_concurrency.yaml's limits, chunking and batching (SPLIT_SET below), 8 ingress
+#            replicas; DIRECT and MPS as for replicas
 # Results: two files per variant, $OUT/<variant>.tar.gz (everything) and $OUT/<variant>.md (the table): the
 # device tool returns at most 8 files, and a lost in-process run (2026-11-22) taught that. BUDGET_S: per variant
 # (default 250). Order the variants by priority: a command cut at its time limit keeps what is done.
@@ -36,7 +39,13 @@ DIRECT_ENV=()  # DIRECT=1: gpu1 and replicas as the direct variant (throughput-o
 if [ "${DIRECT:-0}" = 1 ]; then DIRECT_ENV=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1); fi  # LIVE=1: each served variant also runs the WebSocket live-text stage (bench.live) first
 mps_start() { nvidia-cuda-mps-control -d && echo "MPS control daemon started"; }
 mps_stop() { echo quit | nvidia-cuda-mps-control; }
-SCALE_MPS=${MPS:-0}  # MPS=1: gpu1 and replicas under MPS
+SCALE_MPS=${MPS:-0}  # MPS=1: gpu1, replicas and split under MPS
+# split.yaml's stages on GPUs of their own, with what high_concurrency.yaml serves per GPU: the same app, placed apart
+SPLIT_SET="models.0.engine_kwargs.max_num_seqs=512 models.0.engine_kwargs.max_seq_len=1024 \
+models.0.engine_kwargs.kv_cache_tokens=262144 models.0.deployment_config.max_ongoing_requests=576 \
+models.0.deployment_config.max_queued_requests=64 models.0.first_chunk_decode_max_running=64 \
+code2wav.batch_fill_chunks=64 code2wav.batch_fill_wait_ms=20 code2wav.engine_kwargs.max_frames_per_forward=4096 \
+streaming.first_chunk_frames=1 streaming.max_pending_decodes=4 ingress.deployment_config.num_replicas=8"
 mkdir -p "$ROOT_OUT"
 for variant in "$@"; do
   mkdir -p "$ROOT_OUT/$variant"
@@ -72,6 +81,10 @@ for variant in "$@"; do
                 SET="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))" \
                 bash bench/gpu_serve_runbook.sh setup closed stop
               [ "$SCALE_MPS" = 1 ] && mps_stop ;;
+    split) [ "$SCALE_MPS" = 1 ] && mps_start
+           env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/split.yaml \
+             SET="$SPLIT_SET${EXTRA_SET:+ $EXTRA_SET}" bash bench/gpu_serve_runbook.sh setup closed stop
+           [ "$SCALE_MPS" = 1 ] && mps_stop ;;
     inproc) CKPT=${CKPT:-/tmp/qwen3-serve-bench/ckpt/1.7b-custom_voice}
             [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \
               --device cuda 2>&1 | tail -2
