@@ -188,7 +188,8 @@ sweep() {  # sweep MODE LEVELS SECONDS
   fi
   # where the host's CPU goes (replicas, load generator, Ray): the busiest processes every 5 s
   if command -v top > /dev/null; then
-    while :; do top -b -n 1 -w 220 -o %CPU | head -32; sleep 5; done > "$dir/cpu.txt" 2>&1 &
+    while :; do timeout 4 top -b -n 2 -d 1 -w 220 -o %CPU | awk '/^top -/{n++} n==2' | head -32; sleep 4; done \
+      > "$dir/cpu.txt" 2>&1 &  # the second frame: %CPU over 1 s (the first is since boot); a hung top is cut
     cpu=$!
   fi
   local per=(--requests "$CLOSED_MIN" --requests-per-level "$CLOSED_PER_LEVEL" --concurrency "$levels")

@@ -70,17 +70,20 @@ class Code2WavServer:
     def _fill_time(self, calls: list[list[CodecChunk]]) -> float:
         """Seconds the next batch may wait for more chunks (`batch_fill_chunks`): none once it is big enough,
         holds a stream's first two chunks (a listener waits for the first; the second must follow within the
-        first's audio) or an urgent one (`streaming.urgent_chunks`), or when chunks arrive too seldom for one
-        more to be expected within the wait (light load: waiting would only delay this batch); the later
-        chunks of a stream leave while the earlier ones play. Why wait at all: under load, each small decode
-        is a forward of the codec decoder beside the Talker's steps on a shared GPU, and fewer, larger ones
-        leave the Talker more of it (docs/benchmarks.md)."""
+        first's audio) or an urgent one (`streaming.urgent_chunks`), or a stream's last chunk with
+        `batch_fill_final_waits` off, or when chunks arrive too seldom for one more to be expected within the
+        wait (light load: waiting would only delay this batch); the later chunks of a stream leave while the
+        earlier ones play. Why wait at all: under load, each small decode is a forward of the codec decoder
+        beside the Talker's steps on a shared GPU, and fewer, larger ones leave the Talker more of it
+        (docs/benchmarks.md)."""
         cfg = self._config
         if not cfg.batch_fill_chunks:  # off: nothing to count
             return 0.0
         chunks = [c for call in calls for c in call]
         waited_for = max(2, self._streaming.urgent_chunks)
         if len(chunks) >= cfg.batch_fill_chunks or any(c.seq < waited_for for c in chunks):
+            return 0.0
+        if not cfg.batch_fill_final_waits and any(c.final for c in chunks):
             return 0.0
         return self._arrivals.wait_if_more_expected(cfg.batch_fill_wait_ms / 1000)
 

@@ -144,6 +144,9 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
         "a batch of fewer chunks waits up to batch_fill_wait_ms for more, unless it holds a stream's first two "
         "chunks (their listener waits): fewer, larger decodes under load; 0 = a batch never waits"))
     batch_fill_wait_ms: float = Field(4.0, ge=0, description="the longest a batch waits to fill (batch_fill_chunks)")
+    batch_fill_final_waits: bool = Field(True, description=(
+        "a batch holding a stream's last chunk may wait to fill too; False: it leaves at once (the request ends "
+        "with that chunk: its wait adds to the end-to-end time, and a closed-loop client's next request waits)"))
     stall_timeout_s: float = Field(C.CODE2WAV_STALL_TIMEOUT_S, gt=0, description=(
         "check_health fails (Serve replaces the replica) when chunks wait this long without a decode finishing"))
 

@@ -242,6 +242,12 @@ def test_code2wav_batch_does_not_wait_when_chunks_arrive_seldom(loop, talker, co
     assert code2wav._fill_time([burst]) == 0.0  # not yet counted as arrivals
     code2wav._arrivals.add(len(burst))
     assert code2wav._fill_time([burst]) == pytest.approx(0.020)
+    last = a[-1]
+    assert last.final and not a[2].final
+    assert code2wav._fill_time([burst[:62] + [last]]) == pytest.approx(0.020)  # a last chunk waits too, by default
+    monkeypatch.setattr(code2wav, "_config", code2wav._config.model_copy(update={"batch_fill_final_waits": False}))
+    assert code2wav._fill_time([burst[:62] + [last]]) == 0.0  # ... or leaves at once
+    assert code2wav._fill_time([burst]) == pytest.approx(0.020)
 
 
 def test_first_chunk_decodes_wait_to_batch_only_when_set_and_arriving_often(loop, decoding_talker, monkeypatch):
