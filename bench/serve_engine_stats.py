@@ -53,7 +53,12 @@ def main() -> None:
         "step_ms": round(wall / max(steps, 1) * 1e3, 2),  # wall per step: what a stream sees
         "engine_thread_step_ms": round((after["step_seconds"] - before["step_seconds"]) / max(steps, 1) * 1e3, 2),
         "mean_batch": round((after["frames"] - before["frames"]) / max(steps, 1), 1),
-        "prefill_share": round((after["prefill_seconds"] - before["prefill_seconds"]) / wall, 4),
+        "prefill_share": round((after["prefill_seconds"] - before["prefill_seconds"]) / wall, 4),  # their launches
+        # prefills run and requests admitted in the window (admitted / prefills: the prefill batch), and engine
+        # iterations whose admission waited for more arrivals (prefill_hold_s)
+        "prefills": after["prefills"] - before["prefills"],
+        "admitted": after.get("admitted", 0) - before.get("admitted", 0),
+        "held_admissions": after.get("held_admissions", 0) - before.get("held_admissions", 0),
         "running": after["running"], "waiting": after["waiting"],
         # inside the engine, for the requests admitted / first-chunked in the window: add -> admission and
         # add -> first chunk with frames (the rest of a client's time to first audio is the serving path)

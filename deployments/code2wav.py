@@ -24,11 +24,12 @@ from ray import ObjectRef
 from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.audio_formats import float_to_pcm16
-from deployments.coalescing import ArrivalRate, Coalescer
+from deployments.coalescing import Coalescer
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import DecodedChunk, talker_decoded
 from deployments.metrics import Code2WavMetrics
+from stages.arrival_rate import ArrivalRate
 from stages.contract import NUM_CODEBOOKS, CodecChunk
 
 DEFAULT_ENGINE_CLS = "stages.code2wav.engine:Code2WavEngine"

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from deployments.audio_formats import float_to_pcm16
-from deployments.coalescing import ArrivalRate, Coalescer
+from deployments.coalescing import Coalescer
+from stages.arrival_rate import ArrivalRate
 from stages.chunking import ChunkSchedule
 from stages.contract import CodecChunk
 

@@ -38,6 +38,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from stages.arrival_rate import ArrivalRate
 from stages.chunking import ChunkSchedule, StreamChunker
 from stages.compile_cache import CompileCache
 from stages.contract import (
@@ -75,6 +76,7 @@ class EngineStats:
     frames: int
     prefills: int = 0  # batched prefills run (admissions)
     burst_prefills: int = 0  # of them, launched after another in the same iteration (max_prefills_per_step)
+    held_admissions: int = 0  # loop iterations whose admission waited for more arrivals (prefill_hold_s)
     prefill_seconds: float = 0.0  # engine-thread time spent launching them (they never wait for the device)
     step_seconds: float = 0.0  # engine-thread time spent launching steps and reading their output
     parked: int = 0  # live text: prefilled requests waiting for text, off the rows (they keep slot and KV)
@@ -114,7 +116,8 @@ class TalkerEngine:
         self._stop = False
         self._error: BaseException | None = None
         self._seed_counter = itertools.count(int(time.time_ns() % (1 << 31)))
-        self._steps = self._frames = self._prefills = self._burst_prefills = 0
+        self._steps = self._frames = self._prefills = self._burst_prefills = self._held_admissions = 0
+        self._arrivals = ArrivalRate()  # requests added per second lately (prefill_hold_s)
         self._admitted = self._first_chunks = 0
         self._admission_wait = self._first_chunk_wait = 0.0
         self._prefill_seconds = self._step_seconds = 0.0
@@ -324,6 +327,7 @@ class TalkerEngine:
             kv_reserved_tokens=sched.reserved_positions,
             kv_total_tokens=sched.blocks.num_blocks * sched.blocks.block_size, steps=self._steps,
             frames=self._frames, prefills=self._prefills, burst_prefills=self._burst_prefills,
+            held_admissions=self._held_admissions,
             prefill_seconds=self._prefill_seconds,
             step_seconds=self._step_seconds, parked=sched.num_parked, held=sched.num_held,
             admitted=self._admitted, admission_wait_seconds=self._admission_wait,
@@ -460,6 +464,7 @@ class TalkerEngine:
         """An `add` (queued for admission) or `open` (held until its text) command: taken into the scheduler."""
         if kind == "add":
             self.scheduler.add(payload)
+            self._arrivals.add(1)
         elif kind == "open":
             self.scheduler.hold(payload)
         else:
@@ -474,6 +479,9 @@ class TalkerEngine:
         plays from its first chunk's hand-over on and resumes after a pause, e.g. a live stream waiting for
         text, when the next chunk comes; one without a chunk yet is not playing)."""
         cfg, sched = self.config, self.scheduler
+        if self._holds_admission():
+            self._held_admissions += 1
+            return
         for i in range(cfg.max_prefills_per_step):
             if i and not (sched.waiting or sched.restarts):
                 return
@@ -483,6 +491,23 @@ class TalkerEngine:
                 return
             if i:
                 self._burst_prefills += 1
+
+    def _holds_admission(self) -> bool:
+        """Whether this iteration's admission waits for more arrivals (`prefill_hold_s`): a prefill costs about
+        the same for one request as for a batch, so under load a few that arrive over a step or two share one.
+        Never with nothing running (the device would idle), never for a restart, a full batch or a request that
+        has waited the hold, never while a playing stream lacks admission_lead_s, and only when at least one
+        more arrival is expected within the hold (at light load waiting would only delay this one)."""
+        cfg, sched = self.config, self.scheduler
+        if cfg.prefill_hold_s <= 0 or not sched.waiting or sched.restarts or not sched.num_running:
+            return False
+        if len(sched.waiting) >= cfg.max_prefill_batch:
+            return False
+        if time.monotonic() - sched.waiting[0].enqueued_at >= cfg.prefill_hold_s:
+            return False
+        if not self._arrivals.wait_if_more_expected(cfg.prefill_hold_s):
+            return False
+        return self._min_lead_s() >= cfg.admission_lead_s
 
     def _min_lead_s(self) -> float:
         """The least lead among running streams: audio handed out not yet played (inf: none is playing)."""

@@ -24,6 +24,12 @@ class TalkerEngineConfig:
     # arrivals is prefilled at once instead of one batch per step; docs/talker_engine.md, "Admission"). H100,
     # both engines in one process, 1 -> 8: c=256 957.8 -> 1,036.2 audio-s/s, first audio p95 375 -> 246 ms
     admission_lead_s: float = 0.3
+    prefill_hold_s: float = 0.0  # under load, an admission of fewer than max_prefill_batch requests waits up to
+    # this long for more, while every playing stream has admission_lead_s of audio ahead and at least one more
+    # arrival is expected within the hold (stages/arrival_rate.py): a served closed loop's staggered streams
+    # came back to be prefilled a few at a time (H100, c=64: the engine thread's prefill launches 0.62 ms per
+    # request against 0.17 in process), each prefill a turn on the GPU between two steps. Not measured yet
+    # (docs/talker_engine.md "Arrivals that trickle in"). 0: never
     max_waiting: int = 4096  # queued requests at most; more are refused (overload)
     cuda_graphs: bool = True
     compile: bool = True  # torch.compile the per-layer math and sampling (CUDA only)
@@ -58,6 +64,8 @@ class TalkerEngineConfig:
             raise ValueError("max_num_seqs must be >= 1 and max_seq_len >= 16")
         if self.max_prefills_per_step < 1:
             raise ValueError("max_prefills_per_step must be >= 1")
+        if self.prefill_hold_s < 0:
+            raise ValueError("prefill_hold_s must be >= 0")
         if not 0 <= self.gemv_rows <= 8:  # stages/gemv_kernels.MAX_ROWS (this module stays torch-free)
             raise ValueError("gemv_rows must be in 0..8")
         if isinstance(self.schedule, dict):  # from YAML / JSON kwargs

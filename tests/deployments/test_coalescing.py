@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from deployments.coalescing import ArrivalRate
+from stages.arrival_rate import ArrivalRate
 
 
 def test_arrival_rate_reads_a_steady_rate_and_decays_after_it():

@@ -254,8 +254,8 @@ def test_first_chunk_decodes_wait_to_batch_only_when_set_and_arriving_often(loop
     """`first_chunk_decode_fill_ms`: off, a decode never waits; on, a lone decode waits for the next while
     first chunks arrive often (here until the second arrives: the wait is far longer than the test), and not
     when they arrive seldom (a stream alone would only get its first audio later)."""
-    from deployments.coalescing import ArrivalRate
     from deployments.first_chunk_decoder import MAX_BATCH
+    from stages.arrival_rate import ArrivalRate
 
     decoder = decoding_talker._first_decoder
     chunks = loop.run_until_complete(_collect(decoding_talker.generate(_request(decoding_talker, 5, rid="ff"))))

@@ -319,6 +319,72 @@ def test_extra_prefills_wait_while_a_playing_stream_lacks_lead(model, prompts, l
     assert first.num_new + sum(c.num_new for c in playing_rest) == 60
 
 
+@pytest.mark.parametrize("hold_s", [0.0, 600.0])
+def test_an_admission_under_load_waits_for_a_second_arrival_with_prefill_hold(model, prompts, hold_s):
+    """`prefill_hold_s`: while a stream plays, a lone arrival waits (engine iterations go by, it stays queued)
+    until a second one fills the prefill batch of 2, and both are prefilled together; without the hold each is
+    prefilled as it comes. The engine's arrival rate runs on a frozen clock here, so "more expected" cannot
+    decay while the test waits on engine iterations."""
+    from stages.arrival_rate import ArrivalRate
+
+    engine = _engine(model, max_num_seqs=8, max_prefill_batch=2, admission_lead_s=-1e9, prefill_hold_s=hold_s)
+    engine._arrivals = ArrivalRate(clock=lambda: 0.0)
+    admissions = []
+    engine.on_admit = lambda ids: admissions.append(ids)
+
+    def add_after_an_iteration(request: SynthesisRequest):
+        """-> (requests queued one engine iteration after the last add, the stream of `request` added then): the
+        first call is drained with that add (before its iteration's admission), the second one iteration on,
+        and it holds the engine thread while `request` is added, so that the same drain takes it."""
+        import threading
+
+        engine.run_on_device(lambda: None).result()
+        release, held, queued = threading.Event(), threading.Event(), []
+        engine.run_on_device(lambda: queued.extend(s.request_id for s in engine.scheduler.waiting) or held.set()
+                             or release.wait())
+        held.wait()
+        stream = engine.add_request(request)
+        release.set()
+        return queued, stream
+
+    try:
+        async def main():
+            playing = engine.add_request(SynthesisRequest("playing", prompts[0], GREEDY, 120))
+            first = await playing.__anext__()  # it plays from here on, for far longer than the test's iterations
+            a = engine.add_request(SynthesisRequest("a", prompts[1], GREEDY, 4))
+            queued, b = add_after_an_iteration(SynthesisRequest("b", prompts[2], GREEDY, 4))
+            rest = [[c async for c in s] for s in (a, b)]
+            return first, queued, rest, [c async for c in playing]
+        first, queued, rest, playing_rest = asyncio.run(main())
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    if hold_s:
+        assert queued == ["a"] and admissions[1:] == [["a", "b"]] and stats.held_admissions >= 1
+    else:
+        assert queued == [] and admissions[1:] == [["a"], ["b"]] and stats.held_admissions == 0
+    assert all(sum(c.num_new for c in cs) == 4 for cs in rest)
+    assert first.num_new + sum(c.num_new for c in playing_rest) == 120
+
+
+def test_prefill_hold_never_keeps_an_idle_engine_waiting(model, prompts):
+    """With nothing running, a lone request is prefilled at once, however long the hold and however many
+    arrivals are expected."""
+    from stages.arrival_rate import ArrivalRate
+
+    engine = _engine(model, max_num_seqs=8, max_prefill_batch=4, prefill_hold_s=600.0)
+    engine._arrivals = ArrivalRate(clock=lambda: 0.0)
+    engine._arrivals.add(1000)
+    try:
+        async def main():
+            return [c async for c in engine.add_request(SynthesisRequest("alone", prompts[0], GREEDY, 3))]
+        chunks = asyncio.run(main())
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert sum(c.num_new for c in chunks) == 3 and stats.held_admissions == 0
+
+
 def test_runner_moves_several_rows_at_once_and_frees_a_range(model):
     """`move_rows` does a release's moves in one gather + scatter: every destination gets its source's small
     state and its first trailing_len text rows (as one move at a time would), rows that do not move keep theirs;
