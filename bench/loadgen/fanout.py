@@ -21,8 +21,8 @@ from multiprocessing.connection import Connection
 
 from .client import SpeechClient, SpeechSettings
 from .records import RequestResult
+from .runner import lag_monitor
 
-LAG_TICK_S = 0.05
 STOP_TIMEOUT_S = 10.0
 
 
@@ -161,12 +161,6 @@ async def _serve(conn: Connection, base_url: str, settings: SpeechSettings) -> N
         with contextlib.suppress(OSError):
             conn.send(("done", rid, r, samples))
 
-    async def lag_monitor() -> None:
-        while True:
-            t = time.perf_counter()
-            await asyncio.sleep(LAG_TICK_S)
-            lag_s.append(max(0.0, time.perf_counter() - t - LAG_TICK_S))
-
     async with SpeechClient(base_url, settings) as client:
         def on_readable() -> None:
             try:
@@ -184,7 +178,7 @@ async def _serve(conn: Connection, base_url: str, settings: SpeechSettings) -> N
                     stopped.set_result(None)
 
         loop.add_reader(conn.fileno(), on_readable)
-        monitor = loop.create_task(lag_monitor())
+        monitor = loop.create_task(lag_monitor(lag_s))
         try:
             await stopped
         finally:

@@ -72,7 +72,7 @@ def poisson_arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
     return out
 
 
-async def _lag_monitor(samples: list[float]) -> None:
+async def lag_monitor(samples: list[float]) -> None:
     """How late the event loop wakes up: a busy load generator would inflate every latency it measures."""
     while True:
         t = time.perf_counter()
@@ -88,7 +88,7 @@ async def run_point(client: Client, point: LoadPoint, texts: list[Sentence], rng
     origin = time.perf_counter()
     client.reset_peak()
     client.worker_loop_lag()  # drop what earlier points left
-    lag = asyncio.create_task(_lag_monitor(run.loop_lag_s))
+    lag = asyncio.create_task(lag_monitor(run.loop_lag_s))
 
     async def one(r: RequestResult) -> None:
         await client.synthesize(r, origin)
