@@ -18,6 +18,7 @@ DEPLOYMENTS_MAY_IMPORT = frozenset({
     "stages.prompts",  # tokenizer and prompt building on the ingress
     "stages.voice.prompt",  # voice-clone prompts from reference audio
     "stages.chunking",  # the chunk schedule
+    "stages.arrival_rate",  # the "more expected within the wait?" rule of batch holds (the engine's too)
     "stages.talker.layout",  # prefill_length: planning on the ingress, admission on the Talker replica
     "stages.qwen3_tts",  # loading a checkpoint
     "stages.random_checkpoint",  # writing the embedded default
