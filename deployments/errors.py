@@ -29,16 +29,24 @@ _TYPES = {
 }
 
 
+# which limit refused an overloaded request: an ingress replica's open requests (`ingress.max_open_requests`), a
+# deployment handle's queue (Serve's `max_queued_requests` of the Talker or Code2Wav), or a Talker engine's
+# waiting queue (`engine_kwargs.max_waiting`)
+OVERLOAD_LIMITS = ("ingress_open_requests", "serve_queue", "engine_queue")
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after_s: float | None = None):
+                 retry_after_s: float | None = None, limit: str | None = None):
+        """`limit`: for an overload, which limit refused the request (OVERLOAD_LIMITS; logged and counted by
+        the ingress, never sent: the client's answer is the same whichever it was)."""
         if len(message) > MAX_MESSAGE_CHARS:
             message = message[:MAX_MESSAGE_CHARS] + "..."
         if param is not None and len(param) > MAX_SHOWN_CHARS:
             param = param[:MAX_SHOWN_CHARS] + "..."
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.limit = retry_after_s, limit
 
     @property
     def type(self) -> str:
@@ -106,7 +114,8 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
         return bad_request(str(exc))
     if isinstance(exc, (BackPressureError, EngineOverloadedError)):
         return APIError(overload_status, "the server is at capacity; retry later", code="overloaded",
-                        retry_after_s=retry_after_s)
+                        retry_after_s=retry_after_s,
+                        limit="engine_queue" if isinstance(exc, EngineOverloadedError) else "serve_queue")
     if isinstance(exc, DeploymentUnavailableError):
         return APIError(503, "the model is not available right now", code="unavailable", retry_after_s=retry_after_s)
     if isinstance(exc, TextTimeoutError):  # live text (WebSocket): the client's text stopped coming

@@ -107,7 +107,7 @@ class OpenWork:
     def acquire(self, check: bool = True) -> None:
         if check and self.count >= self.limit:
             raise APIError(self.status_code, "the server is at capacity; retry later", code="overloaded",
-                           retry_after_s=self.retry_after_s)
+                           retry_after_s=self.retry_after_s, limit="ingress_open_requests")
         self.count += 1
 
     def release(self) -> None:

@@ -20,6 +20,11 @@ class IngressMetrics:
             "tts_requests", description="Speech requests by final status (ok, bad_request, not_found, rejected, "
             "cancelled, timeout, error).", tag_keys=("model", "status", "stream"),
         )
+        self.rejections = metrics.Counter(
+            "tts_rejections", description="Requests refused at capacity, by the limit that refused them "
+            "(ingress_open_requests, serve_queue, engine_queue: deployments/errors.OVERLOAD_LIMITS).",
+            tag_keys=("model", "limit"),
+        )
         self.time_to_first_audio_ms = metrics.Histogram(
             "tts_time_to_first_audio_ms", description="Request arrival to the first audio byte handed to the client.",
             boundaries=LATENCY_MS_BUCKETS, tag_keys=("model", "stream"),

@@ -37,7 +37,8 @@ class Outcomes:
         if error.status >= 500 and error.status not in (503, 504):
             logger.error(f"{error.status} {error.code}: {error.message}")
         else:
-            logger.info(f"{error.status} {error.code}: {error.message[:200]}")
+            by = f" (limit: {error.limit})" if error.limit else ""
+            logger.info(f"{error.status} {error.code}: {error.message[:200]}{by}")
         return error
 
     def fail(self, exc: BaseException, model: str, stream: bool) -> JSONResponse:
@@ -48,6 +49,8 @@ class Outcomes:
         """A failed request (or WebSocket context), counted: -> the error its client gets."""
         error = self.error(exc)
         self.count(model, _STATUS_TAGS.get(error.status, "error" if error.status >= 500 else "bad_request"), stream)
+        if error.limit:
+            self.metrics.rejections.inc(tags={"model": model, "limit": error.limit})
         return error
 
     def count(self, model: str, status: str, stream: bool) -> None:

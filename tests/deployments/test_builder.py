@@ -200,6 +200,31 @@ def test_overload_maps_to_429_json_with_retry_after():
     assert error.body()["error"]["code"] == "overloaded"
 
 
+def test_an_overload_names_its_limit_to_the_ingress_logs_and_metrics_not_to_the_client(monkeypatch):
+    """Which limit refused a request (an ingress replica's open requests, a Serve handle's queue, an engine's
+    waiting queue) is counted in tts_rejections{limit} and logged; the client gets the same 429 whichever."""
+    from ray.serve.exceptions import BackPressureError
+
+    from deployments.config import BackpressureSettings
+    from deployments.errors import OVERLOAD_LIMITS, APIError
+    from deployments.http_guard import OpenWork
+    from deployments.ingress.outcomes import Outcomes
+    from stages.contract import EngineOverloadedError
+
+    work = OpenWork(1, retry_after_s=1.0)
+    work.acquire()
+    with pytest.raises(APIError) as full:
+        work.acquire()
+    outcomes = Outcomes(BackpressureSettings(), ["m"])
+    counted = []
+    monkeypatch.setattr(outcomes.metrics.rejections, "inc",
+                        lambda value=1.0, tags=None: counted.append((tags["model"], tags["limit"])))
+    errors = [outcomes.failed(exc, "m", stream=True) for exc in (
+        full.value, BackPressureError(num_queued_requests=4, max_queued_requests=4), EngineOverloadedError("full"))]
+    assert [e.limit for e in errors] == list(OVERLOAD_LIMITS) and counted == [("m", x) for x in OVERLOAD_LIMITS]
+    assert {e.status for e in errors} == {429} and len({str(e.body()) for e in errors}) == 1
+
+
 def test_local_all_serves_every_task_type_on_two_cpus():
     args = TTSServingArgs.model_validate(_app_args("local_all.yaml"))
     assert sorted(m.embedded_kind for m in args.models if m.model is None) == ["base", "custom_voice", "voice_design"]
