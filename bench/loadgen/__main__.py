@@ -7,6 +7,9 @@
     python -m bench.loadgen --url http://127.0.0.1:8000 --mode open --rate 1,10,20,40 \\
         --requests 16 --requests-per-level 20 --max-new-tokens 75 --fixed-length --out bench/out/open
 
+With --processes N the requests are sent and their streams read by N worker processes (bench/loadgen/fanout.py):
+one event loop reading hundreds of streams falls behind, and its lag lands in every latency it measures.
+
 Writes OUT/results.json (every point's summary and per-request rows), OUT/results.md and, with
 matplotlib, OUT/latency.png, OUT/throughput.png, OUT/continuity.png; JSON and markdown are rewritten
 after every point. The sweep stops after the first point with failures (--stop-failure-rate), when the
