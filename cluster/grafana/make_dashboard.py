@@ -92,6 +92,12 @@ panel("Failed requests (share)",
       [(f'sum by (status) (rate(ray_tts_requests_total{{{APP}, {MODEL}, status!="ok"}}{RI})) / ignoring(status) '
         f"group_left sum(rate(ray_tts_requests_total{{{APP}, {MODEL}}}{RI}))", "{{status}}")],
       unit="percentunit", stack=True)
+panel("Rejections by limit",
+      "Requests refused at capacity per second, by the limit that refused them (ray_tts_rejections_total): "
+      "ingress_open_requests = an ingress replica's max_open_requests, serve_queue = a deployment handle's "
+      "max_queued_requests (Talker or Code2Wav), engine_queue = a Talker engine's max_waiting.",
+      [(f"sum by (limit) (rate(ray_tts_rejections_total{{{APP}, {MODEL}}}{RI}))", "{{limit}}")],
+      unit="reqps", stack=True)
 panel("Open streams",
       "Requests being generated right now, per model (ray_tts_open_streams, summed over ingress replicas).",
       [(f"sum by (model) (ray_tts_open_streams{{{APP}, {MODEL}}})", "{{model}}")])
