@@ -32,7 +32,8 @@ _TYPES = {
 # which limit refused an overloaded request: an ingress replica's open requests (`ingress.max_open_requests`), a
 # deployment handle's queue (Serve's `max_queued_requests` of the Talker or Code2Wav), or a Talker engine's
 # waiting queue (`engine_kwargs.max_waiting`)
-OVERLOAD_LIMITS = ("ingress_open_requests", "serve_queue", "engine_queue")
+INGRESS_OPEN_REQUESTS, SERVE_QUEUE, ENGINE_QUEUE = "ingress_open_requests", "serve_queue", "engine_queue"
+OVERLOAD_LIMITS = (INGRESS_OPEN_REQUESTS, SERVE_QUEUE, ENGINE_QUEUE)
 
 
 class APIError(Exception):
@@ -115,7 +116,7 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
     if isinstance(exc, (BackPressureError, EngineOverloadedError)):
         return APIError(overload_status, "the server is at capacity; retry later", code="overloaded",
                         retry_after_s=retry_after_s,
-                        limit="engine_queue" if isinstance(exc, EngineOverloadedError) else "serve_queue")
+                        limit=ENGINE_QUEUE if isinstance(exc, EngineOverloadedError) else SERVE_QUEUE)
     if isinstance(exc, DeploymentUnavailableError):
         return APIError(503, "the model is not available right now", code="unavailable", retry_after_s=retry_after_s)
     if isinstance(exc, TextTimeoutError):  # live text (WebSocket): the client's text stopped coming

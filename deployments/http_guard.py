@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from deployments.errors import APIError
+from deployments.errors import INGRESS_OPEN_REQUESTS, APIError
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class OpenWork:
     def acquire(self, check: bool = True) -> None:
         if check and self.count >= self.limit:
             raise APIError(self.status_code, "the server is at capacity; retry later", code="overloaded",
-                           retry_after_s=self.retry_after_s, limit="ingress_open_requests")
+                           retry_after_s=self.retry_after_s, limit=INGRESS_OPEN_REQUESTS)
         self.count += 1
 
     def release(self) -> None:
