@@ -46,7 +46,6 @@ class ProcessPoolClient:
         if processes < 1:
             raise ValueError("processes must be >= 1")
         self.base_url, self.settings, self.processes = base_url, settings, processes
-        self.inflight = 0
         self.peak_inflight = 0
         self._workers: list[_Worker] = []
         self._ids = itertools.count()
@@ -81,6 +80,10 @@ class ProcessPoolClient:
         self._workers = []
 
     @property
+    def inflight(self) -> int:
+        return sum(len(w.pending) for w in self._workers)
+
+    @property
     def requests_per_worker(self) -> list[int]:
         return [w.sent for w in self._workers]
 
@@ -100,7 +103,6 @@ class ProcessPoolClient:
         future = asyncio.get_running_loop().create_future()
         worker.pending[rid] = future
         worker.sent += 1
-        self.inflight += 1
         self.peak_inflight = max(self.peak_inflight, self.inflight)
         try:
             worker.conn.send(("run", rid, r, origin))
@@ -115,7 +117,6 @@ class ProcessPoolClient:
             r.failure, r.error, r.done, r.end_s = "worker_lost", str(e), True, time.perf_counter() - origin
         finally:
             worker.pending.pop(rid, None)
-            self.inflight -= 1
 
     def _on_readable(self, worker: _Worker) -> None:
         try:
