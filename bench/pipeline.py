@@ -258,7 +258,14 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
         "gapped_worst_decode_wait_ms": pct([r.worst_decode_wait_s * 1e3 for r in gapped], 50),
         "gapped_talker_ms_per_frame": pct([r.worst_frame_s * 1e3 for r in gapped], 50),
         "steps": steps, "mean_batch": (after.frames - before.frames) / max(steps, 1),
-        "step_ms": step_s / max(steps, 1) * 1e3,
+        "step_ms": step_s / max(steps, 1) * 1e3,  # the engine thread's time in its steps
+        # of it, blocked until the step's output was ready (the rest: host work and waiting for the GIL)
+        "device_wait_ms": (after.device_wait_seconds - before.device_wait_seconds) / max(steps, 1) * 1e3,
+        "host_bound_share": (after.host_bound_steps - before.host_bound_steps) / max(steps, 1),
+        "admission_wait_ms": (after.admission_wait_seconds - before.admission_wait_seconds)
+        / max(after.admitted - before.admitted, 1) * 1e3,
+        "command_wait_ms": (after.command_wait_seconds - before.command_wait_seconds)
+        / max(after.admitted - before.admitted, 1) * 1e3,
         "prefills": prefills, "burst_prefills": burst_prefills, "prefill_ms": prefill_s / max(prefills, 1) * 1e3,
         "prefill_share": prefill_s / wall, "step_share": step_s / wall,
         "decode_batches": len(dec_batches), "mean_decode_batch": statistics.fmean(dec_batches) if dec_batches else 0,

@@ -52,6 +52,12 @@ def main() -> None:
         "window_s": round(wall, 2), "steps": steps,
         "step_ms": round(wall / max(steps, 1) * 1e3, 2),  # wall per step: what a stream sees
         "engine_thread_step_ms": round((after["step_seconds"] - before["step_seconds"]) / max(steps, 1) * 1e3, 2),
+        # of it, blocked until the step's output was ready (the rest: host work and waiting for the GIL)
+        "device_wait_ms": round((after.get("device_wait_seconds", 0) - before.get("device_wait_seconds", 0))
+                                / max(steps, 1) * 1e3, 2),
+        # steps whose output was ready when the engine thread came to read it (the device idled meanwhile)
+        "host_bound_share": round((after.get("host_bound_steps", 0) - before.get("host_bound_steps", 0))
+                                  / max(steps, 1), 3),
         "mean_batch": round((after["frames"] - before["frames"]) / max(steps, 1), 1),
         "prefill_share": round((after["prefill_seconds"] - before["prefill_seconds"]) / wall, 4),  # their launches
         # prefills run and requests admitted in the window (admitted / prefills: the prefill batch), and engine
@@ -63,6 +69,8 @@ def main() -> None:
         # inside the engine, for the requests admitted / first-chunked in the window: add -> admission and
         # add -> first chunk with frames (the rest of a client's time to first audio is the serving path)
         "engine_admission_wait_ms": _mean_ms(before, after, "admission_wait_seconds", "admitted"),
+        # of it, until the engine thread took the request from its command queue (the rest: in its queue)
+        "engine_command_wait_ms": _mean_ms(before, after, "command_wait_seconds", "admitted"),
         "engine_first_chunk_ms": _mean_ms(before, after, "first_chunk_seconds", "first_chunks"),
         "code2wav": _code2wav_window(c2w_before, c2w_after, wall),
     }

@@ -64,6 +64,8 @@ from stages.text_stream import TextPiece, TextStream
 
 logger = logging.getLogger(__name__)
 
+HOST_BOUND_WAIT_S = 2e-4  # a step output read waiting less than this found it ready (EngineStats.host_bound_steps)
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -79,6 +81,10 @@ class EngineStats:
     held_admissions: int = 0  # loop iterations whose admission waited for more arrivals (prefill_hold_s)
     prefill_seconds: float = 0.0  # engine-thread time spent launching them (they never wait for the device)
     step_seconds: float = 0.0  # engine-thread time spent launching steps and reading their output
+    device_wait_seconds: float = 0.0  # of step_seconds, blocked until a step's output was ready: the rest is host
+    # work (Python, launches, waiting for the GIL); near zero means the device waits for the host instead
+    host_bound_steps: int = 0  # steps whose output was ready before the engine thread read it (it had launched
+    # the next step already, so the device idled since, unless a prefill or another process kept it busy)
     parked: int = 0  # live text: prefilled requests waiting for text, off the rows (they keep slot and KV)
     held: int = 0  # live text: opened requests without the text their prefill needs (no slot, no KV)
     # from `add_request` (or a live request's first text) inside the engine: sums over requests, so a caller
@@ -86,6 +92,7 @@ class EngineStats:
     # against what a client sees: the rest is the serving path)
     admitted: int = 0  # requests admitted (first prefill)
     admission_wait_seconds: float = 0.0  # their time from add to admission
+    command_wait_seconds: float = 0.0  # of it, from add until the engine thread took the request (the rest: queued)
     first_chunks: int = 0  # requests whose first chunk with frames was handed to their stream
     first_chunk_seconds: float = 0.0  # their time from add to that hand-over
 
@@ -119,8 +126,9 @@ class TalkerEngine:
         self._steps = self._frames = self._prefills = self._burst_prefills = self._held_admissions = 0
         self._arrivals = ArrivalRate()  # requests added per second lately (prefill_hold_s)
         self._admitted = self._first_chunks = 0
-        self._admission_wait = self._first_chunk_wait = 0.0
-        self._prefill_seconds = self._step_seconds = 0.0
+        self._admission_wait = self._first_chunk_wait = self._command_wait = 0.0
+        self._host_bound_steps = 0
+        self._prefill_seconds = self._step_seconds = self._device_wait = 0.0
         # add commands not yet drained (counted as waiting): one counter per writing thread, so no update is lost
         self._adds_sent = 0  # event-loop side
         self._adds_drained = 0  # engine thread
@@ -329,8 +337,10 @@ class TalkerEngine:
             frames=self._frames, prefills=self._prefills, burst_prefills=self._burst_prefills,
             held_admissions=self._held_admissions,
             prefill_seconds=self._prefill_seconds,
-            step_seconds=self._step_seconds, parked=sched.num_parked, held=sched.num_held,
+            step_seconds=self._step_seconds, device_wait_seconds=self._device_wait,
+            host_bound_steps=self._host_bound_steps, parked=sched.num_parked, held=sched.num_held,
             admitted=self._admitted, admission_wait_seconds=self._admission_wait,
+            command_wait_seconds=self._command_wait,
             first_chunks=self._first_chunks, first_chunk_seconds=self._first_chunk_wait,
         )
 
@@ -464,6 +474,7 @@ class TalkerEngine:
         """An `add` (queued for admission) or `open` (held until its text) command: taken into the scheduler."""
         if kind == "add":
             self.scheduler.add(payload)
+            self._command_wait += time.monotonic() - payload.enqueued_at
             self._arrivals.add(1)
         elif kind == "open":
             self.scheduler.hold(payload)
@@ -589,6 +600,9 @@ class TalkerEngine:
         t0 = time.perf_counter()
         sched, eos = self.scheduler, self.runner.eos
         out = self.runner.step_output(turn, n)
+        waited = time.perf_counter() - t0  # the bookkeeping before the read is a few attribute reads
+        self._device_wait += waited
+        self._host_bound_steps += waited < HOST_BOUND_WAIT_S
         self._steps += 1
         self._progress_at = time.monotonic()
         live = sched.live[tickets] & (sched.generation[tickets] == generations)

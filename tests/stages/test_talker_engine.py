@@ -89,6 +89,9 @@ def test_engine_equals_reference_with_joins_and_leaves(model, prompts, exact_pre
         assert reason is FinishReason.LENGTH
         np.testing.assert_array_equal(codes, reference[i], err_msg=f"request {i}")
     assert stats.running == 0 and stats.waiting == 0 and stats.frames == sum(lengths)
+    assert 0 < stats.device_wait_seconds < stats.step_seconds  # the output reads are a part of the step time
+    assert 0 <= stats.host_bound_steps <= stats.steps
+    assert stats.admitted == 5 and 0 < stats.command_wait_seconds <= stats.admission_wait_seconds
 
 
 def test_abort_frees_slot_and_leaves_others_undisturbed(model, prompts):
