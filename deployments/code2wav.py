@@ -33,6 +33,7 @@ from stages.arrival_rate import ArrivalRate
 from stages.contract import NUM_CODEBOOKS, CodecChunk
 
 DEFAULT_ENGINE_CLS = "stages.code2wav.engine:Code2WavEngine"
+IDLE_BELOW_BUSY_SHARE = 0.5  # a decoder busy less than this share of the last second fills with batch_fill_idle_wait_ms
 
 
 class Code2WavServer:
@@ -67,6 +68,7 @@ class Code2WavServer:
             self._decode_calls, first=lambda chunks: all(c.seq < streaming.urgent_chunks for c in chunks),
             hold=self._fill_time)
         self._arrivals = ArrivalRate(clock=lambda: self._clock())  # chunks per second lately (batch fill)
+        self._busy = ArrivalRate(clock=lambda: self._clock())  # decoding seconds per second lately: its busy share
 
     def _fill_time(self, calls: list[list[CodecChunk]]) -> float:
         """Seconds the next batch may wait for more chunks (`batch_fill_chunks`): none once it is big enough,
@@ -76,7 +78,9 @@ class Code2WavServer:
         wait (light load: waiting would only delay this batch); the later chunks of a stream leave while the
         earlier ones play. Why wait at all: under load, each small decode is a forward of the codec decoder
         beside the Talker's steps on a shared GPU, and fewer, larger ones leave the Talker more of it
-        (docs/benchmarks.md)."""
+        (docs/benchmarks.md). With `batch_fill_idle_wait_ms`, while the decoder was mostly idle lately the wait
+        is that one and a last chunk never waits; a busy decoder keeps `batch_fill_wait_ms`, since a batch that
+        waits then idles the decoder every stream depends on."""
         cfg = self._config
         if not cfg.batch_fill_chunks:  # off: nothing to count
             return 0.0
@@ -84,9 +88,11 @@ class Code2WavServer:
         waited_for = max(2, self._streaming.urgent_chunks)
         if len(chunks) >= cfg.batch_fill_chunks or any(c.seq < waited_for for c in chunks):
             return 0.0
-        if not cfg.batch_fill_final_waits and any(c.final for c in chunks):
+        idle = cfg.batch_fill_idle_wait_ms > 0 and self._busy.per_second() < IDLE_BELOW_BUSY_SHARE
+        if (idle or not cfg.batch_fill_final_waits) and any(c.final for c in chunks):
             return 0.0
-        return self._arrivals.wait_if_more_expected(cfg.batch_fill_wait_ms / 1000)
+        wait_ms = cfg.batch_fill_idle_wait_ms if idle else cfg.batch_fill_wait_ms
+        return self._arrivals.wait_if_more_expected(wait_ms / 1000)
 
     async def start(self) -> None:
         cfg = self._config
@@ -167,7 +173,9 @@ class Code2WavServer:
     async def _decode_calls(self, calls: list[list[CodecChunk]]) -> list[tuple[list[np.ndarray], tuple[float, float]]]:
         """One batch of the chunks of `calls` -> per call, its waves and the batch's wall times."""
         work = [chunk for chunks in calls for chunk in chunks]
+        t0 = time.perf_counter()
         waves, span = await self._on_thread(self._decode_on_thread, work)
+        self._busy.add(time.perf_counter() - t0)
         self._metrics.batch_size.observe(len(work))
         answers, start = [], 0
         for chunks in calls:

@@ -147,6 +147,10 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
     batch_fill_final_waits: bool = Field(True, description=(
         "a batch holding a stream's last chunk may wait to fill too; False: it leaves at once (the request ends "
         "with that chunk: its wait adds to the end-to-end time, and a closed-loop client's next request waits)"))
+    batch_fill_idle_wait_ms: float = Field(0.0, ge=0, description=(
+        "while the decoder was busy less than half of the last second, a batch of later chunks waits up to this "
+        "long instead of batch_fill_wait_ms, and one holding a stream's last chunk leaves at once: an idle "
+        "decoder loses nothing by waiting, and its fewer forwards leave a shared GPU to the Talker; 0 = off"))
     stall_timeout_s: float = Field(C.CODE2WAV_STALL_TIMEOUT_S, gt=0, description=(
         "check_health fails (Serve replaces the replica) when chunks wait this long without a decode finishing"))
 

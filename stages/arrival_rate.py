@@ -1,5 +1,6 @@
 """How often something arrived lately: the rule every "wait for more to batch" decision asks (Code2Wav's batch
-fill, the Talker's first-chunk decodes, the Talker engine's prefill hold). Torch-free."""
+fill, the Talker's first-chunk decodes, the Talker engine's prefill hold); added up in seconds of work, a busy
+share (Code2Wav's decoder). Torch-free."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class ArrivalRate:
         self._tau, self._clock = tau_s, clock
         self._level, self._at = 0.0, clock()
 
-    def add(self, n: int) -> None:
+    def add(self, n: float) -> None:
         now = self._clock()
         self._level = self._decayed(now) + n
         self._at = now

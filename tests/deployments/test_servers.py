@@ -250,6 +250,33 @@ def test_code2wav_batch_does_not_wait_when_chunks_arrive_seldom(loop, talker, co
     assert code2wav._fill_time([burst]) == pytest.approx(0.020)
 
 
+def test_code2wav_batch_waits_longer_while_the_decoder_is_mostly_idle(loop, talker, code2wav, monkeypatch):
+    """`batch_fill_idle_wait_ms`: while the decoder was busy less than half of the last second, a batch of later
+    chunks waits that long and one with a stream's last chunk leaves at once; once decodes keep it busy, the
+    usual `batch_fill_wait_ms` and `batch_fill_final_waits` apply again."""
+    a = loop.run_until_complete(_collect(talker.generate(_request(talker, 20, rid="idle"))))
+    last = a[-1]
+    assert len(a) >= 5 and last.final
+    now = [5000.0]
+    monkeypatch.setattr(code2wav, "_clock", lambda: now[0])
+    monkeypatch.setattr(code2wav, "_config", code2wav._config.model_copy(
+        update={"batch_fill_chunks": 64, "batch_fill_wait_ms": 20.0, "batch_fill_idle_wait_ms": 60.0}))
+    burst = [a[2]] * 32
+    code2wav._arrivals.add(64)  # 64 a second: one more expected within either wait
+    code2wav._busy.add(0.1)  # decoding 0.1 s of the last second
+    assert code2wav._fill_time([burst]) == pytest.approx(0.060)
+    assert code2wav._fill_time([burst + [last]]) == 0.0
+    assert code2wav._fill_time([[a[1]] + burst]) == 0.0  # a stream's second chunk never waits
+    loop.run_until_complete(code2wav.decode_many(a[2:5]))  # a real decode is counted as busy time
+    assert code2wav._busy.per_second() > 0.1
+    code2wav._busy.add(0.8)  # busy most of the last second
+    assert code2wav._fill_time([burst]) == pytest.approx(0.020)
+    assert code2wav._fill_time([burst + [last]]) == pytest.approx(0.020)  # final_waits (default True) again
+    now[0] += 30.0  # long idle since: the busy share decays
+    code2wav._arrivals.add(64)
+    assert code2wav._fill_time([burst]) == pytest.approx(0.060)
+
+
 def test_first_chunk_decodes_wait_to_batch_only_when_set_and_arriving_often(loop, decoding_talker, monkeypatch):
     """`first_chunk_decode_fill_ms`: off, a decode never waits; on, a lone decode waits for the next while
     first chunks arrive often (here until the second arrives: the wait is far longer than the test), and not
