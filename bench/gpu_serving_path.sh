@@ -41,6 +41,7 @@ mps_start() { nvidia-cuda-mps-control -d && echo "MPS control daemon started"; }
 mps_stop() { echo quit | nvidia-cuda-mps-control; }
 SCALE_MPS=${MPS:-0}  # MPS=1: gpu1, replicas and split under MPS
 # split.yaml's stages on GPUs of their own, with what high_concurrency.yaml serves per GPU: the same app, placed apart
+# (as measured on 2026-11-24, before batch_fill_idle_wait_ms: a Code2Wav alone on its GPU takes nothing from a Talker)
 SPLIT_SET="models.0.engine_kwargs.max_num_seqs=512 models.0.engine_kwargs.max_seq_len=1024 \
 models.0.engine_kwargs.kv_cache_tokens=262144 models.0.deployment_config.max_ongoing_requests=576 \
 models.0.deployment_config.max_queued_requests=64 models.0.first_chunk_decode_max_running=64 \
