@@ -64,7 +64,8 @@ from stages.talker.prompt_plan import NONE, PromptPlan, embed_rows, embed_text_r
 # reads the talker's embedding tables): the compile cache keys their source (CompileCache)
 COMPILED_SOURCES = (layers.__file__, sampling.__file__, frame_module.__file__, talker_model.__file__)
 PREFILL_WIDTH_BUCKETS = (16, 32, 64, 128)  # graphed prefill widths (CustomVoice/VoiceDesign prompts fit)
-PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # graphed prefill batches (the engine admits <= 16 per step)
+PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # graphed prefill batches, those <= max_prefill_batch (16 by default:
+# served on the H100, 32 and 64 before they had graphs were slower everywhere, docs/benchmarks.md)
 PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)
 _WIDTH_MULTIPLE = 16  # eager prefill pads widths to this: fewer distinct shapes
 # the decode step's functions outside the layers, as the runner's attributes: eager, or torch.compile'd with `compile`

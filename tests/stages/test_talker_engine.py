@@ -465,3 +465,15 @@ def test_projected_pass_inputs_are_the_projection_of_the_lookup_on_the_few_row_p
         assert torch.equal(cp.pass_inputs(wide, 2), cp.model.codec_embedding[2](wide)[:, None])
     finally:
         cp.model.kernels = None
+
+
+@pytest.mark.parametrize("max_prefill_batch,largest", [(16, 16), (24, 16), (32, 32), (64, 64)])
+def test_prefill_graph_batches_reach_max_prefill_batch(model, max_prefill_batch, largest):
+    """The prefill batches that get a CUDA graph (a batch between two of them pads up to the next) are the
+    buckets up to `max_prefill_batch`: 32 and 64 are graphed when the engine may admit that many at once."""
+    engine = _engine(model, max_num_seqs=4, max_prefill_batch=max_prefill_batch)
+    try:
+        buckets = engine.runner.prefill_batch_buckets
+    finally:
+        engine.shutdown()
+    assert buckets[0] == 1 and buckets[-1] == largest and list(buckets) == sorted(buckets)
