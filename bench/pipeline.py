@@ -242,6 +242,7 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
     step_s = after.step_seconds - before.step_seconds
     prefills = after.prefills - before.prefills
     burst_prefills = after.burst_prefills - before.burst_prefills
+    per_admitted = max(after.admitted - before.admitted, 1)
     calls = decoder.calls[calls_before:] if decoder else []
     dec_batches = [n for _, _, n, _ in calls]
     gapped = [r for r in records if r.max_deficit_s > GAP_FREE_S]
@@ -262,10 +263,8 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
         # of it, blocked until the step's output was ready (the rest: host work and waiting for the GIL)
         "device_wait_ms": (after.device_wait_seconds - before.device_wait_seconds) / max(steps, 1) * 1e3,
         "host_bound_share": (after.host_bound_steps - before.host_bound_steps) / max(steps, 1),
-        "admission_wait_ms": (after.admission_wait_seconds - before.admission_wait_seconds)
-        / max(after.admitted - before.admitted, 1) * 1e3,
-        "command_wait_ms": (after.command_wait_seconds - before.command_wait_seconds)
-        / max(after.admitted - before.admitted, 1) * 1e3,
+        "admission_wait_ms": (after.admission_wait_seconds - before.admission_wait_seconds) / per_admitted * 1e3,
+        "command_wait_ms": (after.command_wait_seconds - before.command_wait_seconds) / per_admitted * 1e3,
         "prefills": prefills, "burst_prefills": burst_prefills, "prefill_ms": prefill_s / max(prefills, 1) * 1e3,
         "prefill_share": prefill_s / wall, "step_share": step_s / wall,
         "decode_batches": len(dec_batches), "mean_decode_batch": statistics.fmean(dec_batches) if dec_batches else 0,

@@ -47,24 +47,25 @@ def main() -> None:
         return first, last, time.perf_counter() - t0
 
     (before, c2w_before), (after, c2w_after), wall = asyncio.run(window())
-    steps = after["steps"] - before["steps"]
+
+    def delta(key: str) -> float:  # a counter's growth over the window
+        return after[key] - before[key]
+
+    steps = delta("steps")
+    per_step = max(steps, 1)
     report = {
         "window_s": round(wall, 2), "steps": steps,
-        "step_ms": round(wall / max(steps, 1) * 1e3, 2),  # wall per step: what a stream sees
-        "engine_thread_step_ms": round((after["step_seconds"] - before["step_seconds"]) / max(steps, 1) * 1e3, 2),
+        "step_ms": round(wall / per_step * 1e3, 2),  # wall per step: what a stream sees
+        "engine_thread_step_ms": round(delta("step_seconds") / per_step * 1e3, 2),
         # of it, blocked until the step's output was ready (the rest: host work and waiting for the GIL)
-        "device_wait_ms": round((after.get("device_wait_seconds", 0) - before.get("device_wait_seconds", 0))
-                                / max(steps, 1) * 1e3, 2),
+        "device_wait_ms": round(delta("device_wait_seconds") / per_step * 1e3, 2),
         # steps whose output was ready when the engine thread came to read it (the device idled meanwhile)
-        "host_bound_share": round((after.get("host_bound_steps", 0) - before.get("host_bound_steps", 0))
-                                  / max(steps, 1), 3),
-        "mean_batch": round((after["frames"] - before["frames"]) / max(steps, 1), 1),
-        "prefill_share": round((after["prefill_seconds"] - before["prefill_seconds"]) / wall, 4),  # their launches
+        "host_bound_share": round(delta("host_bound_steps") / per_step, 3),
+        "mean_batch": round(delta("frames") / per_step, 1),
+        "prefill_share": round(delta("prefill_seconds") / wall, 4),  # their launches
         # prefills run and requests admitted in the window (admitted / prefills: the prefill batch), and engine
         # iterations whose admission waited for more arrivals (prefill_hold_s)
-        "prefills": after["prefills"] - before["prefills"],
-        "admitted": after.get("admitted", 0) - before.get("admitted", 0),
-        "held_admissions": after.get("held_admissions", 0) - before.get("held_admissions", 0),
+        "prefills": delta("prefills"), "admitted": delta("admitted"), "held_admissions": delta("held_admissions"),
         "running": after["running"], "waiting": after["waiting"],
         # inside the engine, for the requests admitted / first-chunked in the window: add -> admission and
         # add -> first chunk with frames (the rest of a client's time to first audio is the serving path)
