@@ -13,7 +13,7 @@
 #   mps      direct with the CUDA MPS control daemon running (the Talker's and Code2Wav's processes share one
 #            MPS server: their kernels overlap instead of time-slicing the GPU); the daemon quits after
 #   inproc   both engines in one process (bench.pipeline), levels $CONCURRENCY, first chunk of 1 frame, stateful
-#            Code2Wav (as high_concurrency.yaml)
+#            Code2Wav (as high_concurrency.yaml); INPROC_FLAGS: more bench.pipeline flags (e.g. --max-prefill-batch 64)
 #   gpu1     scale-out baseline on a multi-GPU host: high_concurrency.yaml on GPU 0 only (CUDA_VISIBLE_DEVICES=0)
 #   replicas scale-out: configs/replicas.yaml on every GPU of the host (one co-located pair per GPU raylet,
 #            4 ingress replicas per GPU); gpu1 and replicas use the Serve proxy and the same levels, or with
@@ -90,7 +90,7 @@ for variant in "$@"; do
             [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \
               --device cuda 2>&1 | tail -2
             PYTHONPATH="$REPO:${PYTHONPATH:-}" timeout "$VARIANT_BUDGET_S" python3 -m bench.pipeline --checkpoint "$CKPT" \
-              --levels "$CONCURRENCY" --compile --slots 512 --first-chunk-frames 1 --stateful-code2wav \
+              --levels "$CONCURRENCY" --compile --slots 512 --first-chunk-frames 1 --stateful-code2wav ${INPROC_FLAGS:-} \
               --out "$ROOT_OUT/$variant/pipeline.json" 2>&1 | tee "$ROOT_OUT/$variant/pipeline.log" | tail -8 ;;
     *) echo "unknown variant $variant"; exit 2 ;;
   esac

@@ -299,6 +299,7 @@ async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
         max_num_seqs=args.slots, max_seq_len=args.max_seq_len, kv_cache_tokens=args.kv_tokens,
         cuda_graphs=not args.no_graphs, compile=args.compile, schedule=next(iter(schedules.values())),
         max_prefills_per_step=args.max_prefills_per_step, admission_lead_s=args.admission_lead_s,
+        max_prefill_batch=args.max_prefill_batch, prefill_widths=tuple(int(w) for w in args.prefill_widths.split(",")),
         **kernel_kwargs(args)))
     t0 = time.perf_counter()
     await asyncio.to_thread(engine.start, print)
@@ -386,6 +387,10 @@ def main() -> None:
                          "(ORDER fifo or deadline; MAX_FRAMES 0 = no limit); a comma list runs each in turn")
     ap.add_argument("--max-prefills-per-step", type=int, default=TalkerEngineConfig.max_prefills_per_step,
                     help="admissions (batched prefills) one engine iteration may launch before its step")
+    ap.add_argument("--max-prefill-batch", type=int, default=TalkerEngineConfig.max_prefill_batch,
+                    help="requests in one batched prefill (graphed up to stages.talker.runner.PREFILL_BATCH_BUCKETS)")
+    ap.add_argument("--prefill-widths", default=",".join(map(str, TalkerEngineConfig.prefill_widths)),
+                    help="graphed prefill widths, comma list (TalkerEngineConfig.prefill_widths)")
     ap.add_argument("--admission-lead-s", type=float, default=TalkerEngineConfig.admission_lead_s,
                     help="extra admissions only while every playing stream's handed-out audio leads by this much")
     ap.add_argument("--compile", action="store_true", help="torch.compile the talker's layer math and sampling")

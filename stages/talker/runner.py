@@ -48,6 +48,7 @@ from stages.sampling import (
 )
 from stages.talker import frame as frame_module
 from stages.talker import model as talker_model
+from stages.talker.engine_config import PREFILL_WIDTHS
 from stages.talker.frame import (
     advance_rows,
     new_code_predictor_cache,
@@ -63,7 +64,6 @@ from stages.talker.prompt_plan import NONE, PromptPlan, embed_rows, embed_text_r
 # the files whose functions `compile` hands to torch.compile, and those the traced code calls into (the step's glue
 # reads the talker's embedding tables): the compile cache keys their source (CompileCache)
 COMPILED_SOURCES = (layers.__file__, sampling.__file__, frame_module.__file__, talker_model.__file__)
-PREFILL_WIDTH_BUCKETS = (16, 32, 64, 128)  # graphed prefill widths (CustomVoice/VoiceDesign prompts fit)
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # graphed prefill batches, those <= max_prefill_batch (16 by default:
 # served on the H100, 32 and 64 before they had graphs were slower everywhere, docs/benchmarks.md)
 PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)
@@ -219,7 +219,8 @@ class TalkerRunner:
                  block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
                  compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
                  gemv_rows: int = 4, heads_in_attention: bool = True, sampling_kernel: bool = True,
-                 pdl: bool = False, attention_splits: bool = True):
+                 pdl: bool = False, attention_splits: bool = True,
+                 prefill_widths: tuple[int, ...] = PREFILL_WIDTHS):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
@@ -259,7 +260,7 @@ class TalkerRunner:
         # admission staging: two pinned host buffers (alternating: one may still be in flight) and the device copy
         self.prefill_batch_buckets = tuple(b for b in PREFILL_BATCH_BUCKETS if b <= max_prefill_batch) or (1,)
         self.max_prefill_batch = max(max_prefill_batch, 1)
-        self.prefill_width_buckets = tuple(w for w in PREFILL_WIDTH_BUCKETS if w <= max_seq_len)
+        self.prefill_width_buckets = tuple(sorted(w for w in set(prefill_widths) if w <= max_seq_len))
         self.trailing_width = min(PREFILL_TRAILING_WIDTH, max_text_rows)
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         width = max(max_seq_len, max_text_rows)
@@ -437,10 +438,15 @@ class TalkerRunner:
         else:
             self._prefill_compute(nb, w, tw)
 
-    def _prefill_graph_key(self, n: int, width: int) -> tuple[int, int] | None:
+    def prefill_bucket(self, n: int, width: int) -> tuple[int, int] | None:
+        """The (batch, width) a prefill of n prompts, the longest `width` positions, pads to; None: beyond them."""
         nb = next((b for b in self.prefill_batch_buckets if b >= n), None)
         w = next((b for b in self.prefill_width_buckets if b >= width), None)
-        return (nb, w) if (nb, w) in self.prefill_graphs else None
+        return None if nb is None or w is None else (nb, w)
+
+    def _prefill_graph_key(self, n: int, width: int) -> tuple[int, int] | None:
+        key = self.prefill_bucket(n, width)
+        return key if key in self.prefill_graphs else None
 
     def _write_stage(self, s: _Staging, batch: list[Admission], nb: int, width: int, trailing_width: int) -> None:
         """Host numpy writes into the pinned staging rows [0, nb); rows past the batch are padding."""
@@ -622,10 +628,10 @@ class TalkerRunner:
                 log(f"[talker] captured {i + 1}/{len(keys)} decode graphs ({time.perf_counter() - t0:.1f} s)")
         # prefill graphs read the device staging rows: fill them with padding (the scratch row) for capture
         host = self._host_stage.buffers[0]  # a blocking copy below: no event needed
-        self._write_stage(host, [], self.max_prefill_batch, max(self.prefill_width_buckets), self.trailing_width)
+        self._write_stage(host, [], self.max_prefill_batch, max(self.prefill_width_buckets, default=16), self.trailing_width)
         self._stage.buf.copy_(host.buf)
         prefill_keys = [(b, w) for b in self.prefill_batch_buckets for w in self.prefill_width_buckets]
-        for b, w in prefill_keys:
+        for b, w in prefill_keys:  # none without widths (prompts longer than every width): prefill runs eagerly
             self.prefill_graphs[(b, w)] = capture(lambda b=b, w=w: self._prefill_compute(b, w, self.trailing_width))
         log(f"[talker] captured {len(prefill_keys)} prefill graphs ({time.perf_counter() - t0:.1f} s)")
         for t, s in zip(self._row_tensors(), saved, strict=True):

@@ -477,3 +477,21 @@ def test_prefill_graph_batches_reach_max_prefill_batch(model, max_prefill_batch,
     finally:
         engine.shutdown()
     assert buckets[0] == 1 and buckets[-1] == largest and list(buckets) == sorted(buckets)
+
+
+def test_prefill_pads_to_the_configured_widths(model):
+    """A batch pads to the first graphed width that holds its longest prompt: with widths 64 and 80, a batch whose
+    longest prompt has 70 positions runs at 80, not 128 (half its positions padding)."""
+    engine = _engine(model, max_num_seqs=4, prefill_widths=[128, 64, 80, 16])  # as YAML gives them: a list
+    try:
+        runner = engine.runner
+        assert engine.config.prefill_widths == (16, 64, 80, 128)
+        assert runner.prefill_width_buckets == (16, 64, 80, 128)
+        assert runner.prefill_bucket(16, 70) == (16, 80)
+        assert runner.prefill_bucket(3, 81) == (4, 128)
+        assert runner.prefill_bucket(1, 64) == (1, 64)
+        assert runner.prefill_bucket(1, 129) is None  # longer than every width: eager
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="prefill_widths"):
+        TalkerEngineConfig(prefill_widths=(0, 64))
