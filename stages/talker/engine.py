@@ -8,7 +8,8 @@ are) leave through per-request `ChunkStream`s, one event-loop callback per step 
 One iteration of the loop:
 1. drain commands (new requests, aborts: a waiting request that is aborted leaves without a prefill);
 2. admit a batch (<= max_prefill_batch): staged on the host, one copy, prefill graph; nothing waits; up to
-   max_prefills_per_step batches while every running stream's handed-out audio leads its playback enough;
+   max_prefills_per_step batches (shortest prompts first) while every running stream's handed-out audio leads
+   its playback enough;
 3. launch step N+1 for every running row;
 4. read step N's output (the one wait per step, while step N+1 runs) and do its bookkeeping, vectorized
    over the rows; Python touches a request only when it completes a chunk or finishes.
@@ -484,24 +485,37 @@ class TalkerEngine:
         return True
 
     def _admit_batches(self) -> None:
-        """One admission, and more (up to max_prefills_per_step) while requests wait and no running stream would
-        feel the wait: each extra prefill delays the next step by its own time, so it runs only while every
-        running stream has at least admission_lead_s of handed-out audio not yet played (`_play_end`: a listener
-        plays from its first chunk's hand-over on and resumes after a pause, e.g. a live stream waiting for
-        text, when the next chunk comes; one without a chunk yet is not playing)."""
+        """One admission, or a burst of up to max_prefills_per_step while no running stream would feel the wait:
+        each extra prefill delays the next step by its own time, so a burst runs only while every running
+        stream has at least admission_lead_s of handed-out audio not yet played (`_play_end`: a listener plays
+        from its first chunk's hand-over on and resumes after a pause, e.g. a live stream waiting for text, when
+        the next chunk comes; one without a chunk yet is not playing).
+
+        A burst's requests are admitted together and prefilled shortest prompt first, max_prefill_batch at a
+        time: one step follows them all, so their order changes no one's first frame, and a batch pads to its
+        longest prompt's width (prompts of like length share a width). A failed prefill fails its batch alone."""
         cfg, sched = self.config, self.scheduler
         if self._holds_admission():
             self._held_admissions += 1
             return
-        for i in range(cfg.max_prefills_per_step):
-            if i and not (sched.waiting or sched.restarts):
-                return
-            if i and sched.num_running and self._min_lead_s() < cfg.admission_lead_s:
-                return
-            if not self._admit():
-                return
-            if i:
+        playing = sched.num_running and self._min_lead_s() < cfg.admission_lead_s
+        batch_size = cfg.max_prefill_batch
+        admitted = sched.admit(limit=batch_size * (1 if playing else cfg.max_prefills_per_step))
+        if len(admitted) > batch_size:
+            admitted.sort(key=lambda s: s.plan.length)
+        failed: list[tuple[Sequence, BaseException]] = []
+        prefilled = 0
+        for start in range(0, len(admitted), batch_size):
+            batch = admitted[start:start + batch_size]
+            error = self._prefill(batch)
+            if error is not None:
+                failed += [(s, error) for s in batch]
+                continue
+            if prefilled:
                 self._burst_prefills += 1
+            prefilled += 1
+        if failed:
+            self._fail_admissions(failed)
 
     def _holds_admission(self) -> bool:
         """Whether this iteration's admission waits for more arrivals (`prefill_hold_s`): a prefill costs about
@@ -529,12 +543,10 @@ class TalkerEngine:
         sched = self.scheduler
         return np.fromiter((s.ticket for s in sched.running), dtype=np.int64, count=sched.num_running)
 
-    def _admit(self) -> bool:
-        """One batched prefill of what the scheduler admits; whether it admitted any."""
+    def _prefill(self, batch: list[Sequence]) -> BaseException | None:
+        """One batched prefill of admitted requests (their rows, tickets and KV blocks are theirs already);
+        the error if it failed (the caller fails the batch: `_fail_admissions`)."""
         sched, runner = self.scheduler, self.runner
-        batch = sched.admit()
-        if not batch:
-            return False
         t0 = time.perf_counter()
         try:
             runner.admit([
@@ -544,12 +556,7 @@ class TalkerEngine:
             ])
         except Exception as e:  # this batch's requests fail; the engine and everyone else go on
             logger.exception("admission of %d requests failed", len(batch))
-            before = sched.num_running
-            sched.release(batch)  # the newest rows: nothing moves
-            self._free_rows(before)
-            for s in batch:
-                s.output.stream.fail(e)
-            return False  # no burst after a failed prefill: the next iteration tries the next batch
+            return e
         now = time.monotonic()
         for s in batch:
             t = s.ticket
@@ -571,7 +578,17 @@ class TalkerEngine:
         self._progress_at = time.monotonic()
         if self.on_admit is not None:
             self.on_admit([s.request_id for s in batch])
-        return True
+        return None
+
+    def _fail_admissions(self, failed: list[tuple[Sequence, BaseException]]) -> None:
+        """Requests whose prefill failed leave their rows (later rows move into the holes), tickets and KV blocks;
+        their streams fail."""
+        sched = self.scheduler
+        before = sched.num_running
+        self._move_rows(sched.release([s for s, _ in failed]))
+        self._free_rows(before)
+        for s, error in failed:
+            s.output.stream.fail(error)
 
     def _launch(self) -> tuple[int, int, np.ndarray, np.ndarray] | None:
         """Launch the next step for every running row, unless no row can use it: rows that already have a step

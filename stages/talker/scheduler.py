@@ -169,11 +169,12 @@ class Scheduler:
         return (self.blocks.num_blocks - self.blocks.free) * self.blocks.block_size
 
     # ------------------------------------------------------------------ admission
-    def admit(self) -> list[Sequence]:
-        """Restarts first (they hold a slot and KV), then waiting requests that fit (FIFO): each gets a row,
-        a ticket and its KV blocks."""
+    def admit(self, limit: int | None = None) -> list[Sequence]:
+        """Restarts first (they hold a slot and KV), then waiting requests that fit (FIFO), up to `limit`
+        (default: one prefill batch): each gets a row, a ticket and its KV blocks."""
+        limit = self.max_prefill_batch if limit is None else limit
         admitted: list[Sequence] = []
-        while self.restarts and len(admitted) < self.max_prefill_batch:
+        while self.restarts and len(admitted) < limit:
             seq = self.restarts.popleft()
             del self.parked[seq.request_id]
             seq.restart = False
@@ -182,7 +183,7 @@ class Scheduler:
             self.generation[seq.ticket] = next(self._gen)
             admitted.append(seq)
         while (self.waiting and len(self.running) + len(self.parked) < self.max_num_seqs
-               and len(admitted) < self.max_prefill_batch):
+               and len(admitted) < limit):
             seq = self.waiting[0]
             need = self.blocks.blocks_for(seq.max_positions)
             if need > self.blocks.free:

@@ -295,6 +295,29 @@ def test_a_burst_is_admitted_in_several_prefills_before_one_step(model, prompts,
     assert all(sum(c.num_new for c in cs) == 6 for cs in chunks)
 
 
+def test_a_burst_is_prefilled_shortest_prompts_first(model, prompts):
+    """A burst's requests are prefilled max_prefill_batch at a time by prompt length, not arrival, so each batch
+    pads less: all before the same first step. One prefill per iteration (no burst) keeps arrival order."""
+    from stages.talker.prompt_plan import plan_prompt
+
+    length = {f"r{i}": plan_prompt(model.config, prompts[i]).length for i in range(5)}
+    assert len(set(length.values())) > 2  # the fixture's prompts differ in length
+    engine = _engine(model, max_num_seqs=8, max_prefill_batch=2, max_prefills_per_step=4)
+    admissions = []
+    engine.on_admit = lambda ids: admissions.append((ids, engine.stats().steps))
+    try:
+        async def main():
+            streams = _queue_while_held(engine, [SynthesisRequest(f"r{i}", prompts[i], GREEDY, 3) for i in range(5)])
+            return [[c async for c in s] for s in streams]
+        chunks = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    by_length = sorted(length, key=lambda rid: (length[rid], int(rid[1:])))  # a stable sort: ties keep arrival
+    assert [ids for ids, _ in admissions] == [by_length[0:2], by_length[2:4], by_length[4:]]
+    assert {steps for _, steps in admissions} == {0}
+    assert all(sum(c.num_new for c in cs) == 3 for cs in chunks)
+
+
 @pytest.mark.parametrize("lead_s,together", [(1e9, False), (-1e9, True)])
 def test_extra_prefills_wait_while_a_playing_stream_lacks_lead(model, prompts, lead_s, together):
     """A stream is playing (its first chunk handed out) when 4 requests arrive at once, 2 per prefill: with an

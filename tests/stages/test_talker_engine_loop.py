@@ -209,10 +209,10 @@ def test_a_failed_admission_fails_only_its_batch(model, prompt):
     assert ready and stats.running == 0 and stats.kv_reserved_tokens == 0
 
 
-def test_a_failed_admission_ends_a_burst_and_the_next_iteration_goes_on(model, prompt):
-    """Three requests at once, one per prefill, up to 4 prefills per iteration: the first prefill fails (its
-    request alone), which ends that iteration's admissions; the next iteration admits the other two, the second
-    as a burst prefill (no stream plays yet). Only prefills that ran are counted."""
+def test_a_failed_prefill_in_a_burst_fails_its_batch_alone(model, prompt):
+    """Three requests at once, one per prefill, up to 4 prefills per iteration (no stream plays yet: one burst):
+    the first prefill fails (its request alone, its row filled by a later one), the other two are prefilled in
+    the same iteration, before the same step. Only prefills that ran are counted."""
     import threading
 
     engine = _faulty_engine(model, max_num_seqs=4, max_prefill_batch=1, max_prefills_per_step=4)
