@@ -498,9 +498,9 @@ class TalkerEngine:
         if self._holds_admission():
             self._held_admissions += 1
             return
-        playing = sched.num_running and self._min_lead_s() < cfg.admission_lead_s
+        lacks_lead = sched.num_running and self._min_lead_s() < cfg.admission_lead_s
         batch_size = cfg.max_prefill_batch
-        admitted = sched.admit(limit=batch_size * (1 if playing else cfg.max_prefills_per_step))
+        admitted = sched.admit(limit=batch_size * (1 if lacks_lead else cfg.max_prefills_per_step))
         if len(admitted) > batch_size:
             admitted.sort(key=lambda s: s.plan.length)
         failed: list[tuple[Sequence, BaseException]] = []
@@ -514,8 +514,7 @@ class TalkerEngine:
             if prefilled:
                 self._burst_prefills += 1
             prefilled += 1
-        if failed:
-            self._fail_admissions(failed)
+        self._release(failed)  # their rows fill from later ones, their streams end with the error
 
     def _holds_admission(self) -> bool:
         """Whether this iteration's admission waits for more arrivals (`prefill_hold_s`): a prefill costs about
@@ -545,7 +544,7 @@ class TalkerEngine:
 
     def _prefill(self, batch: list[Sequence]) -> BaseException | None:
         """One batched prefill of admitted requests (their rows, tickets and KV blocks are theirs already);
-        the error if it failed (the caller fails the batch: `_fail_admissions`)."""
+        the error if it failed (the caller releases the batch with it)."""
         sched, runner = self.scheduler, self.runner
         t0 = time.perf_counter()
         try:
@@ -579,16 +578,6 @@ class TalkerEngine:
         if self.on_admit is not None:
             self.on_admit([s.request_id for s in batch])
         return None
-
-    def _fail_admissions(self, failed: list[tuple[Sequence, BaseException]]) -> None:
-        """Requests whose prefill failed leave their rows (later rows move into the holes), tickets and KV blocks;
-        their streams fail."""
-        sched = self.scheduler
-        before = sched.num_running
-        self._move_rows(sched.release([s for s, _ in failed]))
-        self._free_rows(before)
-        for s, error in failed:
-            s.output.stream.fail(error)
 
     def _launch(self) -> tuple[int, int, np.ndarray, np.ndarray] | None:
         """Launch the next step for every running row, unless no row can use it: rows that already have a step

@@ -260,7 +260,7 @@ class TalkerRunner:
         # admission staging: two pinned host buffers (alternating: one may still be in flight) and the device copy
         self.prefill_batch_buckets = tuple(b for b in PREFILL_BATCH_BUCKETS if b <= max_prefill_batch) or (1,)
         self.max_prefill_batch = max(max_prefill_batch, 1)
-        self.prefill_width_buckets = tuple(sorted(w for w in set(prefill_widths) if w <= max_seq_len))
+        self.prefill_width_buckets = tuple(w for w in prefill_widths if w <= max_seq_len)  # sorted (the config's)
         self.trailing_width = min(PREFILL_TRAILING_WIDTH, max_text_rows)
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         width = max(max_seq_len, max_text_rows)
