@@ -49,7 +49,7 @@ def main() -> None:
     (before, c2w_before), (after, c2w_after), wall = asyncio.run(window())
 
     def delta(key: str) -> float:  # a counter's growth over the window
-        return after[key] - before[key]
+        return after.get(key, 0) - before.get(key, 0)  # 0: a counter this engine does not keep
 
     steps = delta("steps")
     per_step = max(steps, 1)
@@ -61,6 +61,10 @@ def main() -> None:
         "device_wait_ms": round(delta("device_wait_seconds") / per_step * 1e3, 2),
         # steps whose output was ready when the engine thread came to read it (the device idled meanwhile)
         "host_bound_share": round(delta("host_bound_steps") / per_step, 3),
+        # the device's clock: a step's own time on the GPU, and the time between two chained steps (prefills
+        # between them, or the GPU waiting for the host's launch); 0 where the engine does not report them
+        "gpu_step_ms": round(delta("gpu_step_seconds") / per_step * 1e3, 2),
+        "gpu_gap_ms": round(delta("gpu_gap_seconds") / max(delta("gpu_gaps"), 1) * 1e3, 2),
         "mean_batch": round(delta("frames") / per_step, 1),
         "prefill_share": round(delta("prefill_seconds") / wall, 4),  # their launches
         # prefills run and requests admitted in the window (admitted / prefills: the prefill batch), and engine

@@ -96,6 +96,11 @@ class EngineStats:
     command_wait_seconds: float = 0.0  # of it, from add until the engine thread took the request (the rest: queued)
     first_chunks: int = 0  # requests whose first chunk with frames was handed to their stream
     first_chunk_seconds: float = 0.0  # their time from add to that hand-over
+    # the device's clock (CUDA; stages/talker/step_clock.py): steps' own time on the GPU, and the time between a step and the
+    # one before it (prefills between them, or the device waiting for the host's launch) over `gpu_gaps` steps
+    gpu_step_seconds: float = 0.0
+    gpu_gap_seconds: float = 0.0
+    gpu_gaps: int = 0
 
 
 @dataclass
@@ -343,6 +348,8 @@ class TalkerEngine:
             admitted=self._admitted, admission_wait_seconds=self._admission_wait,
             command_wait_seconds=self._command_wait,
             first_chunks=self._first_chunks, first_chunk_seconds=self._first_chunk_wait,
+            gpu_step_seconds=self.runner.step_clock.step_seconds, gpu_gap_seconds=self.runner.step_clock.gap_seconds,
+            gpu_gaps=self.runner.step_clock.gaps,
         )
 
     # ------------------------------------------------------------------ device thread

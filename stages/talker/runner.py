@@ -60,6 +60,7 @@ from stages.talker.paged_attention import kernel_available
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from stages.talker.prefill import PrefillEmbeds
 from stages.talker.prompt_plan import NONE, PromptPlan, embed_rows, embed_text_rows
+from stages.talker.step_clock import StepClock
 
 # the files whose functions `compile` hands to torch.compile, and those the traced code calls into (the step's glue
 # reads the talker's embedding tables): the compile cache keys their source (CompileCache)
@@ -253,6 +254,8 @@ class TalkerRunner:
                          for _ in range(2)]
         self._out_events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
         self._out_turn = 0
+        # the device's own clock around each step (CUDA): a slow step told from a late one (stages/talker/step_clock.py)
+        self.step_clock = StepClock((lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None)
         self.cp_caches = {}  # batch bucket -> ContiguousKV (fixed addresses for graphs)
         self.suppress = suppressed_ids_mask(cfg.vocab_size, cfg.codebook_size, cfg.codec.eos, dev)
         self.eos = cfg.codec.eos
@@ -576,14 +579,16 @@ class TalkerRunner:
     def launch_step(self, b: int, attn_len: int) -> int:
         """Enqueue one step for rows [0, b) (b a batch bucket) and its copy to the host; returns a ticket
         for `step_output`. Does not wait: the host can prepare the next step meanwhile."""
+        turn = self._out_turn
+        self._out_turn ^= 1
+        self.step_clock.begin(turn)
         graph = self.graphs.get((b, attn_len))
         if graph is not None:
             graph.replay()
         else:
             self._decode_step(b, attn_len)
-        turn = self._out_turn
-        self._out_turn ^= 1
         self.out_host[turn][:b].copy_(self.out[:b], non_blocking=True)
+        self.step_clock.end(turn)
         if self.cuda:
             self._out_events[turn].record()
         return turn
@@ -593,6 +598,7 @@ class TalkerRunner:
         wait per step). Valid until the step after next is launched."""
         if self.cuda:
             self._out_events[turn].synchronize()
+        self.step_clock.read(turn)
         return self.out_host[turn][:n].numpy()
 
     # ---------------------------------------------------------------- CUDA graphs

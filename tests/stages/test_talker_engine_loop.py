@@ -17,6 +17,7 @@ from stages.contract import FinishReason, SamplingParams, SynthesisRequest
 from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig
+from stages.talker.step_clock import StepClock
 
 EOS = 2150
 EOS_AT_PREFILL = 999
@@ -36,6 +37,7 @@ class FakeRunner:
         self.turn = 0
         self.launches = 0
         self.rows_launched: list[int] = []
+        self.step_clock = StepClock(None)  # no device clock
 
     def attn_bucket(self, position: int) -> int:
         return self.length_buckets[0]
