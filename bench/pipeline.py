@@ -53,6 +53,7 @@ from stages.contract import CodecChunk, SamplingParams, SynthesisRequest
 from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import write_random_checkpoint
+from stages.talker import step_clock
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig
 
 FRAME_S = 0.08
@@ -263,9 +264,7 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
         # of it, blocked until the step's output was ready (the rest: host work and waiting for the GIL)
         "device_wait_ms": (after.device_wait_seconds - before.device_wait_seconds) / max(steps, 1) * 1e3,
         "host_bound_share": (after.host_bound_steps - before.host_bound_steps) / max(steps, 1),
-        # the device's clock (TalkerRunner): a step's own GPU time, and the time between chained steps
-        "gpu_step_ms": (after.gpu_step_seconds - before.gpu_step_seconds) / max(steps, 1) * 1e3,
-        "gpu_gap_ms": (after.gpu_gap_seconds - before.gpu_gap_seconds) / max(after.gpu_gaps - before.gpu_gaps, 1) * 1e3,
+        **step_clock.window_ms(before.device_clock, after.device_clock),  # the device's clock (TalkerRunner)
         "admission_wait_ms": (after.admission_wait_seconds - before.admission_wait_seconds) / per_admitted * 1e3,
         "command_wait_ms": (after.command_wait_seconds - before.command_wait_seconds) / per_admitted * 1e3,
         "prefills": prefills, "burst_prefills": burst_prefills, "prefill_ms": prefill_s / max(prefills, 1) * 1e3,
@@ -346,7 +345,8 @@ def _parse_ramp(text: str) -> tuple[int, ...] | None:
 
 
 HEADER = ("| ramp | decode policy | c | requests | TTFA p50 / p95 / max (ms) | E2E p50 / p95 (ms) | audio-s/s | gap-free | "
-          "gapped at chunk (count); its decode wait, talker ms/frame | mean batch | step ms (on the GPU; gap) | "
+          "gapped at chunk (count); its decode wait, talker ms/frame | mean batch | "
+          "step ms (GPU; idle, prefill gap per step) | "
           "prefills (of them in a burst), ms each | "
           "prefill / step share of wall | "
           "decode batches, mean size | bad codes |\n"
@@ -362,7 +362,8 @@ def row(r: dict) -> str:
             f"{t['p50']:.1f} / {t['p95']:.1f} / {t['max']:.1f} | "
             f"{e['p50']:.0f} / {e['p95']:.0f} | {r['audio_s_per_s']:.1f} | {r['gap_free_share']:.0%} | "
             f"{gapped or '-'} | {r['mean_batch']:.1f} | "
-            f"{r['step_ms']:.2f} ({r.get('gpu_step_ms', 0):.2f}; {r.get('gpu_gap_ms', 0):.2f}) | "
+            f"{r['step_ms']:.2f} ({r.get('gpu_step_ms', 0):.2f}; {r.get('gpu_idle_gap_ms', 0):.2f}, "
+            f"{r.get('gpu_prefill_gap_ms', 0):.2f}) | "
             f"{r['prefills']} ({r.get('burst_prefills', 0)}), {r['prefill_ms']:.2f} | "
             f"{r['prefill_share']:.0%} / {r['step_share']:.0%} | {r['decode_batches']}, "
             f"{r['mean_decode_batch']:.1f} | {len(r['bad_codes'])} |")

@@ -18,6 +18,9 @@ import json
 import time
 from pathlib import Path
 
+from stages.talker import step_clock
+from stages.talker.step_clock import DeviceClockStats
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,10 +64,10 @@ def main() -> None:
         "device_wait_ms": round(delta("device_wait_seconds") / per_step * 1e3, 2),
         # steps whose output was ready when the engine thread came to read it (the device idled meanwhile)
         "host_bound_share": round(delta("host_bound_steps") / per_step, 3),
-        # the device's clock: a step's own time on the GPU, and the time between two chained steps (prefills
-        # between them, or the GPU waiting for the host's launch); 0 where the engine does not report them
-        "gpu_step_ms": round(delta("gpu_step_seconds") / per_step * 1e3, 2),
-        "gpu_gap_ms": round(delta("gpu_gap_seconds") / max(delta("gpu_gaps"), 1) * 1e3, 2),
+        # the device's clock: a step's own GPU time, the gaps between steps per step (prefills; the device
+        # waiting for the host's launch) and the idle gaps over 1 ms (stages/talker/step_clock.py)
+        **{k: round(v, 3) for k, v in step_clock.window_ms(DeviceClockStats(**before.get("device_clock", {})),
+                                                          DeviceClockStats(**after.get("device_clock", {}))).items()},
         "mean_batch": round(delta("frames") / per_step, 1),
         "prefill_share": round(delta("prefill_seconds") / wall, 4),  # their launches
         # prefills run and requests admitted in the window (admitted / prefills: the prefill batch), and engine
@@ -78,6 +81,8 @@ def main() -> None:
         "engine_command_wait_ms": _mean_ms(before, after, "command_wait_seconds", "admitted"),
         "engine_first_chunk_ms": _mean_ms(before, after, "first_chunk_seconds", "first_chunks"),
         "code2wav": _code2wav_window(c2w_before, c2w_after, wall),
+        # Python's garbage collections in each replica over the window (a collection stops all its threads)
+        "talker_gc": _gc_window(before, after), "code2wav_gc": _gc_window(c2w_before, c2w_after),
     }
     if "first_chunk_decoder" in before:  # the Talker's own decodes of first chunks, beside its steps
         report["talker_first_chunk_decoder"] = _code2wav_window(before["first_chunk_decoder"],
@@ -85,6 +90,18 @@ def main() -> None:
     print(json.dumps(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+def _gc_window(before: dict, after: dict) -> dict | None:
+    """Collections by generation, their ms, and the pauses over 5 ms (deployments/gc_pauses.py) in the window."""
+    if "gc" not in before:
+        return None
+    b, a = before["gc"], after["gc"]
+    return {"collections": [y - x for x, y in zip(b["collections"], a["collections"], strict=True)],
+            "ms": [round((y - x) * 1e3, 1) for x, y in zip(b["seconds"], a["seconds"], strict=True)],
+            "long_pauses": a["long_pauses"] - b["long_pauses"],
+            "long_pause_ms": round((a["long_pause_seconds"] - b["long_pause_seconds"]) * 1e3, 1),
+            "frozen": a["frozen"]}
 
 
 async def _same_replica(handle, replica: str, tries: int = 32) -> dict:

@@ -26,6 +26,7 @@ from deployments import first_audio_timing
 from deployments.audio_formats import float_to_pcm16
 from deployments.coalescing import Coalescer
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
+from deployments.gc_pauses import GcPauses
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import DecodedChunk, talker_decoded
 from deployments.metrics import Code2WavMetrics
@@ -59,6 +60,7 @@ class Code2WavServer:
         self._clock = time.monotonic  # tests drive the heartbeat with their own clock
         self._last_progress = self._clock()
         self._metrics: Code2WavMetrics | None = None
+        self._gc = GcPauses()  # the collector's pauses stop the decoder's thread too (engine_stats reports them)
         # calls waiting for the decoder thread (each a list of chunks), decoded together. Calls holding only
         # streams' first chunks (an ingress sends those at once, in calls of their own:
         # deployments/decode_batcher.py) go first, in a batch of their own: their listeners wait with little or
@@ -110,6 +112,8 @@ class Code2WavServer:
                       for i, n in enumerate(lengths)]  # final: a stateful engine keeps no slot for them
             await self._on_thread(self._engine.decode, chunks)
             log(f"warm-up decode of lengths {lengths} done in {time.perf_counter() - t0:.2f} s")
+        if cfg.gc_freeze:
+            log(f"{self._gc.freeze_heap():,} objects of the start-up heap frozen out of garbage collections")
         self._metrics = Code2WavMetrics()
         log(f"ready on {device} ({model.dtype}), batches of up to {cfg.max_batch_size} chunks"
             + (f", stateful ({self._engine.config.state_slots} stream slots)" if stateful else ""))
@@ -201,8 +205,10 @@ class Code2WavServer:
 
     async def engine_stats(self) -> dict:
         """The engine's counters (`Code2WavStats`: decode calls, chunks, frames new / decoded / padded, busy
-        seconds) and which replica answered (`replica`), read twice over a window by `bench.serve_engine_stats`."""
-        return {"replica": this_replica(), **dataclasses.asdict(self._engine.stats())}
+        seconds), the process's garbage collections (`gc`) and which replica answered (`replica`), read twice
+        over a window by `bench.serve_engine_stats`."""
+        return {"replica": this_replica(), **dataclasses.asdict(self._engine.stats()),
+                "gc": dataclasses.asdict(self._gc.stats)}
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: chunks pending and no decode finished for too long."""
@@ -221,6 +227,7 @@ class Code2WavServer:
 
     def __del__(self) -> None:
         self._executor.shutdown(wait=False)
+        self._gc.close()
 
     async def _on_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -24,6 +24,7 @@ from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
 from deployments.first_chunk_decoder import FirstChunkDecoder
+from deployments.gc_pauses import GcPauses
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import GenerateOptions, ModelInfo
 from deployments.metrics import TalkerMetrics
@@ -67,6 +68,7 @@ class TalkerServer:
         self._first_decoder: FirstChunkDecoder | None = None
         self._metrics_task: asyncio.Task | None = None
         self._metrics: TalkerMetrics | None = None
+        self._gc = GcPauses()  # the collector's pauses stop the engine thread too (engine_stats reports them)
 
     async def start(self) -> None:
         """Load the checkpoint, start the engine (KV sizing, graph capture), warm up with one real request."""
@@ -92,6 +94,8 @@ class TalkerServer:
             t0 = time.perf_counter()
             await self._warmup()
             log(f"[talker] warm-up request done in {time.perf_counter() - t0:.2f} s")
+        if cfg.gc_freeze:
+            log(f"[talker] {self._gc.freeze_heap():,} objects of the start-up heap frozen out of garbage collections")
         self._metrics = TalkerMetrics(cfg.name)
         self._metrics_task = asyncio.get_running_loop().create_task(self._refresh_metrics())
         log(f"[talker] {cfg.name} ready: {model.config.task.value} on {device} ({model.dtype})")
@@ -205,8 +209,10 @@ class TalkerServer:
     async def engine_stats(self) -> dict:
         """The engine's counters (`EngineStats`) and which replica answered (`replica`: a window read twice by
         `bench.serve_engine_stats` must come from one replica), with the first-chunk decoder's (`Code2WavStats`:
-        its forwards share this replica's GPU with the engine's steps) when it has one."""
-        stats = {"replica": this_replica(), **dataclasses.asdict(self._engine.stats())}
+        its forwards share this replica's GPU with the engine's steps) when it has one, and the process's garbage
+        collections (`gc`: `GcPauseStats`)."""
+        stats = {"replica": this_replica(), **dataclasses.asdict(self._engine.stats()),
+                 "gc": dataclasses.asdict(self._gc.stats)}
         if self._first_decoder is not None:
             stats["first_chunk_decoder"] = dataclasses.asdict(self._first_decoder.stats())
         return stats
@@ -235,6 +241,7 @@ class TalkerServer:
         self._voice_executor.shutdown(wait=False)
         if self._first_decoder is not None:
             self._first_decoder.shutdown()
+        self._gc.close()
 
     # ------------------------------------------------------------------ internals
     async def _warmup(self) -> None:

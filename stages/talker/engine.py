@@ -33,7 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import numpy as np
@@ -60,6 +60,7 @@ from stages.talker.prefill import build_prefill
 from stages.talker.prompt_plan import plan_prompt
 from stages.talker.runner import COMPILED_SOURCES, Admission, TalkerRunner
 from stages.talker.scheduler import RowMove, Scheduler, Sequence
+from stages.talker.step_clock import DeviceClockStats
 from stages.talker.stream import ChunkStream
 from stages.text_stream import TextPiece, TextStream
 
@@ -96,11 +97,9 @@ class EngineStats:
     command_wait_seconds: float = 0.0  # of it, from add until the engine thread took the request (the rest: queued)
     first_chunks: int = 0  # requests whose first chunk with frames was handed to their stream
     first_chunk_seconds: float = 0.0  # their time from add to that hand-over
-    # the device's clock (CUDA; stages/talker/step_clock.py): steps' own time on the GPU, and the time between a step and the
-    # one before it (prefills between them, or the device waiting for the host's launch) over `gpu_gaps` steps
-    gpu_step_seconds: float = 0.0
-    gpu_gap_seconds: float = 0.0
-    gpu_gaps: int = 0
+    # the device's clock around the steps (CUDA; stages/talker/step_clock.py): their own GPU time and the gaps
+    # between them (prefills, or the device waiting for the host); all zero without a device clock
+    device_clock: DeviceClockStats = field(default_factory=DeviceClockStats)
 
 
 @dataclass
@@ -348,8 +347,7 @@ class TalkerEngine:
             admitted=self._admitted, admission_wait_seconds=self._admission_wait,
             command_wait_seconds=self._command_wait,
             first_chunks=self._first_chunks, first_chunk_seconds=self._first_chunk_wait,
-            gpu_step_seconds=self.runner.step_clock.step_seconds, gpu_gap_seconds=self.runner.step_clock.gap_seconds,
-            gpu_gaps=self.runner.step_clock.gaps,
+            device_clock=replace(self.runner.step_clock.stats),  # a copy: the engine thread adds on
         )
 
     # ------------------------------------------------------------------ device thread

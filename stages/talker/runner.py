@@ -425,6 +425,7 @@ class TalkerRunner:
             (nb, w), tw = key, self.trailing_width
         else:
             nb, w, tw = n, _round_up(width, _WIDTH_MULTIPLE), min(_round_up(trailing, _WIDTH_MULTIPLE), self.max_text_rows)
+        self.step_clock.prefilled()
         turn = self._host_stage.take()
         host = self._host_stage.buffers[turn]
         self._write_stage(host, batch, nb, w, tw)

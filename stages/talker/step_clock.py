@@ -1,11 +1,16 @@
 """StepClock: the device's own clock around each decode step, to tell a slow step from a late one.
 
-The engine thread's timers see the host: how long it launched, and how long it waited for a step's output. Under
-a shared GPU (another process's kernels, a second stream) those cannot say whether the step itself ran longer on
-the device or the device waited between steps (prefills, or the host launching late). Two timing events per step,
-read when the host reads the step, can: `step_seconds` sums each step's time from the stream reaching it to its
-output copied; `gap_seconds` sums, over `gaps` steps, the time from the step before it ending to it starting,
-for steps launched while the one before was still unread (an engine that went idle between them has no gap).
+The engine thread's timers see the host: how long it launched, and how long it waited for a step's output. On a
+shared GPU (another process's kernels, a second stream) they cannot say whether a step ran longer on the device
+or the device waited between steps, for prefills or for the host's next launch. Two timing events per step, read
+when the host reads the step, can (`DeviceClockStats`):
+- `step_seconds`: each step from the stream reaching it to its output copied (its kernels, slowed by whatever
+  shared the GPU meanwhile);
+- the gap before a step, from the step before it ending to it starting, for steps launched while the one before
+  was still unread (the engine keeps one step queued ahead; after an idle engine there is no gap to count): with
+  prefills launched between the two (`prefill_gap_*`: their device time, and any wait for their launch), or
+  without (`idle_gap_*`: the device waiting for the host's launch alone; `long_idle_gap_*`: those over
+  LONG_IDLE_GAP_S, the stalls of a host thread held up, e.g. by the GIL or a garbage collection).
 
 Torch-free: the runner passes its event factory (`torch.cuda.Event(enable_timing=True)`); without one (CPU)
 nothing is recorded.
@@ -14,9 +19,11 @@ nothing is recorded.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 RING = 4  # steps whose events are alive at once; the engine has at most two launched and unread
+LONG_IDLE_GAP_S = 1e-3
 
 
 class TimingEvent(Protocol):
@@ -25,14 +32,31 @@ class TimingEvent(Protocol):
     def elapsed_time(self, end: TimingEvent) -> float: ...  # milliseconds from this event to `end`
 
 
+@dataclass
+class DeviceClockStats:
+    steps: int = 0  # steps timed (read)
+    step_seconds: float = 0.0
+    idle_gaps: int = 0
+    idle_gap_seconds: float = 0.0
+    long_idle_gaps: int = 0
+    long_idle_gap_seconds: float = 0.0
+    prefill_gaps: int = 0
+    prefill_gap_seconds: float = 0.0
+
+
 class StepClock:
     def __init__(self, new_event: Callable[[], TimingEvent] | None):
         self._events = [(new_event(), new_event()) for _ in range(RING)] if new_event else []
         self._slot_of_turn: dict[int, int] = {}
-        self._chained = [False] * RING
+        self._chained = [False] * RING  # slot -> its step queued behind an unread one
+        self._after_prefill = [False] * RING  # slot -> prefills were launched between it and the step before
+        self._prefilled = False
         self._launched = self._read = 0
-        self.step_seconds = self.gap_seconds = 0.0
-        self.gaps = 0
+        self.stats = DeviceClockStats()
+
+    def prefilled(self) -> None:
+        """A prefill was enqueued: it runs between the last launched step and the next."""
+        self._prefilled = True
 
     def begin(self, turn: int) -> None:
         """Before a step's first kernel is enqueued; `turn` names it until it is read."""
@@ -40,6 +64,7 @@ class StepClock:
         self._launched += 1
         if self._events:
             self._chained[slot] = self._launched - 1 > self._read  # the step before it is still unread
+            self._after_prefill[slot], self._prefilled = self._prefilled, False
             self._events[slot][0].record()
 
     def end(self, turn: int) -> None:
@@ -52,9 +77,36 @@ class StepClock:
         self._read += 1
         if not self._events:
             return
-        slot = self._slot_of_turn[turn]
+        s, slot = self.stats, self._slot_of_turn[turn]
         start, end = self._events[slot]
-        self.step_seconds += start.elapsed_time(end) * 1e-3
-        if self._chained[slot]:
-            self.gap_seconds += self._events[slot - 1][1].elapsed_time(start) * 1e-3
-            self.gaps += 1
+        s.steps += 1
+        s.step_seconds += start.elapsed_time(end) * 1e-3
+        if not self._chained[slot]:
+            return
+        gap = self._events[slot - 1][1].elapsed_time(start) * 1e-3
+        if self._after_prefill[slot]:
+            s.prefill_gaps += 1
+            s.prefill_gap_seconds += gap
+            return
+        s.idle_gaps += 1
+        s.idle_gap_seconds += gap
+        if gap > LONG_IDLE_GAP_S:
+            s.long_idle_gaps += 1
+            s.long_idle_gap_seconds += gap
+
+
+def window_ms(before: DeviceClockStats, after: DeviceClockStats) -> dict[str, float]:
+    """What the device did per timed step between two reads of the stats (the GPU's period per step is
+    step + idle gap + prefill gap), and its long idle gaps (count, mean ms)."""
+    steps = max(after.steps - before.steps, 1)
+
+    def per_step(key: str) -> float:
+        return (getattr(after, key) - getattr(before, key)) / steps * 1e3
+
+    long_gaps = after.long_idle_gaps - before.long_idle_gaps
+    return {
+        "gpu_step_ms": per_step("step_seconds"), "gpu_idle_gap_ms": per_step("idle_gap_seconds"),
+        "gpu_prefill_gap_ms": per_step("prefill_gap_seconds"), "gpu_long_idle_gaps": long_gaps,
+        "gpu_long_idle_gap_mean_ms": (after.long_idle_gap_seconds - before.long_idle_gap_seconds)
+        / max(long_gaps, 1) * 1e3,
+    }

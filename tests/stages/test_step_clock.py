@@ -1,6 +1,8 @@
-"""StepClock's bookkeeping against a device clock the test sets: which steps get a gap, and how long each is."""
+"""StepClock's bookkeeping against a device clock the test sets: which steps get a gap, of which kind, how long."""
 
-from stages.talker.step_clock import StepClock
+import pytest
+
+from stages.talker.step_clock import DeviceClockStats, StepClock, window_ms
 
 
 class Device:
@@ -21,49 +23,59 @@ class FakeEvent:
         return end.at_ms - self.at_ms
 
 
-def test_steps_and_the_gaps_between_chained_steps():
-    device = Device()
+@pytest.fixture
+def device() -> Device:
+    return Device()
+
+
+def _step(clock: StepClock, device: Device, turn: int, start_ms: float, end_ms: float) -> None:
+    device.now_ms = start_ms  # the step's events as the device reaches them
+    clock.begin(turn)
+    device.now_ms = end_ms
+    clock.end(turn)
+
+
+def test_steps_and_the_gaps_between_chained_steps(device):
     clock = StepClock(lambda: FakeEvent(device))
-
-    def step(turn: int, start_ms: float, end_ms: float) -> None:  # the step's events as the device reaches them
-        device.now_ms = start_ms
-        clock.begin(turn)
-        device.now_ms = end_ms
-        clock.end(turn)
-
-    step(0, 0.0, 8.0)  # the first step after an idle engine: no gap
-    step(1, 8.5, 16.0)  # launched while step 0 is unread: 0.5 ms between them (a prefill, say)
+    _step(clock, device, 0, 0.0, 8.0)  # the first step after an idle engine: no gap
+    _step(clock, device, 1, 8.5, 16.0)  # launched while step 0 is unread: 0.5 ms of idle device between them
     clock.read(0)
-    step(0, 18.0, 26.0)  # the host launched it late: 2 ms idle
+    clock.prefilled()
+    _step(clock, device, 0, 20.0, 28.0)  # a prefill ran between: a prefill gap of 4 ms
     clock.read(1)
+    _step(clock, device, 1, 31.0, 39.0)  # the host launched it 3 ms late: a long idle gap
     clock.read(0)
-    step(1, 100.0, 109.0)  # after everything was read (the engine idled): its gap is not one between steps
     clock.read(1)
-    assert clock.step_seconds * 1e3 == 8.0 + 7.5 + 8.0 + 9.0
-    assert clock.gaps == 2 and abs(clock.gap_seconds * 1e3 - 2.5) < 1e-9
+    _step(clock, device, 0, 100.0, 109.0)  # after everything was read (the engine idled): no gap between steps
+    clock.read(0)
+    s = clock.stats
+    assert s.steps == 5 and s.step_seconds * 1e3 == pytest.approx(8.0 + 7.5 + 8.0 + 8.0 + 9.0)
+    assert s.idle_gaps == 2 and s.idle_gap_seconds * 1e3 == pytest.approx(3.5)
+    assert s.long_idle_gaps == 1 and s.long_idle_gap_seconds * 1e3 == pytest.approx(3.0)
+    assert s.prefill_gaps == 1 and s.prefill_gap_seconds * 1e3 == pytest.approx(4.0)
+    window = window_ms(DeviceClockStats(), s)
+    assert window["gpu_step_ms"] == pytest.approx(40.5 / 5) and window["gpu_idle_gap_ms"] == pytest.approx(3.5 / 5)
+    assert window["gpu_long_idle_gaps"] == 1 and window["gpu_long_idle_gap_mean_ms"] == pytest.approx(3.0)
 
 
-def test_ring_keeps_the_events_of_steps_still_unread():
-    device = Device()
+def test_the_ring_keeps_the_events_of_steps_still_unread(device):
     clock = StepClock(lambda: FakeEvent(device))
-    t = 0.0
-    step_ms, gap_ms = 3.0, 1.0
-    for i in range(10):  # steady pipelining: launch i + 1, then read i
-        device.now_ms = t
-        clock.begin((i + 1) % 2)
-        device.now_ms = t + step_ms
-        clock.end((i + 1) % 2)
+    t, step_ms, gap_ms = 0.0, 3.0, 0.25
+    for i in range(10):  # steady pipelining: launch step i, then read step i - 1
+        _step(clock, device, i % 2, t, t + step_ms)
         t += step_ms + gap_ms
         if i:
-            clock.read(i % 2)
-    clock.read(10 % 2)
-    assert abs(clock.step_seconds * 1e3 - 10 * step_ms) < 1e-9
-    assert clock.gaps == 9 and abs(clock.gap_seconds * 1e3 - 9 * gap_ms) < 1e-9
+            clock.read((i - 1) % 2)
+    clock.read(9 % 2)
+    s = clock.stats
+    assert s.step_seconds * 1e3 == pytest.approx(10 * step_ms)
+    assert s.idle_gaps == 9 and s.idle_gap_seconds * 1e3 == pytest.approx(9 * gap_ms) and s.long_idle_gaps == 0
 
 
 def test_without_a_device_clock_nothing_is_recorded():
     clock = StepClock(None)
+    clock.prefilled()
     clock.begin(0)
     clock.end(0)
     clock.read(0)
-    assert clock.step_seconds == clock.gap_seconds == 0.0 and clock.gaps == 0
+    assert clock.stats == DeviceClockStats()
