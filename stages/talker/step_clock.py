@@ -8,9 +8,11 @@ when the host reads the step, can (`DeviceClockStats`):
   shared the GPU meanwhile);
 - the gap before a step, from the step before it ending to it starting, for steps launched while the one before
   was still unread (the engine keeps one step queued ahead; after an idle engine there is no gap to count): with
-  prefills launched between the two (`prefill_gap_*`: their device time, and any wait for their launch), or
-  without (`idle_gap_*`: the device waiting for the host's launch alone; `long_idle_gap_*`: those over
-  LONG_IDLE_GAP_S, the stalls of a host thread held up, e.g. by the GIL or a garbage collection).
+  prefills launched between the two (`prefill_gap_*`; a third event where the first of them begins splits it
+  into `prefill_wait_seconds`, the device idle before it, and the rest: the prefills' device time and any wait
+  for the launches after the first), or without (`idle_gap_*`: the device waiting for the host's launch alone;
+  `long_idle_gap_*`: those over LONG_IDLE_GAP_S, the stalls of a host thread held up, e.g. by the GIL or a
+  garbage collection).
 
 Torch-free: the runner passes its event factory (`torch.cuda.Event(enable_timing=True)`); without one (CPU)
 nothing is recorded.
@@ -42,11 +44,13 @@ class DeviceClockStats:
     long_idle_gap_seconds: float = 0.0
     prefill_gaps: int = 0
     prefill_gap_seconds: float = 0.0
+    prefill_wait_seconds: float = 0.0  # of prefill_gap_seconds, before the first prefill began
 
 
 class StepClock:
     def __init__(self, new_event: Callable[[], TimingEvent] | None):
         self._events = [(new_event(), new_event()) for _ in range(RING)] if new_event else []
+        self._prefill_events = [new_event() for _ in range(RING)] if new_event else []
         self._slot_of_turn: dict[int, int] = {}
         self._chained = [False] * RING  # slot -> its step queued behind an unread one
         self._after_prefill = [False] * RING  # slot -> prefills were launched between it and the step before
@@ -55,7 +59,9 @@ class StepClock:
         self.stats = DeviceClockStats()
 
     def prefilled(self) -> None:
-        """A prefill was enqueued: it runs between the last launched step and the next."""
+        """A prefill is about to be enqueued: it runs between the last launched step and the next."""
+        if self._events and not self._prefilled:  # the first since the last step: where the prefills begin
+            self._prefill_events[self._launched % RING].record()
         self._prefilled = True
 
     def begin(self, turn: int) -> None:
@@ -87,6 +93,7 @@ class StepClock:
         if self._after_prefill[slot]:
             s.prefill_gaps += 1
             s.prefill_gap_seconds += gap
+            s.prefill_wait_seconds += self._events[slot - 1][1].elapsed_time(self._prefill_events[slot]) * 1e-3
             return
         s.idle_gaps += 1
         s.idle_gap_seconds += gap
@@ -106,7 +113,8 @@ def window_ms(before: DeviceClockStats, after: DeviceClockStats) -> dict[str, fl
     long_gaps = after.long_idle_gaps - before.long_idle_gaps
     return {
         "gpu_step_ms": per_step("step_seconds"), "gpu_idle_gap_ms": per_step("idle_gap_seconds"),
-        "gpu_prefill_gap_ms": per_step("prefill_gap_seconds"), "gpu_long_idle_gaps": long_gaps,
+        "gpu_prefill_gap_ms": per_step("prefill_gap_seconds"), "gpu_prefill_gaps": after.prefill_gaps - before.prefill_gaps,
+        "gpu_prefill_wait_ms": per_step("prefill_wait_seconds"), "gpu_long_idle_gaps": long_gaps,
         "gpu_long_idle_gap_mean_ms": (after.long_idle_gap_seconds - before.long_idle_gap_seconds)
         / max(long_gaps, 1) * 1e3,
     }

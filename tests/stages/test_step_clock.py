@@ -40,8 +40,11 @@ def test_steps_and_the_gaps_between_chained_steps(device):
     _step(clock, device, 0, 0.0, 8.0)  # the first step after an idle engine: no gap
     _step(clock, device, 1, 8.5, 16.0)  # launched while step 0 is unread: 0.5 ms of idle device between them
     clock.read(0)
+    device.now_ms = 17.0  # the device reaches the first prefill 1 ms after step 1 ended
     clock.prefilled()
-    _step(clock, device, 0, 20.0, 28.0)  # a prefill ran between: a prefill gap of 4 ms
+    device.now_ms = 99.0  # a second prefill in the same gap: no new mark
+    clock.prefilled()
+    _step(clock, device, 0, 20.0, 28.0)  # prefills ran between: a prefill gap of 4 ms, 1 ms of it before them
     clock.read(1)
     _step(clock, device, 1, 31.0, 39.0)  # the host launched it 3 ms late: a long idle gap
     clock.read(0)
@@ -53,6 +56,7 @@ def test_steps_and_the_gaps_between_chained_steps(device):
     assert s.idle_gaps == 2 and s.idle_gap_seconds * 1e3 == pytest.approx(3.5)
     assert s.long_idle_gaps == 1 and s.long_idle_gap_seconds * 1e3 == pytest.approx(3.0)
     assert s.prefill_gaps == 1 and s.prefill_gap_seconds * 1e3 == pytest.approx(4.0)
+    assert s.prefill_wait_seconds * 1e3 == pytest.approx(1.0)
     window = window_ms(DeviceClockStats(), s)
     assert window["gpu_step_ms"] == pytest.approx(40.5 / 5) and window["gpu_idle_gap_ms"] == pytest.approx(3.5 / 5)
     assert window["gpu_long_idle_gaps"] == 1 and window["gpu_long_idle_gap_mean_ms"] == pytest.approx(3.0)
