@@ -302,6 +302,7 @@ async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
         cuda_graphs=not args.no_graphs, compile=args.compile, schedule=next(iter(schedules.values())),
         max_prefills_per_step=args.max_prefills_per_step, admission_lead_s=args.admission_lead_s,
         max_prefill_batch=args.max_prefill_batch, prefill_widths=tuple(int(w) for w in args.prefill_widths.split(",")),
+        prefill_batches=tuple(int(b) for b in args.prefill_batches.split(",")),
         **kernel_kwargs(args)))
     t0 = time.perf_counter()
     await asyncio.to_thread(engine.start, print)
@@ -393,7 +394,9 @@ def main() -> None:
     ap.add_argument("--max-prefills-per-step", type=int, default=TalkerEngineConfig.max_prefills_per_step,
                     help="admissions (batched prefills) one engine iteration may launch before its step")
     ap.add_argument("--max-prefill-batch", type=int, default=TalkerEngineConfig.max_prefill_batch,
-                    help="requests in one batched prefill (graphed up to stages.talker.runner.PREFILL_BATCH_BUCKETS)")
+                    help="requests in one batched prefill (graphed at the --prefill-batches up to it)")
+    ap.add_argument("--prefill-batches", default=",".join(map(str, TalkerEngineConfig.prefill_batches)),
+                    help="graphed prefill batch sizes, comma list (TalkerEngineConfig.prefill_batches)")
     ap.add_argument("--prefill-widths", default=",".join(map(str, TalkerEngineConfig.prefill_widths)),
                     help="graphed prefill widths, comma list (TalkerEngineConfig.prefill_widths)")
     ap.add_argument("--admission-lead-s", type=float, default=TalkerEngineConfig.admission_lead_s,

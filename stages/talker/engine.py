@@ -399,7 +399,8 @@ class TalkerEngine:
         self.runner = self._runner_factory(
             model, self.num_slots, cfg.max_seq_len, cfg.max_text_rows, num_blocks, cfg.kv_block_size,
             cfg.length_buckets, compile=use_compile, attention_kernel=cfg.attention_kernel,
-            max_prefill_batch=cfg.max_prefill_batch, prefill_widths=cfg.prefill_widths, gemv_rows=cfg.gemv_rows,
+            max_prefill_batch=cfg.max_prefill_batch, prefill_widths=cfg.prefill_widths,
+            prefill_batches=cfg.prefill_batches, gemv_rows=cfg.gemv_rows,
             heads_in_attention=cfg.heads_in_attention, sampling_kernel=cfg.sampling_kernel, pdl=cfg.pdl,
             attention_splits=cfg.attention_splits)
         self._exact = model.device.type != "cuda" if cfg.exact_prefill is None else cfg.exact_prefill

@@ -11,6 +11,9 @@ from stages.chunking import ChunkSchedule
 # loadgen's CustomVoice prompts are 40-76 positions, so a batch of 16 nearly always held one above 64 and padded
 # every prompt to 128 before widths 80 and 96 came (docs/benchmarks.md, "Prefill widths")
 PREFILL_WIDTHS = (16, 32, 64, 80, 96, 128)
+# graphed prefill batch sizes, those <= max_prefill_batch (16 by default: served on the H100, 32 and 64 before they
+# had graphs were slower everywhere, docs/benchmarks.md); a prefill of n requests pads to the first size >= n
+PREFILL_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class TalkerEngineConfig:
     length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)  # gather-attention path only
     max_prefill_batch: int = 16  # requests in one batched prefill (one admission)
     prefill_widths: tuple[int, ...] = PREFILL_WIDTHS  # a CUDA graph per (batch bucket, width); longer prompts: eager
+    prefill_batches: tuple[int, ...] = PREFILL_BATCHES  # the batch buckets of those graphs (<= max_prefill_batch)
     max_prefills_per_step: int = 8  # admissions one loop iteration may launch before its step: more than one only
     # while every running stream's handed-out audio is ahead of its playback by admission_lead_s (a burst of
     # arrivals is prefilled at once instead of one batch per step; docs/talker_engine.md, "Admission"). H100,
@@ -71,9 +75,10 @@ class TalkerEngineConfig:
             raise ValueError("max_num_seqs must be >= 1 and max_seq_len >= 16")
         if self.max_prefills_per_step < 1:
             raise ValueError("max_prefills_per_step must be >= 1")
-        if any(w < 1 for w in self.prefill_widths):
-            raise ValueError("prefill_widths must be >= 1")
+        if any(w < 1 for w in self.prefill_widths) or any(b < 1 for b in self.prefill_batches):
+            raise ValueError("prefill_widths and prefill_batches must be >= 1")
         object.__setattr__(self, "prefill_widths", tuple(sorted(set(self.prefill_widths))))  # YAML gives a list
+        object.__setattr__(self, "prefill_batches", tuple(sorted(set(self.prefill_batches))))
         if self.prefill_hold_s < 0:
             raise ValueError("prefill_hold_s must be >= 0")
         if not 0 <= self.gemv_rows <= 8:  # stages/gemv_kernels.MAX_ROWS (this module stays torch-free)

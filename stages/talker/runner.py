@@ -48,7 +48,7 @@ from stages.sampling import (
 )
 from stages.talker import frame as frame_module
 from stages.talker import model as talker_model
-from stages.talker.engine_config import PREFILL_WIDTHS
+from stages.talker.engine_config import PREFILL_BATCHES, PREFILL_WIDTHS
 from stages.talker.frame import (
     advance_rows,
     new_code_predictor_cache,
@@ -65,8 +65,6 @@ from stages.talker.step_clock import StepClock
 # the files whose functions `compile` hands to torch.compile, and those the traced code calls into (the step's glue
 # reads the talker's embedding tables): the compile cache keys their source (CompileCache)
 COMPILED_SOURCES = (layers.__file__, sampling.__file__, frame_module.__file__, talker_model.__file__)
-PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # graphed prefill batches, those <= max_prefill_batch (16 by default:
-# served on the H100, 32 and 64 before they had graphs were slower everywhere, docs/benchmarks.md)
 PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)
 _WIDTH_MULTIPLE = 16  # eager prefill pads widths to this: fewer distinct shapes
 # the decode step's functions outside the layers, as the runner's attributes: eager, or torch.compile'd with `compile`
@@ -221,7 +219,7 @@ class TalkerRunner:
                  compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
                  gemv_rows: int = 4, heads_in_attention: bool = True, sampling_kernel: bool = True,
                  pdl: bool = False, attention_splits: bool = True,
-                 prefill_widths: tuple[int, ...] = PREFILL_WIDTHS):
+                 prefill_widths: tuple[int, ...] = PREFILL_WIDTHS, prefill_batches: tuple[int, ...] = PREFILL_BATCHES):
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
@@ -261,7 +259,7 @@ class TalkerRunner:
         self.eos = cfg.codec.eos
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # admission staging: two pinned host buffers (alternating: one may still be in flight) and the device copy
-        self.prefill_batch_buckets = tuple(b for b in PREFILL_BATCH_BUCKETS if b <= max_prefill_batch) or (1,)
+        self.prefill_batch_buckets = tuple(b for b in sorted(prefill_batches) if b <= max_prefill_batch) or (1,)
         self.max_prefill_batch = max(max_prefill_batch, 1)
         self.prefill_width_buckets = tuple(w for w in prefill_widths if w <= max_seq_len)  # sorted (the config's)
         self.trailing_width = min(PREFILL_TRAILING_WIDTH, max_text_rows)

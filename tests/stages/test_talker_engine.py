@@ -518,3 +518,20 @@ def test_prefill_pads_to_the_configured_widths(model):
         engine.shutdown()
     with pytest.raises(ValueError, match="prefill_widths"):
         TalkerEngineConfig(prefill_widths=(0, 64))
+
+
+def test_prefill_pads_to_the_configured_batches(model):
+    """A prefill of n requests pads to the first configured batch size >= n: with 3, 5 and 6 graphed, a prefill of
+    5 runs 5 rows, not the 8 of the default sizes."""
+    engine = _engine(model, max_num_seqs=4, prefill_batches=[16, 1, 2, 3, 5, 6, 8, 12])
+    try:
+        runner = engine.runner
+        assert engine.config.prefill_batches == (1, 2, 3, 5, 6, 8, 12, 16)
+        assert runner.prefill_bucket(5, 60) == (5, 64)
+        assert runner.prefill_bucket(4, 60) == (5, 64)
+        assert runner.prefill_bucket(7, 60) == (8, 64)
+        assert runner.prefill_bucket(13, 60) == (16, 64)
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="prefill_batches"):
+        TalkerEngineConfig(prefill_batches=(0, 4))
