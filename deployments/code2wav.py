@@ -112,8 +112,6 @@ class Code2WavServer:
                       for i, n in enumerate(lengths)]  # final: a stateful engine keeps no slot for them
             await self._on_thread(self._engine.decode, chunks)
             log(f"warm-up decode of lengths {lengths} done in {time.perf_counter() - t0:.2f} s")
-        if cfg.gc_freeze:
-            log(f"{self._gc.freeze_heap():,} objects of the start-up heap frozen out of garbage collections")
         self._metrics = Code2WavMetrics()
         log(f"ready on {device} ({model.dtype}), batches of up to {cfg.max_batch_size} chunks"
             + (f", stateful ({self._engine.config.state_slots} stream slots)" if stateful else ""))
@@ -208,7 +206,7 @@ class Code2WavServer:
         seconds), the process's garbage collections (`gc`) and which replica answered (`replica`), read twice
         over a window by `bench.serve_engine_stats`."""
         return {"replica": this_replica(), **dataclasses.asdict(self._engine.stats()),
-                "gc": dataclasses.asdict(self._gc.stats)}
+                "gc": dataclasses.asdict(self._gc.stats())}
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: chunks pending and no decode finished for too long."""

@@ -75,12 +75,6 @@ class _RuntimeOptions(_DeploymentOptions):
         description="sys.setswitchinterval in the replica (Python's default: 5 ms): how long a thread that wants "
         "the GIL waits for the one holding it (the engine's thread vs Serve's event loop)",
     )
-    gc_freeze: bool = Field(
-        False,
-        description="after start-up (weights, graphs, warm-up), move the replica's live heap to Python's permanent "
-        "GC generation (gc.freeze): later collections, which stop every thread of the replica, walk only what was "
-        "allocated since (deployments/gc_pauses.py)",
-    )
     gpu_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="torch.cuda.set_per_process_memory_fraction: Ray does not isolate GPU memory"
     )

@@ -94,8 +94,6 @@ class TalkerServer:
             t0 = time.perf_counter()
             await self._warmup()
             log(f"[talker] warm-up request done in {time.perf_counter() - t0:.2f} s")
-        if cfg.gc_freeze:
-            log(f"[talker] {self._gc.freeze_heap():,} objects of the start-up heap frozen out of garbage collections")
         self._metrics = TalkerMetrics(cfg.name)
         self._metrics_task = asyncio.get_running_loop().create_task(self._refresh_metrics())
         log(f"[talker] {cfg.name} ready: {model.config.task.value} on {device} ({model.dtype})")
@@ -212,7 +210,7 @@ class TalkerServer:
         its forwards share this replica's GPU with the engine's steps) when it has one, and the process's garbage
         collections (`gc`: `GcPauseStats`)."""
         stats = {"replica": this_replica(), **dataclasses.asdict(self._engine.stats()),
-                 "gc": dataclasses.asdict(self._gc.stats)}
+                 "gc": dataclasses.asdict(self._gc.stats())}
         if self._first_decoder is not None:
             stats["first_chunk_decoder"] = dataclasses.asdict(self._first_decoder.stats())
         return stats
