@@ -347,7 +347,8 @@ class TalkerEngine:
             admitted=self._admitted, admission_wait_seconds=self._admission_wait,
             command_wait_seconds=self._command_wait,
             first_chunks=self._first_chunks, first_chunk_seconds=self._first_chunk_wait,
-            device_clock=replace(self.runner.step_clock.stats),  # a copy: the engine thread adds on
+            # a copy (the engine thread adds on); none while the runner is still being built (graph capture)
+            device_clock=replace(self.runner.step_clock.stats) if self.runner is not None else DeviceClockStats(),
         )
 
     # ------------------------------------------------------------------ device thread

@@ -8,6 +8,7 @@ prefill). So every frame a stream receives can be checked, whatever row it ran i
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from stages.contract import FinishReason, SamplingParams, SynthesisRequest
 from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig
-from stages.talker.step_clock import StepClock
+from stages.talker.step_clock import DeviceClockStats, StepClock
 
 EOS = 2150
 EOS_AT_PREFILL = 999
@@ -348,3 +349,26 @@ def test_live_requests_park_and_resume_through_row_moves(model, prompt):
         assert reason is FinishReason.LENGTH
     assert parks >= 5 and unparks >= 5  # they really waited (typically ~25 times)
     assert stats.running == stats.parked == stats.held == stats.waiting == 0 and stats.kv_reserved_tokens == 0
+
+
+def test_stats_while_the_runner_is_still_being_built(model):
+    """A start-up takes long (graph capture) and stats may be read meanwhile: the device clock reads zero then."""
+    building, release = threading.Event(), threading.Event()
+
+    class SlowRunner(FakeRunner):
+        def __init__(self, *args, **kwargs):
+            building.set()
+            release.wait()
+            super().__init__(*args, **kwargs)
+
+    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, exact_prefill=False), SlowRunner)
+    starter = threading.Thread(target=engine.start, args=(lambda _: None,))
+    starter.start()
+    try:
+        assert building.wait(60)
+        stats = engine.stats()
+        assert stats.device_clock == DeviceClockStats() and stats.steps == 0
+    finally:
+        release.set()
+        starter.join()
+        engine.shutdown()
