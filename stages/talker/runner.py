@@ -580,14 +580,14 @@ class TalkerRunner:
         for `step_output`. Does not wait: the host can prepare the next step meanwhile."""
         turn = self._out_turn
         self._out_turn ^= 1
-        self.step_clock.begin(turn)
+        self.step_clock.begin()
         graph = self.graphs.get((b, attn_len))
         if graph is not None:
             graph.replay()
         else:
             self._decode_step(b, attn_len)
         self.out_host[turn][:b].copy_(self.out[:b], non_blocking=True)
-        self.step_clock.end(turn)
+        self.step_clock.end()
         if self.cuda:
             self._out_events[turn].record()
         return turn
@@ -597,7 +597,7 @@ class TalkerRunner:
         wait per step). Valid until the step after next is launched."""
         if self.cuda:
             self._out_events[turn].synchronize()
-        self.step_clock.read(turn)
+        self.step_clock.read()  # steps are read in launch order
         return self.out_host[turn][:n].numpy()
 
     # ---------------------------------------------------------------- CUDA graphs

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-RING = 4  # steps whose events are alive at once; the engine has at most two launched and unread
+RING = 4  # steps whose events are alive at once; the engine has at most two launched and unread, and reads them
+# in launch order, so step k's events are slot k % RING: launched and read counts say which slot is which
 LONG_IDLE_GAP_S = 1e-3
 
 
@@ -51,7 +52,6 @@ class StepClock:
     def __init__(self, new_event: Callable[[], TimingEvent] | None):
         self._events = [(new_event(), new_event()) for _ in range(RING)] if new_event else []
         self._prefill_events = [new_event() for _ in range(RING)] if new_event else []
-        self._slot_of_turn: dict[int, int] = {}
         self._chained = [False] * RING  # slot -> its step queued behind an unread one
         self._after_prefill = [False] * RING  # slot -> prefills were launched between it and the step before
         self._prefilled = False
@@ -64,26 +64,27 @@ class StepClock:
             self._prefill_events[self._launched % RING].record()
         self._prefilled = True
 
-    def begin(self, turn: int) -> None:
-        """Before a step's first kernel is enqueued; `turn` names it until it is read."""
-        slot = self._slot_of_turn[turn] = self._launched % RING
+    def begin(self) -> None:
+        """Before a step's first kernel is enqueued."""
+        slot = self._launched % RING
         self._launched += 1
         if self._events:
             self._chained[slot] = self._launched - 1 > self._read  # the step before it is still unread
             self._after_prefill[slot], self._prefilled = self._prefilled, False
             self._events[slot][0].record()
 
-    def end(self, turn: int) -> None:
-        """After the step's last work (its output's copy) is enqueued."""
+    def end(self) -> None:
+        """After the last begun step's last work (its output's copy) is enqueued."""
         if self._events:
-            self._events[self._slot_of_turn[turn]][1].record()
+            self._events[(self._launched - 1) % RING][1].record()
 
-    def read(self, turn: int) -> None:
-        """Once the step's output is ready (its events have completed): add its times."""
+    def read(self) -> None:
+        """Once the oldest unread step's output is ready (its events have completed): add its times."""
+        slot = self._read % RING
         self._read += 1
         if not self._events:
             return
-        s, slot = self.stats, self._slot_of_turn[turn]
+        s = self.stats
         start, end = self._events[slot]
         s.steps += 1
         s.step_seconds += start.elapsed_time(end) * 1e-3

@@ -28,29 +28,29 @@ def device() -> Device:
     return Device()
 
 
-def _step(clock: StepClock, device: Device, turn: int, start_ms: float, end_ms: float) -> None:
+def _step(clock: StepClock, device: Device, start_ms: float, end_ms: float) -> None:
     device.now_ms = start_ms  # the step's events as the device reaches them
-    clock.begin(turn)
+    clock.begin()
     device.now_ms = end_ms
-    clock.end(turn)
+    clock.end()
 
 
 def test_steps_and_the_gaps_between_chained_steps(device):
     clock = StepClock(lambda: FakeEvent(device))
-    _step(clock, device, 0, 0.0, 8.0)  # the first step after an idle engine: no gap
-    _step(clock, device, 1, 8.5, 16.0)  # launched while step 0 is unread: 0.5 ms of idle device between them
-    clock.read(0)
+    _step(clock, device, 0.0, 8.0)  # the first step after an idle engine: no gap
+    _step(clock, device, 8.5, 16.0)  # launched while step 0 is unread: 0.5 ms of idle device between them
+    clock.read()
     device.now_ms = 17.0  # the device reaches the first prefill 1 ms after step 1 ended
     clock.prefilled()
     device.now_ms = 99.0  # a second prefill in the same gap: no new mark
     clock.prefilled()
-    _step(clock, device, 0, 20.0, 28.0)  # prefills ran between: a prefill gap of 4 ms, 1 ms of it before them
-    clock.read(1)
-    _step(clock, device, 1, 31.0, 39.0)  # the host launched it 3 ms late: a long idle gap
-    clock.read(0)
-    clock.read(1)
-    _step(clock, device, 0, 100.0, 109.0)  # after everything was read (the engine idled): no gap between steps
-    clock.read(0)
+    _step(clock, device, 20.0, 28.0)  # prefills ran between: a prefill gap of 4 ms, 1 ms of it before them
+    clock.read()
+    _step(clock, device, 31.0, 39.0)  # the host launched it 3 ms late: a long idle gap
+    clock.read()
+    clock.read()
+    _step(clock, device, 100.0, 109.0)  # after everything was read (the engine idled): no gap between steps
+    clock.read()
     s = clock.stats
     assert s.steps == 5 and s.step_seconds * 1e3 == pytest.approx(8.0 + 7.5 + 8.0 + 8.0 + 9.0)
     assert s.idle_gaps == 2 and s.idle_gap_seconds * 1e3 == pytest.approx(3.5)
@@ -66,11 +66,11 @@ def test_the_ring_keeps_the_events_of_steps_still_unread(device):
     clock = StepClock(lambda: FakeEvent(device))
     t, step_ms, gap_ms = 0.0, 3.0, 0.25
     for i in range(10):  # steady pipelining: launch step i, then read step i - 1
-        _step(clock, device, i % 2, t, t + step_ms)
+        _step(clock, device, t, t + step_ms)
         t += step_ms + gap_ms
         if i:
-            clock.read((i - 1) % 2)
-    clock.read(9 % 2)
+            clock.read()
+    clock.read()
     s = clock.stats
     assert s.step_seconds * 1e3 == pytest.approx(10 * step_ms)
     assert s.idle_gaps == 9 and s.idle_gap_seconds * 1e3 == pytest.approx(9 * gap_ms) and s.long_idle_gaps == 0
@@ -79,7 +79,7 @@ def test_the_ring_keeps_the_events_of_steps_still_unread(device):
 def test_without_a_device_clock_nothing_is_recorded():
     clock = StepClock(None)
     clock.prefilled()
-    clock.begin(0)
-    clock.end(0)
-    clock.read(0)
+    clock.begin()
+    clock.end()
+    clock.read()
     assert clock.stats == DeviceClockStats()
