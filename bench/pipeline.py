@@ -347,7 +347,7 @@ def _parse_ramp(text: str) -> tuple[int, ...] | None:
 
 HEADER = ("| ramp | decode policy | c | requests | TTFA p50 / p95 / max (ms) | E2E p50 / p95 (ms) | audio-s/s | gap-free | "
           "gapped at chunk (count); its decode wait, talker ms/frame | mean batch | "
-          "step ms (GPU; idle, prefill gap per step) | "
+          "step ms (GPU; idle, prefill gap per step, device ms per prefill gap) | "
           "prefills (of them in a burst), ms each | "
           "prefill / step share of wall | "
           "decode batches, mean size | bad codes |\n"
@@ -364,7 +364,7 @@ def row(r: dict) -> str:
             f"{e['p50']:.0f} / {e['p95']:.0f} | {r['audio_s_per_s']:.1f} | {r['gap_free_share']:.0%} | "
             f"{gapped or '-'} | {r['mean_batch']:.1f} | "
             f"{r['step_ms']:.2f} ({r.get('gpu_step_ms', 0):.2f}; {r.get('gpu_idle_gap_ms', 0):.2f}, "
-            f"{r.get('gpu_prefill_gap_ms', 0):.2f}) | "
+            f"{r.get('gpu_prefill_gap_ms', 0):.2f}, {r.get('gpu_ms_per_prefill_gap', 0):.1f}) | "
             f"{r['prefills']} ({r.get('burst_prefills', 0)}), {r['prefill_ms']:.2f} | "
             f"{r['prefill_share']:.0%} / {r['step_share']:.0%} | {r['decode_batches']}, "
             f"{r['mean_decode_batch']:.1f} | {len(r['bad_codes'])} |")

@@ -423,10 +423,10 @@ class TalkerRunner:
             (nb, w), tw = key, self.trailing_width
         else:
             nb, w, tw = n, _round_up(width, _WIDTH_MULTIPLE), min(_round_up(trailing, _WIDTH_MULTIPLE), self.max_text_rows)
-        self.step_clock.prefilled()
         turn = self._host_stage.take()
         host = self._host_stage.buffers[turn]
         self._write_stage(host, batch, nb, w, tw)
+        self.step_clock.prefill_begin()  # after the host's staging: a device idle while it stages counts as a wait
         self._stage.buf[:nb].copy_(host.buf[:nb], non_blocking=True)
         self._host_stage.copied(turn)
         if key is not None:
@@ -439,6 +439,7 @@ class TalkerRunner:
             self._prefill_compute(nb, w, tw, x)
         else:
             self._prefill_compute(nb, w, tw)
+        self.step_clock.prefill_end()
 
     def prefill_bucket(self, n: int, width: int) -> tuple[int, int] | None:
         """The (batch, width) a prefill of n prompts, the longest `width` positions, pads to; None: beyond them."""

@@ -8,9 +8,11 @@ when the host reads the step, can (`DeviceClockStats`):
   shared the GPU meanwhile);
 - the gap before a step, from the step before it ending to it starting, for steps launched while the one before
   was still unread (the engine keeps one step queued ahead; after an idle engine there is no gap to count): with
-  prefills launched between the two (`prefill_gap_*`; a third event where the first of them begins splits it
-  into `prefill_wait_seconds`, the device idle before it, and the rest: the prefills' device time and any wait
-  for the launches after the first), or without (`idle_gap_*`: the device waiting for the host's launch alone;
+  prefills launched between the two (`prefill_gap_*`; an event where the first of them begins, once the host has
+  staged it, and one where the last of them ends split it into `prefill_wait_seconds`, the device idle before
+  the first (for the host's staging, or the GIL), `prefill_device_seconds`, the prefills' own device time (and
+  any wait for the launches after the first), and the rest, the device waiting for the step's launch after
+  them), or without (`idle_gap_*`: the device waiting for the host's launch alone;
   `long_idle_gap_*`: those over LONG_IDLE_GAP_S, the stalls of a host thread held up, e.g. by the GIL or a
   garbage collection).
 
@@ -46,23 +48,31 @@ class DeviceClockStats:
     prefill_gaps: int = 0
     prefill_gap_seconds: float = 0.0
     prefill_wait_seconds: float = 0.0  # of prefill_gap_seconds, before the first prefill began
+    prefill_device_seconds: float = 0.0  # of prefill_gap_seconds, from the first prefill's start to the last's end
 
 
 class StepClock:
     def __init__(self, new_event: Callable[[], TimingEvent] | None):
         self._events = [(new_event(), new_event()) for _ in range(RING)] if new_event else []
-        self._prefill_events = [new_event() for _ in range(RING)] if new_event else []
+        self._prefill_events = [(new_event(), new_event()) for _ in range(RING)] if new_event else []
         self._chained = [False] * RING  # slot -> its step queued behind an unread one
         self._after_prefill = [False] * RING  # slot -> prefills were launched between it and the step before
         self._prefilled = False
         self._launched = self._read = 0
         self.stats = DeviceClockStats()
 
-    def prefilled(self) -> None:
-        """A prefill is about to be enqueued: it runs between the last launched step and the next."""
+    def prefill_begin(self) -> None:
+        """A prefill, staged on the host, is about to be enqueued: it runs between the last launched step and the
+        next."""
         if self._events and not self._prefilled:  # the first since the last step: where the prefills begin
-            self._prefill_events[self._launched % RING].record()
+            for event in self._prefill_events[self._launched % RING]:  # the end too: recorded even if this one fails
+                event.record()
         self._prefilled = True
+
+    def prefill_end(self) -> None:
+        """After a prefill's last work is enqueued (each one marks it again: the last before the step counts)."""
+        if self._events:
+            self._prefill_events[self._launched % RING][1].record()
 
     def begin(self) -> None:
         """Before a step's first kernel is enqueued."""
@@ -94,7 +104,9 @@ class StepClock:
         if self._after_prefill[slot]:
             s.prefill_gaps += 1
             s.prefill_gap_seconds += gap
-            s.prefill_wait_seconds += self._events[slot - 1][1].elapsed_time(self._prefill_events[slot]) * 1e-3
+            first, last = self._prefill_events[slot]
+            s.prefill_wait_seconds += self._events[slot - 1][1].elapsed_time(first) * 1e-3
+            s.prefill_device_seconds += first.elapsed_time(last) * 1e-3
             return
         s.idle_gaps += 1
         s.idle_gap_seconds += gap
@@ -105,17 +117,23 @@ class StepClock:
 
 def window_ms(before: DeviceClockStats, after: DeviceClockStats) -> dict[str, float]:
     """What the device did per timed step between two reads of the stats (the GPU's period per step is
-    step + idle gap + prefill gap), and its long idle gaps (count, mean ms)."""
+    step + idle gap + prefill gap; of the prefill gap, `gpu_prefill_wait_ms` before the first prefill and
+    `gpu_prefill_device_ms` the prefills themselves), the mean device time of one prefill gap's prefills, and
+    the long idle gaps (count, mean ms)."""
     steps = max(after.steps - before.steps, 1)
 
     def per_step(key: str) -> float:
         return (getattr(after, key) - getattr(before, key)) / steps * 1e3
 
     long_gaps = after.long_idle_gaps - before.long_idle_gaps
+    prefill_gaps = after.prefill_gaps - before.prefill_gaps
     return {
         "gpu_step_ms": per_step("step_seconds"), "gpu_idle_gap_ms": per_step("idle_gap_seconds"),
-        "gpu_prefill_gap_ms": per_step("prefill_gap_seconds"), "gpu_prefill_gaps": after.prefill_gaps - before.prefill_gaps,
-        "gpu_prefill_wait_ms": per_step("prefill_wait_seconds"), "gpu_long_idle_gaps": long_gaps,
+        "gpu_prefill_gap_ms": per_step("prefill_gap_seconds"), "gpu_prefill_gaps": prefill_gaps,
+        "gpu_prefill_wait_ms": per_step("prefill_wait_seconds"), "gpu_prefill_device_ms": per_step("prefill_device_seconds"),
+        "gpu_ms_per_prefill_gap":
+            (after.prefill_device_seconds - before.prefill_device_seconds) / max(prefill_gaps, 1) * 1e3,
+        "gpu_long_idle_gaps": long_gaps,
         "gpu_long_idle_gap_mean_ms": (after.long_idle_gap_seconds - before.long_idle_gap_seconds)
         / max(long_gaps, 1) * 1e3,
     }

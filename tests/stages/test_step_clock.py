@@ -40,11 +40,15 @@ def test_steps_and_the_gaps_between_chained_steps(device):
     _step(clock, device, 0.0, 8.0)  # the first step after an idle engine: no gap
     _step(clock, device, 8.5, 16.0)  # launched while step 0 is unread: 0.5 ms of idle device between them
     clock.read()
-    device.now_ms = 17.0  # the device reaches the first prefill 1 ms after step 1 ended
-    clock.prefilled()
-    device.now_ms = 99.0  # a second prefill in the same gap: no new mark
-    clock.prefilled()
-    _step(clock, device, 20.0, 28.0)  # prefills ran between: a prefill gap of 4 ms, 1 ms of it before them
+    device.now_ms = 17.0  # the device reaches the first prefill 1 ms after step 1 ended (the host staged it late)
+    clock.prefill_begin()
+    device.now_ms = 18.0
+    clock.prefill_end()
+    device.now_ms = 99.0  # a second prefill in the same gap: no new beginning, a new end
+    clock.prefill_begin()
+    device.now_ms = 19.5
+    clock.prefill_end()
+    _step(clock, device, 20.0, 28.0)  # prefills ran between: a prefill gap of 4 ms, 1 ms before them, 2.5 theirs
     clock.read()
     _step(clock, device, 31.0, 39.0)  # the host launched it 3 ms late: a long idle gap
     clock.read()
@@ -57,7 +61,10 @@ def test_steps_and_the_gaps_between_chained_steps(device):
     assert s.long_idle_gaps == 1 and s.long_idle_gap_seconds * 1e3 == pytest.approx(3.0)
     assert s.prefill_gaps == 1 and s.prefill_gap_seconds * 1e3 == pytest.approx(4.0)
     assert s.prefill_wait_seconds * 1e3 == pytest.approx(1.0)
+    assert s.prefill_device_seconds * 1e3 == pytest.approx(2.5)
     window = window_ms(DeviceClockStats(), s)
+    assert window["gpu_prefill_device_ms"] == pytest.approx(2.5 / 5)
+    assert window["gpu_ms_per_prefill_gap"] == pytest.approx(2.5)
     assert window["gpu_step_ms"] == pytest.approx(40.5 / 5) and window["gpu_idle_gap_ms"] == pytest.approx(3.5 / 5)
     assert window["gpu_long_idle_gaps"] == 1 and window["gpu_long_idle_gap_mean_ms"] == pytest.approx(3.0)
 
@@ -76,9 +83,23 @@ def test_the_ring_keeps_the_events_of_steps_still_unread(device):
     assert s.idle_gaps == 9 and s.idle_gap_seconds * 1e3 == pytest.approx(9 * gap_ms) and s.long_idle_gaps == 0
 
 
+def test_a_prefill_that_fails_before_its_end_leaves_a_recorded_end(device):
+    clock = StepClock(lambda: FakeEvent(device))
+    _step(clock, device, 0.0, 8.0)
+    device.now_ms = 9.0
+    clock.prefill_begin()  # its launch raised: no prefill_end
+    _step(clock, device, 9.5, 17.0)
+    clock.read()
+    clock.read()
+    s = clock.stats
+    assert s.prefill_gaps == 1 and s.prefill_wait_seconds * 1e3 == pytest.approx(1.0)
+    assert s.prefill_device_seconds == 0.0
+
+
 def test_without_a_device_clock_nothing_is_recorded():
     clock = StepClock(None)
-    clock.prefilled()
+    clock.prefill_begin()
+    clock.prefill_end()
     clock.begin()
     clock.end()
     clock.read()
