@@ -5,9 +5,9 @@ own, so the two replays share no memory). Per iteration ms of each.
 
     python -m bench.prefill_overlap --checkpoint DIR --batch 64 --prompts 4,8 --iters 50
 
-H100, 2026-11-24 (docs/benchmarks.md "A prefill beside the step"): the second stream hid 16-20% of a prefill's
-time. With 16 prompts the concurrent replay ended in "an illegal instruction was encountered" (not investigated:
-the design it probed was dropped on the smaller figures); run 16 alone with care.
+H100, 2026-11-24 (docs/benchmarks.md "Packed prefill", its paragraph "A prefill beside the step"): the second
+stream hid 16-21% of a prefill's time. With 16 prompts the concurrent replay ended in "an illegal instruction was
+encountered" (not investigated: the design it probed was dropped on the smaller figures); run 16 alone with care.
 
 The prompts are the load generator's sentences (bench/loadgen/sentences.txt) with a CustomVoice speaker; the step's
 rows hold the same prompts. The prefill's rows are B..B+n-1, outside the step's, so the two never touch the same row.
@@ -78,11 +78,11 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "batch": b, "iters": args.iters, "runs": []}
     for n in counts:
-        prefill_rows = range(b, b + n)
-        runner.admit(admissions(prefill_rows))  # stages the prefill's batch on the device (and runs it once)
+        batch = admissions(range(b, b + n))
+        runner.admit(batch)  # stages the prefill's batch on the device (and runs it once)
         torch.cuda.synchronize()
         print(f"prefill of {n} staged", flush=True)
-        key = runner.prefill_bucket(n, max(plans[r % len(plans)].length for r in prefill_rows))
+        key = runner.prefill_bucket(n, max(a.plan.length for a in batch))
         assert key is not None, "no graphed bucket for this prefill"
         nb, w = key
         side.wait_stream(torch.cuda.current_stream())

@@ -466,7 +466,6 @@ def test_talker_health_sees_an_engine_that_stopped_stepping(loop, tiny_custom_vo
         server.__del__()
 
 
-
 def test_replicas_report_their_garbage_collections(loop, talker, code2wav):
     """What bench.serve_engine_stats reads: each replica's collections by generation (deployments/gc_pauses.py)."""
     import gc
