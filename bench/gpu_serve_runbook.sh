@@ -24,7 +24,8 @@
 # `path=value` overrides of the config's args, e.g. "models.0.engine_kwargs.max_num_seqs=128"), SIZE (1.7b),
 # KIND (custom_voice), MAX_NEW_TOKENS (75 = 6 s of audio), CONCURRENCY, RATES, CLOSED_MIN / CLOSED_PER_LEVEL
 # (requests per closed point: max(min, k x c)), OPEN_MIN / OPEN_SECONDS (per open point: max(min, s x r)),
-# LOADGEN_PROCESSES (1: worker processes of bench.loadgen reading the streams), READY_TIMEOUT_S (420),
+# LOADGEN_PROCESSES (1: worker processes of bench.loadgen reading the streams), STAGGER_S (closed points: the
+# streams' starts spread over this many seconds; default all at once), READY_TIMEOUT_S (420),
 # PORT (8000), RAY_PORT (6379, split placement), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use
 # the current Python environment: the CPU dry run in docs/benchmarks.md).
 set -uo pipefail
@@ -171,7 +172,7 @@ PY
 }
 
 label() {
-  echo "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$(gpus), $(basename "$(cat "$W/config_base")")${SET:+ [$SET]}, $SIZE $KIND random weights"
+  echo "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) x$(gpus), $(basename "$(cat "$W/config_base")")${SET:+ [$SET]}${STAGGER_S:+, starts spread over ${STAGGER_S} s}, $SIZE $KIND random weights"
 }
 
 sweep() {  # sweep MODE LEVELS SECONDS
@@ -193,6 +194,7 @@ sweep() {  # sweep MODE LEVELS SECONDS
     cpu=$!
   fi
   local per=(--requests "$CLOSED_MIN" --requests-per-level "$CLOSED_PER_LEVEL" --concurrency "$levels")
+  [ "$mode" = closed ] && [ -n "${STAGGER_S:-}" ] && per+=(--stagger-s "$STAGGER_S")
   [ "$mode" = open ] && per=(--requests "$OPEN_MIN" --requests-per-level "$OPEN_SECONDS" --rate "$levels")
   say "$mode sweep ($levels), ${secs}s budget"
   python3 -m bench.loadgen --url "$URL" --mode "$mode" "${per[@]}" --max-new-tokens "$MAX_NEW_TOKENS" \

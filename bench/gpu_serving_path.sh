@@ -26,7 +26,8 @@
 # device tool returns at most 8 files, and a lost in-process run (2026-11-22) taught that. BUDGET_S: per variant
 # (default 250). Order the variants by priority: a command cut at its time limit keeps what is done.
 # EXTRA_SET (space-separated KEY=VALUE, e.g. "code2wav.batch_fill_chunks=64") is added to the served variants from
-# ingress4 on.
+# ingress4 on. STAGGER_S (seconds): every variant's closed loop spreads its streams' starts over that long instead of
+# sending them all at once (bench.loadgen and bench.pipeline `--stagger-s`).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -90,7 +91,8 @@ for variant in "$@"; do
             [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \
               --device cuda 2>&1 | tail -2
             PYTHONPATH="$REPO:${PYTHONPATH:-}" timeout "$VARIANT_BUDGET_S" python3 -m bench.pipeline --checkpoint "$CKPT" \
-              --levels "$CONCURRENCY" --compile --slots 512 --first-chunk-frames 1 --stateful-code2wav ${INPROC_FLAGS:-} \
+              --levels "$CONCURRENCY" --compile --slots 512 --first-chunk-frames 1 --stateful-code2wav \
+              ${STAGGER_S:+--stagger-s "$STAGGER_S"} ${INPROC_FLAGS:-} \
               --out "$ROOT_OUT/$variant/pipeline.json" 2>&1 | tee "$ROOT_OUT/$variant/pipeline.log" | tail -8 ;;
     *) echo "unknown variant $variant"; exit 2 ;;
   esac

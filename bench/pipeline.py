@@ -17,7 +17,8 @@ and frames per call, CUDA stream priority; measured alike on an H100, docs/bench
 several chunk ramps.
 
 Comparing it with the same levels through `serve run` (bench.loadgen) separates engine limits from
-serving overhead.
+serving overhead. `--stagger-s S` spreads the c clients' starts over S seconds (client k of c starts k x S / c
+into the level), as bench.loadgen's `--stagger-s` does: arrivals of listeners rather than one burst.
 
     python -m bench.pipeline --checkpoint CKPT --levels 1,16,64,256      # GPU
     python -m bench.pipeline --tiny --levels 1,4 --frames 8               # CPU smoke run
@@ -218,11 +219,14 @@ def playback_deficits(decoded_at: list[float], audio_s: list[float]) -> tuple[np
     return heard, c.worst_index or 0, c.max_deficit_s
 
 
-async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frames: int, tag: str) -> dict:
+async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frames: int, tag: str,
+                       stagger_s: float = 0.0) -> dict:
     issued = iter(range(n))
     records: list[Record] = []
 
-    async def client() -> None:
+    async def client(k: int) -> None:
+        if stagger_s:
+            await asyncio.sleep(k * stagger_s / c)  # this client's arrival, a timer as in bench.loadgen
         for i in issued:
             records.append(await one_request(engine, decoder, schedule, prompts[i % len(prompts)],
                                              f"{tag}-{i}", frames))
@@ -232,7 +236,7 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
     t0 = time.perf_counter()
     timeline: dict[str, list] = {"t_ms": [], "steps": [], "frames": [], "running": [], "waiting": []}
     sampler = asyncio.get_running_loop().create_task(_sample(engine, t0, timeline))
-    await asyncio.gather(*(client() for _ in range(c)))
+    await asyncio.gather(*(client(k) for k in range(c)))
     wall = time.perf_counter() - t0
     sampler.cancel()
     after = engine.stats()
@@ -328,7 +332,8 @@ async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
                   flush=True)
             for c in [int(x) for x in args.levels.split(",")]:
                 n = max(args.min_requests, args.per_level * c)
-                r = await closed_level(engine, decoder, schedule, prompts, c, n, args.frames, f"c{c}")
+                r = await closed_level(engine, decoder, schedule, prompts, c, n, args.frames, f"c{c}", args.stagger_s)
+                r["stagger_s"] = args.stagger_s
                 r["decode_policy"] = str(policy) if policy else None
                 r["ramp"] = ramp
                 results.append(r)
@@ -379,6 +384,8 @@ def main() -> None:
     ap.add_argument("--levels", default="1,16,64,256")
     ap.add_argument("--per-level", type=int, default=2, help="requests per level: max(min, k x c)")
     ap.add_argument("--min-requests", type=int, default=8)
+    ap.add_argument("--stagger-s", type=float, default=0.0,
+                    help="spread each level's client starts over this many seconds (0: all at once)")
     ap.add_argument("--frames", type=int, default=75, help="frames per request (75 = 6 s)")
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--max-seq-len", type=int, default=1024)

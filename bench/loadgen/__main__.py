@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=_levels, default=(1, 4, 16), help="closed loop levels, e.g. 1,4,16")
     ap.add_argument("--rate", type=_levels, default=(1, 10, 20), help="open loop levels in requests/s")
     ap.add_argument("--requests", type=int, default=16, help="requests per point (at least)")
+    ap.add_argument("--stagger-s", type=float, default=0.0,
+                    help="closed loop: spread the streams' starts over this many seconds (0: all at once)")
     ap.add_argument("--requests-per-level", type=float, default=0.0,
                     help="more requests at higher levels: closed n >= k*c, open n >= k*r (k s of arrivals)")
     ap.add_argument("--warmup", type=int, default=2, help="requests before the sweep, not measured")
@@ -88,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--fixed-length needs --max-new-tokens")
     if args.processes < 1:
         ap.error("--processes must be >= 1")
+    if args.stagger_s < 0:
+        ap.error("--stagger-s must be >= 0")
     return args
 
 
@@ -111,7 +115,7 @@ async def amain(args: argparse.Namespace) -> SweepOutcome:
                       seed=args.seed, max_seconds=args.max_seconds,
                       stop_failure_rate=None if args.no_stop else args.stop_failure_rate,
                       stop_ttfa_p95_ms=args.stop_ttfa_p95_ms, continuity_threshold_s=args.continuity_threshold,
-                      rebuffer_resume_s=args.rebuffer_resume_s)
+                      rebuffer_resume_s=args.rebuffer_resume_s, stagger_s=args.stagger_s)
     sentences = load_sentences(args.sentences, args.language)
     pool = TextPool(sentences)
     meta = {

@@ -1,5 +1,10 @@
 """Load shapes: closed loop (c streams, each sends its next request when the last one ends) and open loop
 (Poisson arrivals at r requests/s, sent whether or not earlier ones finished), and the sweep over levels.
+
+A closed loop's streams start together by default: a burst of c requests in the same millisecond, the hardest
+opening a server can get. `stagger_s` spreads their starts instead (stream k of c starts k x stagger_s / c after
+the level's start), as listeners who arrive over a few seconds do; with fixed-length outputs the streams keep that
+spread, so its first audio is the steady state's, not the burst's.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class SweepConfig:
     stop_ttfa_p95_ms: float | None = None
     continuity_threshold_s: float = 0.1
     rebuffer_resume_s: float = 0.0
+    stagger_s: float = 0.0             # closed: stream k of c starts k x stagger_s / c after the level's start
 
     def requests_at(self, level: float) -> int:
         return max(self.requests, int(round(self.requests_per_level * level)), 1)
@@ -81,7 +87,7 @@ async def lag_monitor(samples: list[float]) -> None:
 
 
 async def run_point(client: Client, point: LoadPoint, texts: list[Sentence], rng: random.Random,
-                    deadline: float | None = None, progress: Progress | None = None) -> PointRun:
+                    deadline: float | None = None, progress: Progress | None = None, stagger_s: float = 0.0) -> PointRun:
     """One load point; `deadline` (perf_counter) cancels what is still running and marks it aborted."""
     results = [RequestResult(index=i, text=s.text, language=s.language) for i, s in enumerate(texts)]
     run = PointRun(point=point, results=results)
@@ -96,7 +102,7 @@ async def run_point(client: Client, point: LoadPoint, texts: list[Sentence], rng
             progress.update(ok=r.ok, inflight=client.inflight)
 
     if point.mode == "closed":
-        body = _closed(results, int(point.level), one, origin)
+        body = _closed(results, int(point.level), one, origin, stagger_s)
     else:
         body = _open(results, poisson_arrivals(point.level, len(results), rng), one, origin)
     task = asyncio.create_task(body)
@@ -123,15 +129,20 @@ async def run_point(client: Client, point: LoadPoint, texts: list[Sentence], rng
 
 
 async def _closed(results: list[RequestResult], concurrency: int, one: Callable[[RequestResult], Awaitable[None]],
-                  origin: float) -> None:
+                  origin: float, stagger_s: float = 0.0) -> None:
     queue = iter(results)
+    streams = max(1, concurrency)
 
-    async def worker() -> None:
+    async def worker(k: int) -> None:
+        start = k * stagger_s / streams
+        wait = start - (time.perf_counter() - origin)
+        if wait > 0:
+            await asyncio.sleep(wait)  # the stream's arrival is a timer, as in the open loop
         for r in queue:  # one shared iterator: each worker takes the next request when its last one ends
             r.scheduled_s = time.perf_counter() - origin
             await one(r)
 
-    workers = [asyncio.create_task(worker()) for _ in range(max(1, concurrency))]
+    workers = [asyncio.create_task(worker(k)) for k in range(streams)]
     try:
         await asyncio.gather(*workers)
     finally:
@@ -185,7 +196,7 @@ async def sweep(client: Client, cfg: SweepConfig, draw: Callable[[random.Random,
         point = LoadPoint(cfg.mode, level, cfg.requests_at(level))
         progress = progress_factory(f"{cfg.mode} {level:g}", point.requests) if progress_factory else None
         try:
-            run = await run_point(client, point, draw(rng, point.requests), rng, deadline, progress)
+            run = await run_point(client, point, draw(rng, point.requests), rng, deadline, progress, cfg.stagger_s)
         finally:
             if progress is not None:
                 progress.close()

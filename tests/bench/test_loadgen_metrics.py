@@ -267,6 +267,18 @@ def test_closed_loop_holds_exactly_c_requests_in_flight():
     assert 0.06 <= run.wall_s < 0.5  # three waves of 20 ms
 
 
+def test_staggered_closed_loop_starts_stream_k_no_earlier_than_k_of_c_of_the_spread():
+    # 4 streams spread over 0.2 s, requests of 0.3 s: the first four requests are the four streams' first ones
+    run = asyncio.run(run_point(FakeClient(0.3), LoadPoint("closed", 4, 8), texts(8), random.Random(0),
+                                stagger_s=0.2))
+    assert all(r.ok for r in run.results) and run.peak_inflight == 4
+    first = sorted(r.scheduled_s for r in run.results)[:4]
+    for k, start in enumerate(first):
+        assert start >= k * 0.05 - 1e-3  # a timer never fires early; late is the loaded machine's business
+    later = sorted(r.scheduled_s for r in run.results)[4:]
+    assert all(b >= a + 0.3 - 1e-3 for a, b in zip(first, later, strict=True))  # each stream's next one follows its own
+
+
 def test_open_loop_sends_on_schedule_and_the_budget_aborts_the_rest():
     client = FakeClient(0.5)
     deadline = time.perf_counter() + 0.2
