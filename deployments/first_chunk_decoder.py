@@ -18,9 +18,13 @@ left context (its `fresh` path).
 
 Only while the engine runs at most `max_running` requests when the first chunk is cut: under load the decode
 would take GPU time from every running stream's step, and Code2Wav batches them with everything else more
-cheaply. With `fill_s` a batch of first-chunk decodes waits that long for more while they arrive often enough
-for one more to be expected within the wait: fewer decoder forwards beside the engine's steps, for first audio
-that much later (off by default; docs/serving.md).
+cheaply. With `count_pending` the decodes pending here (asked, not yet answered) count as running requests too:
+streams that arrive one by one are decoded here at a load where a burst of arrivals (a hundred first chunks cut by
+one step) leaves all but the first few to Code2Wav's larger batches.
+
+With `fill_s` a batch of first-chunk decodes waits that long for more while they arrive often enough for one more
+to be expected within the wait: fewer decoder forwards beside the engine's steps, for first audio that much later
+(off by default; docs/serving.md).
 """
 
 from __future__ import annotations
@@ -43,13 +47,15 @@ MAX_BATCH = 8  # chunks decoded together (those waiting while a decode runs)
 
 class FirstChunkDecoder:
     def __init__(self, decoder_model: Any, schedule: ChunkSchedule, max_running: int, log=print,
-                 fill_s: float = 0.0):
+                 fill_s: float = 0.0, count_pending: bool = False):
         """`decoder_model`: the checkpoint's codec decoder (`Qwen3TTS.decoder`), on the Talker's device;
         `schedule`: the deployment's, whose first two chunks (without reference context) get graphs; `fill_s`:
-        how long a batch may wait for more (0: never)."""
+        how long a batch may wait for more (0: never); `count_pending`: the gate counts the decodes pending here
+        as running requests."""
         from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 
-        self.max_running = max_running
+        self.max_running, self.count_pending = max_running, count_pending
+        self.pending = 0  # decodes asked and not yet answered
         # the configured first chunk without context (a Base ICL first chunk has reference frames as context:
         # it goes to Code2Wav), and chunk 1 over it
         (_, first), (context1, new1) = schedule.plan(schedule.chunk_frames(0) + schedule.chunk_frames(1) + 1)[:2]
@@ -82,17 +88,23 @@ class FirstChunkDecoder:
 
     def takes(self, chunk: CodecChunk, running: int, first: CodecChunk | None) -> bool:
         """Whether `chunk` is decoded here: a stream's first chunk (no context, at most the configured frames)
-        while at most `max_running` requests run; its chunk 1 when the first was (`first`: the stream's first
-        chunk as it left, with `pcm` if decoded here) and its context is every frame before it."""
+        while at most `max_running` requests run (with `count_pending`, requests and pending decodes); its chunk 1
+        when the first was (`first`: the stream's first chunk as it left, with `pcm` if decoded here) and its
+        context is every frame before it (whatever is pending: the first chunk's audio must be followed)."""
         if chunk.seq == 0:
-            return chunk.context == 0 and 0 < chunk.num_new <= self.max_frames and running <= self.max_running
+            load = running + (self.pending if self.count_pending else 0)
+            return chunk.context == 0 and 0 < chunk.num_new <= self.max_frames and load <= self.max_running
         return (chunk.seq == 1 and first is not None and first.pcm is not None and chunk.context == first.num_new
                 and chunk.codes.shape[0] <= self.max_length1)
 
     async def decode(self, chunk: CodecChunk) -> np.ndarray:
         """int16 PCM of the chunk's new frames (a cancelled stream does not cancel the others' decode)."""
         self._arrivals.add(1)
-        return await self._batches.submit(chunk)
+        self.pending += 1
+        try:
+            return await self._batches.submit(chunk)
+        finally:
+            self.pending -= 1
 
     def _fill_time(self, chunks: list[CodecChunk]) -> float:
         if not self.fill_s or len(chunks) >= MAX_BATCH:

@@ -364,6 +364,43 @@ def test_chunks_the_talker_decodes_continue_exactly_into_code2wavs(loop, decodin
     assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
 
 
+def test_pending_first_chunk_decodes_count_as_running_requests_when_asked(loop, decoding_talker, monkeypatch):
+    """`first_chunk_decode_count_pending`: a first chunk is taken while running requests + the decodes pending in
+    the Talker stay within the gate (a burst's first chunks fill it, arrivals one by one do not); off, pending
+    decodes do not count. A stream's chunk 1 follows its Talker-decoded chunk 0 whatever is pending."""
+    import threading
+
+    decoder = decoding_talker._first_decoder  # gate: max_running 1
+    chunks = loop.run_until_complete(_collect(decoding_talker.generate(_request(decoding_talker, 5, rid="cp"))))
+    assert chunks[0].pcm is not None  # (ran alone: decoded here)
+    first = dataclasses.replace(chunks[0], pcm=None, request_id="cp-again")
+    started, release = threading.Event(), threading.Event()
+    real_decode = decoder._engine.decode
+
+    def held_decode(work, **kw):  # the decode stays pending until the test releases it
+        started.set()
+        release.wait()
+        return real_decode(work, **kw)
+
+    monkeypatch.setattr(decoder._engine, "decode", held_decode)
+
+    async def scenario():
+        pending = asyncio.ensure_future(decoder.decode(first))
+        await asyncio.to_thread(started.wait)
+        assert decoder.pending == 1
+        monkeypatch.setattr(decoder, "count_pending", False)
+        assert decoder.takes(first, 1, None)  # 1 running <= 1: pending decodes do not count
+        monkeypatch.setattr(decoder, "count_pending", True)
+        assert not decoder.takes(first, 1, None)  # 1 running + 1 pending > 1
+        assert decoder.takes(first, 0, None)  # 0 + 1 <= 1
+        assert decoder.takes(chunks[1], 1, chunks[0])  # chunk 1 of a stream whose chunk 0 was decoded here
+        release.set()
+        await pending
+        return decoder.pending, decoder.takes(first, 1, None)
+
+    assert loop.run_until_complete(scenario()) == (0, True)
+
+
 def test_a_loaded_talker_leaves_first_chunks_to_code2wav(loop, decoding_talker):
     async def two_at_once():
         streams = [decoding_talker.generate(_request(decoding_talker, 20, rid=f"busy-{i}", seed=i)) for i in range(2)]
