@@ -96,6 +96,8 @@ class TalkerDeploymentConfig(_RuntimeOptions):
     first_chunk_decode_count_pending: bool = Field(False, description=(
         "the first-chunk gate counts the Talker's pending first-chunk decodes as running requests: arrivals one by one "
         "are decoded there, a burst (many first chunks cut by one step) mostly goes to Code2Wav"))
+    first_chunk_decode_max_batch: int = Field(8, ge=1, le=64, description=(
+        "first chunks the Talker decodes in one forward (those waiting while its last decode ran)"))
     first_chunk_decode_fill_ms: float = Field(0.0, ge=0, le=100, description=(
         "a batch of the Talker's first-chunk decodes waits up to this long for more while they arrive often enough "
         "for one more within the wait (fewer decoder forwards beside the engine's steps; 0 = never waits)"))

@@ -42,16 +42,16 @@ from stages.arrival_rate import ArrivalRate
 from stages.chunking import ChunkSchedule
 from stages.contract import CodecChunk
 
-MAX_BATCH = 8  # chunks decoded together (those waiting while a decode runs)
+MAX_BATCH = 8  # default: chunks decoded together (those waiting while a decode runs)
 
 
 class FirstChunkDecoder:
     def __init__(self, decoder_model: Any, schedule: ChunkSchedule, max_running: int, log=print,
-                 fill_s: float = 0.0, count_pending: bool = False):
+                 fill_s: float = 0.0, count_pending: bool = False, max_batch: int = MAX_BATCH):
         """`decoder_model`: the checkpoint's codec decoder (`Qwen3TTS.decoder`), on the Talker's device;
         `schedule`: the deployment's, whose first two chunks (without reference context) get graphs; `fill_s`:
         how long a batch may wait for more (0: never); `count_pending`: the gate counts the decodes pending here
-        as running requests."""
+        as running requests; `max_batch`: chunks in one forward (graphs for batches 1, 2, 4, ... up to it)."""
         from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 
         self.max_running, self.count_pending = max_running, count_pending
@@ -60,14 +60,16 @@ class FirstChunkDecoder:
         # it goes to Code2Wav), and chunk 1 over it
         (_, first), (context1, new1) = schedule.plan(schedule.chunk_frames(0) + schedule.chunk_frames(1) + 1)[:2]
         self.max_frames, self.max_length1 = first, context1 + new1
-        config = Code2WavEngineConfig(max_batch_size=MAX_BATCH, batch_buckets=(1, 2, 4, 8),
+        self.max_batch = max_batch
+        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch) + (max_batch,)
+        config = Code2WavEngineConfig(max_batch_size=max_batch, batch_buckets=buckets,
                                       length_buckets=tuple(sorted({first, context1 + new1})))
         self._engine = Code2WavEngine(decoder_model, config)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="first-chunk-decoder")
         self._stream = None
         # decodes waiting together share one forward (padded to the longest: the decoder is causal, so padding
         # after a chunk never changes its samples)
-        self._batches: Coalescer[CodecChunk, np.ndarray] = Coalescer(self._decode_batch, max_batch=MAX_BATCH,
+        self._batches: Coalescer[CodecChunk, np.ndarray] = Coalescer(self._decode_batch, max_batch=max_batch,
                                                                      hold=self._fill_time)
         self.fill_s = fill_s
         self._arrivals = ArrivalRate()  # first-chunk decodes asked per second lately
@@ -107,7 +109,7 @@ class FirstChunkDecoder:
             self.pending -= 1
 
     def _fill_time(self, chunks: list[CodecChunk]) -> float:
-        if not self.fill_s or len(chunks) >= MAX_BATCH:
+        if not self.fill_s or len(chunks) >= self.max_batch:
             return 0.0
         return self._arrivals.wait_if_more_expected(self.fill_s)
 

@@ -84,7 +84,8 @@ class TalkerServer:
             self._first_decoder = FirstChunkDecoder(model.decoder, self._schedule,
                                                     cfg.first_chunk_decode_max_running, log,
                                                     fill_s=cfg.first_chunk_decode_fill_ms / 1000,
-                                                    count_pending=cfg.first_chunk_decode_count_pending)
+                                                    count_pending=cfg.first_chunk_decode_count_pending,
+                                                    max_batch=cfg.first_chunk_decode_max_batch)
             await asyncio.to_thread(self._first_decoder.start)
         self._info = ModelInfo(
             name=cfg.name, aliases=tuple(cfg.aliases), config=model.config, generation=model.generation,

@@ -285,7 +285,6 @@ def test_first_chunk_decodes_wait_to_batch_only_when_set_and_arriving_often(loop
     """`first_chunk_decode_fill_ms`: off, a decode never waits; on, a lone decode waits for the next while
     first chunks arrive often (here until the second arrives: the wait is far longer than the test), and not
     when they arrive seldom (a stream alone would only get its first audio later)."""
-    from deployments.first_chunk_decoder import MAX_BATCH
     from stages.arrival_rate import ArrivalRate
 
     decoder = decoding_talker._first_decoder
@@ -297,7 +296,7 @@ def test_first_chunk_decodes_wait_to_batch_only_when_set_and_arriving_often(loop
     monkeypatch.setattr(decoder, "_arrivals", ArrivalRate(clock=lambda: now[0]))
     assert decoder._fill_time([first]) == 0.0  # nothing arrived lately: no second one expected
     decoder._arrivals.add(1)
-    assert decoder._fill_time([first]) == 60.0 and decoder._fill_time([first] * MAX_BATCH) == 0.0
+    assert decoder._fill_time([first]) == 60.0 and decoder._fill_time([first] * decoder.max_batch) == 0.0
     engine, batches = decoder._engine, []
     real_decode = engine.decode
     monkeypatch.setattr(engine, "decode", lambda work, **kw: batches.append(len(work)) or real_decode(work, **kw))
