@@ -400,6 +400,32 @@ def test_pending_first_chunk_decodes_count_as_running_requests_when_asked(loop, 
     assert loop.run_until_complete(scenario()) == (0, True)
 
 
+def test_first_chunk_decodes_waiting_together_split_into_forwards_of_max_batch(loop, decoding_talker):
+    """`first_chunk_decode_max_batch`: three first chunks waiting together with a batch of 2 take two forwards, each
+    chunk's PCM the same as decoded alone (+-1 LSB from batch composition)."""
+    from deployments.first_chunk_decoder import FirstChunkDecoder
+
+    chunks = loop.run_until_complete(_collect(decoding_talker.generate(_request(decoding_talker, 5, rid="mb"))))
+    first = dataclasses.replace(chunks[0], pcm=None)
+    decoder = FirstChunkDecoder(decoding_talker._model.decoder, decoding_talker._schedule, max_running=4, max_batch=2)
+    assert decoder._engine.config.batch_buckets == (1, 2)
+    engine, forwards = decoder._engine, []
+    real_decode = engine.decode
+    engine.decode = lambda work, **kw: forwards.append(len(work)) or real_decode(work, **kw)
+
+    async def three():
+        return await asyncio.gather(*(decoder.decode(dataclasses.replace(first, request_id=f"mb-{i}")) for i in range(3)))
+
+    try:
+        pcm = loop.run_until_complete(three())
+    finally:
+        decoder.shutdown()
+    assert sorted(forwards) == [1, 2]
+    for p in pcm:
+        assert p.shape == chunks[0].pcm.shape
+        assert np.abs(p.astype(np.int32) - chunks[0].pcm.astype(np.int32)).max() <= 1
+
+
 def test_a_loaded_talker_leaves_first_chunks_to_code2wav(loop, decoding_talker):
     async def two_at_once():
         streams = [decoding_talker.generate(_request(decoding_talker, 20, rid=f"busy-{i}", seed=i)) for i in range(2)]
