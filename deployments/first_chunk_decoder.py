@@ -102,7 +102,7 @@ class FirstChunkDecoder:
     async def decode(self, chunk: CodecChunk) -> np.ndarray:
         """int16 PCM of the chunk's new frames (a cancelled stream does not cancel the others' decode)."""
         self._arrivals.add(1)
-        self.pending += 1
+        self.pending += 1  # until answered, or until this stream is cancelled (its decode then runs on, uncounted)
         try:
             return await self._batches.submit(chunk)
         finally:
