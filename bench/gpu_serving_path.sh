@@ -37,6 +37,9 @@ ROOT_OUT=${OUT:-bench/out/serving_path}
 export CONCURRENCY=${CONCURRENCY:-1,64,128,256}
 VARIANT_BUDGET_S=${BUDGET_S:-250}
 SWEEPS=${SWEEPS:-closed}
+# at least this many requests per closed level, served and in process: c=1's p95 over 8 requests was their slowest
+# but for interpolation, so one host hiccup (all stages 2-5x slower in one request) moved it by 10+ ms (2026-11-24)
+export CLOSED_MIN=${CLOSED_MIN:-32}
 INGRESS4="ingress.deployment_config.autoscaling_config.min_replicas=4${EXTRA_SET:+ $EXTRA_SET}"  # EXTRA_SET: more --set
 LIVE_STAGE=${LIVE:+live}
 DIRECT_ENV=()  # DIRECT=1: gpu1 and replicas as the direct variant (throughput-optimized Serve, HAProxy ingress)
@@ -94,7 +97,8 @@ for variant in "$@"; do
             [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \
               --device cuda 2>&1 | tail -2
             PYTHONPATH="$REPO:${PYTHONPATH:-}" timeout "$VARIANT_BUDGET_S" python3 -m bench.pipeline --checkpoint "$CKPT" \
-              --levels "$CONCURRENCY" --compile --slots 512 --first-chunk-frames 1 --stateful-code2wav \
+              --levels "$CONCURRENCY" --min-requests "$CLOSED_MIN" --compile --slots 512 --first-chunk-frames 1 \
+              --stateful-code2wav \
               ${STAGGER_S:+--stagger-s "$STAGGER_S"} ${INPROC_FLAGS:-} \
               --out "$ROOT_OUT/$variant/pipeline.json" 2>&1 | tee "$ROOT_OUT/$variant/pipeline.log" | tail -8 ;;
     *) echo "unknown variant $variant"; exit 2 ;;
