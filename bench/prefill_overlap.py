@@ -3,6 +3,13 @@ the other on one stream (what the engine does today: a prefill between two steps
 on a high-priority stream and the prefill on a second stream (its CUDA graph captured into a memory pool of its
 own, so the two replays share no memory). Per iteration ms of each.
 
+And what folding the prompts into the step could cost at best (mixed prefill/decode: one pass over the weights for
+the step's rows and the prompts' tokens): the talker layers' GEMMs (every `nn.Linear` of its 28 layers as separate
+products, where the engine fuses q/k/v and gate/up; one CUDA graph) over B rows and over B + the prompts' real
+tokens; `dense_increment_ms` is their difference, against `prefill_ms`. Attention, the prompts' embedding and their
+first codebook-0 token are left out: a lower bound of the mixed step's extra time, to decide whether building one
+can pay.
+
     python -m bench.prefill_overlap --checkpoint DIR --batch 64 --prompts 4,8 --iters 50
 
 H100, 2026-11-24 (docs/benchmarks.md "Packed prefill", its paragraph "A prefill beside the step"): the second
@@ -40,6 +47,25 @@ def timed(run, iters: int) -> float:
         run()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / iters * 1e3
+
+
+def dense_chain_ms(backbone: torch.nn.Module, rows: int, iters: int) -> float:
+    """ms per replay of a CUDA graph running every `nn.Linear` of `backbone` on `rows` rows (their GEMMs alone)."""
+    linears = [m for m in backbone.modules() if isinstance(m, torch.nn.Linear)]
+    weight = linears[0].weight
+    x = torch.randn(rows, max(m.in_features for m in linears), device=weight.device, dtype=weight.dtype)
+
+    def chain() -> None:
+        for m in linears:
+            torch.nn.functional.linear(x[:, :m.in_features], m.weight, m.bias)
+
+    chain()  # warm: cuBLAS picks its kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    timed(graph.replay, 3)
+    return timed(graph.replay, iters)
 
 
 def main() -> None:
@@ -118,6 +144,11 @@ def main() -> None:
                "prefill_ms": timed(prefill.replay, args.iters), "sequential_ms": timed(sequential, args.iters),
                "concurrent_ms": timed(concurrent, args.iters)}
         row["hidden_share"] = (row["sequential_ms"] - row["concurrent_ms"]) / row["prefill_ms"]
+        tokens = sum(a.plan.length for a in batch)
+        row["prompt_tokens"] = tokens
+        row["dense_step_rows_ms"] = dense_chain_ms(runner.talker.model, b, args.iters)
+        row["dense_step_and_prompt_rows_ms"] = dense_chain_ms(runner.talker.model, b + tokens, args.iters)
+        row["dense_increment_ms"] = row["dense_step_and_prompt_rows_ms"] - row["dense_step_rows_ms"]
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
     if args.out:
