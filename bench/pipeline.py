@@ -47,6 +47,7 @@ import torch
 
 from bench.kernel_flags import add_kernel_flags, kernel_kwargs
 from bench.loadgen.metrics import continuity
+from bench.loadgen.runner import stream_start_s
 from bench.loadgen.sentences import load_sentences
 from stages.chunking import CODEBOOK_SIZE, ChunkSchedule
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
@@ -226,7 +227,7 @@ async def closed_level(engine, decoder, schedule, prompts, c: int, n: int, frame
 
     async def client(k: int) -> None:
         if stagger_s:
-            await asyncio.sleep(k * stagger_s / c)  # this client's arrival, a timer as in bench.loadgen
+            await asyncio.sleep(stream_start_s(k, c, stagger_s))  # this client's arrival, a timer as in bench.loadgen
         for i in issued:
             records.append(await one_request(engine, decoder, schedule, prompts[i % len(prompts)],
                                              f"{tag}-{i}", frames))

@@ -78,6 +78,11 @@ def poisson_arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
     return out
 
 
+def stream_start_s(k: int, streams: int, stagger_s: float) -> float:
+    """When stream k of a closed loop's `streams` starts, seconds into the level (0 for all without a stagger)."""
+    return k * stagger_s / max(1, streams)
+
+
 async def lag_monitor(samples: list[float]) -> None:
     """How late the event loop wakes up: a busy load generator would inflate every latency it measures."""
     while True:
@@ -134,8 +139,7 @@ async def _closed(results: list[RequestResult], concurrency: int, one: Callable[
     streams = max(1, concurrency)
 
     async def worker(k: int) -> None:
-        start = k * stagger_s / streams
-        wait = start - (time.perf_counter() - origin)
+        wait = stream_start_s(k, streams, stagger_s) - (time.perf_counter() - origin)
         if wait > 0:
             await asyncio.sleep(wait)  # the stream's arrival is a timer, as in the open loop
         for r in queue:  # one shared iterator: each worker takes the next request when its last one ends
