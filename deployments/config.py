@@ -95,7 +95,7 @@ class TalkerDeploymentConfig(_RuntimeOptions):
         "while at most this many requests run in its engine; 0 = never (deployments/first_chunk_decoder.py)"))
     first_chunk_decode_count_pending: bool = Field(False, description=(
         "the first-chunk gate counts the Talker's pending first-chunk decodes as running requests: arrivals one by one "
-        "are decoded there, a burst (many first chunks cut by one step) mostly goes to Code2Wav"))
+        "are decoded there, a burst's first chunks beyond the limit go to Code2Wav"))
     first_chunk_decode_max_batch: int = Field(8, ge=1, le=64, description=(
         "first chunks the Talker decodes in one forward (those waiting while its last decode ran)"))
     first_chunk_decode_fill_ms: float = Field(0.0, ge=0, le=100, description=(
