@@ -20,12 +20,8 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.loadgen.sentences import load_sentences
+from bench.talker_setup import talker_and_plans
 from stages.contract import SamplingParams
-from stages.prompts import build_prompt
-from stages.qwen3_tts import Qwen3TTS
-from stages.random_checkpoint import write_random_checkpoint
-from stages.talker.prompt_plan import plan_prompt
 from stages.talker.runner import Admission, TalkerRunner
 
 
@@ -39,13 +35,7 @@ def main() -> None:
     ap.add_argument("--out", help="JSON results path")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "a GPU benchmark"
-    ckpt = Path(args.checkpoint or Path(args.workdir) / "1.7b-custom_voice")
-    if not (ckpt / "config.json").exists():
-        write_random_checkpoint(ckpt, "1.7b", "custom_voice", dtype="bfloat16", device="cuda")
-    model = Qwen3TTS.load(ckpt, device="cuda", dtype="bfloat16", decoder=False, voice=False, log=print)
-    speaker = next(iter(model.config.talker.speakers))
-    plans = [plan_prompt(model.config, build_prompt(model.config, model.tokenizer, s.text, speaker=speaker))
-             for s in load_sentences()[:64]]
+    model, plans = talker_and_plans(args.checkpoint, args.workdir)
     n, per_request = args.prompts, 1024 // 16
     runner = TalkerRunner(model, n, 1024, 256, num_blocks=n * per_request, compile=True)
     runner.capture_graphs((1,), log=print)
