@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.talker_setup import talker_and_plans
+from bench.talker_setup import talker_and_plans, timed
 from stages.contract import SamplingParams
 from stages.talker.runner import Admission, TalkerRunner
 
@@ -52,12 +52,7 @@ def main() -> None:
 
     for run in (eager, graph.replay):
         run()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(args.iters):
-        graph.replay()
-    torch.cuda.synchronize()
-    replay_ms = (time.perf_counter() - t0) / args.iters * 1e3
+    replay_ms = timed(graph.replay, args.iters)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.iters):
             eager()

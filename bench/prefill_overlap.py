@@ -30,19 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.talker_setup import talker_and_plans
+from bench.talker_setup import talker_and_plans, timed
 from stages.contract import SamplingParams
 from stages.talker.runner import Admission, TalkerRunner
-
-
-def timed(run, iters: int) -> float:
-    """ms per call of `run` (launches only; the device is drained before and after)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3
 
 
 def dense_chain_ms(backbone: torch.nn.Module, rows: int, iters: int) -> float:
