@@ -319,6 +319,7 @@ async def run(args, model: Qwen3TTS, device: str) -> list[dict]:
         lengths = sorted({n for sch in schedules.values() for n in sch.graph_lengths(args.stateful_code2wav)})
         config = Code2WavEngineConfig(length_buckets=tuple(lengths), max_batch_size=args.decode_batch,
                                       cuda_graphs=not args.no_graphs, stateful=args.stateful_code2wav,
+                                      compile=args.compile,
                                       state_slots=max(args.slots, 1))
         c2w = await loop.run_in_executor(executor, Code2WavEngine, model.decoder, config)
         await loop.run_in_executor(executor, c2w.warmup, print)
@@ -409,7 +410,8 @@ def main() -> None:
                     help="graphed prefill widths, comma list (TalkerEngineConfig.prefill_widths)")
     ap.add_argument("--admission-lead-s", type=float, default=TalkerEngineConfig.admission_lead_s,
                     help="extra admissions only while every playing stream's handed-out audio leads by this much")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the talker's layer math and sampling")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the talker's layer math and sampling, and "
+                    "the codec decoder's dequantizer and pre-transformer (as the served GPU configs)")
     add_kernel_flags(ap)
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--no-code2wav", action="store_true", help="talker only (first audio = first chunk cut)")

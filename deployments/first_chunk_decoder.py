@@ -47,11 +47,14 @@ MAX_BATCH = 8  # default: chunks decoded together (those waiting while a decode 
 
 class FirstChunkDecoder:
     def __init__(self, decoder_model: Any, schedule: ChunkSchedule, max_running: int, log=print,
-                 fill_s: float = 0.0, count_pending: bool = False, max_batch: int = MAX_BATCH):
+                 fill_s: float = 0.0, count_pending: bool = False, max_batch: int = MAX_BATCH,
+                 compile: bool = False, compile_cache_dir: str | None = None):
         """`decoder_model`: the checkpoint's codec decoder (`Qwen3TTS.decoder`), on the Talker's device;
         `schedule`: the deployment's, whose first two chunks (without reference context) get graphs; `fill_s`:
         how long a batch may wait for more (0: never); `count_pending`: the gate counts the decodes pending here
-        as running requests; `max_batch`: chunks in one forward (graphs for batches 1, 2, 4, ... up to it)."""
+        as running requests; `max_batch`: chunks in one forward (graphs for batches 1, 2, 4, ... up to it);
+        `compile`: the decoder's dequantizer and pre-transformer through torch.compile (CUDA; fewer kernels per
+        forward: stages/code2wav/compiled.py), its work kept in `compile_cache_dir`."""
         from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 
         self.max_running, self.count_pending = max_running, count_pending
@@ -63,7 +66,8 @@ class FirstChunkDecoder:
         self.max_batch = max_batch
         buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch) + (max_batch,)
         config = Code2WavEngineConfig(max_batch_size=max_batch, batch_buckets=buckets,
-                                      length_buckets=tuple(sorted({first, context1 + new1})))
+                                      length_buckets=tuple(sorted({first, context1 + new1})), compile=compile,
+                                      compile_cache_dir=compile_cache_dir)
         self._engine = Code2WavEngine(decoder_model, config)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="first-chunk-decoder")
         self._stream = None

@@ -77,7 +77,8 @@ class TalkerServer:
         decode_first = cfg.first_chunk_decode_max_running > 0
         model, device = await load_model(cfg, cfg.source, log, talker=True, decoder=decode_first, voice=True)
         self._model = model
-        self._engine = build_engine(cfg.engine_cls or DEFAULT_ENGINE_CLS, model, cfg.engine_config_kwargs())
+        engine_kwargs = cfg.engine_config_kwargs()
+        self._engine = build_engine(cfg.engine_cls or DEFAULT_ENGINE_CLS, model, engine_kwargs)
         await asyncio.to_thread(self._engine.start, log, C.TALKER_ENGINE_START_TIMEOUT_S)
         self._schedule = self._streaming.schedule()
         if decode_first:
@@ -85,7 +86,10 @@ class TalkerServer:
                                                     cfg.first_chunk_decode_max_running, log,
                                                     fill_s=cfg.first_chunk_decode_fill_ms / 1000,
                                                     count_pending=cfg.first_chunk_decode_count_pending,
-                                                    max_batch=cfg.first_chunk_decode_max_batch)
+                                                    max_batch=cfg.first_chunk_decode_max_batch,
+                                                    # compiled where the Talker's engine is (fewer kernels)
+                                                    compile=bool(engine_kwargs.get("compile", False)),
+                                                    compile_cache_dir=engine_kwargs.get("compile_cache_dir"))
             await asyncio.to_thread(self._first_decoder.start)
         self._info = ModelInfo(
             name=cfg.name, aliases=tuple(cfg.aliases), config=model.config, generation=model.generation,

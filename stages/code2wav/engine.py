@@ -26,11 +26,12 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from stages.code2wav import fast
+from stages.code2wav import compiled, fast
 from stages.code2wav.engine_config import Code2WavEngineConfig
 from stages.code2wav.model import Code2WavDecoder
 from stages.code2wav.stateful import DecoderStates, StatefulDecoder, check_layout
 from stages.code2wav.stream_slots import SlotRow, StreamSlots
+from stages.compile_cache import CompileCache
 from stages.contract import CODEBOOK_SIZE, CodecChunk
 
 
@@ -83,6 +84,11 @@ class Code2WavEngine:
         else:
             fast.disable_fast_kernels(decoder)
             self.fast_kernels = False
+        if config.compile:
+            self.compiled = compiled.enable(decoder)
+        else:
+            compiled.disable(decoder)
+            self.compiled = False
         self.batch_buckets = tuple(sorted({b for b in config.batch_buckets if b < config.max_batch_size}
                                           | {config.max_batch_size}))
         self.length_buckets = tuple(sorted(set(config.length_buckets)))
@@ -104,6 +110,7 @@ class Code2WavEngine:
         """Capture the CUDA graphs (CUDA + `cuda_graphs`), else run one small eager decode. Returns seconds."""
         with self._lock:
             t0 = time.perf_counter()
+            cache = self._compile_cache(log)
             if self.device.type == "cuda" and self.config.cuda_graphs:
                 self._capture(log)
             else:
@@ -112,7 +119,20 @@ class Code2WavEngine:
                               self._row_inputs(1, 2))
                 log(f"[code2wav] eager warm-up on {self.device} ({self.dtype}, fast kernels {self.fast_kernels}) "
                     f"in {time.perf_counter() - t0:.2f} s")
+            if cache is not None:
+                cache.save(log)
             return time.perf_counter() - t0
+
+    def _compile_cache(self, log: Callable[[str], None]) -> CompileCache | None:
+        """The compile cache file of this decoder's compiled code, loaded before the first compile (None: the
+        engine does not compile, or keeps no cache)."""
+        if not (self.compiled and self.config.compile_cache_dir):
+            return None
+        shapes = {"code2wav": repr(self.decoder.cfg), "dtype": str(self.dtype)}
+        cache = CompileCache.for_model(self.config.compile_cache_dir, self.device, shapes,
+                                       sources=compiled.COMPILED_SOURCES)
+        cache.load(log)
+        return cache
 
     def graph_shapes(self) -> list[tuple[int, int]]:
         """(batch, length) pairs that get a graph: every bucket pair within `max_frames_per_forward`."""
@@ -123,7 +143,8 @@ class Code2WavEngine:
     def _capture(self, log: Callable[[str], None]) -> None:
         t0 = time.perf_counter()
         shapes = sorted(self.graph_shapes(), key=lambda s: (s[0] * s[1], s), reverse=True)  # largest first
-        log(f"[code2wav] {self.dtype}, fast kernels {self.fast_kernels}; capturing {len(shapes)} CUDA graphs: "
+        log(f"[code2wav] {self.dtype}, fast kernels {self.fast_kernels}, compiled {self.compiled}; capturing "
+            f"{len(shapes)} CUDA graphs: "
             f"batch {self.batch_buckets} x length "
             f"{self.length_buckets} frames (<= {self.config.max_frames_per_forward} frames per forward)")
         pool = torch.cuda.graph_pool_handle()

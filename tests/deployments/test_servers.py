@@ -426,6 +426,25 @@ def test_first_chunk_decodes_waiting_together_split_into_forwards_of_max_batch(l
         assert np.abs(p.astype(np.int32) - chunks[0].pcm.astype(np.int32)).max() <= 1
 
 
+def test_the_first_chunk_decoder_compiles_where_the_talkers_engine_does(loop, tiny_custom_voice, tmp_path):
+    """`engine_kwargs.compile`: the Talker's first-chunk decoder is built compiled too, with the engine's compile
+    cache directory (CUDA only: on CPU both stay eager, so the decoder reports not compiled)."""
+    from deployments.talker import TalkerServer
+
+    config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1, warmup=False,
+                                    engine_kwargs={"max_num_seqs": 2, "max_seq_len": 64, "compile": True,
+                                                   "compile_cache_dir": str(tmp_path)},
+                                    first_chunk_decode_max_running=1)
+    server = TalkerServer.sync_init(config, STREAMING)
+    loop.run_until_complete(server.start())
+    try:
+        engine = server._first_decoder._engine
+        assert engine.config.compile is True and engine.config.compile_cache_dir == str(tmp_path)
+        assert engine.compiled is False and not list(tmp_path.iterdir())
+    finally:
+        server.__del__()
+
+
 def test_a_loaded_talker_leaves_first_chunks_to_code2wav(loop, decoding_talker):
     async def two_at_once():
         streams = [decoding_talker.generate(_request(decoding_talker, 20, rid=f"busy-{i}", seed=i)) for i in range(2)]

@@ -275,6 +275,21 @@ def test_stats_and_validation(decoder):
     assert eng.decode([]) == []
 
 
+def test_compile_is_cuda_only(decoder):
+    """`compile` on a CPU engine keeps the eager modules (the exact path): the same samples as without it."""
+    from stages.code2wav import compiled
+
+    rng = np.random.default_rng(5)
+    chunks = [CodecChunk("c", 0, rng.integers(0, 2048, (6, 16)), 2), CodecChunk("d", 0, rng.integers(0, 2048, (3, 16)), 0)]
+    plain = Code2WavEngine(decoder, Code2WavEngineConfig(max_batch_size=8)).decode(chunks)
+    eng = Code2WavEngine(decoder, Code2WavEngineConfig(max_batch_size=8, compile=True, compile_cache_dir="/nonexistent"))
+    assert eng.compiled is False and not compiled.is_enabled(decoder)
+    assert "forward" not in vars(decoder.quantizer) and "forward" not in vars(decoder.pre_transformer)
+    for a, b in zip(eng.decode(chunks), plain, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert eng._compile_cache(print) is None  # nothing compiled: no cache file read or written
+
+
 def test_config_from_lists_and_schedule():
     cfg = Code2WavEngineConfig(batch_buckets=[1, 4], length_buckets=[2, 75])
     assert cfg.batch_buckets == (1, 4) and cfg.length_buckets == (2, 75)
@@ -289,9 +304,9 @@ def test_config_from_lists_and_schedule():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fast_kernels", [False, True])
+@pytest.mark.parametrize(("fast_kernels", "compile"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graphs_and_fast_kernels_match_eager(decoder, dtype, fast_kernels, monkeypatch):
+def test_cuda_graphs_and_fast_kernels_match_eager(decoder, dtype, fast_kernels, compile, monkeypatch):
     import copy
 
     from stages.code2wav import fast
@@ -301,9 +316,9 @@ def test_cuda_graphs_and_fast_kernels_match_eager(decoder, dtype, fast_kernels, 
     torch.backends.cudnn.allow_tf32 = False
     cfg = Code2WavEngineConfig.for_schedule(ChunkSchedule(left_context_frames=50), max_batch_size=8,
                                             batch_buckets=(1, 2, 4, 8), max_frames_per_forward=300,
-                                            fast_kernels=fast_kernels)
+                                            fast_kernels=fast_kernels, compile=compile)
     graphed = Code2WavEngine(copy.deepcopy(decoder).to("cuda", dtype), cfg)
-    assert graphed.fast_kernels == fast_kernels
+    assert graphed.fast_kernels == fast_kernels and graphed.compiled == compile
     graphed.warmup(log=print)
     assert graphed.stats().graphs == len(graphed.graph_shapes()) > 0
     eager = Code2WavEngine(copy.deepcopy(decoder).to("cuda", dtype),
@@ -316,7 +331,7 @@ def test_cuda_graphs_and_fast_kernels_match_eager(decoder, dtype, fast_kernels, 
         e = eager.decode(chunks)
         for a, b in zip(g, e, strict=True):
             diff = float(np.abs(a - b).max())
-            print(f"{dtype} fast={fast_kernels}: max diff {diff:.2e}, SNR {snr_db(b, a):.1f} dB")
+            print(f"{dtype} fast={fast_kernels} compile={compile}: max diff {diff:.2e}, SNR {snr_db(b, a):.1f} dB")
             assert diff <= (1e-4 if dtype == torch.float32 else 3e-2), diff
             assert snr_db(b, a) > (80 if dtype == torch.float32 else 30)
     s = graphed.stats()

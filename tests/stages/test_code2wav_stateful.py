@@ -229,9 +229,10 @@ def test_slots_evict_least_recent_never_one_in_use_and_free_on_final():
 # ---- CUDA graphs and fused kernels (GPU only) -----------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fast_kernels", [False, True])
+@pytest.mark.parametrize(("fast_kernels", "compile"), [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_stateful_streams_match_the_whole_decode(decoder, streams, fulls, dtype, fast_kernels, monkeypatch):
+def test_graphed_stateful_streams_match_the_whole_decode(decoder, streams, fulls, dtype, fast_kernels, compile,
+                                                         monkeypatch):
     """Three streams interleaved through graphed forwards (padding rows and padded lengths included) against
     the whole fp32 CPU decode: fp32 within 1e-4, bf16 within the serving dtype's own rounding (SNR > 30 dB)."""
     import copy
@@ -243,9 +244,9 @@ def test_graphed_stateful_streams_match_the_whole_decode(decoder, streams, fulls
     torch.backends.cudnn.allow_tf32 = False
     schedule = ChunkSchedule(first_chunk_frames=1)
     cfg = Code2WavEngineConfig.for_schedule(schedule, max_batch_size=4, batch_buckets=(1, 2, 4),
-                                            fast_kernels=fast_kernels, stateful=True, state_slots=4)
+                                            fast_kernels=fast_kernels, stateful=True, state_slots=4, compile=compile)
     engine = Code2WavEngine(copy.deepcopy(decoder).to("cuda", dtype), cfg)
-    assert engine.fast_kernels == fast_kernels
+    assert engine.fast_kernels == fast_kernels and engine.compiled == compile
     engine.warmup(log=print)
     assert engine.stats().graphs == len(engine.graph_shapes()) > 0
     outs = decode_interleaved(engine, [chunks_of(s, f"r{i}", schedule) for i, s in enumerate(streams)], all_from=4)

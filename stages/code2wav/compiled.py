@@ -1,0 +1,49 @@
+"""The codec decoder's RVQ dequantizer and pre-transformer through torch.compile (CUDA): their elementwise work fused.
+
+Why: a forward at serving shapes is bound by its kernel count, not by its arithmetic. The first chunk (one frame,
+batch 1) launched ~580 kernels, ~390 of them the 8-layer pre-transformer's (RMSNorms in fp32, RoPE, layer scales,
+SwiGLU: a dozen small kernels around each product) and ~80 the dequantizer's (two lookups, a division and an add
+per codebook); compiled, ~225 (H100, 2026-11-24, `bench/first_chunk_kernels.py`: graph replay 1.65 -> 1.01 ms at
+batch 1 x 1 frame, 2.31 -> 1.54 ms at 8 x 3; the upsampler's ConvNeXt blocks compiled too gained nothing more).
+
+What is compiled: `quantizer.forward` (every path: the stateful engine calls it too) and `pre_transformer.forward`
+(the stateless decode; the stateful decoder runs its own windowed transformer over the layers' weights, eager).
+Compiled for dynamic shapes, so the engine's (batch, length) buckets share a few variants, then captured into its
+CUDA graphs like the eager kernels. The result equals the eager modules' up to rounding (fused fp32 math); the
+engines' GPU tests hold both to the same tolerance as the fused vocoder kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stages import layers
+from stages.code2wav import quantizer, transformer
+from stages.code2wav.model import Code2WavDecoder
+
+# the files whose code is compiled (the compile cache keys their source: stages/compile_cache.py)
+COMPILED_SOURCES = (quantizer.__file__, transformer.__file__, layers.__file__)
+_MODULES = ("quantizer", "pre_transformer")
+
+
+def enable(decoder: Code2WavDecoder) -> bool:
+    """Compile the decoder's dequantizer and pre-transformer (on its device's first forward). Returns whether it
+    did: CUDA only (on CPU the eager modules stay: the parity tests' path)."""
+    if next(decoder.parameters()).device.type != "cuda":
+        disable(decoder)
+        return False
+    for name in _MODULES:
+        module = getattr(decoder, name)
+        if "forward" not in vars(module):  # compile once per instance
+            module.forward = torch.compile(type(module).forward.__get__(module), dynamic=True, fullgraph=True)
+    return True
+
+
+def disable(decoder: Code2WavDecoder) -> None:
+    """Back to the eager modules."""
+    for name in _MODULES:
+        vars(getattr(decoder, name)).pop("forward", None)
+
+
+def is_enabled(decoder: Code2WavDecoder) -> bool:
+    return all("forward" in vars(getattr(decoder, name)) for name in _MODULES)
