@@ -31,14 +31,15 @@ from stages.contract import CodecChunk
 STAGES = ("quantizer", "pre_conv", "pre_transformer", "upsample", "decoder")  # Code2WavDecoder's, in order
 
 
-def first_chunk_engine(decoder, schedule: ChunkSchedule, max_batch: int,
-                       compile: bool = False) -> tuple[Code2WavEngine, int, int]:
+def first_chunk_engine(decoder, schedule: ChunkSchedule, max_batch: int, compile: bool = False,
+                       compile_cache_dir: str | None = None) -> tuple[Code2WavEngine, int, int]:
     """The engine the Talker's first-chunk decoder builds for `schedule` (same buckets), with the first chunk's
     and chunk 1's decode lengths."""
     (_, first), (context1, new1) = schedule.plan(schedule.chunk_frames(0) + schedule.chunk_frames(1) + 1)[:2]
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch) + (max_batch,)
     config = Code2WavEngineConfig(max_batch_size=max_batch, batch_buckets=buckets,
-                                  length_buckets=tuple(sorted({first, context1 + new1})), compile=compile)
+                                  length_buckets=tuple(sorted({first, context1 + new1})), compile=compile,
+                                  compile_cache_dir=compile_cache_dir)
     return Code2WavEngine(decoder, config), first, context1 + new1
 
 
@@ -93,6 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1x1,8x1,1x3,8x3", help="batch x frames per forward")
     ap.add_argument("--first-chunk-frames", type=int, default=1, help="the schedule's first chunk (serving: 1)")
+    ap.add_argument("--compile-cache-dir", help="with --compile: keep (or read) torch.compile's work there")
     ap.add_argument("--max-batch", type=int, default=8, help="the first-chunk decoder's largest batch")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--top", type=int, default=20, help="kernel groups to print per shape")
@@ -103,10 +105,12 @@ def main() -> None:
     assert torch.cuda.is_available(), "a GPU benchmark"
     decoder = build_decoder(tiny=False, device="cuda", dtype=torch.bfloat16)
     schedule = ChunkSchedule(first_chunk_frames=args.first_chunk_frames, steady_chunk_frames=25, left_context_frames=25)
-    engine, first, second = first_chunk_engine(decoder, schedule, args.max_batch, compile=args.compile)
+    engine, first, second = first_chunk_engine(decoder, schedule, args.max_batch, compile=args.compile,
+                                               compile_cache_dir=args.compile_cache_dir)
     t0 = time.perf_counter()
     engine.warmup(print)
-    print(f"warm-up (compile, graphs) {time.perf_counter() - t0:.1f} s")
+    warmup_s = time.perf_counter() - t0
+    print(f"warm-up (compile, graphs) {warmup_s:.1f} s")
     if not args.compile:  # (a compiled stage's kernels are not attributed to it)
         stage_markers(decoder)
     rng = np.random.default_rng(0)
@@ -140,7 +144,8 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "first_chunk_frames": first, "chunk1_frames": second, "compiled": engine.compiled, "shapes": results},
+            "first_chunk_frames": first, "chunk1_frames": second, "compiled": engine.compiled, "warmup_s": warmup_s,
+            "shapes": results},
             indent=1))
 
 
