@@ -88,7 +88,8 @@ class TalkerServer:
                                                     count_pending=cfg.first_chunk_decode_count_pending,
                                                     max_batch=cfg.first_chunk_decode_max_batch,
                                                     # compiled where the Talker's engine is (fewer kernels)
-                                                    compile=bool(engine_kwargs.get("compile", False)),
+                                                    compile=cfg.first_chunk_decode_compile
+                                                    and bool(engine_kwargs.get("compile", False)),
                                                     compile_cache_dir=engine_kwargs.get("compile_cache_dir"))
             await asyncio.to_thread(self._first_decoder.start)
         self._info = ModelInfo(

@@ -428,7 +428,8 @@ def test_first_chunk_decodes_waiting_together_split_into_forwards_of_max_batch(l
 
 def test_the_first_chunk_decoder_compiles_where_the_talkers_engine_does(loop, tiny_custom_voice, tmp_path):
     """`engine_kwargs.compile`: the Talker's first-chunk decoder is built compiled too, with the engine's compile
-    cache directory (CUDA only: on CPU both stay eager, so the decoder reports not compiled)."""
+    cache directory (CUDA only: on CPU both stay eager, so the decoder reports not compiled), unless
+    `first_chunk_decode_compile` is off."""
     from deployments.talker import TalkerServer
 
     config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1, warmup=False,
@@ -443,6 +444,12 @@ def test_the_first_chunk_decoder_compiles_where_the_talkers_engine_does(loop, ti
         assert engine.compiled is False and not list(tmp_path.iterdir())
     finally:
         server.__del__()
+    off = TalkerServer.sync_init(config.model_copy(update={"first_chunk_decode_compile": False}), STREAMING)
+    loop.run_until_complete(off.start())
+    try:
+        assert off._first_decoder._engine.config.compile is False
+    finally:
+        off.__del__()
 
 
 def test_a_loaded_talker_leaves_first_chunks_to_code2wav(loop, decoding_talker):
