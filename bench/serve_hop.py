@@ -50,15 +50,21 @@ async def hops(call, calls: int, gap_s: float) -> dict:
     return {"forward": percentiles(forward), "back": percentiles(back)}
 
 
-class ServeCaller:
+class Caller:
+    """Calls the callee one call at a time, through a Serve handle (`ServeCaller`) or a Ray actor handle
+    (`RayCaller`): the two differ only in how a streaming call's first item is read."""
+
     def __init__(self, callee):
         self.callee = callee
+
+    async def first_item(self) -> float:
+        raise NotImplementedError
 
     async def run(self, calls: int, gap_s: float) -> dict:
         async def streamed():
             sent = time.time()
-            async for started in self.callee.options(stream=True).stream.remote(PAYLOAD):
-                return sent, started, time.time()
+            started = await self.first_item()
+            return sent, started, time.time()
 
         async def unary():
             sent = time.time()
@@ -68,22 +74,16 @@ class ServeCaller:
         return {"streaming": await hops(streamed, calls, gap_s), "unary": await hops(unary, calls, gap_s)}
 
 
-class RayCaller:
-    def __init__(self, callee):
-        self.callee = callee
+class ServeCaller(Caller):
+    async def first_item(self) -> float:
+        async for started in self.callee.options(stream=True).stream.remote(PAYLOAD):
+            return started
 
-    async def run(self, calls: int, gap_s: float) -> dict:
-        async def streamed():
-            sent = time.time()
-            async for ref in self.callee.stream.options(num_returns="streaming").remote(PAYLOAD):
-                return sent, await ref, time.time()
 
-        async def unary():
-            sent = time.time()
-            started = await self.callee.unary.remote(PAYLOAD)
-            return sent, started, time.time()
-
-        return {"streaming": await hops(streamed, calls, gap_s), "unary": await hops(unary, calls, gap_s)}
+class RayCaller(Caller):
+    async def first_item(self) -> float:
+        async for ref in self.callee.stream.options(num_returns="streaming").remote(PAYLOAD):
+            return await ref
 
 
 async def serve_hops(calls: int, gap_s: float) -> dict:
