@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -23,24 +22,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.code2wav import build_decoder
-from bench.talker_setup import timed
+from bench.gpu_timing import kernel_groups, timed
+from deployments.first_chunk_decoder import engine_config
 from stages.chunking import ChunkSchedule
-from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from stages.code2wav.engine import Code2WavEngine
 from stages.contract import CodecChunk
 
 STAGES = ("quantizer", "pre_conv", "pre_transformer", "upsample", "decoder")  # Code2WavDecoder's, in order
-
-
-def first_chunk_engine(decoder, schedule: ChunkSchedule, max_batch: int, compile: bool = False,
-                       compile_cache_dir: str | None = None) -> tuple[Code2WavEngine, int, int]:
-    """The engine the Talker's first-chunk decoder builds for `schedule` (same buckets), with the first chunk's
-    and chunk 1's decode lengths."""
-    (_, first), (context1, new1) = schedule.plan(schedule.chunk_frames(0) + schedule.chunk_frames(1) + 1)[:2]
-    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch) + (max_batch,)
-    config = Code2WavEngineConfig(max_batch_size=max_batch, batch_buckets=buckets,
-                                  length_buckets=tuple(sorted({first, context1 + new1})), compile=compile,
-                                  compile_cache_dir=compile_cache_dir)
-    return Code2WavEngine(decoder, config), first, context1 + new1
 
 
 def stage_markers(decoder) -> None:
@@ -65,15 +53,8 @@ def stage_markers(decoder) -> None:
         last.register_forward_hook(leave)
 
 
-def kernel_groups(prof, iters: int) -> tuple[list[tuple[str, float, float]], dict[str, float]]:
-    """(kernel name, count, ms) per forward, largest first, and ms per decoder stage."""
-    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("stage::"):
-            g = groups[e.name[:90]]
-            g[0] += 1
-            g[1] += e.device_time_total / 1e3
-    rows = sorted(((n, c / iters, ms / iters) for n, (c, ms) in groups.items()), key=lambda r: -r[2])
+def stage_kernels(prof, iters: int) -> dict[str, dict[str, float]]:
+    """Kernels launched inside each decoder stage's range (`stage_markers`): their count and ms per forward."""
     stages: dict[str, list[float]] = {}
     for e in prof.events():  # kernels launched inside a stage's range: their count and device time
         if e.name.startswith("stage::") and e.device_type == torch.autograd.DeviceType.CPU:
@@ -81,7 +62,7 @@ def kernel_groups(prof, iters: int) -> tuple[list[tuple[str, float, float]], dic
             s = stages.setdefault(e.name[7:], [0, 0.0])
             s[0] += len(kernels) / iters
             s[1] += sum(k.duration for k in kernels) / 1e3 / iters
-    return rows, {k: {"kernels": v[0], "ms": v[1]} for k, v in stages.items()}
+    return {k: {"kernels": v[0], "ms": v[1]} for k, v in stages.items()}
 
 
 def _descendants(event):
@@ -105,8 +86,8 @@ def main() -> None:
     assert torch.cuda.is_available(), "a GPU benchmark"
     decoder = build_decoder(tiny=False, device="cuda", dtype=torch.bfloat16)
     schedule = ChunkSchedule(first_chunk_frames=args.first_chunk_frames, steady_chunk_frames=25, left_context_frames=25)
-    engine, first, second = first_chunk_engine(decoder, schedule, args.max_batch, compile=args.compile,
-                                               compile_cache_dir=args.compile_cache_dir)
+    config, first, second = engine_config(schedule, args.max_batch, args.compile, args.compile_cache_dir)
+    engine = Code2WavEngine(decoder, config)  # the engine the Talker's first-chunk decoder builds
     t0 = time.perf_counter()
     engine.warmup(print)
     warmup_s = time.perf_counter() - t0
@@ -129,7 +110,7 @@ def main() -> None:
                 for _ in range(args.iters):
                     engine._run(codes, None)
                 torch.cuda.synchronize()
-        rows, stages = kernel_groups(prof, args.iters)
+        rows, stages = kernel_groups(prof, args.iters, skip_prefix="stage::"), stage_kernels(prof, args.iters)
         kernels, device_ms = sum(r[1] for r in rows), sum(r[2] for r in rows)
         print(f"\n== batch {b} x {t} frames: graph replay {replay_ms:.2f} ms, decode() {decode_ms:.2f} ms; eager "
               f"{kernels:.0f} kernels, {device_ms:.2f} ms of device time")

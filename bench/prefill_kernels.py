@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.talker_setup import talker_and_plans, timed
+from bench.gpu_timing import kernel_groups, timed
+from bench.talker_setup import talker_and_plans
 from stages.contract import SamplingParams
 from stages.talker.runner import Admission, TalkerRunner
 
@@ -57,13 +57,7 @@ def main() -> None:
         for _ in range(args.iters):
             eager()
         torch.cuda.synchronize()
-    groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            g = groups[e.name[:90]]
-            g[0] += 1
-            g[1] += e.device_time_total / 1e3  # ms
-    rows = sorted(((name, c / args.iters, ms / args.iters) for name, (c, ms) in groups.items()), key=lambda r: -r[2])
+    rows = kernel_groups(prof, args.iters)
     total = sum(r[2] for r in rows)
     kernels = sum(r[1] for r in rows)
     print(f"prefill of {n} prompts, bucket {key}, {sum(a.plan.length for a in batch)} positions: graph replay "

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.talker_setup import talker_and_plans, timed
+from bench.gpu_timing import timed
+from bench.talker_setup import talker_and_plans
 from stages.contract import SamplingParams
 from stages.talker.runner import Admission, TalkerRunner
 

@@ -1,13 +1,10 @@
 """What the talker's GPU micro-benchmarks (bench/prefill_overlap.py, bench/prefill_kernels.py) share: the 1.7B
-checkpoint (a random one written in the Hugging Face layout when none is given) loaded without its decoder, the
-load generator's sentences as prompt plans with a CustomVoice speaker, and the per-call timer."""
+checkpoint (a random one written in the Hugging Face layout when none is given) loaded without its decoder, and the
+load generator's sentences as prompt plans with a CustomVoice speaker (the timer: bench/gpu_timing.py)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-
-import torch
 
 from bench.loadgen.sentences import load_sentences
 from stages.prompts import build_prompt
@@ -26,13 +23,3 @@ def talker_and_plans(checkpoint: str | None, workdir: str, count: int = 64) -> t
     plans = [plan_prompt(model.config, build_prompt(model.config, model.tokenizer, s.text, speaker=speaker))
              for s in load_sentences()[:count]]
     return model, plans
-
-
-def timed(run, iters: int) -> float:
-    """ms per call of `run` (launches only; the device is drained before and after)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        run()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3

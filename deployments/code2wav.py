@@ -102,9 +102,7 @@ class Code2WavServer:
         model, device = await load_model(cfg, self._source, log, talker=False, decoder=True, voice=False)
         stateful = bool(cfg.engine_kwargs.get("stateful", False))
         lengths = self._streaming.schedule().graph_lengths(stateful)  # the chunk shapes worth a CUDA graph
-        engine_kwargs = {"max_batch_size": cfg.max_batch_size, "length_buckets": lengths, **cfg.engine_kwargs}
-        if cfg.engine_cls is None:  # the compile cache under the serve home, as the Talker's (`null`: none)
-            engine_kwargs.setdefault("compile_cache_dir", str(C.COMPILE_CACHE_DIR))
+        engine_kwargs = {"max_batch_size": cfg.max_batch_size, "length_buckets": lengths, **cfg.engine_config_kwargs()}
         self._engine = await self._on_thread(build_engine, cfg.engine_cls or DEFAULT_ENGINE_CLS, model.decoder,
                                              engine_kwargs)
         if cfg.warmup:  # graph capture (CUDA), then one real batch of every chunk length of the schedule

@@ -80,6 +80,14 @@ class _RuntimeOptions(_DeploymentOptions):
     )
     warmup: bool = Field(True, description="run one real request before reporting ready")
 
+    def engine_config_kwargs(self) -> dict[str, Any]:
+        """`engine_kwargs` with the compile cache under the serve home for the project's own engine (its config has
+        one; `engine_kwargs.compile_cache_dir: null` turns it off)."""
+        kwargs = dict(self.engine_kwargs)
+        if self.engine_cls is None and "compile_cache_dir" not in kwargs:
+            kwargs["compile_cache_dir"] = str(C.COMPILE_CACHE_DIR)
+        return kwargs
+
 
 class TalkerDeploymentConfig(_RuntimeOptions):
     """One served checkpoint: its own `Talker:<name>` deployment, routed to by the request's `model`."""
@@ -136,12 +144,8 @@ class TalkerDeploymentConfig(_RuntimeOptions):
         return C.TALKER_DEPLOYMENT_PREFIX + self.name
 
     def engine_config_kwargs(self) -> dict[str, Any]:
-        """`engine_kwargs` with the deployment's defaults: rows, and the compile cache under the serve home for
-        the engine whose config has one (`engine_kwargs.compile_cache_dir: null` turns it off)."""
-        kwargs = {**self.engine_kwargs, "max_num_seqs": self.max_num_seqs}
-        if self.engine_cls is None and "compile_cache_dir" not in kwargs:
-            kwargs["compile_cache_dir"] = str(C.COMPILE_CACHE_DIR)
-        return kwargs
+        """`engine_kwargs` with the deployment's defaults: rows, and the compile cache (`_RuntimeOptions`)."""
+        return {**super().engine_config_kwargs(), "max_num_seqs": self.max_num_seqs}
 
 
 class Code2WavDeploymentConfig(_RuntimeOptions):

@@ -40,9 +40,23 @@ from deployments.audio_formats import float_to_pcm16
 from deployments.coalescing import Coalescer
 from stages.arrival_rate import ArrivalRate
 from stages.chunking import ChunkSchedule
+from stages.code2wav.engine_config import Code2WavEngineConfig
 from stages.contract import CodecChunk
 
 MAX_BATCH = 8  # default: chunks decoded together (those waiting while a decode runs)
+
+
+def engine_config(schedule: ChunkSchedule, max_batch: int = MAX_BATCH, compile: bool = False,
+                  compile_cache_dir: str | None = None) -> tuple[Code2WavEngineConfig, int, int]:
+    """The first-chunk decoder's engine for `schedule`: graphs for batches 1, 2, 4, ... up to `max_batch` of the
+    configured first chunk without context (a Base ICL first chunk has reference frames as context: it goes to
+    Code2Wav) and of chunk 1 over it. -> (config, the first chunk's frames, chunk 1's decode length)."""
+    (_, first), (context1, new1) = schedule.plan(schedule.chunk_frames(0) + schedule.chunk_frames(1) + 1)[:2]
+    buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch) + (max_batch,)
+    config = Code2WavEngineConfig(max_batch_size=max_batch, batch_buckets=buckets,
+                                  length_buckets=tuple(sorted({first, context1 + new1})), compile=compile,
+                                  compile_cache_dir=compile_cache_dir)
+    return config, first, context1 + new1
 
 
 class FirstChunkDecoder:
@@ -55,19 +69,12 @@ class FirstChunkDecoder:
         as running requests; `max_batch`: chunks in one forward (graphs for batches 1, 2, 4, ... up to it);
         `compile`: the decoder's dequantizer and pre-transformer through torch.compile (CUDA; fewer kernels per
         forward: stages/code2wav/compiled.py), its work kept in `compile_cache_dir`."""
-        from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+        from stages.code2wav.engine import Code2WavEngine
 
         self.max_running, self.count_pending = max_running, count_pending
         self.pending = 0  # decodes asked and not yet answered
-        # the configured first chunk without context (a Base ICL first chunk has reference frames as context:
-        # it goes to Code2Wav), and chunk 1 over it
-        (_, first), (context1, new1) = schedule.plan(schedule.chunk_frames(0) + schedule.chunk_frames(1) + 1)[:2]
-        self.max_frames, self.max_length1 = first, context1 + new1
+        config, self.max_frames, self.max_length1 = engine_config(schedule, max_batch, compile, compile_cache_dir)
         self.max_batch = max_batch
-        buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch) + (max_batch,)
-        config = Code2WavEngineConfig(max_batch_size=max_batch, batch_buckets=buckets,
-                                      length_buckets=tuple(sorted({first, context1 + new1})), compile=compile,
-                                      compile_cache_dir=compile_cache_dir)
         self._engine = Code2WavEngine(decoder_model, config)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="first-chunk-decoder")
         self._stream = None
