@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,8 +40,10 @@ from deployments.audio_formats import float_to_pcm16
 from deployments.coalescing import Coalescer
 from stages.arrival_rate import ArrivalRate
 from stages.chunking import ChunkSchedule
-from stages.code2wav.engine_config import Code2WavEngineConfig
 from stages.contract import CodecChunk
+
+if TYPE_CHECKING:
+    from stages.code2wav.engine import Code2WavEngineConfig
 
 MAX_BATCH = 8  # default: chunks decoded together (those waiting while a decode runs)
 
@@ -51,6 +53,8 @@ def engine_config(schedule: ChunkSchedule, max_batch: int = MAX_BATCH, compile: 
     """The first-chunk decoder's engine for `schedule`: graphs for batches 1, 2, 4, ... up to `max_batch` of the
     configured first chunk without context (a Base ICL first chunk has reference frames as context: it goes to
     Code2Wav) and of chunk 1 over it. -> (config, the first chunk's frames, chunk 1's decode length)."""
+    from stages.code2wav.engine import Code2WavEngineConfig  # torch: in the Talker replica only (tests/test_layering.py)
+
     (_, first), (context1, new1) = schedule.plan(schedule.chunk_frames(0) + schedule.chunk_frames(1) + 1)[:2]
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch) + (max_batch,)
     config = Code2WavEngineConfig(max_batch_size=max_batch, batch_buckets=buckets,
