@@ -156,6 +156,8 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true", help="eager only")
     ap.add_argument("--no-fast-kernels", action="store_true", help="the eager modules (no fused Triton kernels)")
     ap.add_argument("--stateful", action="store_true", help="the stateful engine (carried decoder state)")
+    ap.add_argument("--compile", action="store_true", help="CUDA: torch.compile the dequantizer and the "
+                    "pre-transformer (stages/code2wav/compiled.py)")
     ap.add_argument("--cudnn-benchmark", action="store_true", help="torch.backends.cudnn.benchmark = True")
     ap.add_argument("--profile", action="store_true",
                     help="after the table: torch profiler over eager streams calls at the largest batch, top kernels")
@@ -190,7 +192,7 @@ def main() -> None:
         max_batch_size=max_b, batch_buckets=tuple(batch_sizes), length_buckets=tuple(lengths),
         cuda_graphs=not args.no_graphs, fast_kernels=not args.no_fast_kernels,
         max_frames_per_forward=args.max_frames_per_forward, stateful=args.stateful,
-        state_slots=2 * max_b,
+        state_slots=2 * max_b, compile=args.compile,
     ))
     print(f"decoder built, {fpf / 1e9:.2f} GFLOP per decoded frame (FlopCounterMode, T={L + steady}); "
           f"schedule {[schedule.chunk_frames(i) for i in range(6)]}..., left context {L}", flush=True)
@@ -268,7 +270,7 @@ def main() -> None:
         profile_streams(decoder, engine, rng, schedule, args.utterance_frames, max_b, args.out)
     stats = engine.stats()
     meta = dict(command=command, device=device_name, torch=torch.__version__, dtype=str(dtype), date=date,
-                tiny=args.tiny, fast_kernels=engine.fast_kernels, stateful=args.stateful,
+                tiny=args.tiny, fast_kernels=engine.fast_kernels, compiled=engine.compiled, stateful=args.stateful,
                 stateful_counts=dict(continued=stats.continued, fresh=stats.fresh, evicted=stats.evicted),
                 schedule=dict(first=args.first, steady=steady, left_context=L),
                 utterance_frames=args.utterance_frames, flops_per_frame=fpf, warmup_s=warmup_s,
@@ -283,7 +285,7 @@ def main() -> None:
              f"schedule: first {args.first} -> doubling -> steady {steady}, left context {L}; "
              f"{fpf / 1e9:.2f} GFLOP/frame; fused kernels {engine.fast_kernels}; {stats.graphs} CUDA graphs captured in "
              f"{warmup_s:.1f} s", "",
-             f"engine: {'stateful' if args.stateful else 'stateless'}", "",
+             f"engine: {'stateful' if args.stateful else 'stateless'}, compiled {engine.compiled}", "",
              "| batch | steady audio-s/s | steady ms | steady TFLOP/s | no-context audio-s/s | mixed audio-s/s "
              "| mixed ms | mixed padded/new | mixed TFLOP/s | streams audio-s/s |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -6,11 +6,11 @@ SwiGLU: a dozen small kernels around each product) and ~80 the dequantizer's (tw
 per codebook); compiled, ~225 (H100, 2026-11-24, `bench/first_chunk_kernels.py`: graph replay 1.65 -> 1.01 ms at
 batch 1 x 1 frame, 2.31 -> 1.54 ms at 8 x 3; the upsampler's ConvNeXt blocks compiled too gained nothing more).
 
-What is compiled: `quantizer.forward` (every path: the stateful engine calls it too) and `pre_transformer.forward`
-(the stateless decode; the stateful decoder runs its own windowed transformer over the layers' weights, eager).
-Compiled for dynamic shapes, so the engine's (batch, length) buckets share a few variants, then captured into its
-CUDA graphs like the eager kernels. The result equals the eager modules' up to rounding (fused fp32 math); the
-engines' GPU tests hold both to the same tolerance as the fused vocoder kernels.
+What is compiled: `quantizer.forward` (every path: the stateful engine calls it too), `pre_transformer.forward`
+(the stateless decode) and `stateful.windowed_transformer` (the stateful decode's pre-transformer over its carried
+K/V windows: `stateful_transformer`). Compiled for dynamic shapes, so the engine's (batch, length) buckets share a
+few variants, then captured into its CUDA graphs like the eager kernels. The result equals the eager modules' up to
+rounding (fused fp32 math); the engines' GPU tests hold both to the same tolerance as the fused vocoder kernels.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 
 from stages import layers
-from stages.code2wav import quantizer, transformer
+from stages.code2wav import quantizer, stateful, transformer
 from stages.code2wav.model import Code2WavDecoder
 
 # the files whose code is compiled (the compile cache keys their source: stages/compile_cache.py)
-COMPILED_SOURCES = (quantizer.__file__, transformer.__file__, layers.__file__)
+COMPILED_SOURCES = (quantizer.__file__, transformer.__file__, stateful.__file__, layers.__file__)
 _MODULES = ("quantizer", "pre_transformer")
 
 
@@ -47,3 +47,9 @@ def disable(decoder: Code2WavDecoder) -> None:
 
 def is_enabled(decoder: Code2WavDecoder) -> bool:
     return all("forward" in vars(getattr(decoder, name)) for name in _MODULES)
+
+
+def stateful_transformer():
+    """`stateful.windowed_transformer` through torch.compile (for `StatefulDecoder`; call where `enable` compiled:
+    CUDA). Its reads and writes of the carried windows stay outside, one gather and one scatter each."""
+    return torch.compile(stateful.windowed_transformer, dynamic=True, fullgraph=True)

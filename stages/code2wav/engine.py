@@ -96,7 +96,8 @@ class Code2WavEngine:
         if config.stateful:
             check_layout(decoder)
             self._states = DecoderStates(decoder, config.state_slots)
-            self._stateful_decoder = StatefulDecoder(decoder, self._states)
+            self._stateful_decoder = StatefulDecoder(
+                decoder, self._states, compiled.stateful_transformer() if self.compiled else None)
             self._slots = StreamSlots(config.state_slots)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._lock = threading.Lock()

@@ -122,8 +122,10 @@ def _window(x: torch.Tensor, start: torch.Tensor, n: int) -> torch.Tensor:
 class StatefulDecoder:
     """`decoder` over rows of new frames, carrying each row's state in `states` (see the module docstring)."""
 
-    def __init__(self, decoder: Code2WavDecoder, states: DecoderStates):
+    def __init__(self, decoder: Code2WavDecoder, states: DecoderStates, transformer=None):
+        """`transformer`: `windowed_transformer` or a compiled version of it (stages/code2wav/compiled.py)."""
         self.decoder, self.states = decoder, states
+        self.transformer = transformer or windowed_transformer
         cfg = decoder.cfg
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, states.history.device)
         self.rates = [1]  # samples per frame after each upsampling step, in order
@@ -151,42 +153,16 @@ class StatefulDecoder:
 
     # ------------------------------------------------------------------ transformer with a K/V window
     def _transformer(self, tf: PreTransformer, x: torch.Tensor, rows: _Rows) -> torch.Tensor:
-        B, T, _ = x.shape
-        W, st = self.states.window, self.states
-        history = rows.fresh_as_zeros(st.history.index_select(0, rows.slots))  # [B]
-        # window positions: the W carried frames are 0..W-1, the new ones W..W+T-1 (RoPE only sees differences)
-        cos, sin = rope_cos_sin(torch.arange(W + T, device=x.device), self.inv_freq, x.dtype)
-        key = torch.arange(W + T, device=x.device)
-        query = torch.arange(T, device=x.device)[:, None] + W
-        mask = (key <= query) & (key > query - W - 1)  # [T, W + T]: the frame itself and W before it
-        mask = mask & (key >= W - history[:, None, None])  # [B, T, W + T]: carried frames that exist
-        mask = mask[:, None]
-        h = tf.input_proj(x)
-        for i, layer in enumerate(tf.layers):
-            a = self._attention(layer.self_attn, layer.input_layernorm(h), i, rows, cos, sin, mask)
-            h = h + layer.self_attn_layer_scale(a)
-            h = h + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(h)))
-        st.history.index_copy_(0, rows.slots, (history + rows.lengths).clamp(max=W))
-        return tf.output_proj(tf.norm(h))
-
-    def _attention(self, attn: Attention, x: torch.Tensor, layer: int, rows: _Rows, cos: torch.Tensor,
-                   sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        st, W = self.states, self.states.window
-        q = attn.q_proj(x).view(B, T, H, D).transpose(1, 2)
-        k = attn.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)
-        v = attn.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
-        k = torch.cat([rows.fresh_as_zeros(st.keys[layer].index_select(0, rows.slots)), k], dim=2)  # [B, Hkv, W+T, D]
-        v = torch.cat([rows.fresh_as_zeros(st.values[layer].index_select(0, rows.slots)), v], dim=2)
-        idx = (rows.lengths[:, None] + torch.arange(W, device=x.device))[:, None, :, None].expand(-1, Hkv, -1, D)
-        st.keys[layer].index_copy_(0, rows.slots, torch.gather(k, 2, idx))
-        st.values[layer].index_copy_(0, rows.slots, torch.gather(v, 2, idx))
-        q, k = apply_rotary(q, cos[W:], sin[W:]), apply_rotary(k, cos, sin)
-        if Hkv != H:
-            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D**-0.5)
-        return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        """The pre-transformer over the rows' new frames, each row's K/V window read from and written back to its
+        slot: the reads and writes are one gather and one scatter over all layers, around `self.transformer`."""
+        st = self.states
+        y, keys, values, history = self.transformer(
+            tf, x, st.keys.index_select(1, rows.slots), st.values.index_select(1, rows.slots),
+            st.history.index_select(0, rows.slots), rows.keep, rows.lengths, self.inv_freq)
+        st.keys.index_copy_(1, rows.slots, keys)
+        st.values.index_copy_(1, rows.slots, values)
+        st.history.index_copy_(0, rows.slots, history)
+        return y
 
     # ------------------------------------------------------------------ convolutions
     @staticmethod
@@ -223,6 +199,61 @@ class StatefulDecoder:
     def _unit_eager(unit: ResidualUnit, x: torch.Tensor, rows: _Rows, key: str, rate: int) -> torch.Tensor:
         h = rows.conv(key, unit.conv1.conv, unit.act1(x), rate)
         return x + unit.conv2(unit.act2(h))
+
+
+def windowed_transformer(tf: PreTransformer, x: torch.Tensor, past_keys: torch.Tensor, past_values: torch.Tensor,
+                         history: torch.Tensor, keep: torch.Tensor, lengths: torch.Tensor,
+                         inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pre-transformer over new frames, continuing each row's K/V window. A pure function of tensors (the
+    caller reads and writes the states), so that torch.compile can fuse it whole (stages/code2wav/compiled.py).
+
+    x [B, T, latent]; past_keys/values [layers, B, Hkv, W, D] (before RoPE) and history [B] (valid carried frames)
+    as the rows' slots hold them, `keep` [B] False where a row starts fresh (its past is zeros), lengths [B] the
+    rows' valid new frames. Returns (y [B, T, latent], the windows after each row's valid frames [layers, B, Hkv,
+    W, D] x 2, their valid frames [B])."""
+    B, T, _ = x.shape
+    W = past_keys.shape[3]
+    history = torch.where(keep, history, 0)
+    fresh_zero = keep.view(1, -1, 1, 1, 1)
+    past_keys, past_values = torch.where(fresh_zero, past_keys, 0), torch.where(fresh_zero, past_values, 0)
+    # window positions: the W carried frames are 0..W-1, the new ones W..W+T-1 (RoPE only sees differences)
+    cos, sin = rope_cos_sin(torch.arange(W + T, device=x.device), inv_freq, x.dtype)
+    key = torch.arange(W + T, device=x.device)
+    query = torch.arange(T, device=x.device)[:, None] + W
+    mask = (key <= query) & (key > query - W - 1)  # [T, W + T]: the frame itself and W before it
+    mask = (mask & (key >= W - history[:, None, None]))[:, None]  # [B, 1, T, W + T]: carried frames that exist
+    # a row's window after its valid frames: positions lengths .. lengths + W - 1 of [past, new]
+    after = (lengths[:, None] + torch.arange(W, device=x.device))[:, None, :, None]
+    h = tf.input_proj(x)
+    keys, values = [], []
+    for i, layer in enumerate(tf.layers):
+        attn = layer.self_attn
+        a, k, v = _window_attention(attn, layer.input_layernorm(h), past_keys[i], past_values[i], cos, sin, mask)
+        keys.append(torch.gather(k, 2, after.expand(-1, k.shape[1], -1, k.shape[3])))
+        values.append(torch.gather(v, 2, after.expand(-1, v.shape[1], -1, v.shape[3])))
+        h = h + layer.self_attn_layer_scale(a)
+        h = h + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(h)))
+    y = tf.output_proj(tf.norm(h))
+    return y, torch.stack(keys), torch.stack(values), (history + lengths).clamp(max=W)
+
+
+def _window_attention(attn: Attention, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor,
+                      mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention of the new frames over [past, new] -> (output [B, T, hidden], keys and values [B, Hkv, W + T, D]
+    before RoPE)."""
+    B, T, _ = x.shape
+    H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    W = past_k.shape[2]
+    q = attn.q_proj(x).view(B, T, H, D).transpose(1, 2)
+    k = torch.cat([past_k, attn.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)], dim=2)  # [B, Hkv, W + T, D]
+    v = torch.cat([past_v, attn.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)], dim=2)
+    q, k_rot = apply_rotary(q, cos[W:], sin[W:]), apply_rotary(k, cos, sin)
+    v_rep = v
+    if Hkv != H:
+        k_rot, v_rep = k_rot.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    out = F.scaled_dot_product_attention(q, k_rot, v_rep, attn_mask=mask, scale=D**-0.5)
+    return attn.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
 
 def check_layout(decoder: Code2WavDecoder) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from stages.chunking import ChunkSchedule, StreamChunker
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
-from stages.code2wav.stateful import DecoderStates, carried_convs
+from stages.code2wav.stateful import DecoderStates, StatefulDecoder, carried_convs
 from stages.code2wav.stream_slots import StreamSlots
 from stages.contract import CodecChunk, FinishReason
 
@@ -167,6 +167,34 @@ def test_a_poisoned_slot_never_reaches_the_next_stream(decoder, streams, statele
     out = engine.decode([chunks[0]])[0]  # b evicts a and starts fresh in slot 0
     np.testing.assert_allclose(out, stateless.decode([chunks[0]])[0], atol=TOL)
     assert engine.stats().evicted == 1
+
+
+def test_the_compiled_windowed_transformer_continues_streams_exactly(decoder, streams, fulls):
+    """The stateful pre-transformer as the compiled engine runs it (`compiled.stateful_transformer`: one fused
+    function, the windows read and written around it), through CPU Inductor: two streams in chunks of 8 frames,
+    the second shorter (padded rows), equal the whole decode."""
+    from stages.code2wav import compiled
+
+    states = DecoderStates(decoder, 2)
+    stateful = StatefulDecoder(decoder, states, compiled.stateful_transformer())
+    a, b = streams[2], streams[2][:27]
+    outs: list[list[np.ndarray]] = [[], []]
+    with torch.inference_mode():
+        for start in range(0, len(a), 8):
+            codes = np.zeros((2, 16, 8), dtype=np.int64)
+            lengths = [len(s[start:start + 8]) for s in (a, b)]
+            for r, s in enumerate((a, b)):
+                codes[r, :, :lengths[r]] = s[start:start + 8].T
+            rows = [i for i in range(2) if lengths[i]]
+            wav = stateful(torch.from_numpy(codes[rows]), torch.tensor(rows), torch.tensor([start == 0] * len(rows)),
+                           torch.tensor([lengths[r] for r in rows]))
+            for i, r in enumerate(rows):
+                outs[r].append(wav[i, 0, :lengths[r] * SPF].numpy())
+    assert np.abs(np.concatenate(outs[0]) - fulls[2]).max() < TOL
+    with torch.inference_mode():
+        whole_b = decoder(torch.from_numpy(b).T[None])[0, 0].numpy()
+    assert np.abs(np.concatenate(outs[1]) - whole_b).max() < TOL
+    assert int(states.history[1]) == min(27, states.window)
 
 
 def test_state_shapes_and_graph_lengths(decoder):
