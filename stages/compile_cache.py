@@ -58,6 +58,7 @@ class CompileCache:
         that this start also writes Dynamo's work to the file, or reads it from there."""
         if self.dynamo and hasattr(torch._dynamo.config, "caching_precompile"):
             torch._dynamo.config.caching_precompile = True
+            _fresh_dynamo_names()
         if not self.path.is_file():
             log(f"[compile-cache] none at {self.path}: this start compiles and writes it")
             return False
@@ -92,3 +93,22 @@ class CompileCache:
             return False
         log(f"[compile-cache] wrote {self.path} ({len(data) / 2**20:.1f} MiB)")
         return True
+
+
+def _fresh_dynamo_names() -> None:
+    """Start Dynamo's process-wide name counter at a random offset, so that a function traced anew after a load
+    (a shape variant the file lacks) cannot take a name the loaded work already put into its module's globals.
+
+    Why: each trace installs its builtins as `__builtins_dict___<n>` in the traced function's module, with n from a
+    counter that starts at 0 in every process; loading Dynamo's caching precompile installs the writing process's
+    names there too, untracked, so the first new trace in that module failed with "Name '__builtins_dict___0'
+    already exists in scope" (torch 2.11 and 2.13, torch/_dynamo/bytecode_transformation.py `_unique_id_counter`,
+    package.py `CompilePackage.install`). Private, so kept here alone; tests/stages/test_compile_cache.py fails if a
+    torch upgrade drops it."""
+    import itertools
+    import random
+
+    from torch._dynamo import bytecode_transformation
+
+    if hasattr(bytecode_transformation, "_unique_id_counter"):
+        bytecode_transformation._unique_id_counter = itertools.count(random.SystemRandom().randrange(1 << 32, 1 << 62))

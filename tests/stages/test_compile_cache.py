@@ -27,7 +27,7 @@ cache = CompileCache.for_model(sys.argv[1], torch.device("cpu"), {"model": "test
                                dynamo=sys.argv[2] == "1")
 loaded = cache.load(lambda m: None)
 f = torch.compile(stages.layers._rms, dynamic=True)  # a function of the engine's: the cache keys its file
-for rows in (1, 4):  # two variants: one row, and every count above it
+for rows in map(int, sys.argv[3].split(",")):  # default two variants: one row, and every count above it
     f(torch.randn(rows, 3, 8), torch.randn(8), 1e-6)
 wrote = cache.save(lambda m: None)
 print(json.dumps({"loaded": loaded, "wrote": wrote, "hits": counters["inductor"]["fxgraph_cache_hit"],
@@ -36,10 +36,10 @@ print(json.dumps({"loaded": loaded, "wrote": wrote, "hits": counters["inductor"]
 """
 
 
-def _run(cache_dir: Path, inductor_dir: Path, dynamo: bool = True) -> dict:
+def _run(cache_dir: Path, inductor_dir: Path, dynamo: bool = True, rows: str = "1,4") -> dict:
     env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(Path(__file__).parents[2])}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir), "1" if dynamo else "0"], env={**os.environ, **env},
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir), "1" if dynamo else "0", rows],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -52,6 +52,18 @@ def test_a_fresh_process_compiles_from_the_file(tmp_path):
     assert second["loaded"] and not second["wrote"]
     # nothing compiled again, and (Dynamo's caching precompile) nothing traced again either
     assert second["misses"] == 0 and second["traced"] == 0, second
+
+
+def test_a_variant_the_file_lacks_is_traced_after_loading(tmp_path):
+    """Dynamo's names of a loaded function and of a new trace in the same module must not collide (they did: a
+    process that loaded the file failed on its first new shape; CompileCache starts Dynamo's counter afresh)."""
+    from torch._dynamo import bytecode_transformation
+
+    assert hasattr(bytecode_transformation, "_unique_id_counter"), "the counter CompileCache restarts is gone"
+    first = _run(tmp_path / "shared", tmp_path / "inductor-a", rows="4")
+    assert first["wrote"] and first["traced"] == 1
+    second = _run(tmp_path / "shared", tmp_path / "inductor-b", rows="4,1")  # one row: a variant of its own
+    assert second["loaded"] and second["traced"] == 1, second
 
 
 def test_without_dynamo_a_fresh_process_traces_again_but_compiles_nothing(tmp_path):
