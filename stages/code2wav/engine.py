@@ -130,10 +130,8 @@ class Code2WavEngine:
         if not (self.compiled and self.config.compile_cache_dir):
             return None
         shapes = {"code2wav": repr(self.decoder.cfg), "dtype": str(self.dtype)}
-        # Inductor's work only: Dynamo's caching precompile of these modules failed to load again (torch 2.13:
-        # "Name '__builtins_dict___0' already exists in scope"), so each start traces them (a few seconds)
         cache = CompileCache.for_model(self.config.compile_cache_dir, self.device, shapes,
-                                       sources=compiled.COMPILED_SOURCES, dynamo=False)
+                                       sources=compiled.COMPILED_SOURCES)
         cache.load(log)
         return cache
 
