@@ -34,6 +34,11 @@ from stages.code2wav.stream_slots import SlotRow, StreamSlots
 from stages.compile_cache import CompileCache
 from stages.contract import CODEBOOK_SIZE, CodecChunk
 
+# The grad mode of every decode: no_grad, not inference_mode. Why: Dynamo's cached work (stages/compile_cache.py)
+# of a function compiled under inference_mode is loaded but not reused by the next process (torch 2.13, CPU: every
+# variant traced again, 16 s of a small decoder's start), while under no_grad it is (nothing traced, as the Talker,
+# which runs under no_grad). tests/stages/test_compile_cache.py checks this mode round-trips.
+DECODE_MODE = torch.no_grad
 
 @dataclass(frozen=True)
 class Code2WavStats:
@@ -115,7 +120,7 @@ class Code2WavEngine:
             if self.device.type == "cuda" and self.config.cuda_graphs:
                 self._capture(log)
             else:
-                with torch.inference_mode():
+                with DECODE_MODE():
                     self._run(torch.zeros(1, self.num_codebooks, 2, dtype=torch.long, device=self.device),
                               self._row_inputs(1, 2))
                 log(f"[code2wav] eager warm-up on {self.device} ({self.dtype}, fast kernels {self.fast_kernels}) "
@@ -140,7 +145,7 @@ class Code2WavEngine:
         return [(b, t) for b in self.batch_buckets for t in self.length_buckets
                 if b * t <= self.config.max_frames_per_forward]
 
-    @torch.inference_mode()
+    @DECODE_MODE()
     def _capture(self, log: Callable[[str], None]) -> None:
         t0 = time.perf_counter()
         shapes = sorted(self.graph_shapes(), key=lambda s: (s[0] * s[1], s), reverse=True)  # largest first
@@ -208,7 +213,7 @@ class Code2WavEngine:
         if codes.size and (codes.min() < 0 or codes.max() >= CODEBOOK_SIZE):
             raise ValueError(f"chunk {index} ({chunk.request_id!r} #{chunk.seq}): codes outside [0, {CODEBOOK_SIZE})")
 
-    @torch.inference_mode()
+    @DECODE_MODE()
     def _decode(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
         spf = self.samples_per_frame
         out: list[np.ndarray | None] = [None] * len(chunks)

@@ -27,8 +27,14 @@ cache = CompileCache.for_model(sys.argv[1], torch.device("cpu"), {"model": "test
                                dynamo=sys.argv[2] == "1")
 loaded = cache.load(lambda m: None)
 f = torch.compile(stages.layers._rms, dynamic=True)  # a function of the engine's: the cache keys its file
+if sys.argv[4] == "code2wav":  # under the grad mode of Code2WavEngine's decodes
+    from stages.code2wav.engine import DECODE_MODE as mode
+else:
+    import contextlib
+    mode = contextlib.nullcontext
 for rows in map(int, sys.argv[3].split(",")):  # default two variants: one row, and every count above it
-    f(torch.randn(rows, 3, 8), torch.randn(8), 1e-6)
+    with mode():
+        f(torch.randn(rows, 3, 8), torch.randn(8), 1e-6)
 wrote = cache.save(lambda m: None)
 print(json.dumps({"loaded": loaded, "wrote": wrote, "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"],
@@ -36,9 +42,9 @@ print(json.dumps({"loaded": loaded, "wrote": wrote, "hits": counters["inductor"]
 """
 
 
-def _run(cache_dir: Path, inductor_dir: Path, dynamo: bool = True, rows: str = "1,4") -> dict:
+def _run(cache_dir: Path, inductor_dir: Path, dynamo: bool = True, rows: str = "1,4", mode: str = "grad") -> dict:
     env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(Path(__file__).parents[2])}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir), "1" if dynamo else "0", rows],
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir), "1" if dynamo else "0", rows, mode],
                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -52,6 +58,15 @@ def test_a_fresh_process_compiles_from_the_file(tmp_path):
     assert second["loaded"] and not second["wrote"]
     # nothing compiled again, and (Dynamo's caching precompile) nothing traced again either
     assert second["misses"] == 0 and second["traced"] == 0, second
+
+
+def test_the_code2wav_engines_grad_mode_reuses_dynamos_work(tmp_path):
+    """Code2Wav decodes under DECODE_MODE; under inference_mode Dynamo's cached work was loaded but every variant
+    traced again in the next process (torch 2.13)."""
+    first = _run(tmp_path / "shared", tmp_path / "inductor-a", mode="code2wav")
+    assert first["wrote"] and first["traced"] == 2
+    second = _run(tmp_path / "shared", tmp_path / "inductor-b", mode="code2wav")
+    assert second["loaded"] and second["traced"] == 0, second
 
 
 def test_a_variant_the_file_lacks_is_traced_after_loading(tmp_path):
