@@ -40,6 +40,7 @@ from stages.contract import CODEBOOK_SIZE, CodecChunk
 # which runs under no_grad). tests/stages/test_compile_cache.py checks this mode round-trips.
 DECODE_MODE = torch.no_grad
 
+
 @dataclass(frozen=True)
 class Code2WavStats:
     batches: int  # decode() calls

@@ -22,6 +22,8 @@ lengths are device tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -122,8 +124,8 @@ def _window(x: torch.Tensor, start: torch.Tensor, n: int) -> torch.Tensor:
 class StatefulDecoder:
     """`decoder` over rows of new frames, carrying each row's state in `states` (see the module docstring)."""
 
-    def __init__(self, decoder: Code2WavDecoder, states: DecoderStates, transformer=None):
-        """`transformer`: `windowed_transformer` or a compiled version of it (stages/code2wav/compiled.py)."""
+    def __init__(self, decoder: Code2WavDecoder, states: DecoderStates, transformer: Callable | None = None):
+        """`transformer`: `windowed_transformer` (default) or a compiled version of it (stages/code2wav/compiled.py)."""
         self.decoder, self.states = decoder, states
         self.transformer = transformer or windowed_transformer
         cfg = decoder.cfg
@@ -211,8 +213,7 @@ def windowed_transformer(tf: PreTransformer, x: torch.Tensor, past_keys: torch.T
     as the rows' slots hold them, `keep` [B] False where a row starts fresh (its past is zeros), lengths [B] the
     rows' valid new frames. Returns (y [B, T, latent], the windows after each row's valid frames [layers, B, Hkv,
     W, D] x 2, their valid frames [B])."""
-    B, T, _ = x.shape
-    W = past_keys.shape[3]
+    T, W = x.shape[1], past_keys.shape[3]
     history = torch.where(keep, history, 0)
     fresh_zero = keep.view(1, -1, 1, 1, 1)
     past_keys, past_values = torch.where(fresh_zero, past_keys, 0), torch.where(fresh_zero, past_values, 0)
