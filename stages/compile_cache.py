@@ -10,8 +10,9 @@ compiled variants (talker and code predictor, batch 1 and wider, one row, two an
 talker's start on an H100 (bench/startup.py). That mode drops guards on globals (which function a name refers
 to), so the file name keys the source of the compiled code as well as the torch, Triton and CUDA versions, the
 GPU and the model's shapes: an incompatible file is never offered; a file that is not useful is harmless
-(PyTorch checks its own cache keys entry by entry). Writes are atomic: replicas starting together may race, and
-the last complete file wins.
+(PyTorch checks its own cache keys entry by entry). A start that loaded the file and compiled something it lacked
+(a shape variant, a kernel option the key does not name) writes it again with both, so the next start has all of
+it. Writes are atomic: replicas starting together may race, and the last complete file wins.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class CompileCache:
         self.path = path
         self.dynamo = dynamo  # also keep Dynamo's work (torch's experimental caching precompile)
         self.loaded = False
+        self._work_at_load: tuple[int, int] | None = None  # `_new_work()` when the file was loaded
 
     @classmethod
     def for_model(cls, directory: str | Path, device: torch.device, model_key: dict,
@@ -72,12 +74,15 @@ class CompileCache:
             log(f"[compile-cache] could not load {self.path} ({error}): compiling")
             return False
         self.loaded = True
+        self._work_at_load = self._new_work()
         log(f"[compile-cache] loaded {self.path} ({self.path.stat().st_size / 2**20:.1f} MiB)")
         return True
 
     def save(self, log: Callable[[str], None]) -> bool:
-        """Write what this process compiled, unless the file was loaded (it has it). Returns whether it wrote."""
-        if self.loaded:
+        """Write what this process compiled, unless the file was loaded and nothing was compiled since that the file
+        lacked (a shape variant, a kernel option: written then with what was loaded, so the next start has both).
+        Returns whether it wrote."""
+        if self.loaded and self._new_work() == self._work_at_load:
             return False
         artifacts = torch.compiler.save_cache_artifacts()
         if artifacts is None:
@@ -91,8 +96,16 @@ class CompileCache:
         except OSError as e:  # a read-only or full cache directory costs the next start time, nothing else
             log(f"[compile-cache] could not write {self.path}: {e!r}")
             return False
-        log(f"[compile-cache] wrote {self.path} ({len(data) / 2**20:.1f} MiB)")
+        log(f"[compile-cache] wrote {self.path} ({len(data) / 2**20:.1f} MiB"
+            + (", with what this start compiled beyond the file it loaded)" if self.loaded else ")"))
         return True
+
+    def _new_work(self) -> tuple[int, int]:
+        """Process-wide counts of work a file would save the next start: Dynamo's traces (where the file keeps
+        them; without Dynamo's work every start traces again) and Inductor's compiled graphs."""
+        from torch._dynamo.utils import counters
+
+        return (counters["stats"]["unique_graphs"] if self.dynamo else 0, counters["inductor"]["fxgraph_cache_miss"])
 
 
 def _fresh_dynamo_names() -> None:

@@ -79,6 +79,10 @@ def test_a_variant_the_file_lacks_is_traced_after_loading(tmp_path):
     assert first["wrote"] and first["traced"] == 1
     second = _run(tmp_path / "shared", tmp_path / "inductor-b", rows="4,1")  # one row: a variant of its own
     assert second["loaded"] and second["traced"] == 1, second
+    # it wrote the file again with both variants: the next start traces and compiles nothing
+    assert second["wrote"]
+    third = _run(tmp_path / "shared", tmp_path / "inductor-c", rows="4,1")
+    assert third["loaded"] and not third["wrote"] and third["traced"] == 0 and third["misses"] == 0, third
 
 
 def test_without_dynamo_a_fresh_process_traces_again_but_compiles_nothing(tmp_path):
@@ -86,6 +90,7 @@ def test_without_dynamo_a_fresh_process_traces_again_but_compiles_nothing(tmp_pa
     assert first["wrote"] and first["traced"] == 2
     second = _run(tmp_path / "shared", tmp_path / "inductor-b", dynamo=False)
     assert second["loaded"] and second["hits"] >= 1 and second["misses"] == 0 and second["traced"] == 2, second
+    assert not second["wrote"]  # tracing again is not new work for a file without Dynamo's
 
 
 def test_a_broken_file_is_skipped_and_keys_differ(tmp_path):
