@@ -89,7 +89,7 @@ class TalkerServer:
                                                     max_batch=cfg.first_chunk_decode_max_batch,
                                                     # compiled where the Talker's engine is (fewer kernels)
                                                     compile=cfg.first_chunk_decode_compile
-                                                    and bool(engine_kwargs.get("compile", False)),
+                                                    and bool(getattr(self._engine.config, "compile", False)),
                                                     compile_cache_dir=engine_kwargs.get("compile_cache_dir"))
             await asyncio.to_thread(self._first_decoder.start)
         self._info = ModelInfo(

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch._dynamo
+from torch._dynamo.utils import counters
 
 try:
     import triton
@@ -103,8 +104,6 @@ class CompileCache:
     def _new_work(self) -> tuple[int, int]:
         """Process-wide counts of work a file would save the next start: Dynamo's traces (where the file keeps
         them; without Dynamo's work every start traces again) and Inductor's compiled graphs."""
-        from torch._dynamo.utils import counters
-
         return (counters["stats"]["unique_graphs"] if self.dynamo else 0, counters["inductor"]["fxgraph_cache_miss"])
 
 

@@ -89,11 +89,7 @@ class _Rows:
         self.keep = ~fresh  # [B]: read the slot's state (else zeros)
 
     def read(self, key: str) -> torch.Tensor:  # [B, C, n]
-        return self.fresh_as_zeros(self.states.convs[key].index_select(0, self.slots))
-
-    def fresh_as_zeros(self, state: torch.Tensor) -> torch.Tensor:
-        """A select, not a product: whatever a slot last held (even inf or NaN) never reaches a fresh row."""
-        return torch.where(self.keep.view(-1, *([1] * (state.dim() - 1))), state, 0)
+        return _fresh_as_zeros(self.keep, self.states.convs[key].index_select(0, self.slots))
 
     def write(self, key: str, carried: torch.Tensor, rate: int) -> None:
         """State after each row's valid samples: carried[:, :, L : L + n] with L = lengths * rate."""
@@ -113,6 +109,14 @@ class _Rows:
         padded[..., :n] = self.read(key)
         self.write(key, padded, rate)
         return padded
+
+
+def _fresh_as_zeros(keep: torch.Tensor, state: torch.Tensor, batch_dim: int = 0) -> torch.Tensor:
+    """`state` with the rows (along `batch_dim`) where `keep` [B] is False zeroed. A select, not a product:
+    whatever a slot last held (even inf or NaN) never reaches a fresh row."""
+    shape = [1] * state.dim()
+    shape[batch_dim] = -1
+    return torch.where(keep.view(shape), state, 0)
 
 
 def _window(x: torch.Tensor, start: torch.Tensor, n: int) -> torch.Tensor:
@@ -214,9 +218,8 @@ def windowed_transformer(tf: PreTransformer, x: torch.Tensor, past_keys: torch.T
     rows' valid new frames. Returns (y [B, T, latent], the windows after each row's valid frames [layers, B, Hkv,
     W, D] x 2, their valid frames [B])."""
     T, W = x.shape[1], past_keys.shape[3]
-    history = torch.where(keep, history, 0)
-    fresh_zero = keep.view(1, -1, 1, 1, 1)
-    past_keys, past_values = torch.where(fresh_zero, past_keys, 0), torch.where(fresh_zero, past_values, 0)
+    history = _fresh_as_zeros(keep, history)
+    past_keys, past_values = _fresh_as_zeros(keep, past_keys, 1), _fresh_as_zeros(keep, past_values, 1)
     # window positions: the W carried frames are 0..W-1, the new ones W..W+T-1 (RoPE only sees differences)
     cos, sin = rope_cos_sin(torch.arange(W + T, device=x.device), inv_freq, x.dtype)
     key = torch.arange(W + T, device=x.device)
