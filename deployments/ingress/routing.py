@@ -48,11 +48,20 @@ class ModelRouter:
         self.routes = {name: ModelRoute(name, handle) for name, handle in talkers.items()}
         self._models = models
         self._names = {n.lower(): m.name for m in models for n in (m.name, *m.aliases)}
+        self._presets: frozenset[str] | None = None
 
     def prefetch(self) -> None:
         """Start fetching every model's info now (on the running loop); requests await them."""
         for route in self.routes.values():
             asyncio.ensure_future(route.info()).add_done_callback(_ignore_failure)
+
+    def preset_voices(self) -> frozenset[str] | None:
+        """Every served model's preset speakers (lower case), once every model's info has arrived (None before).
+        No uploaded voice can take such a name (`POST /v1/audio/voices` refuses it), so a request naming one
+        needs no look at the voice store."""
+        if self._presets is None and all(r.loaded is not None for r in self.routes.values()):
+            self._presets = frozenset(s for r in self.routes.values() for s in r.loaded.speakers)
+        return self._presets
 
     def handle(self, model: str) -> DeploymentHandle:
         return self.routes[model].handle

@@ -45,15 +45,19 @@ class Voices:
     # ------------------------------------------------------------------ speech requests
     async def finder(self, body: SpeechRequest) -> VoiceFinder:
         """The uploaded voices `body` may name, read from disk in a thread, as the lookup that request
-        planning (deployments/request_builder.py) calls synchronously."""
-        names = {n for n in (body.voice, (body.voice or "").strip()) if _could_be_uploaded(n)}
+        planning (deployments/request_builder.py) calls synchronously. A preset speaker's name is never an
+        uploaded voice's: the requests of preset voices (most of them) skip the thread and the disk read, which
+        under load waited for the event loop's GIL on both ends."""
+        presets = self._router.preset_voices()
+        names = {n for n in (body.voice, (body.voice or "").strip())
+                 if _could_be_uploaded(n) and (presets is None or n.lower() not in presets)}
         found = await asyncio.to_thread(lambda: {n: self._store.find(n) for n in names}) if names else {}
 
         def find(name: str) -> VoiceRecord | None:
             if name in found:
                 return found[name]
-            if _could_be_uploaded(name):  # planning asked about a name it does not take from the request
-                raise LookupError(f"voice {name!r} was not looked up before planning")
+            if _could_be_uploaded(name) and (presets is None or name.lower() not in presets):
+                raise LookupError(f"voice {name!r} was not looked up before planning")  # not the request's own
             return None
 
         return find

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from types import SimpleNamespace
 
 import pytest
 from ray import cloudpickle
 
+from deployments.config import TalkerDeploymentConfig
 from deployments.http_guard import BodyLimits
 from deployments.ingress import ENDPOINTS, TTSIngress, make_fastapi_app, make_fastapi_ingress
+from deployments.ingress.routing import ModelRouter
 from deployments.ingress.voices import Voices
+from deployments.messages import ModelInfo
 from deployments.openapi import build_openapi
 from deployments.schemas import SpeechRequest
 from deployments.voices import VoiceStore
+from stages.config import GenerationDefaults, ModelConfig
+from stages.prompts import TextTokenizer
 
 
 def _routes(app) -> set[tuple[str, str]]:
@@ -58,7 +64,17 @@ def test_the_server_class_pickles_by_reference():
     assert len(cloudpickle.dumps(make_fastapi_ingress(TTSIngress, app=make_fastapi_app(None)))) > 0
 
 
-def test_voice_lookups_run_off_the_event_loop(tmp_path):
+def _router(*infos: ModelInfo) -> ModelRouter:
+    """An ingress's model router over Talker handles that answer `info` only."""
+    async def answer(info):
+        return info
+
+    handles = {i.name: SimpleNamespace(info=SimpleNamespace(remote=lambda i=i: answer(i))) for i in infos}
+    return ModelRouter(handles, [TalkerDeploymentConfig(name=i.name) for i in infos])
+
+
+def _counting_store(tmp_path) -> tuple[VoiceStore, list[tuple[str, bool]]]:
+    """A store with the uploaded voice "Alice" that records each name looked up and whether on the event loop."""
     store = VoiceStore(tmp_path)
     store.save("Alice", b"RIFF", None, True, "audio/wav", {})
     looked_up = []
@@ -68,7 +84,12 @@ def test_voice_lookups_run_off_the_event_loop(tmp_path):
         return _find(name)
 
     store.find = find
-    voices = Voices(store, router=None, limits=None, work=None, outcomes=None)
+    return store, looked_up
+
+
+def test_voice_lookups_run_off_the_event_loop(tmp_path):
+    store, looked_up = _counting_store(tmp_path)
+    voices = Voices(store, router=_router(), limits=None, work=None, outcomes=None)
 
     async def plan(voice):
         return await voices.finder(SpeechRequest.model_validate({"input": "x", "voice": voice}))
@@ -81,6 +102,32 @@ def test_voice_lookups_run_off_the_event_loop(tmp_path):
     assert looked_up == [("alice", False)]
     assert asyncio.run(plan("vivian"))("vivian") is None
     assert asyncio.run(plan("Default"))("Default") is None and len(looked_up) == 2  # no disk read for it
+
+
+def test_a_preset_voice_is_never_looked_up_in_the_store(tmp_path, tiny_custom_voice):
+    store, looked_up = _counting_store(tmp_path)
+    info = ModelInfo(name="cv", aliases=(), config=ModelConfig.from_file(tiny_custom_voice / "config.json"),
+                     generation=GenerationDefaults.from_file(tiny_custom_voice / "generation_config.json"),
+                     tokenizer=TextTokenizer(tiny_custom_voice), max_seq_len=512, fingerprint="cv",
+                     default_max_new_tokens=300)
+    assert "vivian" in info.speakers
+    router = _router(info)
+    voices = Voices(store, router=router, limits=None, work=None, outcomes=None)
+
+    async def plan(voice):
+        return await voices.finder(SpeechRequest.model_validate({"input": "x", "voice": voice}))
+
+    async def scenario():
+        before = await plan("vivian")  # the model's info has not arrived: presets unknown, the store is asked
+        await router.infos(5.0)
+        return before, await plan("Vivian"), await plan("alice")
+
+    before, preset, uploaded = asyncio.run(scenario())
+    assert before("vivian") is None and preset("Vivian") is None and preset("vivian") is None
+    assert uploaded("alice").name == "Alice"
+    assert [name for name, _ in looked_up] == ["vivian", "alice"]  # none for the preset once presets are known
+    with pytest.raises(LookupError):
+        preset("bob")  # a name that is neither the request's own nor a preset still fails planning loudly
 
 
 def _on_event_loop() -> bool:
