@@ -11,19 +11,42 @@ What is compiled: `quantizer.forward` (every path: the stateful engine calls it 
 K/V windows: `stateful_transformer`). Compiled for dynamic shapes, so the engine's (batch, length) buckets share a
 few variants, then captured into its CUDA graphs like the eager kernels. The result equals the eager modules' up to
 rounding (fused fp32 math); the engines' GPU tests hold both to the same tolerance as the fused vocoder kernels.
+
+Traced without duck shaping (`_compile`): by default a dynamic size equal to another input size shares its symbol,
+and the model's fixed sizes are inputs' sizes too (16 codebooks, 8 layers, 16 KV heads, head dim 64, 32 RoPE
+frequencies), so a batch of 8, 16, 32 or 64 or a chunk of 8 or 16 frames was tied to one of them, specialized with
+it, and traced and compiled as a variant of its own (and loaded as one from the compile cache on every start).
+Each batch and length now has a symbol of its own; what remains are the variants of size 1.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
+import torch.fx.experimental._config as shape_config
 
 from stages import layers
 from stages.code2wav import quantizer, stateful, transformer
 from stages.code2wav.model import Code2WavDecoder
 
-# the files whose code is compiled (the compile cache keys their source: stages/compile_cache.py)
-COMPILED_SOURCES = (quantizer.__file__, transformer.__file__, stateful.__file__, layers.__file__)
+# the files whose code is compiled, and how (the compile cache keys their source: stages/compile_cache.py)
+COMPILED_SOURCES = (quantizer.__file__, transformer.__file__, stateful.__file__, layers.__file__, __file__)
 _MODULES = ("quantizer", "pre_transformer")
+
+
+def _compile(fn: Callable) -> Callable:
+    """`fn` through torch.compile for dynamic shapes, traced without duck shaping (the module docstring). The
+    setting only matters while Dynamo traces; a CUDA graph's replay runs no Python at all."""
+    compiled_fn = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with shape_config.patch(use_duck_shape=False):
+            return compiled_fn(*args, **kwargs)
+
+    return call
 
 
 def enable(decoder: Code2WavDecoder) -> bool:
@@ -35,7 +58,7 @@ def enable(decoder: Code2WavDecoder) -> bool:
     for name in _MODULES:
         module = getattr(decoder, name)
         if "forward" not in vars(module):  # compile once per instance
-            module.forward = torch.compile(type(module).forward.__get__(module), dynamic=True, fullgraph=True)
+            module.forward = _compile(type(module).forward.__get__(module))
     return True
 
 
@@ -52,4 +75,4 @@ def is_enabled(decoder: Code2WavDecoder) -> bool:
 def stateful_transformer():
     """`stateful.windowed_transformer` through torch.compile (for `StatefulDecoder`; call where `enable` compiled:
     CUDA). Its reads and writes of the carried windows stay outside, one gather and one scatter each."""
-    return torch.compile(stateful.windowed_transformer, dynamic=True, fullgraph=True)
+    return _compile(stateful.windowed_transformer)

@@ -197,6 +197,26 @@ def test_the_compiled_windowed_transformer_continues_streams_exactly(decoder, st
     assert int(states.history[1]) == min(27, states.window)
 
 
+def test_batches_of_the_models_own_sizes_share_the_compiled_transformers_trace(decoder):
+    """The compiled windowed transformer traced without duck shaping (stages/code2wav/compiled.py): a batch of 8 or
+    16 (the tiny decoder's RoPE frequencies and head dim, fixed sizes of the function's inputs) is no variant of
+    its own; with duck shaping each was specialized and traced again (2 traces here, more for the full model's
+    serving buckets, each compiled on a first start and loaded on every start)."""
+    from torch._dynamo.utils import counters
+
+    from stages.code2wav import compiled
+
+    assert decoder.cfg.head_dim == 16 and decoder.cfg.head_dim // 2 == 8
+    torch._dynamo.reset()
+    traced = counters["stats"]["unique_graphs"]
+    stateful = StatefulDecoder(decoder, DecoderStates(decoder, 16), compiled.stateful_transformer())
+    with torch.no_grad():
+        for batch in (3, 8, 16):
+            stateful(torch.randint(0, 64, (batch, 16, 3)), torch.arange(batch), torch.ones(batch, dtype=torch.bool),
+                     torch.full((batch,), 3))
+    assert counters["stats"]["unique_graphs"] - traced == 1
+
+
 def test_state_shapes_and_graph_lengths(decoder):
     cfg = decoder.cfg
     states = DecoderStates(decoder, 3)
