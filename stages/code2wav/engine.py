@@ -95,9 +95,13 @@ class Code2WavEngine:
         else:
             compiled.disable(decoder)
             self.compiled = False
-        self.batch_buckets = tuple(sorted({b for b in config.batch_buckets if b < config.max_batch_size}
-                                          | {config.max_batch_size}))
-        self.length_buckets = tuple(sorted(set(config.length_buckets)))
+        # torch.compile specializes sizes of 1: a batch of one chunk, or chunks of one frame, would each be a trace
+        # and an Inductor compile of its own (four per compiled function where two sizes vary, each also loaded from
+        # the compile cache on every start). A compiled engine pads both to 2 instead: one trace serves every shape.
+        self.min_size = 2 if self.compiled else 1
+        self.batch_buckets = tuple(sorted({max(b, self.min_size) for b in config.batch_buckets
+                                           if b < config.max_batch_size} | {max(config.max_batch_size, self.min_size)}))
+        self.length_buckets = tuple(sorted({max(t, self.min_size) for t in config.length_buckets}))
         self.stateful = config.stateful
         if config.stateful:
             check_layout(decoder)
@@ -332,12 +336,14 @@ class Code2WavEngine:
         return plan[::-1]
 
     def _length_pad(self, length: int) -> int:
+        length = max(length, self.min_size)
         if not self._graphs:
-            return length  # eager: no reason to pad
+            return length  # eager: no reason to pad further
         k = bisect.bisect_left(self.length_buckets, length)
         return self.length_buckets[k] if k < len(self.length_buckets) else length
 
     def _batch_pad(self, count: int, t_pad: int) -> int:
+        count = max(count, self.min_size)
         k = bisect.bisect_left(self.batch_buckets, count)
         if k < len(self.batch_buckets) and (self.batch_buckets[k], t_pad) in self._graphs:
             return self.batch_buckets[k]

@@ -217,6 +217,30 @@ def test_batches_of_the_models_own_sizes_share_the_compiled_transformers_trace(d
     assert counters["stats"]["unique_graphs"] - traced == 1
 
 
+def test_a_compiled_engine_pads_sizes_of_one_and_traces_once(decoder, streams, fulls, monkeypatch):
+    """torch.compile specializes sizes of 1, so a compiled engine decodes a lone chunk and one-frame chunks padded
+    to 2 (rows and frames): a stream decoded one chunk per call from a one-frame first chunk is exact and every
+    forward shares one trace of the compiled transformer (it took four: batch 1 or more, length 1 or more).
+    On CPU `compiled.enable` compiles nothing (CUDA only): patched to report compiled, the engine compiles its
+    stateful transformer through CPU Inductor."""
+    from torch._dynamo.utils import counters
+
+    from stages.code2wav import compiled
+
+    monkeypatch.setattr(compiled, "enable", lambda _decoder: True)
+    torch._dynamo.reset()
+    traced = counters["stats"]["unique_graphs"]
+    engine = stateful_engine(decoder, compile=True)
+    assert engine.compiled and engine.min_size == 2 and min(engine.batch_buckets + engine.length_buckets) == 2
+    chunks = chunks_of(streams[2], "a")
+    assert chunks[0].num_new == 1
+    out = np.concatenate([engine.decode([c])[0] for c in chunks])
+    assert np.abs(out - fulls[2]).max() < TOL
+    assert counters["stats"]["unique_graphs"] - traced == 1
+    s = engine.stats()
+    assert s.forwards == s.batches == len(chunks) and s.padded_frames >= 2 * s.decoded_frames  # every row paired
+
+
 def test_state_shapes_and_graph_lengths(decoder):
     cfg = decoder.cfg
     states = DecoderStates(decoder, 3)
