@@ -83,7 +83,8 @@ class CompileCache:
         """Write what this process compiled, unless the file was loaded and nothing was compiled since that the file
         lacked (a shape variant, a kernel option: written then with what was loaded, so the next start has both).
         Returns whether it wrote."""
-        if self.loaded and self._new_work() == self._work_at_load:
+        work = self._new_work()
+        if self.loaded and work == self._work_at_load:
             return False
         artifacts = torch.compiler.save_cache_artifacts()
         if artifacts is None:
@@ -97,8 +98,10 @@ class CompileCache:
         except OSError as e:  # a read-only or full cache directory costs the next start time, nothing else
             log(f"[compile-cache] could not write {self.path}: {e!r}")
             return False
-        log(f"[compile-cache] wrote {self.path} ({len(data) / 2**20:.1f} MiB"
-            + (", with what this start compiled beyond the file it loaded)" if self.loaded else ")"))
+        if self.loaded:
+            traces, compiles = (now - then for now, then in zip(work, self._work_at_load, strict=True))
+            beyond = f", with what this start compiled beyond the file it loaded: {traces} traces, {compiles} graphs"
+        log(f"[compile-cache] wrote {self.path} ({len(data) / 2**20:.1f} MiB{beyond if self.loaded else ''})")
         return True
 
     def _new_work(self) -> tuple[int, int]:
