@@ -16,7 +16,10 @@ Traced without duck shaping (`_compile`): by default a dynamic size equal to ano
 and the model's fixed sizes are inputs' sizes too (16 codebooks, 8 layers, 16 KV heads, head dim 64, 32 RoPE
 frequencies), so a batch of 8, 16, 32 or 64 or a chunk of 8 or 16 frames was tied to one of them, specialized with
 it, and traced and compiled as a variant of its own (and loaded as one from the compile cache on every start).
-Each batch and length now has a symbol of its own; what remains are the variants of size 1.
+Each batch and length now has a symbol of its own; sizes of 1, which torch.compile specializes, a compiled engine
+pads to 2 (engine.py `min_size`), so each function is traced once. The switch is torch's private
+`torch.fx.experimental._config.use_duck_shape`, used here alone; tests/stages/test_code2wav_stateful.py fails if a
+torch upgrade drops or ignores it.
 """
 
 from __future__ import annotations
