@@ -106,10 +106,10 @@ class TalkerDeploymentConfig(_RuntimeOptions):
         "are decoded there, a burst's first chunks beyond the limit go to Code2Wav"))
     first_chunk_decode_max_batch: int = Field(8, ge=1, le=64, description=(
         "first chunks the Talker decodes in one forward (those waiting while its last decode ran)"))
-    first_chunk_decode_compile: bool = Field(False, description=(
-        "where the Talker's engine compiles (`engine_kwargs.compile`), its first-chunk decoder compiles the codec's "
-        "dequantizer and pre-transformer too: ~1 ms sooner first audio at the server on an H100, a start ~11 s "
-        "longer from the compile cache (docs/serving.md)"))
+    first_chunk_decode_compile: bool = Field(True, description=(
+        "where the Talker's engine compiles (`engine_kwargs.compile`, CUDA), its first-chunk decoder compiles the "
+        "codec's dequantizer and pre-transformer too: first audio ~1-2 ms sooner at one stream on an H100, a first "
+        "start ~15 s longer, a start from the compile cache no longer (docs/serving.md)"))
     first_chunk_decode_fill_ms: float = Field(0.0, ge=0, le=100, description=(
         "a batch of the Talker's first-chunk decodes waits up to this long for more while they arrive often enough "
         "for one more within the wait (fewer decoder forwards beside the engine's steps; 0 = never waits)"))

@@ -427,15 +427,16 @@ def test_first_chunk_decodes_waiting_together_split_into_forwards_of_max_batch(l
 
 
 def test_the_first_chunk_decoder_compiles_where_the_talkers_engine_does(loop, tiny_custom_voice, tmp_path):
-    """`first_chunk_decode_compile` with `engine_kwargs.compile`: the Talker's first-chunk decoder is built compiled
-    too, with the engine's compile cache directory (CUDA only: on CPU both stay eager, so the decoder reports not
-    compiled); by default it is not."""
+    """`first_chunk_decode_compile` (on by default) with `engine_kwargs.compile`: the Talker's first-chunk decoder is
+    built compiled too, with the engine's compile cache directory (CUDA only: on CPU both stay eager, so the decoder
+    reports not compiled); with the option off it is not."""
     from deployments.talker import TalkerServer
 
     config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1, warmup=False,
                                     engine_kwargs={"max_num_seqs": 2, "max_seq_len": 64, "compile": True,
                                                    "compile_cache_dir": str(tmp_path)},
-                                    first_chunk_decode_max_running=1, first_chunk_decode_compile=True)
+                                    first_chunk_decode_max_running=1)
+    assert config.first_chunk_decode_compile is True
     server = TalkerServer.sync_init(config, STREAMING)
     loop.run_until_complete(server.start())
     try:
@@ -444,9 +445,8 @@ def test_the_first_chunk_decoder_compiles_where_the_talkers_engine_does(loop, ti
         assert engine.compiled is False and not list(tmp_path.iterdir())
     finally:
         server.__del__()
-    default = config.model_dump(exclude={"first_chunk_decode_compile"})
-    assert TalkerDeploymentConfig(**default).first_chunk_decode_compile is False  # off unless asked (start-up time)
-    off = TalkerServer.sync_init(TalkerDeploymentConfig(**default), STREAMING)
+    off = TalkerServer.sync_init(TalkerDeploymentConfig(**{**config.model_dump(), "first_chunk_decode_compile": False}),
+                                 STREAMING)
     loop.run_until_complete(off.start())
     try:
         assert off._first_decoder._engine.config.compile is False
