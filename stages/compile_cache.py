@@ -98,10 +98,11 @@ class CompileCache:
         except OSError as e:  # a read-only or full cache directory costs the next start time, nothing else
             log(f"[compile-cache] could not write {self.path}: {e!r}")
             return False
+        beyond = ""
         if self.loaded:
             traces, compiles = (now - then for now, then in zip(work, self._work_at_load, strict=True))
             beyond = f", with what this start compiled beyond the file it loaded: {traces} traces, {compiles} graphs"
-        log(f"[compile-cache] wrote {self.path} ({len(data) / 2**20:.1f} MiB{beyond if self.loaded else ''})")
+        log(f"[compile-cache] wrote {self.path} ({len(data) / 2**20:.1f} MiB{beyond})")
         return True
 
     def _new_work(self) -> tuple[int, int]:

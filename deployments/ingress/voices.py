@@ -49,15 +49,18 @@ class Voices:
         uploaded voice's: the requests of preset voices (most of them) skip the thread and the disk read, which
         under load waited for the event loop's GIL on both ends."""
         presets = self._router.preset_voices()
-        names = {n for n in (body.voice, (body.voice or "").strip())
-                 if _could_be_uploaded(n) and (presets is None or n.lower() not in presets)}
+
+        def may_be_uploaded(name: str | None) -> bool:
+            return _could_be_uploaded(name) and (presets is None or name.lower() not in presets)
+
+        names = {n for n in (body.voice, (body.voice or "").strip()) if may_be_uploaded(n)}
         found = await asyncio.to_thread(lambda: {n: self._store.find(n) for n in names}) if names else {}
 
         def find(name: str) -> VoiceRecord | None:
             if name in found:
                 return found[name]
-            if _could_be_uploaded(name) and (presets is None or name.lower() not in presets):
-                raise LookupError(f"voice {name!r} was not looked up before planning")  # not the request's own
+            if may_be_uploaded(name):  # planning asked about a name it does not take from the request
+                raise LookupError(f"voice {name!r} was not looked up before planning")
             return None
 
         return find
