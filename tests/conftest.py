@@ -54,3 +54,14 @@ def reference_clip(seconds: float = 2.5, sr: int = 24000, seed: int = 0) -> np.n
     f = 120 + 200 * t / seconds
     wav = 0.4 * np.sin(2 * np.pi * f * t) + 0.2 * np.sin(4 * np.pi * f * t) + 0.02 * rng.standard_normal(t.size)
     return (wav * np.hanning(t.size) ** 0.1).astype(np.float32)
+
+
+def tiny_model_info(name: str, path: Path, aliases=()):
+    """The `ModelInfo` a Talker would send the ingress for the tiny checkpoint at `path` (512 positions, 300 frames)."""
+    from deployments.messages import ModelInfo
+    from stages.config import GenerationDefaults, ModelConfig
+    from stages.prompts import TextTokenizer
+
+    return ModelInfo(name=name, aliases=tuple(aliases), config=ModelConfig.from_file(path / "config.json"),
+                     generation=GenerationDefaults.from_file(path / "generation_config.json"),
+                     tokenizer=TextTokenizer(path), max_seq_len=512, fingerprint=name, default_max_new_tokens=300)

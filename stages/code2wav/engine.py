@@ -99,9 +99,9 @@ class Code2WavEngine:
         # and an Inductor compile of its own (four per compiled function where two sizes vary, each also loaded from
         # the compile cache on every start). A compiled engine pads both to 2 instead: one trace serves every shape.
         self.min_size = 2 if self.compiled else 1
-        self.batch_buckets = tuple(sorted({max(b, self.min_size) for b in config.batch_buckets
-                                           if b < config.max_batch_size} | {max(config.max_batch_size, self.min_size)}))
-        self.length_buckets = tuple(sorted({max(t, self.min_size) for t in config.length_buckets}))
+        self.batch_buckets = self._buckets([*(b for b in config.batch_buckets if b < config.max_batch_size),
+                                            config.max_batch_size])
+        self.length_buckets = self._buckets(config.length_buckets)
         self.stateful = config.stateful
         if config.stateful:
             check_layout(decoder)
@@ -334,6 +334,10 @@ class Code2WavEngine:
             plan.append(([order[k] for k in range(i, j)], b_pad, t_pad))
             j = i
         return plan[::-1]
+
+    def _buckets(self, sizes) -> tuple[int, ...]:
+        """`sizes` raised to `min_size`, sorted, each once."""
+        return tuple(sorted({max(n, self.min_size) for n in sizes}))
 
     def _length_pad(self, length: int) -> int:
         length = max(length, self.min_size)

@@ -18,8 +18,7 @@ from deployments.messages import ModelInfo
 from deployments.openapi import build_openapi
 from deployments.schemas import SpeechRequest
 from deployments.voices import VoiceStore
-from stages.config import GenerationDefaults, ModelConfig
-from stages.prompts import TextTokenizer
+from tests.conftest import tiny_model_info
 
 
 def _routes(app) -> set[tuple[str, str]]:
@@ -106,10 +105,7 @@ def test_voice_lookups_run_off_the_event_loop(tmp_path):
 
 def test_a_preset_voice_is_never_looked_up_in_the_store(tmp_path, tiny_custom_voice):
     store, looked_up = _counting_store(tmp_path)
-    info = ModelInfo(name="cv", aliases=(), config=ModelConfig.from_file(tiny_custom_voice / "config.json"),
-                     generation=GenerationDefaults.from_file(tiny_custom_voice / "generation_config.json"),
-                     tokenizer=TextTokenizer(tiny_custom_voice), max_seq_len=512, fingerprint="cv",
-                     default_max_new_tokens=300)
+    info = tiny_model_info("cv", tiny_custom_voice)
     assert "vivian" in info.speakers
     router = _router(info)
     voices = Voices(store, router=router, limits=None, work=None, outcomes=None)

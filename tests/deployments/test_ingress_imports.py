@@ -10,9 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deployments.messages import ModelInfo
-from stages.config import GenerationDefaults, ModelConfig
-from stages.prompts import TextTokenizer
+from tests.conftest import tiny_model_info
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,10 +33,8 @@ print(json.dumps({"loaded": loaded, "after": {m: m in sys.modules for m in ("tra
 
 
 def test_ingress_tokenizes_without_transformers(tiny_custom_voice):
-    tokenizer = TextTokenizer(tiny_custom_voice)
-    info = ModelInfo(name="cv", aliases=(), config=ModelConfig.from_file(tiny_custom_voice / "config.json"),
-                     generation=GenerationDefaults.from_file(tiny_custom_voice / "generation_config.json"),
-                     tokenizer=tokenizer, max_seq_len=512, fingerprint="cv", default_max_new_tokens=300)
+    info = tiny_model_info("cv", tiny_custom_voice)
+    tokenizer = info.tokenizer
     result = subprocess.run([sys.executable, "-c", REPLICA], input=pickle.dumps(info), capture_output=True,
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert result.returncode == 0, result.stderr.decode()[-3000:]

@@ -11,17 +11,13 @@ from deployments.messages import ModelInfo
 from deployments.request_builder import build_request, check_limits, choose_voice, infer_model, resolve_model_name
 from deployments.schemas import SpeechRequest
 from deployments.voices import VoiceRecord
-from stages.config import GenerationDefaults, ModelConfig
 from stages.contract import TaskType, VoiceClonePrompt
-from stages.prompts import TextTokenizer
+from tests.conftest import tiny_model_info
 
 UPLOADED = VoiceRecord("myvoice", "uid", 0, "hello there", False, 10, "audio/wav")
 
 
-def _info(name: str, path, aliases=()) -> ModelInfo:
-    return ModelInfo(name=name, aliases=tuple(aliases), config=ModelConfig.from_file(path / "config.json"),
-                     generation=GenerationDefaults.from_file(path / "generation_config.json"),
-                     tokenizer=TextTokenizer(path), max_seq_len=512, fingerprint=name, default_max_new_tokens=300)
+_info = tiny_model_info
 
 
 @pytest.fixture(scope="module")
