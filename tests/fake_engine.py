@@ -55,6 +55,9 @@ class FakeEngineStats:
     frames: int
     stalled: bool
     kv_reserved_tokens: int = 0
+    # no live text here: never parked or held (TalkerServer's autoscaling stats and metrics read both)
+    parked: int = 0
+    held: int = 0
 
 
 class _Stream:

@@ -536,6 +536,9 @@ def test_talker_health_sees_an_engine_that_stopped_stepping(loop, tiny_custom_vo
         chunks = loop.run_until_complete(_collect(server.generate(_request(server, 6))))
         assert sum(c.num_new for c in chunks) == 6
         server.check_health()
+        # what the autoscaling policy reads of the fake (test_autoscaling's engine): it failed, and the policy
+        # silently fell back to Serve's own count, while the fake's stats lacked `parked`
+        assert server.record_autoscaling_stats() == {"waiting": 0.0, "running": 0.0, "slots": 2.0}
 
         async def stuck():
             agen = server.generate(_request(server, 50, rid="stuck", seed=666))

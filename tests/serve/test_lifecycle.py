@@ -25,7 +25,10 @@ def test_client_disconnect_cancels_generation_and_frees_the_slot(base_url):
         body = speech(response_format="pcm", stream=True, max_new_tokens=max_frames)
         with client.stream("POST", "/v1/audio/speech", json=body) as response:
             assert response.status_code == 200
-            first = next(response.iter_bytes())
+            # the iterator is held: a `next(response.iter_bytes())` drops it at once, and a dropped httpx iterator
+            # closes the connection, which raced this check against the cancellation (a CI failure, 2026-11-25)
+            chunks = response.iter_bytes()
+            first = next(chunks)
             assert len(first) > 0 and engine_stats("cv")["running"] == 1
             disconnected = time.monotonic()
         # leaving the block closes the connection with most of the audio unread
