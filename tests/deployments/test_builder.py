@@ -32,8 +32,24 @@ def _deployments(app) -> dict:
     return out
 
 
-@pytest.mark.parametrize("config", ["local.yaml", "local_all.yaml", "high_concurrency.yaml", "split.yaml",
-                                    "multi_model.yaml", "replicas.yaml"])
+SHIPPED = ["local.yaml", "local_all.yaml", "high_concurrency.yaml", "split.yaml", "multi_model.yaml", "replicas.yaml"]
+
+
+def test_every_config_in_the_folder_is_tested():
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("config", SHIPPED)
+def test_every_shipped_config_decodes_statefully(config):
+    """README and docs/code2wav.md §6 say so: a chunk decodes its new frames only, with enough state slots for the
+    streams its Talkers run at once (least recently used beyond)."""
+    args = TTSServingArgs.model_validate(_app_args(config))
+    kwargs = args.code2wav.engine_kwargs
+    assert kwargs.get("stateful") is True
+    assert kwargs["state_slots"] >= max(m.engine_kwargs.get("max_num_seqs", 1) for m in args.models)
+
+
+@pytest.mark.parametrize("config", SHIPPED)
 def test_every_shipped_config_builds(config):
     args = TTSServingArgs.model_validate(_app_args(config))
     deployments = _deployments(build_app(args))
