@@ -12,7 +12,12 @@ to), so the file name keys the source of the compiled code as well as the torch,
 GPU and the model's shapes: an incompatible file is never offered; a file that is not useful is harmless
 (PyTorch checks its own cache keys entry by entry). A start that loaded the file and compiled something it lacked
 (a shape variant, a kernel option the key does not name) writes it again with both, so the next start has all of
-it. Writes are atomic: replicas starting together may race, and the last complete file wins.
+it: PyTorch's own save returns only what this process recorded (a variant served by Dynamo's loaded work records
+nothing, so its Inductor and AOTAutograd artifacts were dropped from a rewritten file: 21.5 -> 3.7 MiB on an H100),
+and `save` merges it into the file as it is then (`_merged`), so a file only grows. Writes are atomic: replicas
+starting together may race, and the last complete file wins (it holds what it read, and what its writer added).
+Two engines whose compiled functions see different shapes must not share a file (Dynamo's work for a function is
+one artifact, and each would replace the other's): the key names what decides the shapes (`model_key`).
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ class CompileCache:
         if artifacts is None:
             return False
         data, _info = artifacts
+        if self.path.is_file():
+            data = _merged(self.path.read_bytes(), data, log)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
@@ -111,6 +118,46 @@ class CompileCache:
         return (counters["stats"]["unique_graphs"] if self.dynamo else 0, counters["inductor"]["fxgraph_cache_miss"])
 
 
+def _merged(current: bytes, new: bytes, log: Callable[[str], None]) -> bytes:
+    """The artifacts of `current` (a file's bytes) with those of `new` added; of two with the same type and key,
+    `new`'s (Dynamo's work for a function holds every variant this process has of it, loaded ones included).
+
+    torch keeps this format private (`torch.compiler._cache`: a list of (type, artifacts) pairs, which torch's
+    own loader turns into a dict, so two files cannot simply be concatenated); a torch whose format this does not
+    read gets `new` alone, as before. tests/stages/test_compile_cache.py fails if a torch upgrade breaks it."""
+    try:
+        from torch.compiler._cache import _serialize_single_cache
+        from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+        merged, added = _artifacts(current), _artifacts(new)
+        for kind, artifacts in added.items():
+            by_key = {a.key: a for a in merged.get(kind, [])}
+            by_key.update({a.key: a for a in artifacts})
+            merged[kind] = list(by_key.values())
+        writer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+        writer.extend(merged.items())
+        return writer.to_bytes()
+    except Exception as e:  # the file keeps this start's work, as torch's own save would
+        log(f"[compile-cache] could not merge with the file ({e!r}): writing this start's work alone")
+        return new
+
+
+def _artifacts(data: bytes) -> dict[str, list]:
+    """A file's artifacts by type ("inductor", "aot_autograd", "precompile", ...), each with `key` and `content`."""
+    from torch.compiler._cache import CacheArtifactManager
+
+    artifacts = CacheArtifactManager.deserialize(data)
+    if artifacts is None:
+        raise ValueError("unreadable artifacts")
+    return artifacts
+
+
+def contents(path: Path) -> dict[str, tuple[int, int]]:
+    """What a cache file holds: artifact type -> (count, bytes)."""
+    return {kind: (len(items), sum(len(a.content) for a in items))
+            for kind, items in _artifacts(Path(path).read_bytes()).items()}
+
+
 def _fresh_dynamo_names() -> None:
     """Start Dynamo's process-wide name counter at a random offset, so that a function traced anew after a load
     (a shape variant the file lacks) cannot take a name the loaded work already put into its module's globals.
@@ -128,3 +175,12 @@ def _fresh_dynamo_names() -> None:
 
     if hasattr(bytecode_transformation, "_unique_id_counter"):
         bytecode_transformation._unique_id_counter = itertools.count(random.SystemRandom().randrange(1 << 32, 1 << 62))
+
+
+if __name__ == "__main__":  # python -m stages.compile_cache DIR_OR_FILE...: what each cache file holds
+    import sys
+
+    for arg in sys.argv[1:]:
+        for file in sorted(Path(arg).expanduser().glob("torch-compile-*.bin")) if Path(arg).is_dir() else [Path(arg)]:
+            parts = ", ".join(f"{kind} {n} ({size / 2**20:.1f} MiB)" for kind, (n, size) in contents(file).items())
+            print(f"{file.name}: {file.stat().st_size / 2**20:.1f} MiB: {parts}")

@@ -121,7 +121,9 @@ class Code2WavEngine:
         """Capture the CUDA graphs (CUDA + `cuda_graphs`), else run one small eager decode. Returns seconds."""
         with self._lock:
             t0 = time.perf_counter()
-            cache = self._compile_cache(log)
+            cache = self.compile_cache()
+            if cache is not None:
+                cache.load(log)
             if self.device.type == "cuda" and self.config.cuda_graphs:
                 self._capture(log)
             else:
@@ -134,16 +136,17 @@ class Code2WavEngine:
                 cache.save(log)
             return time.perf_counter() - t0
 
-    def _compile_cache(self, log: Callable[[str], None]) -> CompileCache | None:
-        """The compile cache file of this decoder's compiled code, loaded before the first compile (None: the
-        engine does not compile, or keeps no cache)."""
+    def compile_cache(self) -> CompileCache | None:
+        """The compile cache file of this decoder's compiled code, which `warmup` loads before the first compile
+        (None: the engine does not compile, or keeps no cache)."""
         if not (self.compiled and self.config.compile_cache_dir):
             return None
-        shapes = {"code2wav": repr(self.decoder.cfg), "dtype": str(self.dtype)}
-        cache = CompileCache.for_model(self.config.compile_cache_dir, self.device, shapes,
-                                       sources=compiled.COMPILED_SOURCES)
-        cache.load(log)
-        return cache
+        # the shapes its functions see: the Talker's first-chunk decoder (a few small graphs) and Code2Wav's engine
+        # load the same model and must keep their work apart (stages/compile_cache.py)
+        shapes = {"code2wav": repr(self.decoder.cfg), "dtype": str(self.dtype), "graphs": self.graph_shapes(),
+                  "stateful": self.config.stateful}
+        return CompileCache.for_model(self.config.compile_cache_dir, self.device, shapes,
+                                      sources=compiled.COMPILED_SOURCES)
 
     def graph_shapes(self) -> list[tuple[int, int]]:
         """(batch, length) pairs that get a graph: every bucket pair within `max_frames_per_forward`."""

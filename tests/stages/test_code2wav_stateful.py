@@ -241,6 +241,21 @@ def test_a_compiled_engine_pads_sizes_of_one_and_traces_once(decoder, streams, f
     assert s.forwards == s.batches == len(chunks) and s.padded_frames >= 2 * s.decoded_frames  # every row paired
 
 
+def test_the_first_chunk_decoder_and_code2wav_keep_their_compiled_work_apart(decoder, monkeypatch, tmp_path):
+    """The Talker's first-chunk decoder and the Code2Wav replica compile the same functions for different shapes:
+    one compile cache file between them made each start replace the other's Dynamo work and trace again (an H100,
+    2026-11-25: Code2Wav 2 traces and the first-chunk decoder 1 on every start from the cache). The same engine
+    config finds its own file again (a restart)."""
+    from deployments.first_chunk_decoder import engine_config
+    from stages.code2wav import compiled
+
+    monkeypatch.setattr(compiled, "enable", lambda _decoder: True)  # CPU: compiled.enable compiles nothing
+    first_chunks, _, _ = engine_config(FIRST_1, compile=True, compile_cache_dir=str(tmp_path))
+    serving = Code2WavEngineConfig(max_batch_size=64, stateful=True, compile=True, compile_cache_dir=str(tmp_path))
+    paths = [Code2WavEngine(decoder, config).compile_cache().path for config in (first_chunks, serving, serving)]
+    assert paths[0] != paths[1] and paths[1] == paths[2] and paths[0].parent == tmp_path
+
+
 def test_state_shapes_and_graph_lengths(decoder):
     cfg = decoder.cfg
     states = DecoderStates(decoder, 3)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.compile_cache import CompileCache
+from stages.compile_cache import CompileCache, contents
 
 SCRIPT = r"""
 import json, sys, torch
@@ -26,6 +26,8 @@ from stages.compile_cache import CompileCache
 cache = CompileCache.for_model(sys.argv[1], torch.device("cpu"), {"model": "test"}, sources=(stages.layers.__file__,),
                                dynamo=sys.argv[2] == "1")
 loaded = cache.load(lambda m: None)
+if sys.argv[5] == "0":  # a start that cannot use the file's Dynamo work (traces again): Inductor's must serve it
+    torch._dynamo.config.caching_precompile = False
 f = torch.compile(stages.layers._rms, dynamic=True)  # a function of the engine's: the cache keys its file
 if sys.argv[4] == "code2wav":  # under the grad mode of Code2WavEngine's decodes
     from stages.code2wav.engine import DECODE_MODE as mode
@@ -42,9 +44,11 @@ print(json.dumps({"loaded": loaded, "wrote": wrote, "hits": counters["inductor"]
 """
 
 
-def _run(cache_dir: Path, inductor_dir: Path, dynamo: bool = True, rows: str = "1,4", mode: str = "grad") -> dict:
+def _run(cache_dir: Path, inductor_dir: Path, dynamo: bool = True, rows: str = "1,4", mode: str = "grad",
+         dynamo_work: bool = True) -> dict:
     env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(Path(__file__).parents[2])}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir), "1" if dynamo else "0", rows, mode],
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir), "1" if dynamo else "0", rows, mode,
+                          "1" if dynamo_work else "0"],
                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -83,6 +87,21 @@ def test_a_variant_the_file_lacks_is_traced_after_loading(tmp_path):
     assert second["wrote"]
     third = _run(tmp_path / "shared", tmp_path / "inductor-c", rows="4,1")
     assert third["loaded"] and not third["wrote"] and third["traced"] == 0 and third["misses"] == 0, third
+
+
+def test_a_rewritten_file_keeps_what_it_had(tmp_path):
+    """torch's save returns what this process recorded, and a variant served by Dynamo's loaded work records
+    nothing: the rewrite after a new variant dropped the old variant's Inductor work (a served Talker's file went
+    21.5 -> 3.7 MiB on an H100). Merged into the file, it stays: a later start that cannot use Dynamo's work (a
+    guard that fails, a torch that drops it) traces both variants but compiles neither, in a fresh Inductor cache."""
+    first = _run(tmp_path / "shared", tmp_path / "inductor-a", rows="4")
+    assert first["wrote"] and first["misses"] == 1
+    second = _run(tmp_path / "shared", tmp_path / "inductor-b", rows="4,1")
+    assert second["loaded"] and second["wrote"] and second["misses"] == 1  # the new variant only
+    (file,) = (tmp_path / "shared").glob("torch-compile-*.bin")
+    assert contents(file)["inductor"][0] == 2  # both variants' graphs (`python -m stages.compile_cache` lists them)
+    third = _run(tmp_path / "shared", tmp_path / "inductor-c", rows="4,1", dynamo_work=False)
+    assert third["loaded"] and third["traced"] == 2 and third["misses"] == 0 and third["hits"] == 2, third
 
 
 def test_without_dynamo_a_fresh_process_traces_again_but_compiles_nothing(tmp_path):
