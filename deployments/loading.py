@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
@@ -41,15 +42,20 @@ def replica_log(prefix: str) -> Log:
     """A `log` callable for the stages' loaders: start-up progress reaches the `serve run` console.
 
     Serve's logger writes to stderr (which Ray forwards to the console) unless the cluster runs with
-    `RAY_SERVE_LOG_TO_STDERR=0`, which `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` implies; then the lines also go to
-    stdout, or a two-minute start-up would print nothing until "ready".
+    `RAY_SERVE_LOG_TO_STDERR=0`, which `RAY_SERVE_THROUGHPUT_OPTIMIZED=1` implies; then the lines also go to the
+    process's own stdout, or a two-minute start-up would print nothing until "ready". Its own: in that mode a
+    replica's `print` and `sys.stdout` go to Serve's logger too (ray/serve/_private/logging_utils.py), which
+    keeps up to 1,000 records before it writes its file and never reaches the console.
     """
     to_stdout = not serve_logs_to_stderr()
 
     def log(message: str) -> None:
         logger.info(f"[{prefix}] {message}")
         if to_stdout:
-            print(f"[{prefix}] {message}", flush=True)
+            # written, not printed: Serve's replacement `print` prints a tuple when given a file (Ray 2.60)
+            stream = sys.__stdout__ or sys.stdout
+            stream.write(f"[{prefix}] {message}\n")
+            stream.flush()
 
     return log
 

@@ -18,14 +18,25 @@ def test_serve_logs_to_stderr_follows_serves_rule(env, expected):
     assert serve_logs_to_stderr(env) is expected
 
 
-def test_progress_goes_to_stdout_when_serve_does_not_log_to_stderr(monkeypatch, capsys):
+def test_progress_goes_to_stdout_when_serve_does_not_log_to_stderr(monkeypatch, capfd):
+    """As in a replica of throughput-optimized Serve, which sends `print` and `sys.stdout` to its own logger (a
+    buffer and a file, never the console): the line must reach the process's stdout, which Ray forwards."""
+    import builtins
+    import logging
+    import sys
+
+    from ray.serve._private.logging_utils import StreamToLogger, redirected_print
+
     monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
     monkeypatch.delenv("RAY_SERVE_LOG_TO_STDERR", raising=False)
+    serve_logger = logging.getLogger("ray.serve")
+    monkeypatch.setattr(builtins, "print", redirected_print)
+    monkeypatch.setattr(sys, "stdout", StreamToLogger(serve_logger, logging.INFO, sys.stdout))
     replica_log("Talker:cv")("capturing graphs 3/21")
-    assert capsys.readouterr().out == "[Talker:cv] capturing graphs 3/21\n"
-    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED")
+    monkeypatch.undo()
+    assert capfd.readouterr().out == "[Talker:cv] capturing graphs 3/21\n"
     replica_log("Talker:cv")("loaded")
-    assert capsys.readouterr().out == ""  # Serve's stderr handler shows it; no second copy
+    assert capfd.readouterr().out == ""  # Serve's stderr handler shows it; no second copy
 
 
 def test_triton_cache_goes_beside_the_compile_cache_unless_set():
