@@ -42,10 +42,16 @@ _MODULES = ("quantizer", "pre_transformer")
 def _compile(fn: Callable) -> Callable:
     """`fn` through torch.compile for dynamic shapes, traced without duck shaping (the module docstring). The
     setting only matters while Dynamo traces; a CUDA graph's replay runs no Python at all."""
-    compiled_fn = torch.compile(fn, dynamic=True, fullgraph=True)
+    compiled_fn = None
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        nonlocal compiled_fn
+        if compiled_fn is None:
+            # wrapped at the first call, not here: torch.compile reads Dynamo's caching precompile switch when it
+            # wraps, and the compile cache turns it on when its file is loaded (the engine's warm-up, after this);
+            # wrapped before, the function's Dynamo work was never recorded, so every start traced it again
+            compiled_fn = torch.compile(fn, dynamic=True, fullgraph=True)
         with shape_config.patch(use_duck_shape=False):
             return compiled_fn(*args, **kwargs)
 

@@ -112,6 +112,50 @@ def test_without_dynamo_a_fresh_process_traces_again_but_compiles_nothing(tmp_pa
     assert not second["wrote"]  # tracing again is not new work for a file without Dynamo's
 
 
+ENGINE_SCRIPT = r"""
+import json, sys
+import numpy as np
+from torch._dynamo.utils import counters
+from stages.code2wav import compiled
+from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
+from stages.contract import CodecChunk
+from stages.qwen3_tts import Qwen3TTS
+compiled.enable = lambda decoder: True  # CPU: compile the stateful pre-transformer only (as the engine tests do)
+decoder = Qwen3TTS.load(sys.argv[2], "cpu", "float32", talker=False, decoder=True, voice=False).decoder
+config = Code2WavEngineConfig(stateful=True, state_slots=4, compile=True, compile_cache_dir=sys.argv[1], max_batch_size=4,
+                              batch_buckets=(2, 4), length_buckets=(2, 4), cuda_graphs=False)
+engine = Code2WavEngine(decoder, config)  # the compiled functions exist from here on; warmup loads the file
+logs = []
+engine.warmup(logs.append)
+rng = np.random.default_rng(0)
+for seq in range(2):
+    engine.decode([CodecChunk(f"s{i}", seq, rng.integers(0, 2048, (3, 16)), 0) for i in range(3)])
+cache = engine.compile_cache()
+wrote = cache.save(logs.append)
+print(json.dumps({"traced": counters["stats"]["unique_graphs"], "wrote": wrote, "logs": logs}))
+"""
+
+
+def test_a_code2wav_engine_reuses_dynamos_work_from_its_file(tmp_path, tiny_custom_voice):
+    """The engine's compiled functions exist before its warm-up loads the file, and torch.compile reads Dynamo's
+    caching precompile switch (which the load turns on) when it wraps a function: wrapped then, their Dynamo work
+    was never recorded, and every start traced them again (an H100, 2026-11-25: the served Code2Wav's file held
+    no Dynamo work; `stages/code2wav/compiled.py` now wraps at the first call)."""
+    def run(inductor: str) -> dict:
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / inductor), "PYTHONPATH": str(Path(__file__).parents[2])}
+        out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(tmp_path / "shared"), str(tiny_custom_voice)],
+                             env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first = run("inductor-a")
+    assert first["traced"] >= 1
+    (file,) = (tmp_path / "shared").glob("torch-compile-*.bin")
+    assert "precompile" in contents(file), contents(file)
+    second = run("inductor-b")
+    assert second["traced"] == 0 and not second["wrote"], second
+
+
 def test_a_broken_file_is_skipped_and_keys_differ(tmp_path):
     cache = CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "a"})
     assert cache.path != CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "b"}).path
