@@ -156,6 +156,40 @@ def test_a_code2wav_engine_reuses_dynamos_work_from_its_file(tmp_path, tiny_cust
     assert second["traced"] == 0 and not second["wrote"], second
 
 
+TWO_CACHES_SCRIPT = r"""
+import sys, torch
+import stages.layers
+from stages.compile_cache import CompileCache
+first = CompileCache.for_model(sys.argv[1], torch.device("cpu"), {"model": "first"})
+first.load(lambda m: None)
+torch.compile(stages.layers._rms, dynamic=True)(torch.randn(4, 3, 8), torch.randn(8), 1e-6)
+first.save(lambda m: None)
+second = CompileCache.for_model(sys.argv[1], torch.device("cpu"), {"model": "second"})
+second.load(lambda m: None)
+torch.compile(lambda x: torch.sin(x) * 2, dynamic=True)(torch.randn(4, 8))
+second.save(lambda m: None)
+"""
+
+
+def test_a_second_cache_in_a_process_writes_its_own_work_only(tmp_path):
+    """torch's save returns everything the process serialized so far: the Talker's first-chunk decoder, saving
+    after the Talker in one process, wrote the Talker's artifacts into its own file too (55.5 MiB for 6)."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(Path(__file__).parents[2])}
+    out = subprocess.run([sys.executable, "-c", TWO_CACHES_SCRIPT, str(tmp_path / "shared")],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    files = sorted((tmp_path / "shared").glob("torch-compile-*.bin"))
+    assert len(files) == 2
+    for file in files:  # one batch of each artifact type, one Inductor graph: nothing of the other cache's
+        kinds = [kind for kind, _ in AppendingByteSerializer.to_list(file.read_bytes(),
+                                                                    deserialize_fn=_deserialize_single_cache)]
+        assert len(kinds) == len(set(kinds)) and contents(file)["inductor"][0] == 1, (file.name, kinds)
+
+
 def test_a_broken_file_is_skipped_and_keys_differ(tmp_path):
     cache = CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "a"})
     assert cache.path != CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "b"}).path
