@@ -85,8 +85,8 @@ class CompileCache:
         return True
 
     def save(self, log: Callable[[str], None]) -> bool:
-        """Write what this process compiled, unless the file was loaded and nothing was compiled since that the file
-        lacked (a shape variant, a kernel option: written then with what was loaded, so the next start has both).
+        """Write what this process compiled into the file, merged with what the file holds by then (`_merged`),
+        unless the file was loaded and nothing was compiled since that it lacked (a shape variant, a kernel option).
         Returns whether it wrote."""
         work = self._new_work()
         if self.loaded and work == self._work_at_load:
