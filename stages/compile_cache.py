@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,14 +96,24 @@ class CompileCache:
         if artifacts is None:
             return False
         data, _info = artifacts
-        data = _merged(self.path.read_bytes() if self.path.is_file() else None, data, log)
+        try:
+            current = self.path.read_bytes() if self.path.is_file() else None
+        except OSError as e:  # unreadable now (permissions, a shared volume's hiccup): this start's work alone
+            log(f"[compile-cache] could not read {self.path} to merge ({e!r})")
+            current = None
+        data = _merged(current, data, log)
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(data)
+            # a unique name in the same directory: replicas of several machines may share it (their pids may match)
+            fd, tmp = tempfile.mkstemp(prefix=f"{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
             os.replace(tmp, self.path)
         except OSError as e:  # a read-only or full cache directory costs the next start time, nothing else
             log(f"[compile-cache] could not write {self.path}: {e!r}")
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
             return False
         beyond = ""
         if self.loaded:
@@ -120,9 +131,11 @@ class CompileCache:
 def _merged(current: bytes | None, new: bytes, log: Callable[[str], None]) -> bytes:
     """The artifacts of `current` (a file's bytes, or None) with those of `new` added; of two with the same type and
     key, `new`'s (Dynamo's work for a function holds every variant this process has of it, loaded ones included).
-    Of `new`, the last batch of each type: torch's save returns all that the process serialized so far, so the
-    bytes of a second cache in one process (the Talker's first-chunk decoder after the Talker) began with the
-    first one's artifacts (a 55.5 MiB file for 6 MiB of its own).
+    Of `new`, one batch of each type, the last (torch's own reader keeps one): torch's save returns all that the
+    process serialized so far, so the bytes of a second cache in one process (the Talker's first-chunk decoder
+    after the Talker) began with the first one's artifacts (a 55.5 MiB file for 6 MiB of its own); a type that the
+    second cache records none of still comes from the first (small: autotune results). The file only grows: an
+    entry no start uses any more stays until the key changes (torch, the compiled source, the shapes).
 
     torch keeps this format private (`torch.compiler._cache`: a list of (type, artifacts) pairs, which torch's
     own loader turns into a dict, so two files cannot simply be concatenated); a torch whose format this does not
@@ -183,6 +196,10 @@ if __name__ == "__main__":  # python -m stages.compile_cache DIR_OR_FILE...: wha
     import sys
 
     for arg in sys.argv[1:]:
-        for file in sorted(Path(arg).expanduser().glob("torch-compile-*.bin")) if Path(arg).is_dir() else [Path(arg)]:
-            parts = ", ".join(f"{kind} {n} ({size / 2**20:.1f} MiB)" for kind, (n, size) in contents(file).items())
+        path = Path(arg).expanduser()
+        for file in sorted(path.glob("torch-compile-*.bin")) if path.is_dir() else [path]:
+            try:
+                parts = ", ".join(f"{kind} {n} ({size / 2**20:.1f} MiB)" for kind, (n, size) in contents(file).items())
+            except Exception as e:  # one unreadable file: say so, list the others
+                parts = f"unreadable ({e!r})"
             print(f"{file.name}: {file.stat().st_size / 2**20:.1f} MiB: {parts}")

@@ -41,12 +41,15 @@ def test_every_config_in_the_folder_is_tested():
 
 @pytest.mark.parametrize("config", SHIPPED)
 def test_every_shipped_config_decodes_statefully(config):
-    """README and docs/code2wav.md §6 say so: a chunk decodes its new frames only, with enough state slots for the
-    streams its Talkers run at once (least recently used beyond)."""
+    """README and docs/code2wav.md §6 say so: a chunk decodes its new frames only, with a state slot for each row
+    of a Talker replica at least (least recently used beyond: such a stream decodes over its left context)."""
+    from stages.talker.engine_config import TalkerEngineConfig
+
     args = TTSServingArgs.model_validate(_app_args(config))
     kwargs = args.code2wav.engine_kwargs
     assert kwargs.get("stateful") is True
-    assert kwargs["state_slots"] >= max(m.engine_kwargs.get("max_num_seqs", 1) for m in args.models)
+    rows = max(m.engine_kwargs.get("max_num_seqs", TalkerEngineConfig.max_num_seqs) for m in args.models)
+    assert kwargs["state_slots"] >= rows
 
 
 @pytest.mark.parametrize("config", SHIPPED)

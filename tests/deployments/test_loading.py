@@ -29,12 +29,12 @@ def test_progress_goes_to_stdout_when_serve_does_not_log_to_stderr(monkeypatch, 
 
     monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
     monkeypatch.delenv("RAY_SERVE_LOG_TO_STDERR", raising=False)
-    serve_logger = logging.getLogger("ray.serve")
-    monkeypatch.setattr(builtins, "print", redirected_print)
-    monkeypatch.setattr(sys, "stdout", StreamToLogger(serve_logger, logging.INFO, sys.stdout))
-    replica_log("Talker:cv")("capturing graphs 3/21")
-    monkeypatch.undo()
+    with monkeypatch.context() as serve_redirection:
+        serve_redirection.setattr(builtins, "print", redirected_print)
+        serve_redirection.setattr(sys, "stdout", StreamToLogger(logging.getLogger("ray.serve"), logging.INFO, sys.stdout))
+        replica_log("Talker:cv")("capturing graphs 3/21")
     assert capfd.readouterr().out == "[Talker:cv] capturing graphs 3/21\n"
+    monkeypatch.delenv("RAY_SERVE_THROUGHPUT_OPTIMIZED")
     replica_log("Talker:cv")("loaded")
     assert capfd.readouterr().out == ""  # Serve's stderr handler shows it; no second copy
 

@@ -252,8 +252,10 @@ def test_the_first_chunk_decoder_and_code2wav_keep_their_compiled_work_apart(dec
     monkeypatch.setattr(compiled, "enable", lambda _decoder: True)  # CPU: compiled.enable compiles nothing
     first_chunks, _, _ = engine_config(FIRST_1, compile=True, compile_cache_dir=str(tmp_path))
     serving = Code2WavEngineConfig(max_batch_size=64, stateful=True, compile=True, compile_cache_dir=str(tmp_path))
-    paths = [Code2WavEngine(decoder, config).compile_cache().path for config in (first_chunks, serving, serving)]
-    assert paths[0] != paths[1] and paths[1] == paths[2] and paths[0].parent == tmp_path
+    stateless = Code2WavEngineConfig(max_batch_size=64, compile=True, compile_cache_dir=str(tmp_path))  # shapes alone
+    configs = (first_chunks, serving, serving, stateless)
+    paths = [Code2WavEngine(decoder, config).compile_cache().path for config in configs]
+    assert len({paths[0], paths[1], paths[3]}) == 3 and paths[1] == paths[2] and paths[0].parent == tmp_path
 
 
 def test_state_shapes_and_graph_lengths(decoder):

@@ -44,14 +44,20 @@ print(json.dumps({"loaded": loaded, "wrote": wrote, "hits": counters["inductor"]
 """
 
 
+def _python(script: str, args: list[str], inductor_dir: Path) -> str:
+    """`script` in a fresh process whose Inductor cache is `inductor_dir`; -> its stdout."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(Path(__file__).parents[2])}
+    out = subprocess.run([sys.executable, "-c", script, *args], env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def _run(cache_dir: Path, inductor_dir: Path, dynamo: bool = True, rows: str = "1,4", mode: str = "grad",
          dynamo_work: bool = True) -> dict:
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(Path(__file__).parents[2])}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir), "1" if dynamo else "0", rows, mode,
-                          "1" if dynamo_work else "0"],
-                         env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = _python(SCRIPT, [str(cache_dir), "1" if dynamo else "0", rows, mode, "1" if dynamo_work else "0"],
+                  inductor_dir)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_a_fresh_process_compiles_from_the_file(tmp_path):
@@ -130,7 +136,7 @@ engine.warmup(logs.append)
 rng = np.random.default_rng(0)
 for seq in range(2):
     engine.decode([CodecChunk(f"s{i}", seq, rng.integers(0, 2048, (3, 16)), 0) for i in range(3)])
-cache = engine.compile_cache()
+cache = engine.compile_cache()  # a fresh handle (not `loaded`): it writes whenever torch recorded anything new
 wrote = cache.save(logs.append)
 print(json.dumps({"traced": counters["stats"]["unique_graphs"], "wrote": wrote, "logs": logs}))
 """
@@ -142,11 +148,8 @@ def test_a_code2wav_engine_reuses_dynamos_work_from_its_file(tmp_path, tiny_cust
     was never recorded, and every start traced them again (an H100, 2026-11-25: the served Code2Wav's file held
     no Dynamo work; `stages/code2wav/compiled.py` now wraps at the first call)."""
     def run(inductor: str) -> dict:
-        env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / inductor), "PYTHONPATH": str(Path(__file__).parents[2])}
-        out = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, str(tmp_path / "shared"), str(tiny_custom_voice)],
-                             env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        out = _python(ENGINE_SCRIPT, [str(tmp_path / "shared"), str(tiny_custom_voice)], tmp_path / inductor)
+        return json.loads(out.strip().splitlines()[-1])
 
     first = run("inductor-a")
     assert first["traced"] >= 1
@@ -174,10 +177,7 @@ second.save(lambda m: None)
 def test_a_second_cache_in_a_process_writes_its_own_work_only(tmp_path):
     """torch's save returns everything the process serialized so far: the Talker's first-chunk decoder, saving
     after the Talker in one process, wrote the Talker's artifacts into its own file too (55.5 MiB for 6)."""
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(Path(__file__).parents[2])}
-    out = subprocess.run([sys.executable, "-c", TWO_CACHES_SCRIPT, str(tmp_path / "shared")],
-                         env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+    _python(TWO_CACHES_SCRIPT, [str(tmp_path / "shared")], tmp_path / "inductor")
     from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
     from torch.utils._appending_byte_serializer import AppendingByteSerializer
 
