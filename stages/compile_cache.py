@@ -64,7 +64,9 @@ class CompileCache:
         """Hand the file's artifacts to torch.compile (before the first compile). Returns whether it did.
 
         With `dynamo`, turns Dynamo's caching precompile on for the process first (where this torch has it), so
-        that this start also writes Dynamo's work to the file, or reads it from there."""
+        that this start also writes Dynamo's work to the file, or reads it from there: only for functions that
+        torch.compile wraps after this call (it reads the switch when it wraps; stages/code2wav/compiled.py wraps
+        at the first call for that reason, the Talker's runner is built after the load)."""
         if self.dynamo and hasattr(torch._dynamo.config, "caching_precompile"):
             torch._dynamo.config.caching_precompile = True
             _fresh_dynamo_names()

@@ -17,13 +17,12 @@ from tests.conftest import tiny_model_info
 UPLOADED = VoiceRecord("myvoice", "uid", 0, "hello there", False, 10, "audio/wav")
 
 
-_info = tiny_model_info
 
 
 @pytest.fixture(scope="module")
 def infos(tiny_custom_voice, tiny_base, tiny_voice_design) -> dict[str, ModelInfo]:
-    return {"cv": _info("cv", tiny_custom_voice, ["tts-1"]), "base": _info("base", tiny_base),
-            "vd": _info("vd", tiny_voice_design)}
+    return {"cv": tiny_model_info("cv", tiny_custom_voice, ["tts-1"]), "base": tiny_model_info("base", tiny_base),
+            "vd": tiny_model_info("vd", tiny_voice_design)}
 
 
 @pytest.fixture(scope="module")

@@ -44,20 +44,19 @@ print(json.dumps({"loaded": loaded, "wrote": wrote, "hits": counters["inductor"]
 """
 
 
-def _python(script: str, args: list[str], inductor_dir: Path) -> str:
-    """`script` in a fresh process whose Inductor cache is `inductor_dir`; -> its stdout."""
+def _python(script: str, args: list[str], inductor_dir: Path) -> dict:
+    """`script` in a fresh process whose Inductor cache is `inductor_dir`; -> the JSON of its last line."""
     env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(Path(__file__).parents[2])}
     out = subprocess.run([sys.executable, "-c", script, *args], env={**os.environ, **env}, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _run(cache_dir: Path, inductor_dir: Path, dynamo: bool = True, rows: str = "1,4", mode: str = "grad",
          dynamo_work: bool = True) -> dict:
-    out = _python(SCRIPT, [str(cache_dir), "1" if dynamo else "0", rows, mode, "1" if dynamo_work else "0"],
-                  inductor_dir)
-    return json.loads(out.strip().splitlines()[-1])
+    return _python(SCRIPT, [str(cache_dir), "1" if dynamo else "0", rows, mode, "1" if dynamo_work else "0"],
+                   inductor_dir)
 
 
 def test_a_fresh_process_compiles_from_the_file(tmp_path):
@@ -148,8 +147,7 @@ def test_a_code2wav_engine_reuses_dynamos_work_from_its_file(tmp_path, tiny_cust
     was never recorded, and every start traced them again (an H100, 2026-11-25: the served Code2Wav's file held
     no Dynamo work; `stages/code2wav/compiled.py` now wraps at the first call)."""
     def run(inductor: str) -> dict:
-        out = _python(ENGINE_SCRIPT, [str(tmp_path / "shared"), str(tiny_custom_voice)], tmp_path / inductor)
-        return json.loads(out.strip().splitlines()[-1])
+        return _python(ENGINE_SCRIPT, [str(tmp_path / "shared"), str(tiny_custom_voice)], tmp_path / inductor)
 
     first = run("inductor-a")
     assert first["traced"] >= 1
@@ -171,6 +169,7 @@ second = CompileCache.for_model(sys.argv[1], torch.device("cpu"), {"model": "sec
 second.load(lambda m: None)
 torch.compile(lambda x: torch.sin(x) * 2, dynamic=True)(torch.randn(4, 8))
 second.save(lambda m: None)
+print("{}")
 """
 
 
