@@ -26,7 +26,8 @@
 # (requests per closed point: max(min, k x c)), OPEN_MIN / OPEN_SECONDS (per open point: max(min, s x r)),
 # LOADGEN_PROCESSES (1: worker processes of bench.loadgen reading the streams), STAGGER_S (closed points: the
 # streams' starts spread over this many seconds; default all at once), READY_TIMEOUT_S (420),
-# PORT (8000), RAY_PORT (6379, split placement), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use
+# PORT (8000), RAY_PORT (6379, split placement), GPU_RESOURCES (split placement: the custom resource each GPU's
+# raylet advertises, in GPU order, e.g. "gpu_0 gpu_0 gpu_1 gpu_1": two Talker GPUs, two Code2Wav GPUs; default gpu_<k>), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use
 # the current Python environment: the CPU dry run in docs/benchmarks.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled \
@@ -123,9 +124,10 @@ launch() {  # runs under setsid: everything it starts belongs to its own session
   # one raylet per GPU for configs that place by node: pinned (gpu_k resources) or one pair per GPU (replicas.yaml)
   if [ "$(gpus)" -ge 2 ] && grep -qE 'gpu_0|max_replicas_per_node' "$W/serve.yaml"; then
     ray start --head --port="$RAY_PORT" --num-gpus=0 --include-dashboard=false --disable-usage-stats || exit 1
+    local roles=(${GPU_RESOURCES:-})  # GPU_RESOURCES: the custom resource of each GPU's raylet (default gpu_<k>)
     for k in $(seq 0 $(( $(gpus) - 1 ))); do
-      CUDA_VISIBLE_DEVICES=$k ray start --address="127.0.0.1:$RAY_PORT" --num-gpus=1 --resources="{\"gpu_$k\": 1}" \
-        --disable-usage-stats || exit 1
+      CUDA_VISIBLE_DEVICES=$k ray start --address="127.0.0.1:$RAY_PORT" --num-gpus=1 \
+        --resources="{\"${roles[$k]:-gpu_$k}\": 1}" --disable-usage-stats || exit 1
     done
     exec "${run[@]}" --address="127.0.0.1:$RAY_PORT" "$W/serve.yaml"
   fi

@@ -19,9 +19,10 @@
 #            4 ingress replicas per GPU); gpu1 and replicas use the Serve proxy and the same levels, or with
 #            DIRECT=1 both the direct variant's throughput-optimized mode and HAProxy ingress, and with MPS=1 both
 #            run under the MPS control daemon as the mps variant does (one MPS server per GPU)
-#   split    scale-out by stage on a 2-GPU host: configs/split.yaml (the Talker alone on GPU 0, Code2Wav alone on
-#            GPU 1) with high_concurrency.yaml's limits, chunking and batching (SPLIT_SET below), 8 ingress
-#            replicas; DIRECT and MPS as for replicas
+#   split    scale-out by stage: configs/split.yaml (Talkers alone on the first half of the host's GPUs, Code2Wav
+#            replicas alone on the rest; on 2 GPUs the Talker on GPU 0, Code2Wav on GPU 1) with
+#            high_concurrency.yaml's limits, chunking and batching (SPLIT_SET below), 4 ingress replicas per GPU;
+#            DIRECT and MPS as for replicas
 # Results: two files per variant, $OUT/<variant>.tar.gz (everything) and $OUT/<variant>.md (the table): the
 # device tool returns at most 8 files, and a lost in-process run (2026-11-22) taught that. BUDGET_S: per variant
 # (default 250). Order the variants by priority: a command cut at its time limit keeps what is done.
@@ -53,7 +54,7 @@ SPLIT_SET="models.0.engine_kwargs.max_num_seqs=512 models.0.engine_kwargs.max_se
 models.0.engine_kwargs.kv_cache_tokens=262144 models.0.deployment_config.max_ongoing_requests=576 \
 models.0.deployment_config.max_queued_requests=64 models.0.first_chunk_decode_max_running=64 \
 code2wav.batch_fill_chunks=64 code2wav.batch_fill_wait_ms=20 code2wav.engine_kwargs.max_frames_per_forward=4096 \
-streaming.first_chunk_frames=1 streaming.max_pending_decodes=4 ingress.deployment_config.num_replicas=8"
+streaming.first_chunk_frames=1 streaming.max_pending_decodes=4"
 mkdir -p "$ROOT_OUT"
 for variant in "$@"; do
   mkdir -p "$ROOT_OUT/$variant"
@@ -90,8 +91,18 @@ for variant in "$@"; do
                 bash bench/gpu_serve_runbook.sh setup $SWEEPS stop
               [ "$SCALE_MPS" = 1 ] && mps_stop ;;
     split) [ "$SCALE_MPS" = 1 ] && mps_start
+           # the first half of the host's GPUs run Talkers (gpu_0), the rest Code2Wav replicas (gpu_1); 4 ingress
+           # replicas per GPU; each Code2Wav keeps state slots for the streams of every Talker
+           n=$(nvidia-smi -L | grep -c '^GPU'); talkers=$(( n / 2 )); decoders=$(( n - talkers ))
+           roles=$(for k in $(seq 0 $(( n - 1 ))); do [ "$k" -lt "$talkers" ] && echo gpu_0 || echo gpu_1; done)
+           per_gpu="models.0.deployment_config.autoscaling_config.min_replicas=$talkers \
+models.0.deployment_config.autoscaling_config.max_replicas=$talkers \
+code2wav.deployment_config.autoscaling_config.min_replicas=$decoders \
+code2wav.deployment_config.autoscaling_config.max_replicas=$decoders \
+code2wav.engine_kwargs.state_slots=$(( 512 * talkers + 64 )) ingress.deployment_config.num_replicas=$(( 4 * n ))"
            env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/split.yaml \
-             SET="$SPLIT_SET${EXTRA_SET:+ $EXTRA_SET}" bash bench/gpu_serve_runbook.sh setup $SWEEPS stop
+             GPU_RESOURCES="$(echo $roles)" SET="$SPLIT_SET $per_gpu${EXTRA_SET:+ $EXTRA_SET}" \
+             bash bench/gpu_serve_runbook.sh setup $SWEEPS stop
            [ "$SCALE_MPS" = 1 ] && mps_stop ;;
     inproc) CKPT=${CKPT:-/tmp/qwen3-serve-bench/ckpt/1.7b-custom_voice}
             [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \
