@@ -142,6 +142,7 @@ stage_setup() {
     python3 -m stages.checkpoint random "$CKPT" --size "$SIZE" --kind "$KIND" --device cuda || exit 4
   fi
   write_config
+  rm -rf "$W/results"; mkdir -p "$W/results"  # a failed start must not collect an earlier server's tables
   if ready && cmp -s "$W/serve.next.yaml" "$W/serve.yaml"; then say "server already ready at $URL"; return 0; fi
   stop_server
   if answers health any; then say "port $PORT is served by a process this runbook did not start: stop it or set PORT"; exit 6; fi
@@ -153,10 +154,11 @@ stage_setup() {
   python3 -m bench.loadgen.ready --url "$URL" --timeout "$t" --pid "$(cat "$W/serve.pid")" --log "$W/serve.log" \
     --fail-on "Failed to update the deployments" --fail-on "Deploying app 'tts' failed"
   local rc=$?
-  if [ $rc -ne 0 ]; then say "server not ready (rc $rc); serve.log tail:"; tail -n 60 "$W/serve.log"; collect; exit 5; fi
+  # a server that never got ready is stopped too: its replicas would hold the GPUs (and an MPS daemon's quit)
+  if [ $rc -ne 0 ]; then say "server not ready (rc $rc); serve.log tail:"; tail -n 60 "$W/serve.log"; collect; stop_server; exit 5; fi
   if [ "$(gpus)" -ge 2 ] && grep -qE 'gpu_0|max_replicas_per_node' "$W/serve.yaml"; then
     # /ready needs one warmed replica per deployment; a scale-out measurement needs all of them running
-    timeout $(( $(left) - 60 )) python3 - "127.0.0.1:$RAY_PORT" <<'PY' || { say "not every replica came up"; collect; exit 5; }
+    timeout $(( $(left) - 60 )) python3 - "127.0.0.1:$RAY_PORT" <<'PY' || { say "not every replica came up"; collect; stop_server; exit 5; }
 import sys, time
 import ray
 from ray import serve

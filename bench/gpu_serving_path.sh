@@ -27,7 +27,7 @@
 # device tool returns at most 8 files, and a lost in-process run (2026-11-22) taught that. BUDGET_S: per variant
 # (default 250). Order the variants by priority: a command cut at its time limit keeps what is done.
 # EXTRA_SET (space-separated KEY=VALUE, e.g. "code2wav.batch_fill_chunks=64") is added to the served variants from
-# ingress4 on. STAGGER_S (seconds): every variant's closed loop spreads its streams' starts over that long instead of
+# ingress4 on and to replicas and split (e.g. "ingress.decode_batch.stream_affinity=off"). STAGGER_S (seconds): every variant's closed loop spreads its streams' starts over that long instead of
 # sending them all at once (bench.loadgen and bench.pipeline `--stagger-s`). SWEEPS (default closed): the runbook's
 # sweeps for the served variants, e.g. "open" (Poisson arrivals at RATES requests/s, OPEN_SECONDS of arrivals per
 # rate) or "closed open".
@@ -46,7 +46,7 @@ LIVE_STAGE=${LIVE:+live}
 DIRECT_ENV=()  # DIRECT=1: gpu1 and replicas as the direct variant (throughput-optimized Serve, HAProxy ingress)
 if [ "${DIRECT:-0}" = 1 ]; then DIRECT_ENV=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1); fi  # LIVE=1: each served variant also runs the WebSocket live-text stage (bench.live) first
 mps_start() { nvidia-cuda-mps-control -d && echo "MPS control daemon started"; }
-mps_stop() { echo quit | nvidia-cuda-mps-control; }
+mps_stop() { echo quit | timeout 30 nvidia-cuda-mps-control; }  # quit waits for MPS clients: never forever
 SCALE_MPS=${MPS:-0}  # MPS=1: gpu1, replicas and split under MPS
 # split.yaml's stages on GPUs of their own, with what high_concurrency.yaml serves per GPU: the same app, placed apart
 # (as measured on 2026-11-24, before batch_fill_idle_wait_ms: a Code2Wav alone on its GPU takes nothing from a Talker)
@@ -87,7 +87,7 @@ for variant in "$@"; do
     replicas) [ "$SCALE_MPS" = 1 ] && mps_start
               n=$(nvidia-smi -L | grep -c '^GPU')
               env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/replicas.yaml \
-                SET="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))" \
+                SET="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))${EXTRA_SET:+ $EXTRA_SET}" \
                 bash bench/gpu_serve_runbook.sh setup $SWEEPS stop
               [ "$SCALE_MPS" = 1 ] && mps_stop ;;
     split) [ "$SCALE_MPS" = 1 ] && mps_start

@@ -78,6 +78,8 @@ def code2wav_deployment_options(config: Code2WavDeploymentConfig) -> dict[str, A
         "max_queued_requests": C.DEFAULT_CODE2WAV_MAX_QUEUED_REQUESTS,
         "health_check_period_s": 10,
         "ray_actor_options": {"num_cpus": 1},
+        # a call naming the replica that holds its streams' state goes there (deployments/stream_affinity.py)
+        "request_router_config": {"request_router_class": C.CODE2WAV_REQUEST_ROUTER},
     }
     return _with_policy(deep_merge(defaults, config.deployment_config), CODE2WAV_POLICY, float(config.max_batch_size))
 

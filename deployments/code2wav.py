@@ -52,6 +52,8 @@ class Code2WavServer:
     def _setup(self, config: Code2WavDeploymentConfig, source: CheckpointSource, streaming: StreamingConfig) -> None:
         self._config, self._source, self._streaming = config, source, streaming
         self._engine = None
+        self._replica: str | None = None  # this replica's id when it keeps stream states (stateful engine)
+        self._named = [0, 0]  # chunks of calls naming a replica: [another one (full, or gone), this one]
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="code2wav")  # the decoder's only thread
         self._inflight = 0  # decode() calls in this replica
         self._decoding = 0  # of which in the batch being decoded
@@ -100,7 +102,7 @@ class Code2WavServer:
         cfg = self._config
         log = replica_log(C.CODE2WAV_DEPLOYMENT_NAME)
         model, device = await load_model(cfg, self._source, log, talker=False, decoder=True, voice=False)
-        stateful = bool(cfg.engine_kwargs.get("stateful", False))
+        stateful = cfg.stateful
         lengths = self._streaming.schedule().graph_lengths(stateful)  # the chunk shapes worth a CUDA graph
         engine_kwargs = {"max_batch_size": cfg.max_batch_size, "length_buckets": lengths, **cfg.engine_config_kwargs()}
         self._engine = await self._on_thread(build_engine, cfg.engine_cls or DEFAULT_ENGINE_CLS, model.decoder,
@@ -112,19 +114,24 @@ class Code2WavServer:
                       for i, n in enumerate(lengths)]  # final: a stateful engine keeps no slot for them
             await self._on_thread(self._engine.decode, chunks)
             log(f"warm-up decode of lengths {lengths} done in {time.perf_counter() - t0:.2f} s")
+        self._replica = this_replica() if stateful else None  # where the answers say a stream's state is
         self._metrics = Code2WavMetrics()
         log(f"ready on {device} ({model.dtype}), batches of up to {cfg.max_batch_size} chunks"
             + (f", stateful ({self._engine.config.state_slots} stream slots)" if stateful else ""))
 
-    async def decode_many(self, chunks: list) -> list[DecodedChunk | Exception]:
+    async def decode_many(self, chunks: list, replica: str | None = None) -> list[DecodedChunk | Exception]:
         """PCM (int16) of each chunk's new frames, decoded together; one answer per chunk, in order.
 
         `chunks` are CodecChunks or ObjectRefs to them (the Talker's stream items, forwarded unread by
         the ingress's DecodeBatcher). A chunk that cannot be used (malformed, or its ref holds the
-        Talker's error) gets its exception in its place; the others are decoded.
+        Talker's error) gets its exception in its place; the others are decoded. `replica`: the replica the
+        caller named for these chunks' streams (deployments/stream_affinity.py: Code2Wav's request router reads
+        it); a stateful replica's answers name itself, where their streams' state now is.
         """
         n = len(chunks)
         t0, arrived = time.perf_counter(), first_audio_timing.now()
+        if replica is not None:  # named calls that reached their replica, and those the router sent elsewhere
+            self._named[replica == self._replica] += n
         self._arrivals.add(n)
         if self._inflight == 0:
             self._last_progress = self._clock()
@@ -153,7 +160,7 @@ class Code2WavServer:
                     c = resolved[i]
                     stamps = (arrived, *span) if c.seq == 0 else ()  # a stream's first chunk: Server-Timing
                     answers[i] = DecodedChunk(c.request_id, c.seq, float_to_pcm16(wave), c.final, c.finish_reason,
-                                              stamps)
+                                              stamps, self._replica)
             return answers  # type: ignore[return-value]
         finally:
             self._inflight -= n
@@ -203,10 +210,12 @@ class Code2WavServer:
 
     async def engine_stats(self) -> dict:
         """The engine's counters (`Code2WavStats`: decode calls, chunks, frames new / decoded / padded, busy
-        seconds), the process's garbage collections (`gc`) and which replica answered (`replica`), read twice
-        over a window by `bench.serve_engine_stats`."""
+        seconds), the process's garbage collections (`gc`), which replica answered (`replica`) and the chunks
+        of calls that named this replica or another one (`named_here`, `named_elsewhere`: stream affinity), read
+        twice over a window by `bench.serve_engine_stats`."""
         return {"replica": this_replica(), **dataclasses.asdict(self._engine.stats()),
-                "gc": dataclasses.asdict(self._gc.stats())}
+                "gc": dataclasses.asdict(self._gc.stats()), "named_here": self._named[1],
+                "named_elsewhere": self._named[0]}
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: chunks pending and no decode finished for too long."""

@@ -167,6 +167,17 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
     stall_timeout_s: float = Field(C.CODE2WAV_STALL_TIMEOUT_S, gt=0, description=(
         "check_health fails (Serve replaces the replica) when chunks wait this long without a decode finishing"))
 
+    @property
+    def stateful(self) -> bool:
+        return bool(self.engine_kwargs.get("stateful", False))
+
+    def may_run_several_replicas(self) -> bool:
+        """Whether the deployment may run more than one replica (a fixed count above 1, "auto", or autoscaling
+        to more than 1)."""
+        count = self.deployment_config.get("num_replicas", 1)
+        autoscaling = self.deployment_config.get("autoscaling_config") or {}
+        return count == "auto" or (isinstance(count, int) and count > 1) or autoscaling.get("max_replicas", 1) > 1
+
 
 class StreamingConfig(BaseConfig):
     """How a stream of frames is cut into chunks for Code2Wav: `stages.chunking.ChunkSchedule`.
@@ -209,6 +220,9 @@ class DecodeBatchSettings(BaseConfig):
     max_chunks: int = Field(C.DEFAULT_DECODE_BATCH_MAX_CHUNKS, ge=1, description="chunks in one decode call at most")
     max_calls_in_flight: int = Field(C.DEFAULT_DECODE_CALLS_IN_FLIGHT, ge=1,
                                      description="decode calls of this replica in flight; more chunks wait and join")
+    stream_affinity: Literal["auto", "on", "off"] = Field("auto", description=(
+        "keep each stream's chunks on the Code2Wav replica holding its decoder state (deployments/stream_affinity.py);"
+        " auto: on for a stateful Code2Wav that may run several replicas"))
 
 
 class IngressConfig(_DeploymentOptions):

@@ -35,6 +35,7 @@ PYCACHE_DIR = os.environ.get("QWEN3_TTS_PYCACHE_DIR", str(COMPILE_CACHE_DIR / "p
 INGRESS_DEPLOYMENT_NAME = "TTSIngress"
 TALKER_DEPLOYMENT_PREFIX = "Talker:"
 CODE2WAV_DEPLOYMENT_NAME = "Code2Wav"
+CODE2WAV_REQUEST_ROUTER = "deployments.stream_affinity:StreamAffinityRouter"  # Code2Wav's (stream affinity)
 
 # Talker: engine slots and Serve admission
 DEFAULT_TALKER_MAX_NUM_SEQS = _env_int("QWEN3_TTS_TALKER_MAX_NUM_SEQS", 32)

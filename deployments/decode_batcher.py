@@ -13,7 +13,11 @@ few frames buffered) skip the call slots: they leave at once, in calls of their 
 together share one), which Code2Wav decodes ahead of the batch waiting with them (deployments/code2wav.py).
 Behind a full set of slots they waited for a whole decode cycle (H100, c=256: 32 ms at the median).
 
-Code2Wav is stateless and the chunks stay here (values, or refs this process owns), so a call whose replica
+With a `StreamPlacement` (deployments/stream_affinity.py: a stateful Code2Wav of several replicas), each call
+holds the chunks of streams whose state one replica holds and names that replica; a batch splits into one call
+per replica it names (and one for the chunks going by load), sharing its call slot.
+
+Any replica decodes any chunk and the chunks stay here (values, or refs this process owns), so a call whose replica
 died (killed, OOM, node lost) is sent once more: Serve routes it to another (or the replacement) replica
 and the streams whose decodes were on the dead one go on without a gap in their audio.
 
@@ -33,6 +37,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import constants as C
 from deployments.messages import DecodedChunk, talker_decoded
+from deployments.stream_affinity import TARGET_KWARG, StreamPlacement
 from stages.contract import SAMPLES_PER_FRAME, CodecChunk
 
 logger = logging.getLogger("ray.serve")
@@ -40,32 +45,47 @@ logger = logging.getLogger("ray.serve")
 
 class DecodeBatcher:
     def __init__(self, code2wav: DeploymentHandle, max_chunks: int, max_calls_in_flight: int,
-                 max_answer_bytes: int | None = None):
+                 max_answer_bytes: int | None = None, placement: StreamPlacement | None = None):
         """`code2wav`: the handle as the caller set its transport (deployments/transport.py `stage_handle`);
-        `max_answer_bytes`: the PCM one call may return (the gRPC transport's message limit), None = no limit."""
+        `max_answer_bytes`: the PCM one call may return (the gRPC transport's message limit), None = no limit;
+        `placement`: keep each stream's chunks on the replica holding its state (None: every call by load)."""
         self._handle = code2wav
+        self._placement = placement
         self._max_chunks = max_chunks
         self._max_answer_bytes = max_answer_bytes
         self._slots = asyncio.Semaphore(max_calls_in_flight)
-        self._queue: asyncio.Queue[tuple[object, asyncio.Future]] = asyncio.Queue()
-        self._urgent: asyncio.Queue[tuple[object, asyncio.Future]] = asyncio.Queue()
+        # items: (chunk, its future, its stream or None)
+        self._queue: asyncio.Queue[tuple[object, asyncio.Future, str | None]] = asyncio.Queue()
+        self._urgent: asyncio.Queue[tuple[object, asyncio.Future, str | None]] = asyncio.Queue()
         self._calls: set[asyncio.Task] = set()
         self.retries = 0  # calls sent again because their replica died
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._run(self._queue, self._slots)),
                        loop.create_task(self._run(self._urgent, None))]
 
-    def submit(self, chunk, urgent: bool = False) -> asyncio.Future:
+    def submit(self, chunk, urgent: bool = False, stream: str | None = None) -> asyncio.Future:
         """The decoded chunk, later. Cancelling the future drops the chunk if it has not left yet.
         `urgent`: sent at once, without waiting for a call slot (a stream's first chunks). A chunk that carries
-        the Talker's own PCM (deployments/first_chunk_decoder.py) is answered at once."""
+        the Talker's own PCM (deployments/first_chunk_decoder.py) is answered at once. `stream`: the request id
+        of the chunk's stream (stream affinity; `forget` it when the stream ends)."""
         future: asyncio.Future[DecodedChunk] = asyncio.get_running_loop().create_future()
         decoded = talker_decoded(chunk) if isinstance(chunk, CodecChunk) else None
         if decoded is not None:  # the Talker sent its PCM along: nothing to decode
             future.set_result(decoded)
         else:
-            (self._urgent if urgent else self._queue).put_nowait((chunk, future))
+            self._enqueue((chunk, future, stream), urgent)
         return future
+
+    def forget(self, stream: str) -> None:
+        """The stream ended or its client left: no more of its chunks will come."""
+        if self._placement is not None:
+            for (_, future, _), _ in self._placement.forget(stream):
+                future.cancel()
+
+    def _enqueue(self, item: tuple[object, asyncio.Future, str | None], urgent: bool) -> None:
+        if self._placement is not None and not self._placement.place(item[2], (item, urgent)):
+            return  # held until its stream's first decode is answered (StreamPlacement.settle)
+        (self._urgent if urgent else self._queue).put_nowait(item)
 
     async def _run(self, queue: asyncio.Queue, slots: asyncio.Semaphore | None) -> None:
         """Calls of `queue`'s chunks, each taking what is queued; at most `slots` in flight (None: no limit)."""
@@ -82,50 +102,72 @@ class DecodeBatcher:
                     carried = item
                     break
                 batch.append(item)
-            batch = [(chunk, f) for chunk, f in batch if not f.done()]  # streams that went away meanwhile
+            batch = [item for item in batch if not item[1].done()]  # streams that went away meanwhile
             if not batch:
                 if slots is not None:
                     slots.release()
                 continue
-            call = asyncio.get_running_loop().create_task(self._call(batch, slots))
+            call = asyncio.get_running_loop().create_task(self._calls_of(batch, slots))
             self._calls.add(call)
             call.add_done_callback(self._calls.discard)
 
-    async def _call(self, batch: list[tuple[object, asyncio.Future]], slots: asyncio.Semaphore | None) -> None:
+    async def _calls_of(self, batch: list, slots: asyncio.Semaphore | None) -> None:
+        """`batch` in one call, or with stream affinity one call per replica it names; then its slot is free."""
         try:
-            answers = await self._decode([chunk for chunk, _ in batch])
-        except Exception as e:  # refused (backpressure) or failed: every chunk of the call fails with it
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(e)
-        else:
-            for (_, future), answer in zip(batch, answers, strict=True):
-                if future.done():
-                    continue
-                if isinstance(answer, Exception):
-                    future.set_exception(answer)
-                else:
-                    future.set_result(answer)
+            if self._placement is None:
+                await self._call(batch, None)
+                return
+            by_target: dict[str | None, list] = {}
+            for item in batch:
+                by_target.setdefault(self._placement.target(item[2]), []).append(item)
+            await asyncio.gather(*(self._call(items, target) for target, items in by_target.items()))
         finally:
             if slots is not None:
                 slots.release()
 
-    async def _decode(self, chunks: list) -> list:
+    async def _call(self, batch: list[tuple[object, asyncio.Future, str | None]], target: str | None) -> None:
+        try:
+            answers = await self._decode([chunk for chunk, _, _ in batch], target)
+        except Exception as e:  # refused (backpressure) or failed: every chunk of the call fails with it
+            answers = [e] * len(batch)
+        for (_, future, stream), answer in zip(batch, answers, strict=True):
+            if self._placement is not None and stream is not None:
+                self._settle(stream, answer)
+            if future.done():
+                continue
+            if isinstance(answer, Exception):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
+
+    def _settle(self, stream: str, answer) -> None:
+        """Where the stream's state is after `answer`; its chunks held back meanwhile leave now."""
+        decoded = isinstance(answer, DecodedChunk)
+        held = self._placement.settle(stream, answer.seq if decoded else -1, answer.replica if decoded else None)
+        for item, urgent in held:
+            if not item[1].done():
+                self._enqueue(item, urgent)
+
+    async def _decode(self, chunks: list, target: str | None) -> list:
         from ray.exceptions import RayActorError
 
         try:
-            return await self._answer(chunks)
-        except RayActorError as e:  # the replica died with the call: stateless, so once more elsewhere
+            return await self._answer(chunks, target)
+        except RayActorError as e:  # the replica died with the call: any replica decodes it, so once more by load
             logger.warning(f"a Code2Wav replica died during a decode of {len(chunks)} chunks; retrying once "
                            f"({type(e).__name__})")
             self.retries += 1
-            return await self._answer(chunks)
+            return await self._answer(chunks, None)
 
-    async def _answer(self, chunks: list) -> list:
-        """One decode_many call; DeploymentUnavailableError if Code2Wav is deleted while the call waits."""
+    async def _answer(self, chunks: list, target: str | None) -> list:
+        """One decode_many call (naming `target`, the replica holding the chunks' streams, if any);
+        DeploymentUnavailableError if Code2Wav is deleted while the call waits."""
         from ray.serve.exceptions import DeploymentUnavailableError
 
-        response = self._handle.decode_many.remote(chunks)
+        if target is None:
+            response = self._handle.decode_many.remote(chunks)
+        else:
+            response = self._handle.decode_many.remote(chunks, **{TARGET_KWARG: target})
         answer = asyncio.ensure_future(_result(response))
         try:
             while True:

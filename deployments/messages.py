@@ -69,6 +69,7 @@ class DecodedChunk:
     final: bool
     finish_reason: FinishReason | None
     stamps: tuple[float, ...] = ()  # first chunk: Code2Wav's wall times (deployments/first_audio_timing.py)
+    replica: str | None = None  # the stateful Code2Wav replica now holding the stream's state (stream affinity)
 
 
 def talker_decoded(chunk: CodecChunk) -> DecodedChunk | None:

@@ -53,7 +53,7 @@ async def stream_audio(
                 if timing is not None and timing.chunk_received is None:
                     timing.chunk_received = first_audio_timing.now()
                     timing.talker = getattr(chunk, "stamps", ())  # an ObjectRef (object_ref transport) has none
-                await pending.put(decoder.submit(chunk, urgent=index < urgent_chunks))
+                await pending.put(decoder.submit(chunk, urgent=index < urgent_chunks, stream=request.request_id))
                 index += 1
         except Exception as e:  # refusal (backpressure) or a failed stream: the consumer raises it in order
             await pending.put(e)
@@ -71,6 +71,7 @@ async def stream_audio(
     finally:
         producer.cancel()
         generator.cancel()  # stops the Talker (Serve also cascades the ingress request's cancellation)
+        decoder.forget(request.request_id)
         while not pending.empty():  # decodes nobody will read
             item = pending.get_nowait()
             if isinstance(item, asyncio.Future):

@@ -35,6 +35,7 @@ from deployments.messages import DecodedChunk, ModelInfo
 from deployments.pipeline import stream_audio
 from deployments.request_builder import VoiceChoice, build_request, check_limits, check_request
 from deployments.schemas import SpeechRequest
+from deployments.stream_affinity import StreamPlacement, stream_affinity
 from deployments.text_mailbox import new_mailbox
 from deployments.transport import max_answer_bytes, stage_handle
 from deployments.voices import VoiceStore
@@ -52,7 +53,8 @@ class TTSIngress:
         self._work = OpenWork(limits.max_open_requests, limits.backpressure.retry_after_s,
                               limits.backpressure.status_code)
         self._decoder = DecodeBatcher(stage_handle(code2wav, limits.stage_transport), limits.decode_batch.max_chunks,
-                                      limits.decode_batch.max_calls_in_flight, max_answer_bytes(limits.stage_transport))
+                                      limits.decode_batch.max_calls_in_flight, max_answer_bytes(limits.stage_transport),
+                                      StreamPlacement() if stream_affinity(args) else None)
         self._voices = Voices(VoiceStore(limits.voices_path), self._router, limits, self._work, self._outcomes)
         self._router.prefetch()
         # this replica's TextMailbox (WebSocket live text), started with the replica: made with the first

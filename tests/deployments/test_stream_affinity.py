@@ -1,0 +1,181 @@
+"""Stream affinity: the ingress keeps each stream's chunks on the Code2Wav replica holding its state."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from deployments.config import TTSServingArgs
+from deployments.decode_batcher import DecodeBatcher
+from deployments.messages import DecodedChunk
+from deployments.stream_affinity import StreamAffinityRouter, StreamPlacement, stream_affinity
+from stages.contract import CodecChunk
+from tests.fake_response import FakeResponse
+
+
+def _chunk(stream: str, seq: int, final: bool = False) -> CodecChunk:
+    return CodecChunk(stream, seq, np.zeros((2, 16), dtype=np.int64), 0, final=final)
+
+
+class _Replicas:
+    """Stands in for the Code2Wav handle and its router: a call naming a replica goes there unless the test made
+    it `full`; the others go to the replicas in turn. Each answer names the replica that decoded it."""
+
+    def __init__(self, names=("A", "B")):
+        self.names, self.full = list(names), set()
+        self.calls: list[tuple[str | None, str, list[tuple[str, int]]]] = []  # (named, went to, chunks)
+        self.failing: set[str] = set()  # streams whose next call fails
+        self._turn = 0
+        self.decode_many = self
+
+    def remote(self, chunks: list, replica: str | None = None):
+        if replica is not None and replica not in self.full:
+            went = replica
+        else:
+            free = [n for n in self.names if n not in self.full]
+            went = free[self._turn % len(free)]
+            self._turn += 1
+        self.calls.append((replica, went, [(c.request_id, c.seq) for c in chunks]))
+        fail = any(c.request_id in self.failing for c in chunks)
+        self.failing -= {c.request_id for c in chunks}
+
+        async def answer():
+            if fail:
+                raise RuntimeError("replica refused the call")
+            return [DecodedChunk(c.request_id, c.seq, np.zeros(4, np.int16), c.final, None, (), went) for c in chunks]
+        return FakeResponse(answer)
+
+    def went(self, stream: str) -> list[tuple[str | None, str]]:
+        """(named, decoded on) of each of the stream's chunks, in seq order."""
+        out = [(named, went, seq) for named, went, chunks in self.calls for rid, seq in chunks if rid == stream]
+        return [(named, went) for named, went, _ in sorted(out, key=lambda x: x[2])]
+
+
+def test_a_streams_later_chunks_wait_for_its_first_answer_then_follow_its_replica():
+    async def main():
+        replicas = _Replicas()
+        batcher = DecodeBatcher(replicas, max_chunks=16, max_calls_in_flight=2, placement=StreamPlacement())
+        futures = {s: [batcher.submit(_chunk(s, k, final=k == 3), stream=s) for k in range(4)] for s in "xyz"}
+        for s, fs in futures.items():
+            assert [(await f).seq for f in fs] == [0, 1, 2, 3]
+        for s in "xyz":
+            went = replicas.went(s)
+            first = went[0][1]
+            assert went[0][0] is None  # the first goes by load
+            assert went[1:] == [(first, first)] * 3  # every later one names the first's replica and lands there
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def test_a_chunk_the_router_sends_elsewhere_moves_the_stream_there():
+    async def main():
+        replicas = _Replicas()
+        batcher = DecodeBatcher(replicas, max_chunks=16, max_calls_in_flight=1, placement=StreamPlacement())
+        assert (await batcher.submit(_chunk("s", 0), stream="s")).replica == "A"
+        replicas.full.add("A")  # A refuses work: the named call goes by load, to B, which now holds the state
+        assert (await batcher.submit(_chunk("s", 1), stream="s")).replica == "B"
+        replicas.full.clear()
+        assert (await batcher.submit(_chunk("s", 2), stream="s")).replica == "B"
+        assert replicas.went("s") == [(None, "A"), ("A", "B"), ("B", "B")]
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_first_decode_places_the_stream_again_and_releases_its_held_chunks():
+    async def main():
+        replicas = _Replicas()
+        replicas.failing.add("s")
+        batcher = DecodeBatcher(replicas, max_chunks=16, max_calls_in_flight=1, placement=StreamPlacement())
+        first, second, third = (batcher.submit(_chunk("s", k), stream="s") for k in range(3))
+        with pytest.raises(RuntimeError):
+            await first
+        assert (await second).seq == 1 and (await third).seq == 2
+        went = replicas.went("s")
+        assert went[1][0] is None  # placed again by load after the failure
+        assert went[2] == (went[1][1], went[1][1])  # then followed
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def test_forgetting_a_stream_cancels_its_held_chunks_and_drops_its_entry():
+    async def main():
+        gate = asyncio.Event()
+
+        class Slow(_Replicas):
+            def remote(self, chunks, replica=None):
+                response = super().remote(chunks, replica)
+
+                async def later():
+                    await gate.wait()
+                    return await response
+                return FakeResponse(later)
+
+        placement = StreamPlacement()
+        batcher = DecodeBatcher(Slow(), max_chunks=16, max_calls_in_flight=1, placement=placement)
+        first = batcher.submit(_chunk("s", 0), stream="s")
+        held = batcher.submit(_chunk("s", 1), stream="s")
+        await asyncio.sleep(0)
+        batcher.forget("s")  # the client left while its first decode was out
+        assert held.cancelled() and len(placement) == 0
+        gate.set()
+        await first  # the late answer does not bring the stream back
+        assert len(placement) == 0
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def test_without_placement_calls_name_no_replica():
+    async def main():
+        replicas = _Replicas()
+        batcher = DecodeBatcher(replicas, max_chunks=16, max_calls_in_flight=1)
+        for k in range(3):
+            await batcher.submit(_chunk("s", k), stream="s")
+        assert [named for named, _ in replicas.went("s")] == [None, None, None]
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def _args(stateful: bool, deployment: dict, choice: str = "auto") -> TTSServingArgs:
+    return TTSServingArgs.model_validate({
+        "models": [{"name": "m"}],
+        "code2wav": {"engine_kwargs": {"stateful": stateful}, "deployment_config": deployment},
+        "ingress": {"decode_batch": {"stream_affinity": choice}}})
+
+
+@pytest.mark.parametrize("stateful, deployment, choice, expected", [
+    (True, {"num_replicas": 2}, "auto", True),
+    (True, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}, "auto", True),
+    (True, {"num_replicas": "auto"}, "auto", True),
+    (True, {}, "auto", False),  # one replica holds every stream anyway
+    (False, {"num_replicas": 2}, "auto", False),  # no state to follow
+    (False, {}, "on", True),
+    (True, {"num_replicas": 2}, "off", False),
+])
+def test_affinity_is_on_for_a_stateful_code2wav_of_several_replicas(stateful, deployment, choice, expected):
+    assert stream_affinity(_args(stateful, deployment, choice)) is expected
+
+
+def _replica(name: str):
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name))
+
+
+def test_the_router_ranks_the_named_replica_first_and_two_others_after_it():
+    router = StreamAffinityRouter.__new__(StreamAffinityRouter)  # choose_replicas reads none of its state
+    replicas = [_replica(n) for n in "ABCD"]
+    named = SimpleNamespace(kwargs={"replica": "C"})
+    ranks = asyncio.run(router.choose_replicas(replicas, named))
+    assert [r.replica_id.unique_id for r in ranks[0]] == ["C"]
+    assert len(ranks[1]) == 2 and all(r.replica_id.unique_id != "C" for r in ranks[1])
+    gone = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(kwargs={"replica": "Z"})))
+    assert len(gone) == 1 and len(gone[0]) == 2  # a replica that is gone: by load
+    unnamed = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(kwargs={})))
+    assert len(unnamed) == 1 and len(unnamed[0]) == 2
+    assert asyncio.run(router.choose_replicas([], named)) == []
