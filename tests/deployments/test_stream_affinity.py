@@ -59,7 +59,7 @@ def test_a_streams_later_chunks_wait_for_its_first_answer_then_follow_its_replic
         replicas = _Replicas()
         batcher = DecodeBatcher(replicas, max_chunks=16, max_calls_in_flight=2, placement=StreamPlacement())
         futures = {s: [batcher.submit(_chunk(s, k, final=k == 3), stream=s) for k in range(4)] for s in "xyz"}
-        for s, fs in futures.items():
+        for fs in futures.values():
             assert [(await f).seq for f in fs] == [0, 1, 2, 3]
         for s in "xyz":
             went = replicas.went(s)
