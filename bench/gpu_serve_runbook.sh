@@ -14,6 +14,7 @@
 #           the budget that is left
 #   all     setup closed open, splitting the remaining budget between the two sweeps
 #   collect copy results into $OUT (also done after each sweep); stop: shut the server down
+#   c2wstats every Code2Wav replica's engine counters (continued / fresh chunks) into results/code2wav_stats.json
 #
 # Each device command may run 10 minutes: the script keeps to BUDGET_S (default 540 s) from its own start,
 # giving each sweep `--max-seconds` of what is left, and leaves at most 8 files in $OUT:
@@ -219,6 +220,24 @@ live() {
   collect
 }
 
+code2wav_stats() {  # every Code2Wav replica's engine_stats (continued / fresh chunks: stream affinity) into the results
+  timeout 60 python3 - "$W/results/code2wav_stats.json" <<'PY' || say "no Code2Wav stats"
+import json, sys
+import ray
+from ray import serve
+ray.init(address="auto", logging_level="ERROR")
+handle = serve.get_deployment_handle("Code2Wav", app_name="tts")
+seen = {}
+for _ in range(64):  # calls go by load: ask until every replica answered (or give up)
+    stats = handle.engine_stats.remote().result(timeout_s=20)
+    seen[stats["replica"]] = {k: stats.get(k) for k in ("continued", "fresh", "evicted", "chunks", "named_here",
+                                                         "named_elsewhere", "new_frames", "decoded_frames", "busy_s")}
+json.dump(seen, open(sys.argv[1], "w"), indent=1)
+print("Code2Wav replicas:", json.dumps(seen))
+PY
+  collect
+}
+
 collect() {  # at most 8 files into $OUT: logs, the tarball, the tables, then PNGs while room is left
   [ -f "$W/serve.log" ] && tail -n 3000 "$W/serve.log" | cut -c1-2000 > "$OUT/serve_tail.log"
   tar -C "$W" -czf "$OUT/results.tar.gz.tmp" results 2>/dev/null && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
@@ -247,6 +266,7 @@ for stage in "$@"; do
       sweep closed "$CONCURRENCY" $(( ($(left) - 60) / 2 ))
       sweep open "$RATES" $(( $(left) - 30 )) ;;
     collect) collect ;;
+    c2wstats) env_setup; code2wav_stats ;;
     stop) env_setup; stop_server ;;
     *) echo "unknown stage $stage (setup closed open live all collect stop)"; exit 2 ;;
   esac
