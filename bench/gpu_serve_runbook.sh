@@ -222,16 +222,20 @@ live() {
 
 code2wav_stats() {  # every Code2Wav replica's engine_stats (continued / fresh chunks: stream affinity) into the results
   timeout 60 python3 - "$W/results/code2wav_stats.json" <<'PY' || say "no Code2Wav stats"
-import json, sys
+import asyncio, json, sys
 import ray
 from ray import serve
 ray.init(address="auto", logging_level="ERROR")
-handle = serve.get_deployment_handle("Code2Wav", app_name="tts")
-seen = {}
-for _ in range(64):  # calls go by load: ask until every replica answered (or give up)
-    stats = handle.engine_stats.remote().result(timeout_s=20)
-    seen[stats["replica"]] = {k: stats.get(k) for k in ("continued", "fresh", "evicted", "chunks", "named_here",
-                                                         "named_elsewhere", "new_frames", "decoded_frames", "busy_s")}
+
+async def every_replica() -> dict:  # in a loop: a throughput-optimized Serve's handles route on the caller's loop
+    handle, seen = serve.get_deployment_handle("Code2Wav", app_name="tts"), {}
+    for _ in range(64):  # calls go by load: ask until every replica answered (or give up)
+        stats = await handle.engine_stats.remote()
+        seen[stats["replica"]] = {k: stats.get(k) for k in ("continued", "fresh", "evicted", "chunks", "named_here",
+                                                             "named_elsewhere", "new_frames", "decoded_frames", "busy_s")}
+    return seen
+
+seen = asyncio.run(every_replica())
 json.dump(seen, open(sys.argv[1], "w"), indent=1)
 print("Code2Wav replicas:", json.dumps(seen))
 PY

@@ -224,6 +224,12 @@ class DecodeBatchSettings(BaseConfig):
         "keep each stream's chunks on the Code2Wav replica holding its decoder state (deployments/stream_affinity.py);"
         " auto: on for a stateful Code2Wav that may run several replicas"))
 
+    @field_validator("stream_affinity", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: Any) -> Any:
+        """YAML 1.1 (Serve's config files, `--set k=off`) reads an unquoted on/off as true/false."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
 
 class IngressConfig(_DeploymentOptions):
     stage_transport: Literal["grpc", "object_ref"] = Field("grpc", description=(

@@ -158,6 +158,8 @@ def _args(stateful: bool, deployment: dict, choice: str = "auto") -> TTSServingA
     (False, {"num_replicas": 2}, "auto", False),  # no state to follow
     (False, {}, "on", True),
     (True, {"num_replicas": 2}, "off", False),
+    (True, {"num_replicas": 2}, False, False),  # `stream_affinity: off` in a YAML file reads as false
+    (False, {}, True, True),
 ])
 def test_affinity_is_on_for_a_stateful_code2wav_of_several_replicas(stateful, deployment, choice, expected):
     assert stream_affinity(_args(stateful, deployment, choice)) is expected
