@@ -102,7 +102,11 @@ class DecodeBatcher:
                     carried = item
                     break
                 batch.append(item)
-            batch = [item for item in batch if not item[1].done()]  # streams that went away meanwhile
+            gone = [item for item in batch if item[1].done()]  # streams that went away meanwhile
+            batch = [item for item in batch if not item[1].done()]
+            for _, _, stream in gone:  # a dropped first decode must not hold its stream's next chunks forever
+                if self._placement is not None and stream is not None:
+                    self._settle(stream, None)
             if not batch:
                 if slots is not None:
                     slots.release()

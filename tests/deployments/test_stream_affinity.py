@@ -181,3 +181,20 @@ def test_the_router_ranks_the_named_replica_first_and_two_others_after_it():
     unnamed = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(kwargs={})))
     assert len(unnamed) == 1 and len(unnamed[0]) == 2
     assert asyncio.run(router.choose_replicas([], named)) == []
+
+
+def test_a_first_chunk_dropped_before_it_left_does_not_hold_the_next_ones():
+    async def main():
+        replicas = _Replicas()
+        batcher = DecodeBatcher(replicas, max_chunks=16, max_calls_in_flight=1, placement=StreamPlacement())
+        busy = batcher.submit(_chunk("other", 0), stream="other")  # takes the only call slot
+        first = batcher.submit(_chunk("s", 0), stream="s")  # queued: the stream's placing chunk
+        second = batcher.submit(_chunk("s", 1), stream="s")  # held behind it
+        first.cancel()  # dropped before it left (its future cancelled by whoever waited for it)
+        await busy
+        # placed the stream in its stead (the bound only turns a hang into a failure)
+        assert (await asyncio.wait_for(second, 30)).seq == 1
+        assert replicas.went("s") == [(None, "B")]
+        await batcher.close()
+
+    asyncio.run(main())
