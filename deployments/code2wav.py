@@ -131,7 +131,9 @@ class Code2WavServer:
         n = len(chunks)
         t0, arrived = time.perf_counter(), first_audio_timing.now()
         if replica is not None:  # named calls that reached their replica, and those the router sent elsewhere
-            self._named[replica == self._replica] += n
+            here = replica == self._replica
+            self._named[here] += n
+            self._metrics.named_chunks.inc(n, tags={"landed": "here" if here else "elsewhere"})
         self._arrivals.add(n)
         if self._inflight == 0:
             self._last_progress = self._clock()

@@ -109,6 +109,11 @@ class Code2WavMetrics:
             "chunks whose stream state another replica holds or that was evicted).", tag_keys=("path",),
         )
         self._state_counts = {"continued": 0, "fresh": 0}
+        self.named_chunks = metrics.Counter(
+            "tts_code2wav_named_chunks", description="Stream affinity: chunks of decode calls that named a replica "
+            "(the one holding their streams' state), by where they landed: landed=here, or landed=elsewhere when "
+            "the named replica was full or gone (deployments/stream_affinity.py).", tag_keys=("landed",),
+        )
 
     def record_state_paths(self, stats) -> None:
         """Count the chunks each path took since the last call (from the engine's cumulative Code2WavStats)."""

@@ -219,8 +219,11 @@ panel("Queued chunks",
       [(f"sum by (replica) (ray_tts_code2wav_queued_chunks{{{APP}}})", "{{replica}}")], w=6)
 panel("Stateful decode paths",
       "Chunks decoded from their stream's carried state (continued) or over their left context (fresh: first "
-      "chunks, streams another replica holds, evicted states) (ray_tts_code2wav_state_chunks_total).",
-      [(f"sum by (path) (rate(ray_tts_code2wav_state_chunks_total{{{APP}}}{RI}))", "{{path}}")], unit="cps", w=6)
+      "chunks, streams another replica holds, evicted states) (ray_tts_code2wav_state_chunks_total); chunks of "
+      "calls naming the replica holding their streams, by where they landed (ray_tts_code2wav_named_chunks_total).",
+      [(f"sum by (path) (rate(ray_tts_code2wav_state_chunks_total{{{APP}}}{RI}))", "{{path}}"),
+       (f"sum by (landed) (rate(ray_tts_code2wav_named_chunks_total{{{APP}}}{RI}))", "named, landed {{landed}}")],
+      unit="cps", w=6)
 
 # ------------------------------------------------------------------ serve built-ins
 row("Ray Serve")
