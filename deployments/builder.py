@@ -71,16 +71,18 @@ def talker_deployment_options(config: TalkerDeploymentConfig) -> dict[str, Any]:
     return _with_policy(deep_merge(defaults, config.deployment_config), TALKER_POLICY, max(1.0, 0.75 * slots))
 
 
-def code2wav_deployment_options(config: Code2WavDeploymentConfig) -> dict[str, Any]:
+def code2wav_deployment_options(config: Code2WavDeploymentConfig, stream_affinity: bool = False) -> dict[str, Any]:
+    """`stream_affinity`: Code2Wav routes by `StreamAffinityRouter` (a call naming the replica that holds its streams'
+    state goes there: deployments/stream_affinity.py); without it, by Serve's own router."""
     defaults = {
         "name": C.CODE2WAV_DEPLOYMENT_NAME,
         "max_ongoing_requests": config.max_batch_size * C.CODE2WAV_ONGOING_PER_BATCH_SLOT,
         "max_queued_requests": C.DEFAULT_CODE2WAV_MAX_QUEUED_REQUESTS,
         "health_check_period_s": 10,
         "ray_actor_options": {"num_cpus": 1},
-        # a call naming the replica that holds its streams' state goes there (deployments/stream_affinity.py)
-        "request_router_config": {"request_router_class": C.CODE2WAV_REQUEST_ROUTER},
     }
+    if stream_affinity:
+        defaults["request_router_config"] = {"request_router_class": C.CODE2WAV_REQUEST_ROUTER}
     return _with_policy(deep_merge(defaults, config.deployment_config), CODE2WAV_POLICY, float(config.max_batch_size))
 
 
@@ -114,8 +116,8 @@ def build_talker_deployment(config: TalkerDeploymentConfig, streaming: Streaming
 
 
 def build_code2wav_deployment(config: Code2WavDeploymentConfig, source: CheckpointSource,
-                              streaming: StreamingConfig) -> Application:
-    options = code2wav_deployment_options(config)
+                              streaming: StreamingConfig, stream_affinity: bool = False) -> Application:
+    options = code2wav_deployment_options(config, stream_affinity)
     logger.info(f"{options['name']} deployment options: {options}")
     return serve.deployment(Code2WavServer, **options).bind(config, source, streaming)
 
@@ -131,7 +133,7 @@ def build_app(args: TTSServingArgs) -> Application:
     engine_config(args.code2wav.engine_cls or CODE2WAV_ENGINE,
                   {"max_batch_size": args.code2wav.max_batch_size, **args.code2wav.engine_kwargs})
     talkers = {m.name: build_talker_deployment(m, args.streaming) for m in args.models}
-    code2wav = build_code2wav_deployment(args.code2wav, args.codec_source, args.streaming)
+    code2wav = build_code2wav_deployment(args.code2wav, args.codec_source, args.streaming, args.stream_affinity)
     return build_ingress_deployment(args, talkers, code2wav)
 
 

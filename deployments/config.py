@@ -222,7 +222,7 @@ class DecodeBatchSettings(BaseConfig):
                                      description="decode calls of this replica in flight; more chunks wait and join")
     stream_affinity: Literal["auto", "on", "off"] = Field("auto", description=(
         "keep each stream's chunks on the Code2Wav replica holding its decoder state (deployments/stream_affinity.py);"
-        " auto: on for a stateful Code2Wav that may run several replicas"))
+        " only a stateful Code2Wav has one; auto: on where it may run several replicas; off: Serve's own routing"))
 
     @field_validator("stream_affinity", mode="before")
     @classmethod
@@ -304,3 +304,12 @@ class TTSServingArgs(BaseConfig):
         if self.code2wav.model is not None:
             return CheckpointSource(model=self.code2wav.model)
         return self.models[0].source
+
+    @property
+    def stream_affinity(self) -> bool:
+        """Whether the ingress keeps each stream on the Code2Wav replica holding its state (and Code2Wav routes by
+        `deployments.stream_affinity.StreamAffinityRouter`): a stateful Code2Wav, `on`, or `auto` where it may run
+        several replicas (with one, every call reaches the state anyway)."""
+        choice = self.ingress.decode_batch.stream_affinity
+        several = self.code2wav.may_run_several_replicas()
+        return self.code2wav.stateful and (choice == "on" or (choice == "auto" and several))

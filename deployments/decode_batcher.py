@@ -32,12 +32,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 
 from ray.serve.handle import DeploymentHandle
 
 from deployments import constants as C
 from deployments.messages import DecodedChunk, talker_decoded
-from deployments.stream_affinity import TARGET_KWARG, StreamPlacement
+from deployments.stream_affinity import TARGET_KWARG, Placement, StreamPlacement
 from stages.contract import SAMPLES_PER_FRAME, CodecChunk
 
 logger = logging.getLogger("ray.serve")
@@ -54,38 +55,41 @@ class DecodeBatcher:
         self._max_chunks = max_chunks
         self._max_answer_bytes = max_answer_bytes
         self._slots = asyncio.Semaphore(max_calls_in_flight)
-        # items: (chunk, its future, its stream or None)
-        self._queue: asyncio.Queue[tuple[object, asyncio.Future, str | None]] = asyncio.Queue()
-        self._urgent: asyncio.Queue[tuple[object, asyncio.Future, str | None]] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._urgent: asyncio.Queue[_Item] = asyncio.Queue()
         self._calls: set[asyncio.Task] = set()
         self.retries = 0  # calls sent again because their replica died
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._run(self._queue, self._slots)),
                        loop.create_task(self._run(self._urgent, None))]
 
-    def submit(self, chunk, urgent: bool = False, stream: str | None = None) -> asyncio.Future:
+    def submit(self, chunk, urgent: bool = False, stream: str | None = None, early: bool = False) -> asyncio.Future:
         """The decoded chunk, later. Cancelling the future drops the chunk if it has not left yet.
         `urgent`: sent at once, without waiting for a call slot (a stream's first chunks). A chunk that carries
         the Talker's own PCM (deployments/first_chunk_decoder.py) is answered at once. `stream`: the request id
-        of the chunk's stream (stream affinity; `forget` it when the stream ends)."""
+        of the chunk's stream (stream affinity; `forget` it when the stream ends); `early`: one of the stream's
+        first chunks, which stream affinity never holds back (`StreamPlacement.place`)."""
         future: asyncio.Future[DecodedChunk] = asyncio.get_running_loop().create_future()
         decoded = talker_decoded(chunk) if isinstance(chunk, CodecChunk) else None
         if decoded is not None:  # the Talker sent its PCM along: nothing to decode
             future.set_result(decoded)
         else:
-            self._enqueue((chunk, future, stream), urgent)
+            self._enqueue(_Item(chunk, future, stream, urgent, early))
         return future
 
     def forget(self, stream: str) -> None:
         """The stream ended or its client left: no more of its chunks will come."""
         if self._placement is not None:
-            for (_, future, _), _ in self._placement.forget(stream):
-                future.cancel()
+            for item in self._placement.forget(stream):
+                item.future.cancel()
 
-    def _enqueue(self, item: tuple[object, asyncio.Future, str | None], urgent: bool) -> None:
-        if self._placement is not None and not self._placement.place(item[2], (item, urgent)):
-            return  # held until its stream's first decode is answered (StreamPlacement.settle)
-        (self._urgent if urgent else self._queue).put_nowait(item)
+    def _enqueue(self, item: _Item) -> None:
+        if self._placement is not None:
+            placement = self._placement.place(item.stream, item, item.early)
+            if placement is Placement.HOLD:
+                return  # until the chunk placing its stream is answered (StreamPlacement.settle)
+            item.placing = placement is Placement.LEAVE_AND_PLACE
+        (self._urgent if item.urgent else self._queue).put_nowait(item)
 
     async def _run(self, queue: asyncio.Queue, slots: asyncio.Semaphore | None) -> None:
         """Calls of `queue`'s chunks, each taking what is queued; at most `slots` in flight (None: no limit)."""
@@ -94,19 +98,18 @@ class DecodeBatcher:
             if slots is not None:
                 await slots.acquire()
             batch = [carried or await queue.get()]
-            carried, answer_bytes = None, _pcm_bytes(batch[0][0])
+            carried, answer_bytes = None, _pcm_bytes(batch[0].chunk)
             while len(batch) < self._max_chunks and not queue.empty():
                 item = queue.get_nowait()
-                answer_bytes += _pcm_bytes(item[0])
+                answer_bytes += _pcm_bytes(item.chunk)
                 if self._max_answer_bytes is not None and answer_bytes > self._max_answer_bytes:
                     carried = item
                     break
                 batch.append(item)
-            gone = [item for item in batch if item[1].done()]  # streams that went away meanwhile
-            batch = [item for item in batch if not item[1].done()]
-            for _, _, stream in gone:  # a dropped first decode must not hold its stream's next chunks forever
-                if self._placement is not None and stream is not None:
-                    self._settle(stream, None)
+            for item in batch:  # streams that went away meanwhile: a dropped chunk that placed its stream
+                if item.future.done():  # must not hold the stream's next chunks forever
+                    self._settle(item, None)
+            batch = [item for item in batch if not item.future.done()]
             if not batch:
                 if slots is not None:
                     slots.release()
@@ -121,36 +124,42 @@ class DecodeBatcher:
             if self._placement is None:
                 await self._call(batch, None)
                 return
-            by_target: dict[str | None, list] = {}
+            by_target: dict[str | None, list[_Item]] = {}
             for item in batch:
-                by_target.setdefault(self._placement.target(item[2]), []).append(item)
-            await asyncio.gather(*(self._call(items, target) for target, items in by_target.items()))
+                by_target.setdefault(self._placement.target(item.stream), []).append(item)
+            await asyncio.gather(*(self._call(items, target) for target, items in by_target.items()),
+                                 return_exceptions=True)  # the slot is free only when every call of it ended
         finally:
             if slots is not None:
                 slots.release()
 
-    async def _call(self, batch: list[tuple[object, asyncio.Future, str | None]], target: str | None) -> None:
+    async def _call(self, batch: list[_Item], target: str | None) -> None:
         try:
-            answers = await self._decode([chunk for chunk, _, _ in batch], target)
+            answers = await self._decode([item.chunk for item in batch], target)
         except Exception as e:  # refused (backpressure) or failed: every chunk of the call fails with it
             answers = [e] * len(batch)
-        for (_, future, stream), answer in zip(batch, answers, strict=True):
-            if self._placement is not None and stream is not None:
-                self._settle(stream, answer)
-            if future.done():
+        if len(answers) != len(batch):  # never from Code2Wav; no future may wait forever for it
+            answers = [RuntimeError(f"Code2Wav answered {len(answers)} of {len(batch)} chunks")] * len(batch)
+        for item, answer in zip(batch, answers, strict=True):
+            self._settle(item, answer)
+            if item.future.done():
                 continue
             if isinstance(answer, Exception):
-                future.set_exception(answer)
+                item.future.set_exception(answer)
             else:
-                future.set_result(answer)
+                item.future.set_result(answer)
 
-    def _settle(self, stream: str, answer) -> None:
-        """Where the stream's state is after `answer`; its chunks held back meanwhile leave now."""
+    def _settle(self, item: _Item, answer) -> None:
+        """Stream affinity: where the item's stream has its state after `answer` (None: the item was dropped);
+        the chunks held for it leave now if it placed the stream."""
+        if self._placement is None or item.stream is None:
+            return
         decoded = isinstance(answer, DecodedChunk)
-        held = self._placement.settle(stream, answer.seq if decoded else -1, answer.replica if decoded else None)
-        for item, urgent in held:
-            if not item[1].done():
-                self._enqueue(item, urgent)
+        held = self._placement.settle(item.stream, answer.seq if decoded else -1,
+                                      answer.replica if decoded else None, item.placing)
+        for waiting in held:
+            if not waiting.future.done():
+                self._enqueue(waiting)
 
     async def _decode(self, chunks: list, target: str | None) -> list:
         from ray.exceptions import RayActorError
@@ -198,6 +207,18 @@ class DecodeBatcher:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+@dataclass(eq=False)
+class _Item:
+    """A chunk waiting for its call: where its answer goes and how it is sent."""
+
+    chunk: object  # a CodecChunk, or a ref to one (object_ref transport)
+    future: asyncio.Future
+    stream: str | None  # its stream's request id (stream affinity), None: unknown
+    urgent: bool
+    early: bool  # one of its stream's first chunks: never held (StreamPlacement)
+    placing: bool = False  # its answer places its stream (StreamPlacement.LEAVE_AND_PLACE)
 
 
 def _pcm_bytes(chunk) -> int:

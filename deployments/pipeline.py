@@ -21,6 +21,9 @@ from deployments.transport import StageTransport, stage_handle, stream_items
 from stages.contract import SynthesisRequest
 
 _END = object()
+# a stream's first chunks are never held back by stream affinity: its listener waits for the first, and the second
+# must follow within the first's audio (deployments/stream_affinity.py)
+EARLY_CHUNKS = 2
 
 
 async def stream_audio(
@@ -53,7 +56,8 @@ async def stream_audio(
                 if timing is not None and timing.chunk_received is None:
                     timing.chunk_received = first_audio_timing.now()
                     timing.talker = getattr(chunk, "stamps", ())  # an ObjectRef (object_ref transport) has none
-                await pending.put(decoder.submit(chunk, urgent=index < urgent_chunks, stream=request.request_id))
+                await pending.put(decoder.submit(chunk, urgent=index < urgent_chunks, stream=request.request_id,
+                                                 early=index < max(EARLY_CHUNKS, urgent_chunks)))
                 index += 1
         except Exception as e:  # refusal (backpressure) or a failed stream: the consumer raises it in order
             await pending.put(e)

@@ -8,86 +8,95 @@ on 4 GPUs: 3 in 4).
 
 Two halves, one in each process:
 - `StreamPlacement` (the ingress's DecodeBatcher, no Ray): which replica decoded each stream's latest chunk
-  (`DecodedChunk.replica`), so the next call of that stream names it. While a stream's first decode is out, its
-  next chunks wait for the answer instead of going wherever the load sends them: they would start a second
-  state on another replica, and every chunk after them would bounce between the two.
+  (`DecodedChunk.replica`), so the next call of that stream names it. While the chunk that places a stream is out,
+  the stream's next chunks wait for its answer instead of going wherever the load sends them: they would start a
+  second state on another replica (a stream's first two chunks never wait: their listener does).
 - `StreamAffinityRouter` (Serve's public request-router interface, set as the Code2Wav deployment's
-  `request_router_config`): a call that names a replica (`decode_many(chunks, replica=...)`) goes to it while it
-  accepts work; when it is full or gone, the call goes by load like any other (power of two choices on queue
+  `request_router_config` where affinity is on): a call that names a replica (`decode_many(chunks, replica=...)`)
+  goes to it while it accepts work (fewer than its `max_ongoing_requests` calls: it is not otherwise load-aware);
+  when it is full or gone, the call goes by load like any other (power of two choices on queue
   length), and its chunks decode over their left context there; the answer says where the state now is.
 """
 
 from __future__ import annotations
 
+import enum
 import random
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from deployments.config import TTSServingArgs
-
 TARGET_KWARG = "replica"  # decode_many's keyword argument that names the replica holding the chunks' streams
 
-_PLACING = object()  # the stream's first decode is out: where its state will be is not known yet
+
+class Placement(enum.Enum):
+    """What `StreamPlacement.place` says of a chunk."""
+
+    LEAVE = 1  # send it now, naming `target(stream)` (None: by load)
+    LEAVE_AND_PLACE = 2  # send it now by load; its answer places the stream (`settle(..., placing=True)`)
+    HOLD = 3  # held until the chunk placing its stream is answered
 
 
-def stream_affinity(args: TTSServingArgs) -> bool:
-    """Whether the ingress keeps streams on their Code2Wav replica (`ingress.decode_batch.stream_affinity`; auto:
-    a stateful Code2Wav that may run several replicas, where a call by load often misses the stream's state)."""
-    choice = args.ingress.decode_batch.stream_affinity
-    return choice == "on" or (choice == "auto" and args.code2wav.stateful and args.code2wav.may_run_several_replicas())
+@dataclass
+class _Stream:
+    holder: str | None = None  # the replica that answered the stream's latest chunk
+    latest: int = -1  # that chunk's seq
+    placing: bool = False  # a chunk that places the stream is out
+    held: list[Any] = field(default_factory=list)  # items waiting for it
 
 
 class StreamPlacement:
-    """Per stream: where its Code2Wav state is. Entries live from a stream's first chunk to `forget`."""
+    """Per stream: where its Code2Wav state is. Entries live from a stream's first chunk to `forget`.
+
+    A stream's early chunks (its first two, or its urgent ones: a listener waits for them, and the second must
+    follow within the first's audio) are never held: they leave at once, by load until an answer names a replica.
+    The first later chunk that finds no replica named places the stream, and the ones after it wait for its answer.
+    """
 
     def __init__(self):
-        self._holder: dict[str, object] = {}  # stream -> replica id, or _PLACING
-        self._latest: dict[str, int] = {}  # stream -> seq of the answer that set its holder
-        self._waiting: dict[str, list[Any]] = {}  # stream -> items held back while its first decode is out
+        self._streams: dict[str, _Stream] = {}
 
     def __len__(self) -> int:
-        return len(self._holder)
+        return len(self._streams)
 
-    def place(self, stream: str | None, item: Any) -> bool:
-        """Whether `item` (a chunk of `stream`) may leave now; one that may not is held until `settle` for its
-        stream returns it. Its call names `target(stream)`."""
+    def place(self, stream: str | None, item: Any, early: bool = False) -> Placement:
+        """What to do with `item`, a chunk of `stream`; a held one comes back from `settle`."""
         if stream is None:
-            return True
-        holder = self._holder.get(stream)
-        if holder is None:  # the stream's first chunk for Code2Wav: by load, and the others wait for its answer
-            self._holder[stream] = _PLACING
-            return True
-        if holder is _PLACING:
-            self._waiting.setdefault(stream, []).append(item)
-            return False
-        return True
+            return Placement.LEAVE
+        state = self._streams.setdefault(stream, _Stream())
+        if state.holder is not None or early:
+            return Placement.LEAVE
+        if state.placing:
+            state.held.append(item)
+            return Placement.HOLD
+        state.placing = True
+        return Placement.LEAVE_AND_PLACE
 
-    def settle(self, stream: str, seq: int, replica: str | None) -> list[Any]:
-        """A chunk of `stream` was answered by `replica`: the stream's state is there now if this is its latest
-        answer. `replica` None: no state was made (the call failed, or the chunk carried the Talker's PCM), so
-        a stream not placed yet is placed by its next chunk. Returns the items held back for the stream."""
-        holder = self._holder.get(stream)
-        if holder is None:  # forgotten meanwhile: nothing to keep
+    def settle(self, stream: str, seq: int, replica: str | None, placing: bool = False) -> list[Any]:
+        """A chunk of `stream` was answered by `replica` (None: no state was made: the call failed or was
+        dropped, or the chunk carried the Talker's PCM); the stream's state is there now if this is its latest
+        answer. `placing`: the chunk placed the stream; the items held for it come back (to `place` again)."""
+        state = self._streams.get(stream)
+        if state is None:  # forgotten meanwhile: nothing to keep
             return []
-        if replica is None:
-            if holder is _PLACING:
-                del self._holder[stream]
-        elif seq >= self._latest.get(stream, -1):
-            self._latest[stream] = seq
-            self._holder[stream] = replica
-        return self._waiting.pop(stream, [])
+        if replica is not None and seq >= state.latest:
+            state.holder, state.latest = replica, seq
+        if not placing:
+            return []
+        state.placing = False
+        held, state.held = state.held, []
+        return held
 
     def forget(self, stream: str) -> list[Any]:
-        """The stream ended (or its client left); returns any items still held back for it."""
-        self._holder.pop(stream, None)
-        self._latest.pop(stream, None)
-        return self._waiting.pop(stream, [])
+        """The stream ended (or its client left); returns any items still held for it."""
+        state = self._streams.pop(stream, None)
+        return state.held if state is not None else []
 
     def target(self, stream: str | None) -> str | None:
         """The replica named for the stream's next chunk (None: any)."""
-        holder = self._holder.get(stream) if stream is not None else None
-        return holder if isinstance(holder, str) else None
+        state = self._streams.get(stream) if stream is not None else None
+        return state.holder if state is not None else None
 
 
 class StreamAffinityRouter(RequestRouter):
@@ -95,7 +104,12 @@ class StreamAffinityRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        target = pending_request.kwargs.get(TARGET_KWARG) if pending_request is not None else None
+        if pending_request is None:
+            return [_two_of(candidate_replicas)] if candidate_replicas else []
+        # every round offers every rank it has: when none of them accepts, Serve waits before the next round
+        # (without this, a full deployment spins: each round asks the full replicas for their queue lengths again)
+        pending_request.routing_context.should_backoff = True
+        target = pending_request.kwargs.get(TARGET_KWARG)
         if target is not None:
             for replica in candidate_replicas:
                 if replica.replica_id.unique_id == target:

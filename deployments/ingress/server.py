@@ -35,7 +35,7 @@ from deployments.messages import DecodedChunk, ModelInfo
 from deployments.pipeline import stream_audio
 from deployments.request_builder import VoiceChoice, build_request, check_limits, check_request
 from deployments.schemas import SpeechRequest
-from deployments.stream_affinity import StreamPlacement, stream_affinity
+from deployments.stream_affinity import StreamPlacement
 from deployments.text_mailbox import new_mailbox
 from deployments.transport import max_answer_bytes, stage_handle
 from deployments.voices import VoiceStore
@@ -54,7 +54,7 @@ class TTSIngress:
                               limits.backpressure.status_code)
         self._decoder = DecodeBatcher(stage_handle(code2wav, limits.stage_transport), limits.decode_batch.max_chunks,
                                       limits.decode_batch.max_calls_in_flight, max_answer_bytes(limits.stage_transport),
-                                      StreamPlacement() if stream_affinity(args) else None)
+                                      StreamPlacement() if args.stream_affinity else None)
         self._voices = Voices(VoiceStore(limits.voices_path), self._router, limits, self._work, self._outcomes)
         self._router.prefetch()
         # this replica's TextMailbox (WebSocket live text), started with the replica: made with the first

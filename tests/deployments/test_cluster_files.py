@@ -76,7 +76,7 @@ def _deployment_options(config: dict) -> dict[str, dict]:
     args = TTSServingArgs.model_validate(application["args"])
     options = {o["name"]: o for o in (
         *(talker_deployment_options(m) for m in args.models),
-        code2wav_deployment_options(args.code2wav),
+        code2wav_deployment_options(args.code2wav, args.stream_affinity),
         ingress_deployment_options(args),
     )}
     for override in application.get("deployments") or []:

@@ -11,7 +11,7 @@ import pytest
 from deployments.config import TTSServingArgs
 from deployments.decode_batcher import DecodeBatcher
 from deployments.messages import DecodedChunk
-from deployments.stream_affinity import StreamAffinityRouter, StreamPlacement, stream_affinity
+from deployments.stream_affinity import Placement, StreamAffinityRouter, StreamPlacement
 from stages.contract import CodecChunk
 from tests.fake_response import FakeResponse
 
@@ -52,6 +52,22 @@ class _Replicas:
         """(named, decoded on) of each of the stream's chunks, in seq order."""
         out = [(named, went, seq) for named, went, chunks in self.calls for rid, seq in chunks if rid == stream]
         return [(named, went) for named, went, _ in sorted(out, key=lambda x: x[2])]
+
+
+class _Gated(_Replicas):
+    """Calls are answered only once the test opens the gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    def remote(self, chunks, replica=None):
+        response = super().remote(chunks, replica)
+
+        async def later():
+            await self.gate.wait()
+            return await response
+        return FakeResponse(later)
 
 
 def test_a_streams_later_chunks_wait_for_its_first_answer_then_follow_its_replica():
@@ -105,25 +121,16 @@ def test_a_failed_first_decode_places_the_stream_again_and_releases_its_held_chu
 
 def test_forgetting_a_stream_cancels_its_held_chunks_and_drops_its_entry():
     async def main():
-        gate = asyncio.Event()
-
-        class Slow(_Replicas):
-            def remote(self, chunks, replica=None):
-                response = super().remote(chunks, replica)
-
-                async def later():
-                    await gate.wait()
-                    return await response
-                return FakeResponse(later)
-
+        replicas = _Gated()
         placement = StreamPlacement()
-        batcher = DecodeBatcher(Slow(), max_chunks=16, max_calls_in_flight=1, placement=placement)
+        batcher = DecodeBatcher(replicas, max_chunks=16, max_calls_in_flight=1, placement=placement)
         first = batcher.submit(_chunk("s", 0), stream="s")
         held = batcher.submit(_chunk("s", 1), stream="s")
-        await asyncio.sleep(0)
-        batcher.forget("s")  # the client left while its first decode was out
+        while not replicas.calls:
+            await asyncio.sleep(0)
+        batcher.forget("s")  # the client left while the chunk placing its stream was out
         assert held.cancelled() and len(placement) == 0
-        gate.set()
+        replicas.gate.set()
         await first  # the late answer does not bring the stream back
         assert len(placement) == 0
         await batcher.close()
@@ -155,14 +162,21 @@ def _args(stateful: bool, deployment: dict, choice: str = "auto") -> TTSServingA
     (True, {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}, "auto", True),
     (True, {"num_replicas": "auto"}, "auto", True),
     (True, {}, "auto", False),  # one replica holds every stream anyway
+    (True, {}, "on", True),
     (False, {"num_replicas": 2}, "auto", False),  # no state to follow
-    (False, {}, "on", True),
+    (False, {"num_replicas": 2}, "on", False),
     (True, {"num_replicas": 2}, "off", False),
     (True, {"num_replicas": 2}, False, False),  # `stream_affinity: off` in a YAML file reads as false
-    (False, {}, True, True),
+    (True, {}, True, True),
 ])
 def test_affinity_is_on_for_a_stateful_code2wav_of_several_replicas(stateful, deployment, choice, expected):
-    assert stream_affinity(_args(stateful, deployment, choice)) is expected
+    from deployments.builder import code2wav_deployment_options
+
+    args = _args(stateful, deployment, choice)
+    assert args.stream_affinity is expected
+    # and only then does Code2Wav route by the affinity router (off: Serve's own, the fair baseline)
+    options = code2wav_deployment_options(args.code2wav, args.stream_affinity)
+    assert ("request_router_config" in options) is expected
 
 
 def _replica(name: str):
@@ -172,29 +186,74 @@ def _replica(name: str):
 def test_the_router_ranks_the_named_replica_first_and_two_others_after_it():
     router = StreamAffinityRouter.__new__(StreamAffinityRouter)  # choose_replicas reads none of its state
     replicas = [_replica(n) for n in "ABCD"]
-    named = SimpleNamespace(kwargs={"replica": "C"})
+
+    def request(**kwargs):
+        return SimpleNamespace(kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False))
+
+    named = request(replica="C")
     ranks = asyncio.run(router.choose_replicas(replicas, named))
     assert [r.replica_id.unique_id for r in ranks[0]] == ["C"]
     assert len(ranks[1]) == 2 and all(r.replica_id.unique_id != "C" for r in ranks[1])
-    gone = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(kwargs={"replica": "Z"})))
+    # every rank was offered: if none accepts, Serve backs off before asking again (else it spins on full replicas)
+    assert named.routing_context.should_backoff
+    gone = asyncio.run(router.choose_replicas(replicas, request(replica="Z")))
     assert len(gone) == 1 and len(gone[0]) == 2  # a replica that is gone: by load
-    unnamed = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(kwargs={})))
-    assert len(unnamed) == 1 and len(unnamed[0]) == 2
-    assert asyncio.run(router.choose_replicas([], named)) == []
+    unnamed = request()
+    assert [len(rank) for rank in asyncio.run(router.choose_replicas(replicas, unnamed))] == [2]
+    assert unnamed.routing_context.should_backoff
+    assert asyncio.run(router.choose_replicas([], request(replica="C"))) == []
 
 
-def test_a_first_chunk_dropped_before_it_left_does_not_hold_the_next_ones():
+def test_a_placing_chunk_dropped_before_it_left_does_not_hold_the_next_ones():
     async def main():
-        replicas = _Replicas()
+        replicas = _Gated()
         batcher = DecodeBatcher(replicas, max_chunks=16, max_calls_in_flight=1, placement=StreamPlacement())
-        busy = batcher.submit(_chunk("other", 0), stream="other")  # takes the only call slot
-        first = batcher.submit(_chunk("s", 0), stream="s")  # queued: the stream's placing chunk
+        busy = batcher.submit(_chunk("other", 0), stream="other")
+        while not replicas.calls:  # its call is out and holds the only call slot
+            await asyncio.sleep(0)
+        first = batcher.submit(_chunk("s", 0), stream="s")  # queued behind the slot: the stream's placing chunk
         second = batcher.submit(_chunk("s", 1), stream="s")  # held behind it
         first.cancel()  # dropped before it left (its future cancelled by whoever waited for it)
+        replicas.gate.set()
         await busy
         # placed the stream in its stead (the bound only turns a hang into a failure)
         assert (await asyncio.wait_for(second, 30)).seq == 1
-        assert replicas.went("s") == [(None, "B")]
+        assert [chunks for _, _, chunks in replicas.calls] == [[("other", 0)], [("s", 1)]]
         await batcher.close()
 
     asyncio.run(main())
+
+
+def test_a_streams_early_chunks_are_never_held():
+    async def main():
+        replicas = _Gated()
+        placement = StreamPlacement()
+        batcher = DecodeBatcher(replicas, max_chunks=16, max_calls_in_flight=4, placement=placement)
+        early = [batcher.submit(_chunk("s", k), stream="s", early=True) for k in range(2)]
+        placing = batcher.submit(_chunk("s", 2), stream="s")
+        held = batcher.submit(_chunk("s", 3), stream="s")
+        while sum(len(c) for _, _, c in replicas.calls) < 3:  # the early ones and the placing one leave at once
+            await asyncio.sleep(0)
+        assert sorted(seq for _, _, c in replicas.calls for _, seq in c) == [0, 1, 2]
+        replicas.gate.set()
+        assert [(await f).seq for f in (*early, placing, held)] == [0, 1, 2, 3]
+        went = replicas.went("s")
+        assert went[3] == (went[2][1], went[2][1])  # the held one follows the placing one's replica
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def test_placement_places_once_and_follows_the_latest_answer():
+    placement = StreamPlacement()
+    assert placement.place("s", "c0", early=True) is Placement.LEAVE
+    assert placement.place("s", "c2") is Placement.LEAVE_AND_PLACE
+    assert placement.place("s", "c3") is Placement.HOLD
+    assert placement.settle("s", 0, "A") == []  # an early chunk's answer names a replica, releases nothing
+    assert placement.target("s") == "A"
+    assert placement.settle("s", 2, "B", placing=True) == ["c3"]
+    assert placement.target("s") == "B"
+    assert placement.settle("s", 1, "A") == [] and placement.target("s") == "B"  # an older answer: no move
+    assert placement.place("s", "c4") is Placement.LEAVE
+    assert placement.forget("s") == [] and len(placement) == 0
+    assert placement.settle("s", 5, "A") == [] and len(placement) == 0  # a late answer: nothing comes back
