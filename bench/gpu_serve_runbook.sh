@@ -28,8 +28,9 @@
 # LOADGEN_PROCESSES (1: worker processes of bench.loadgen reading the streams), STAGGER_S (closed points: the
 # streams' starts spread over this many seconds; default all at once), READY_TIMEOUT_S (420),
 # PORT (8000), RAY_PORT (6379, split placement), GPU_RESOURCES (split placement: the custom resource each GPU's
-# raylet advertises, in GPU order, e.g. "gpu_0 gpu_0 gpu_1 gpu_1": two Talker GPUs, two Code2Wav GPUs; default gpu_<k>), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use
-# the current Python environment: the CPU dry run in docs/benchmarks.md).
+# raylet advertises, in GPU order, e.g. "gpu_0 gpu_0 gpu_1 gpu_1": two Talker GPUs, two Code2Wav GPUs; default
+# gpu_<k>), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use the current Python environment:
+# the CPU dry run in docs/benchmarks.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled \
        RAY_USAGE_STATS_ENABLED=0 OMP_NUM_THREADS=1
@@ -272,7 +273,7 @@ for stage in "$@"; do
     collect) collect ;;
     c2wstats) env_setup; code2wav_stats ;;
     stop) env_setup; stop_server ;;
-    *) echo "unknown stage $stage (setup closed open live all collect stop)"; exit 2 ;;
+    *) echo "unknown stage $stage (setup closed open live all collect c2wstats stop)"; exit 2 ;;
   esac
 done
 say "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

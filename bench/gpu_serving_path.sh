@@ -27,8 +27,8 @@
 # device tool returns at most 8 files, and a lost in-process run (2026-11-22) taught that. BUDGET_S: per variant
 # (default 250). Order the variants by priority: a command cut at its time limit keeps what is done.
 # EXTRA_SET (space-separated KEY=VALUE, e.g. "code2wav.batch_fill_chunks=64") is added to the served variants from
-# ingress4 on and to replicas and split (e.g. "ingress.decode_batch.stream_affinity=off"). STAGGER_S (seconds): every variant's closed loop spreads its streams' starts over that long instead of
-# sending them all at once (bench.loadgen and bench.pipeline `--stagger-s`). SWEEPS (default closed): the runbook's
+# ingress4 on and to replicas and split (e.g. "ingress.decode_batch.stream_affinity=off"). STAGGER_S (seconds):
+# every variant's closed loop spreads its streams' starts over that long instead of sending them all at once (bench.loadgen and bench.pipeline `--stagger-s`). SWEEPS (default closed): the runbook's
 # sweeps for the served variants, e.g. "open" (Poisson arrivals at RATES requests/s, OPEN_SECONDS of arrivals per
 # rate) or "closed open".
 set -uo pipefail

@@ -53,7 +53,7 @@ class Code2WavServer:
         self._config, self._source, self._streaming = config, source, streaming
         self._engine = None
         self._replica: str | None = None  # this replica's id when it keeps stream states (stateful engine)
-        self._named = [0, 0]  # chunks of calls naming a replica: [another one (full, or gone), this one]
+        self._named = {"here": 0, "elsewhere": 0}  # chunks of calls naming this replica or another (full, gone)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="code2wav")  # the decoder's only thread
         self._inflight = 0  # decode() calls in this replica
         self._decoding = 0  # of which in the batch being decoded
@@ -89,7 +89,7 @@ class Code2WavServer:
         if not cfg.batch_fill_chunks:  # off: nothing to count
             return 0.0
         chunks = [c for call in calls for c in call]
-        waited_for = max(2, self._streaming.urgent_chunks)
+        waited_for = self._streaming.waited_for_chunks
         if len(chunks) >= cfg.batch_fill_chunks or any(c.seq < waited_for for c in chunks):
             return 0.0
         idle = cfg.batch_fill_idle_wait_ms > 0 and self._busy.per_second() < IDLE_BELOW_BUSY_SHARE
@@ -131,9 +131,9 @@ class Code2WavServer:
         n = len(chunks)
         t0, arrived = time.perf_counter(), first_audio_timing.now()
         if replica is not None:  # named calls that reached their replica, and those the router sent elsewhere
-            here = replica == self._replica
-            self._named[here] += n
-            self._metrics.named_chunks.inc(n, tags={"landed": "here" if here else "elsewhere"})
+            landed = "here" if replica == self._replica else "elsewhere"
+            self._named[landed] += n
+            self._metrics.named_chunks.inc(n, tags={"landed": landed})
         self._arrivals.add(n)
         if self._inflight == 0:
             self._last_progress = self._clock()
@@ -216,8 +216,8 @@ class Code2WavServer:
         of calls that named this replica or another one (`named_here`, `named_elsewhere`: stream affinity), read
         twice over a window by `bench.serve_engine_stats`."""
         return {"replica": this_replica(), **dataclasses.asdict(self._engine.stats()),
-                "gc": dataclasses.asdict(self._gc.stats()), "named_here": self._named[1],
-                "named_elsewhere": self._named[0]}
+                "gc": dataclasses.asdict(self._gc.stats()),
+                **{f"named_{landed}": chunks for landed, chunks in self._named.items()}}
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: chunks pending and no decode finished for too long."""

@@ -196,6 +196,13 @@ class StreamingConfig(BaseConfig):
         "a stream's first chunks decoded ahead of the others (sent at once, decoded before the batch waiting "
         "with them): its listener waits for them with little or no audio buffered; 0 = none"))
 
+    @property
+    def waited_for_chunks(self) -> int:
+        """A stream's first chunks that its listener waits for: the first, the second (it must follow within the
+        first's audio) and the urgent ones. Code2Wav's batch never waits to fill with them, and stream affinity
+        never holds them back."""
+        return max(2, self.urgent_chunks)
+
     def schedule(self):
         """-> stages.chunking.ChunkSchedule (raises ValueError on an inconsistent schedule)."""
         from stages.chunking import ChunkSchedule

@@ -21,21 +21,19 @@ from deployments.transport import StageTransport, stage_handle, stream_items
 from stages.contract import SynthesisRequest
 
 _END = object()
-# a stream's first chunks are never held back by stream affinity: its listener waits for the first, and the second
-# must follow within the first's audio (deployments/stream_affinity.py)
-EARLY_CHUNKS = 2
 
 
 async def stream_audio(
     talker: DeploymentHandle, decoder: DecodeBatcher, request: SynthesisRequest, options: GenerateOptions,
     depth: int, transport: StageTransport, mailbox=None, timing: FirstAudioTiming | None = None,
-    urgent_chunks: int = 0,
+    urgent_chunks: int = 0, waited_for_chunks: int = 2,
 ) -> AsyncIterator[DecodedChunk]:
     """Decoded chunks of one request, in stream order. Closing the iterator cancels the whole pipeline.
 
     With `mailbox` (a `TextMailbox`) the request is live: `Talker.generate_live` takes its text from there.
     With `timing`, the first chunk's hops are stamped on it (deployments/first_audio_timing.py). The first
-    `urgent_chunks` chunks go to Code2Wav ahead of other streams' (`DecodeBatcher.submit(urgent=True)`).
+    `urgent_chunks` chunks go to Code2Wav ahead of other streams' (`DecodeBatcher.submit(urgent=True)`); stream
+    affinity never holds back the first `waited_for_chunks` (`StreamingConfig.waited_for_chunks`).
 
     Errors of either stage (e.g. the Talker rejecting the request) surface when the affected chunk is
     awaited; the first chunk therefore tells whether the request was accepted.
@@ -57,7 +55,7 @@ async def stream_audio(
                     timing.chunk_received = first_audio_timing.now()
                     timing.talker = getattr(chunk, "stamps", ())  # an ObjectRef (object_ref transport) has none
                 await pending.put(decoder.submit(chunk, urgent=index < urgent_chunks, stream=request.request_id,
-                                                 early=index < max(EARLY_CHUNKS, urgent_chunks)))
+                                                 early=index < waited_for_chunks))
                 index += 1
         except Exception as e:  # refusal (backpressure) or a failed stream: the consumer raises it in order
             await pending.put(e)

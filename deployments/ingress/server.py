@@ -129,7 +129,7 @@ class TTSIngress:
                                            live=mailbox is not None, idle_timeout_s=idle_timeout_s)
         chunks = stream_audio(self._router.handle(info.name), self._decoder, synthesis, options,
                               self._args.streaming.max_pending_decodes, self._limits.stage_transport, mailbox,
-                              timing, self._args.streaming.urgent_chunks)
+                              timing, self._args.streaming.urgent_chunks, self._args.streaming.waited_for_chunks)
         return synthesis, chunks
 
     # ------------------------------------------------------------------ live text (WebSocket)
