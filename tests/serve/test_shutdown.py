@@ -217,8 +217,12 @@ def test_redeploy_ends_open_streams_and_serves_the_new_config(lc_app):
                  "the new replicas")
     finally:
         timeline.stop()
+    # the new replicas serve while the old ingress may still be in its graceful shutdown (Serve checks a draining
+    # replica every few seconds): wait for each old process to exit (the CI run of 2026-11-28 checked at once and
+    # saw the old ingress STOPPING 1.7 s after its streams had ended)
     for deployment, pids in old.items():
-        assert not set(pids) & set(replica_pids(deployment, LC)), f"an old {deployment} replica is still there"
+        wait_for(lambda d=deployment, p=pids: not set(p) & set(replica_pids(d, LC)), INGRESS_GRACE_S + MARGIN_S,
+                 0.1, f"the old {deployment} replica to exit")
     ok = httpx.post(f"{base}/v1/audio/speech", json=speech(model="fake-v2", response_format="pcm"), timeout=60)
     assert ok.status_code == 200, ok.text[:300]
 
