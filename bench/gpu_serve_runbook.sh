@@ -14,7 +14,8 @@
 #           the budget that is left
 #   all     setup closed open, splitting the remaining budget between the two sweeps
 #   collect copy results into $OUT (also done after each sweep); stop: shut the server down
-#   c2wstats every Code2Wav replica's engine counters (continued / fresh chunks) into results/code2wav_stats.json
+#   stats   every Talker and Code2Wav replica's engine counters since start (step times, batch, continued / fresh
+#           chunks: python -m bench.replica_stats) into results/replica_stats.json
 #
 # Each device command may run 10 minutes: the script keeps to BUDGET_S (default 540 s) from its own start,
 # giving each sweep `--max-seconds` of what is left, and leaves at most 8 files in $OUT:
@@ -145,6 +146,8 @@ stage_setup() {
   fi
   write_config
   rm -rf "$W/results"; mkdir -p "$W/results"  # a failed start must not collect an earlier server's tables
+  # the host's layout: which CPUs (NUMA node) sit beside each GPU, for the scale-out runs' attribution
+  { lscpu; nvidia-smi topo -m; } > "$W/results/host.txt" 2>&1
   if ready && cmp -s "$W/serve.next.yaml" "$W/serve.yaml"; then say "server already ready at $URL"; return 0; fi
   stop_server
   if answers health any; then say "port $PORT is served by a process this runbook did not start: stop it or set PORT"; exit 6; fi
@@ -195,7 +198,10 @@ sweep() {  # sweep MODE LEVELS SECONDS
   fi
   # where the host's CPU goes (replicas, load generator, Ray): the busiest processes every 5 s
   if command -v top > /dev/null; then
-    while :; do timeout 4 top -b -n 2 -d 1 -w 220 -o %CPU | awk '/^top -/{n++} n==2' | head -32; sleep 4; done \
+    while :; do timeout 4 top -b -n 2 -d 1 -w 220 -o %CPU | awk '/^top -/{n++} n==2' | head -32
+      # the cores' clocks: all-core load lowers them, and the engines' host path runs at that clock
+      awk '/^cpu MHz/{s+=$4; n++; if ($4>m) m=$4} END {if (n) printf "cpu MHz: mean %.0f, max %.0f, %d cpus\n", s/n, m, n}' /proc/cpuinfo
+      sleep 4; done \
       > "$dir/cpu.txt" 2>&1 &  # the second frame: %CPU over 1 s (the first is since boot); a hung top is cut
     cpu=$!
   fi
@@ -221,25 +227,8 @@ live() {
   collect
 }
 
-code2wav_stats() {  # every Code2Wav replica's engine_stats (continued / fresh chunks: stream affinity) into the results
-  timeout 60 python3 - "$W/results/code2wav_stats.json" <<'PY' || say "no Code2Wav stats"
-import asyncio, json, sys
-import ray
-from ray import serve
-ray.init(address="auto", logging_level="ERROR")
-
-async def every_replica() -> dict:  # in a loop: a throughput-optimized Serve's handles route on the caller's loop
-    handle, seen = serve.get_deployment_handle("Code2Wav", app_name="tts"), {}
-    for _ in range(64):  # calls go by load: ask until every replica answered (or give up)
-        stats = await handle.engine_stats.remote()
-        seen[stats["replica"]] = {k: stats.get(k) for k in ("continued", "fresh", "evicted", "chunks", "named_here",
-                                                             "named_elsewhere", "new_frames", "decoded_frames", "busy_s")}
-    return seen
-
-seen = asyncio.run(every_replica())
-json.dump(seen, open(sys.argv[1], "w"), indent=1)
-print("Code2Wav replicas:", json.dumps(seen))
-PY
+replica_stats() {  # every Talker and Code2Wav replica's engine counters since start (bench/replica_stats.py)
+  timeout 90 python3 -m bench.replica_stats --out "$W/results/replica_stats.json" || say "no replica stats"
   collect
 }
 
@@ -271,9 +260,9 @@ for stage in "$@"; do
       sweep closed "$CONCURRENCY" $(( ($(left) - 60) / 2 ))
       sweep open "$RATES" $(( $(left) - 30 )) ;;
     collect) collect ;;
-    c2wstats) env_setup; code2wav_stats ;;
+    stats) env_setup; replica_stats ;;
     stop) env_setup; stop_server ;;
-    *) echo "unknown stage $stage (setup closed open live all collect c2wstats stop)"; exit 2 ;;
+    *) echo "unknown stage $stage (setup closed open live all collect stats stop)"; exit 2 ;;
   esac
 done
 say "done; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"

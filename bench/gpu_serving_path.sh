@@ -82,13 +82,13 @@ for variant in "$@"; do
          mps_stop ;;
     gpu1) [ "$SCALE_MPS" = 1 ] && mps_start
           env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CUDA_VISIBLE_DEVICES=0 \
-            CONFIG=configs/high_concurrency.yaml bash bench/gpu_serve_runbook.sh setup $SWEEPS stop
+            CONFIG=configs/high_concurrency.yaml bash bench/gpu_serve_runbook.sh setup $SWEEPS stats stop
           [ "$SCALE_MPS" = 1 ] && mps_stop ;;
     replicas) [ "$SCALE_MPS" = 1 ] && mps_start
               n=$(nvidia-smi -L | grep -c '^GPU')
               env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/replicas.yaml \
                 SET="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))${EXTRA_SET:+ $EXTRA_SET}" \
-                bash bench/gpu_serve_runbook.sh setup $SWEEPS c2wstats stop
+                bash bench/gpu_serve_runbook.sh setup $SWEEPS stats stop
               [ "$SCALE_MPS" = 1 ] && mps_stop ;;
     split) [ "$SCALE_MPS" = 1 ] && mps_start
            # the first half of the host's GPUs run Talkers (gpu_0), the rest Code2Wav replicas (gpu_1); 4 ingress
@@ -102,7 +102,7 @@ code2wav.deployment_config.autoscaling_config.max_replicas=$decoders \
 code2wav.engine_kwargs.state_slots=$(( 512 * talkers + 64 )) ingress.deployment_config.num_replicas=$(( 4 * n ))"
            env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/split.yaml \
              GPU_RESOURCES="$(echo $roles)" SET="$SPLIT_SET $per_gpu${EXTRA_SET:+ $EXTRA_SET}" \
-             bash bench/gpu_serve_runbook.sh setup $SWEEPS c2wstats stop
+             bash bench/gpu_serve_runbook.sh setup $SWEEPS stats stop
            [ "$SCALE_MPS" = 1 ] && mps_stop ;;
     inproc) CKPT=${CKPT:-/tmp/qwen3-serve-bench/ckpt/1.7b-custom_voice}
             [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \

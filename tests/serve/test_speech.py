@@ -14,7 +14,7 @@ import soundfile as sf
 
 from deployments.first_audio_timing import parse_server_timing
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
-from tests.serve.conftest import code2wav_stats, engine_stats, pcm_of, speech
+from tests.serve.conftest import APP, code2wav_stats, engine_stats, pcm_of, speech
 
 pytestmark = pytest.mark.serve
 
@@ -190,3 +190,31 @@ def test_base_model_clones_inline_reference_audio(http, file_server):
     fetched = http.post("/v1/audio/speech", json={**body, "ref_audio": f"{file_server}/allowed/clip.wav",
                                                   "x_vector_only_mode": True})
     assert fetched.status_code == 200, fetched.text
+
+
+def test_replica_stats_summarize_every_replica_since_start(http):
+    """`bench.replica_stats` (the scale-out runs' attribution): after a request, the Talker's summary counts its
+    steps and batch, and Code2Wav's its chunks and frames, each keyed by the replica that answered."""
+    from ray import serve
+
+    from bench.replica_stats import code2wav_summary, every_replica, talker_summary
+
+    body = speech(response_format="pcm", max_new_tokens=5, initial_codec_chunk_frames=3)
+    assert http.post("/v1/audio/speech", json=body).status_code == 200
+
+    async def read():
+        talkers = await every_replica(serve.get_deployment_handle("Talker:cv", app_name=APP), 1)
+        code2wavs = await every_replica(serve.get_deployment_handle("Code2Wav", app_name=APP), 1)
+        return talkers, code2wavs
+
+    talkers, code2wavs = asyncio.run(read())
+    assert len(talkers) == 1 and len(code2wavs) == 1
+    (name, stats), = talkers.items()
+    assert stats["replica"] == name
+    talker = talker_summary(stats)
+    assert talker["steps"] == stats["steps"] >= 5 and talker["admitted"] >= 1
+    assert 1 <= talker["mean_batch"] <= stats["max_running"]  # frames per step: the rows it ran
+    assert talker["engine_thread_step_ms"] > 0 and 0 <= talker["device_wait_ms"] <= talker["engine_thread_step_ms"]
+    code2wav = code2wav_summary(next(iter(code2wavs.values())))
+    assert code2wav["chunks"] >= 1 and code2wav["new_frames"] >= 2  # this request's frames after its first chunk
+    assert code2wav["decoded_per_new_frame"] >= 1.0  # left context is decoded again, never less than the new frames

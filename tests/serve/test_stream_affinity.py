@@ -17,7 +17,7 @@ from deployments.config import CheckpointSource, Code2WavDeploymentConfig, Strea
 from deployments.decode_batcher import DecodeBatcher
 from deployments.stream_affinity import StreamPlacement
 from stages.contract import FinishReason
-from tests.serve.conftest import ZERO_CPU, wait_for
+from tests.serve.conftest import ZERO_CPU
 
 pytestmark = pytest.mark.serve
 
@@ -42,15 +42,11 @@ def code2wav(ray_cluster, tiny_custom_voice):
 
 
 def _stats_of_both(handle) -> dict[str, dict]:
-    """engine_stats of each of the two replicas (calls go by load: ask until both answered)."""
-    seen: dict[str, dict] = {}
+    """engine_stats of each of the two replicas (bench.replica_stats asks until both answered)."""
+    from bench.replica_stats import every_replica
 
-    def both() -> bool:
-        stats = handle.engine_stats.remote().result(timeout_s=30)
-        seen[stats["replica"]] = stats
-        return len(seen) == 2
-
-    wait_for(both, 60, 0, "both replicas' stats")
+    seen = asyncio.run(every_replica(handle, 2))
+    assert len(seen) == 2, seen.keys()
     return seen
 
 
