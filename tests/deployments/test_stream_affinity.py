@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from types import SimpleNamespace
 
 import numpy as np
@@ -202,6 +203,23 @@ def test_the_router_ranks_the_named_replica_first_and_two_others_after_it():
     assert [len(rank) for rank in asyncio.run(router.choose_replicas(replicas, unnamed))] == [2]
     assert unnamed.routing_context.should_backoff
     assert asyncio.run(router.choose_replicas([], request(replica="C"))) == []
+
+
+def test_the_router_offers_two_replicas_in_either_order():
+    """Serve takes the first of a rank's replicas when their queues tie: with two replicas in list order, every
+    unnamed call between idle replicas went to the first (a stream's placement, and stats calls that never reached
+    the second)."""
+    router = StreamAffinityRouter.__new__(StreamAffinityRouter)
+    pair = [_replica("A"), _replica("B")]
+    rng_state = random.getstate()
+    random.seed(11)
+    try:
+        firsts = {asyncio.run(router.choose_replicas(pair, SimpleNamespace(
+            kwargs={}, routing_context=SimpleNamespace(should_backoff=False))))[0][0].replica_id.unique_id
+            for _ in range(32)}
+    finally:
+        random.setstate(rng_state)
+    assert firsts == {"A", "B"}
 
 
 def test_a_placing_chunk_dropped_before_it_left_does_not_hold_the_next_ones():
