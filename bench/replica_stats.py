@@ -16,8 +16,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from stages.talker import step_clock
-from stages.talker.step_clock import DeviceClockStats
+from bench.serve_engine_stats import code2wav_work, talker_step_figures
 
 # Code2Wav's counters: totals since start (stream affinity: chunks decoded from their state, fresh, evicted; calls
 # that named a replica and landed there or elsewhere) and the work they took
@@ -27,20 +26,7 @@ _CODE2WAV_COUNTS = ("batches", "chunks", "continued", "fresh", "evicted", "named
 
 def talker_summary(stats: dict) -> dict:
     """One Talker replica's per-step figures since it started (from `Talker.engine_stats`)."""
-    steps = max(stats["steps"], 1)
-    clock = step_clock.window_ms(DeviceClockStats(), DeviceClockStats(**stats.get("device_clock", {})))
-    summary = {
-        "steps": stats["steps"], "mean_batch": round(stats["frames"] / steps, 1),
-        "engine_thread_step_ms": round(stats["step_seconds"] / steps * 1e3, 2),
-        # of it, blocked until the step's output was ready; the rest is host work and waiting for the GIL
-        "device_wait_ms": round(stats["device_wait_seconds"] / steps * 1e3, 2),
-        "host_bound_share": round(stats["host_bound_steps"] / steps, 3),
-        "gpu_step_ms": round(clock["gpu_step_ms"], 2), "gpu_idle_gap_ms": round(clock["gpu_idle_gap_ms"], 2),
-        "gpu_prefill_gap_ms": round(clock["gpu_prefill_gap_ms"], 2),
-        "prefills": stats["prefills"], "admitted": stats["admitted"],
-        "admission_wait_ms": round(stats["admission_wait_seconds"] / max(stats["admitted"], 1) * 1e3, 1),
-        "first_chunk_ms": round(stats["first_chunk_seconds"] / max(stats["first_chunks"], 1) * 1e3, 1),
-    }
+    summary = talker_step_figures({}, stats)
     if "gc" in stats:
         summary["gc_long_pauses"] = stats["gc"]["long_pauses"]
     return summary
@@ -48,12 +34,7 @@ def talker_summary(stats: dict) -> dict:
 
 def code2wav_summary(stats: dict) -> dict:
     """One Code2Wav replica's totals since it started, with the work per new frame (left context and padding)."""
-    summary = {k: stats.get(k) for k in _CODE2WAV_COUNTS}
-    new = max(stats["new_frames"], 1)
-    summary["chunks_per_call"] = round(stats["chunks"] / max(stats["batches"], 1), 1)
-    summary["decoded_per_new_frame"] = round(stats["decoded_frames"] / new, 2)
-    summary["padded_per_new_frame"] = round(stats["padded_frames"] / new, 2)
-    return summary
+    return {**{k: stats.get(k) for k in _CODE2WAV_COUNTS}, **code2wav_work({}, stats)}
 
 
 async def every_replica(handle, replicas: int, tries: int = 128) -> dict[str, dict]:

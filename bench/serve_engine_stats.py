@@ -51,35 +51,13 @@ def main() -> None:
 
     (before, c2w_before), (after, c2w_after), wall = asyncio.run(window())
 
-    def delta(key: str) -> float:  # a counter's growth over the window
-        return after.get(key, 0) - before.get(key, 0)  # 0: a counter this engine does not keep
-
-    steps = delta("steps")
-    per_step = max(steps, 1)
+    steps = after["steps"] - before["steps"]
     report = {
-        "window_s": round(wall, 2), "steps": steps,
-        "step_ms": round(wall / per_step * 1e3, 2),  # wall per step: what a stream sees
-        "engine_thread_step_ms": round(delta("step_seconds") / per_step * 1e3, 2),
-        # of it, blocked until the step's output was ready (the rest: host work and waiting for the GIL)
-        "device_wait_ms": round(delta("device_wait_seconds") / per_step * 1e3, 2),
-        # steps whose output was ready when the engine thread came to read it (the device idled meanwhile)
-        "host_bound_share": round(delta("host_bound_steps") / per_step, 3),
-        # the device's clock: a step's own GPU time, the gaps between steps per step (prefills; the device
-        # waiting for the host's launch) and the idle gaps over 1 ms (stages/talker/step_clock.py)
-        **{k: round(v, 3) for k, v in step_clock.window_ms(DeviceClockStats(**before.get("device_clock", {})),
-                                                          DeviceClockStats(**after.get("device_clock", {}))).items()},
-        "mean_batch": round(delta("frames") / per_step, 1),
-        "prefill_share": round(delta("prefill_seconds") / wall, 4),  # their launches
-        # prefills run and requests admitted in the window (admitted / prefills: the prefill batch), and engine
-        # iterations whose admission waited for more arrivals (prefill_hold_s)
-        "prefills": delta("prefills"), "admitted": delta("admitted"), "held_admissions": delta("held_admissions"),
+        "window_s": round(wall, 2),
+        "step_ms": round(wall / max(steps, 1) * 1e3, 2),  # wall per step: what a stream sees
+        **talker_step_figures(before, after),
+        "prefill_share": round((after["prefill_seconds"] - before["prefill_seconds"]) / wall, 4),  # their launches
         "running": after["running"], "waiting": after["waiting"],
-        # inside the engine, for the requests admitted / first-chunked in the window: add -> admission and
-        # add -> first chunk with frames (the rest of a client's time to first audio is the serving path)
-        "engine_admission_wait_ms": _mean_ms(before, after, "admission_wait_seconds", "admitted"),
-        # of it, until the engine thread took the request from its command queue (the rest: in its queue)
-        "engine_command_wait_ms": _mean_ms(before, after, "command_wait_seconds", "admitted"),
-        "engine_first_chunk_ms": _mean_ms(before, after, "first_chunk_seconds", "first_chunks"),
         "code2wav": _code2wav_window(c2w_before, c2w_after, wall),
         # Python's garbage collections in each replica over the window (a collection stops all its threads)
         "talker_gc": _gc_window(before, after), "code2wav_gc": _gc_window(c2w_before, c2w_after),
@@ -90,6 +68,49 @@ def main() -> None:
     print(json.dumps(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+def talker_step_figures(before: dict, after: dict) -> dict:
+    """The Talker engine's figures per step and per request between two reads of its counters (`Talker.
+    engine_stats`); `before={}`: since the engine started (bench/replica_stats.py)."""
+    def delta(key: str) -> float:  # a counter's growth between the reads
+        return after.get(key, 0) - before.get(key, 0)  # 0: a counter this engine does not keep
+
+    per_step = max(delta("steps"), 1)
+    return {
+        "steps": delta("steps"),
+        "engine_thread_step_ms": round(delta("step_seconds") / per_step * 1e3, 2),
+        # of it, blocked until the step's output was ready (the rest: host work and waiting for the GIL)
+        "device_wait_ms": round(delta("device_wait_seconds") / per_step * 1e3, 2),
+        # steps whose output was ready when the engine thread came to read it (the device idled meanwhile)
+        "host_bound_share": round(delta("host_bound_steps") / per_step, 3),
+        # the device's clock: a step's own GPU time, the gaps between steps per step (prefills; the device
+        # waiting for the host's launch) and the idle gaps over 1 ms (stages/talker/step_clock.py)
+        **{k: round(v, 3) for k, v in step_clock.window_ms(DeviceClockStats(**before.get("device_clock", {})),
+                                                          DeviceClockStats(**after.get("device_clock", {}))).items()},
+        "mean_batch": round(delta("frames") / per_step, 1),
+        # prefills run and requests admitted (admitted / prefills: the prefill batch), and engine iterations
+        # whose admission waited for more arrivals (prefill_hold_s)
+        "prefills": delta("prefills"), "admitted": delta("admitted"), "held_admissions": delta("held_admissions"),
+        # inside the engine, for the requests admitted / first-chunked between the reads: add -> admission and
+        # add -> first chunk with frames (the rest of a client's time to first audio is the serving path)
+        "engine_admission_wait_ms": _mean_ms(before, after, "admission_wait_seconds", "admitted"),
+        # of it, until the engine thread took the request from its command queue (the rest: in its queue)
+        "engine_command_wait_ms": _mean_ms(before, after, "command_wait_seconds", "admitted"),
+        "engine_first_chunk_ms": _mean_ms(before, after, "first_chunk_seconds", "first_chunks"),
+    }
+
+
+def code2wav_work(before: dict, after: dict) -> dict:
+    """A Code2Wav replica's chunks per decode call and frames decoded and padded per new frame (left context
+    and padding) between two reads of its counters; `before={}`: since it started."""
+    def delta(key: str) -> float:
+        return after[key] - before.get(key, 0)
+
+    new = max(delta("new_frames"), 1)
+    return {"chunks_per_call": round(delta("chunks") / max(delta("batches"), 1), 1),
+            "decoded_per_new_frame": round(delta("decoded_frames") / new, 2),
+            "padded_per_new_frame": round(delta("padded_frames") / new, 2)}
 
 
 def _gc_window(before: dict, after: dict) -> dict | None:
@@ -117,18 +138,18 @@ async def _same_replica(handle, replica: str, tries: int = 32) -> dict:
 def _code2wav_window(before: dict, after: dict, wall: float) -> dict:
     """One Code2Wav replica over the window: decode calls, chunks per call, the share of the window it spent
     decoding (waiting on the GPU included), and the work per new frame (left context and padding included)."""
-    d = {k: after[k] - before[k] for k in ("batches", "chunks", "forwards", "new_frames", "decoded_frames",
-                                           "padded_frames", "busy_s")}
-    return {"decode_calls": d["batches"], "chunks_per_call": round(d["chunks"] / max(d["batches"], 1), 1),
-            "forwards": d["forwards"], "busy_share": round(d["busy_s"] / wall, 3),
-            "decoded_per_new_frame": round(d["decoded_frames"] / max(d["new_frames"], 1), 2),
-            "padded_per_new_frame": round(d["padded_frames"] / max(d["new_frames"], 1), 2),
+    d = {k: after[k] - before[k] for k in ("batches", "forwards", "new_frames", "busy_s")}
+    work = code2wav_work(before, after)
+    return {"decode_calls": d["batches"], "chunks_per_call": work["chunks_per_call"], "forwards": d["forwards"],
+            "busy_share": round(d["busy_s"] / wall, 3),
+            "decoded_per_new_frame": work["decoded_per_new_frame"],
+            "padded_per_new_frame": work["padded_per_new_frame"],
             "new_frames_per_s": round(d["new_frames"] / wall, 1)}
 
 
 def _mean_ms(before: dict, after: dict, seconds: str, count: str) -> float | None:
-    n = after[count] - before[count]
-    return round((after[seconds] - before[seconds]) / n * 1e3, 1) if n else None
+    n = after[count] - before.get(count, 0)
+    return round((after[seconds] - before.get(seconds, 0)) / n * 1e3, 1) if n else None
 
 
 if __name__ == "__main__":

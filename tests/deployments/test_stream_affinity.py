@@ -184,25 +184,26 @@ def _replica(name: str):
     return SimpleNamespace(replica_id=SimpleNamespace(unique_id=name))
 
 
+def _request(**kwargs):
+    """A pending decode_many call as the router sees it (`replica=`: the replica it names)."""
+    return SimpleNamespace(kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False))
+
+
 def test_the_router_ranks_the_named_replica_first_and_two_others_after_it():
     router = StreamAffinityRouter.__new__(StreamAffinityRouter)  # choose_replicas reads none of its state
     replicas = [_replica(n) for n in "ABCD"]
-
-    def request(**kwargs):
-        return SimpleNamespace(kwargs=kwargs, routing_context=SimpleNamespace(should_backoff=False))
-
-    named = request(replica="C")
+    named = _request(replica="C")
     ranks = asyncio.run(router.choose_replicas(replicas, named))
     assert [r.replica_id.unique_id for r in ranks[0]] == ["C"]
     assert len(ranks[1]) == 2 and all(r.replica_id.unique_id != "C" for r in ranks[1])
     # every rank was offered: if none accepts, Serve backs off before asking again (else it spins on full replicas)
     assert named.routing_context.should_backoff
-    gone = asyncio.run(router.choose_replicas(replicas, request(replica="Z")))
+    gone = asyncio.run(router.choose_replicas(replicas, _request(replica="Z")))
     assert len(gone) == 1 and len(gone[0]) == 2  # a replica that is gone: by load
-    unnamed = request()
+    unnamed = _request()
     assert [len(rank) for rank in asyncio.run(router.choose_replicas(replicas, unnamed))] == [2]
     assert unnamed.routing_context.should_backoff
-    assert asyncio.run(router.choose_replicas([], request(replica="C"))) == []
+    assert asyncio.run(router.choose_replicas([], _request(replica="C"))) == []
 
 
 def test_the_router_offers_two_replicas_in_either_order():
@@ -214,9 +215,7 @@ def test_the_router_offers_two_replicas_in_either_order():
     rng_state = random.getstate()
     random.seed(11)
     try:
-        firsts = {asyncio.run(router.choose_replicas(pair, SimpleNamespace(
-            kwargs={}, routing_context=SimpleNamespace(should_backoff=False))))[0][0].replica_id.unique_id
-            for _ in range(32)}
+        firsts = {asyncio.run(router.choose_replicas(pair, _request()))[0][0].replica_id.unique_id for _ in range(32)}
     finally:
         random.setstate(rng_state)
     assert firsts == {"A", "B"}
