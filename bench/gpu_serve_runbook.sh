@@ -147,7 +147,9 @@ stage_setup() {
   write_config
   rm -rf "$W/results"; mkdir -p "$W/results"  # a failed start must not collect an earlier server's tables
   # the host's layout: which CPUs (NUMA node) sit beside each GPU, for the scale-out runs' attribution
-  { lscpu; nvidia-smi topo -m; } > "$W/results/host.txt" 2>&1
+  { lscpu; nvidia-smi topo -m
+    nvidia-smi --query-gpu=index,pci.bus_id,power.limit,enforced.power.limit,clocks.max.sm,clocks.max.mem,compute_mode \
+      --format=csv; } > "$W/results/host.txt" 2>&1
   if ready && cmp -s "$W/serve.next.yaml" "$W/serve.yaml"; then say "server already ready at $URL"; return 0; fi
   stop_server
   if answers health any; then say "port $PORT is served by a process this runbook did not start: stop it or set PORT"; exit 6; fi
@@ -193,7 +195,12 @@ sweep() {  # sweep MODE LEVELS SECONDS
   cp "$W/serve.yaml" "$dir/serve_config.yaml"
   local smi="" cpu=""
   if command -v nvidia-smi > /dev/null; then
-    nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv -l 2 > "$dir/gpu.csv" &
+    # with each GPU's clocks, power, temperature and the reasons its clocks are held down (a throttled GPU
+    # steps slower at the same batch: one of two H100s of a machine took 26 ms per Talker step for 16, 2026-11-28)
+    local q=timestamp,index,utilization.gpu,memory.used,clocks.sm,clocks.mem,power.draw,temperature.gpu
+    q+=,clocks_event_reasons.active
+    nvidia-smi --query-gpu="$q" --format=csv,noheader -i 0 > /dev/null 2>&1 || q=timestamp,index,utilization.gpu,memory.used
+    nvidia-smi --query-gpu="$q" --format=csv -l 2 > "$dir/gpu.csv" &
     smi=$!
   fi
   # where the host's CPU goes (replicas, load generator, Ray): the busiest processes every 5 s

