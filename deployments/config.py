@@ -230,6 +230,10 @@ class DecodeBatchSettings(BaseConfig):
     stream_affinity: Literal["auto", "on", "off"] = Field("auto", description=(
         "keep each stream's chunks on the Code2Wav replica holding its decoder state (deployments/stream_affinity.py);"
         " only a stateful Code2Wav has one; auto: on where it may run several replicas; off: Serve's own routing"))
+    place_new_streams: Literal["by_load", "fewest_streams"] = Field("by_load", description=(
+        "with stream affinity, where a stream's state starts: by_load, where its first chunks land (the first two"
+        " may land on two replicas); fewest_streams, the replica holding the fewest of this ingress replica's"
+        " streams, named from the first chunk on (not yet measured on a GPU: docs/benchmarks.md)"))
 
     @field_validator("stream_affinity", mode="before")
     @classmethod

@@ -16,12 +16,20 @@ Two halves, one in each process:
   goes to it while it accepts work (fewer than its `max_ongoing_requests` calls: it is not otherwise load-aware);
   when it is full or gone, the call goes by load like any other (power of two choices on queue
   length), and its chunks decode over their left context there; the answer says where the state now is.
+
+Where a new stream goes (`StreamPlacement(spread_new_streams=...)`, config `ingress.decode_batch.place_new_streams`):
+by default its chunks go by load until an answer names a replica, and the stream's state is where they land. The
+first two are never held (their listener waits for them), so a second chunk that leaves before the first is
+answered starts a second state on another replica: on 4 replicas 1.62 fresh chunks per request against 1.0 on one
+(H100, 2026-11-28). With `spread_new_streams` the ingress names a replica from a stream's first chunk on: of the replicas
+that have answered it, the one holding the fewest of its streams (the slots a stateful replica keeps are bounded).
 """
 
 from __future__ import annotations
 
 import enum
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,8 +62,13 @@ class StreamPlacement:
     The first later chunk that finds no replica named places the stream, and the ones after it wait for its answer.
     """
 
-    def __init__(self):
+    def __init__(self, spread_new_streams: bool = False):
+        """`spread_new_streams`: a new stream's first chunk names the answering replica with the fewest of these
+        streams (until one has answered, by load as without)."""
         self._streams: dict[str, _Stream] = {}
+        self._spread = spread_new_streams
+        self._answering: set[str] = set()  # replicas that answered, less any that missed a call naming it since
+        self._held_by: Counter[str] = Counter()  # replica -> streams whose state it holds (or is named for)
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -64,7 +77,11 @@ class StreamPlacement:
         """What to do with `item`, a chunk of `stream`; a held one comes back from `settle`."""
         if stream is None:
             return Placement.LEAVE
-        state = self._streams.setdefault(stream, _Stream())
+        state = self._streams.get(stream)
+        if state is None:
+            state = self._streams[stream] = _Stream()
+            if self._spread and self._answering:
+                self._hold(state, self._fewest_streams())
         if state.holder is not None or early:
             return Placement.LEAVE
         if state.placing:
@@ -78,10 +95,15 @@ class StreamPlacement:
         dropped, or the chunk carried the Talker's PCM); the stream's state is there now if this is its latest
         answer. `placing`: the chunk placed the stream; the items held for it come back (to `place` again)."""
         state = self._streams.get(stream)
+        if replica is not None:
+            self._answering.add(replica)
         if state is None:  # forgotten meanwhile: nothing to keep
             return []
         if replica is not None and seq >= state.latest:
-            state.holder, state.latest = replica, seq
+            if state.holder is not None and state.holder != replica:  # the named replica was full or gone: no new
+                self._answering.discard(state.holder)  # streams for it until it answers again
+            self._hold(state, replica)
+            state.latest = seq
         if not placing:
             return []
         state.placing = False
@@ -91,12 +113,29 @@ class StreamPlacement:
     def forget(self, stream: str) -> list[Any]:
         """The stream ended (or its client left); returns any items still held for it."""
         state = self._streams.pop(stream, None)
-        return state.held if state is not None else []
+        if state is None:
+            return []
+        self._hold(state, None)
+        return state.held
 
     def target(self, stream: str | None) -> str | None:
         """The replica named for the stream's next chunk (None: any)."""
         state = self._streams.get(stream) if stream is not None else None
         return state.holder if state is not None else None
+
+    def _hold(self, state: _Stream, replica: str | None) -> None:
+        """The stream's state is (to be) on `replica` now (None: nowhere)."""
+        if state.holder is not None:
+            self._held_by[state.holder] -= 1
+        state.holder = replica
+        if replica is not None:
+            self._held_by[replica] += 1
+
+    def _fewest_streams(self) -> str:
+        """The answering replica holding the fewest streams (ties at random: 16 ingress replicas must not all pick
+        the same one)."""
+        fewest = min(self._held_by[r] for r in self._answering)
+        return random.choice([r for r in self._answering if self._held_by[r] == fewest])
 
 
 class StreamAffinityRouter(RequestRouter):

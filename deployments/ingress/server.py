@@ -54,7 +54,7 @@ class TTSIngress:
                               limits.backpressure.status_code)
         self._decoder = DecodeBatcher(stage_handle(code2wav, limits.stage_transport), limits.decode_batch.max_chunks,
                                       limits.decode_batch.max_calls_in_flight, max_answer_bytes(limits.stage_transport),
-                                      StreamPlacement() if args.stream_affinity else None)
+                                      self._placement(args))
         self._voices = Voices(VoiceStore(limits.voices_path), self._router, limits, self._work, self._outcomes)
         self._router.prefetch()
         # this replica's TextMailbox (WebSocket live text), started with the replica: made with the first
@@ -62,6 +62,13 @@ class TTSIngress:
         # H100 run of 2026-11-22, docs/benchmarks.md "Live text")
         self._mailbox = new_mailbox()
         await self._mailbox.open_boxes.remote()
+
+    @staticmethod
+    def _placement(args: TTSServingArgs) -> StreamPlacement | None:
+        """Where each stream's Code2Wav state is, with stream affinity (None: every decode call by load)."""
+        if not args.stream_affinity:
+            return None
+        return StreamPlacement(args.ingress.decode_batch.place_new_streams == "fewest_streams")
 
     @property
     def args(self) -> TTSServingArgs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -274,3 +275,72 @@ def test_placement_places_once_and_follows_the_latest_answer():
     assert placement.place("s", "c4") is Placement.LEAVE
     assert placement.forget("s") == [] and len(placement) == 0
     assert placement.settle("s", 5, "A") == [] and len(placement) == 0  # a late answer: nothing comes back
+
+
+def test_spreading_new_streams_names_the_replica_with_fewest_from_the_first_chunk():
+    async def main():
+        replicas = _Replicas(("A", "B", "C"))
+        placement = StreamPlacement(spread_new_streams=True)
+        batcher = DecodeBatcher(replicas, max_chunks=1, max_calls_in_flight=4, placement=placement)
+        # before any replica answered there is nothing to name: the first streams go by load and teach the replicas
+        await asyncio.gather(*(batcher.submit(_chunk(s, 0), stream=s, early=True) for s in ("w0", "w1", "w2")))
+        assert [replicas.went(s)[0] for s in ("w0", "w1", "w2")] == [(None, "A"), (None, "B"), (None, "C")]
+        # six new streams, each sending its two early chunks at once (the second before the first is answered)
+        futures = [batcher.submit(_chunk(f"s{i}", k), stream=f"s{i}", early=True) for i in range(6) for k in range(2)]
+        await asyncio.gather(*futures)
+        for i in range(6):
+            went = replicas.went(f"s{i}")
+            assert went[0][0] is not None and len(set(went)) == 1  # both named, both on one replica
+        per_replica = Counter(replicas.went(f"s{i}")[0][1] for i in range(6))
+        assert per_replica == Counter({"A": 2, "B": 2, "C": 2})  # with w0-w2, three streams on each
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def test_by_load_a_streams_two_early_chunks_may_start_two_states():
+    """The default: the case `spread_new_streams` is for (the test above fails its check without it)."""
+    async def main():
+        replicas = _Replicas(("A", "B"))
+        batcher = DecodeBatcher(replicas, max_chunks=1, max_calls_in_flight=4, placement=StreamPlacement())
+        await asyncio.gather(*(batcher.submit(_chunk("s", k), stream="s", early=True) for k in range(2)))
+        assert replicas.went("s") == [(None, "A"), (None, "B")]
+        await batcher.close()
+
+    asyncio.run(main())
+
+
+def test_spreading_skips_a_replica_that_missed_until_it_answers_again_and_counts_only_live_streams():
+    placement = StreamPlacement(spread_new_streams=True)
+    placement.place("w", "c0", early=True)
+    placement.settle("w", 0, "A")
+    placement.place("v", "c0", early=True)
+    assert placement.target("v") == "A"  # the only replica known
+    placement.settle("v", 0, "B")  # A was full: B took the chunk and holds v's state now
+    assert placement.target("v") == "B"
+    placement.place("x", "c0", early=True)
+    assert placement.target("x") == "B"  # A missed: not named while B answers
+    placement.settle("w", 1, "A")  # A answers again (w's chunk): named again, and it holds fewer streams
+    placement.place("y", "c0", early=True)
+    assert placement.target("y") == "A"
+    for s in ("v", "x"):  # B's streams end: B holds none, A two (w, y)
+        placement.forget(s)
+    placement.place("z", "c0", early=True)
+    assert placement.target("z") == "B"
+
+
+def test_place_new_streams_reaches_the_ingress_placement():
+    from deployments.ingress.server import TTSIngress
+
+    args = _args(True, {"num_replicas": 2})
+    assert args.ingress.decode_batch.place_new_streams == "by_load"
+    by_load = TTSIngress._placement(args)
+    by_load.settle("w", 0, "A")  # an answer of an unknown stream still teaches the replica...
+    by_load.place("s", "c0", early=True)
+    assert by_load.target("s") is None  # ...but by load nothing is named
+    spread = TTSIngress._placement(args.model_copy(update={"ingress": args.ingress.model_copy(update={
+        "decode_batch": args.ingress.decode_batch.model_copy(update={"place_new_streams": "fewest_streams"})})}))
+    spread.settle("w", 0, "A")
+    spread.place("s", "c0", early=True)
+    assert spread.target("s") == "A"
+    assert TTSIngress._placement(_args(False, {"num_replicas": 2})) is None  # no state, no placement
