@@ -527,8 +527,11 @@ class TalkerEngine:
         """Whether this iteration's admission waits for more arrivals (`prefill_hold_s`): a prefill costs about
         the same for one request as for a batch, so under load a few that arrive over a step or two share one.
         Never with nothing running (the device would idle), never for a restart, a full batch or a request that
-        has waited the hold, never while a playing stream lacks admission_lead_s, and only when at least one
-        more arrival is expected within the hold (at light load waiting would only delay this one)."""
+        has waited the hold, and only when at least one more arrival is expected within the hold (at light load
+        waiting would only delay this one). The running streams' lead does not matter: a held admission delays
+        only the waiting requests, and the steps go on without a prefill between them. (It once required every
+        playing stream to have admission_lead_s of audio ahead, and so never held at 256-512 streams per GPU,
+        where some new stream always lacks it: H100, 2026-11-28.)"""
         cfg, sched = self.config, self.scheduler
         if cfg.prefill_hold_s <= 0 or not sched.waiting or sched.restarts or not sched.num_running:
             return False
@@ -536,9 +539,7 @@ class TalkerEngine:
             return False
         if time.monotonic() - sched.waiting[0].enqueued_at >= cfg.prefill_hold_s:
             return False
-        if not self._arrivals.wait_if_more_expected(cfg.prefill_hold_s):
-            return False
-        return self._min_lead_s() >= cfg.admission_lead_s
+        return self._arrivals.wait_if_more_expected(cfg.prefill_hold_s)
 
     def _min_lead_s(self) -> float:
         """The least lead among running streams: audio handed out not yet played (inf: none is playing)."""

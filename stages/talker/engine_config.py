@@ -35,8 +35,9 @@ class TalkerEngineConfig:
     # both engines in one process, 1 -> 8: c=256 957.8 -> 1,036.2 audio-s/s, first audio p95 375 -> 246 ms
     admission_lead_s: float = 0.3
     prefill_hold_s: float = 0.0  # under load, an admission of fewer than max_prefill_batch requests waits up to
-    # this long for more, while every playing stream has admission_lead_s of audio ahead and at least one more
-    # arrival is expected within the hold (stages/arrival_rate.py): a served closed loop's staggered streams
+    # this long for more, while at least one more arrival is expected within the hold (stages/arrival_rate.py)
+    # and something runs (until 2026-11-28 also only while every playing stream had admission_lead_s of audio
+    # ahead, which at 256-512 streams per GPU never held; not measured since): a served closed loop's staggered streams
     # came back to be prefilled a few at a time (H100, c=64: the engine thread's prefill launches ~0.65 ms per
     # request against 0.17 in process), each prefill a turn on the GPU between two steps. Measured served at 15 ms
     # (H100): c=64 482 -> 465 audio-s/s, the held rows cost more than the shared prefills save (docs/talker_engine.md

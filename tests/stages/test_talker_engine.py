@@ -345,15 +345,16 @@ def test_extra_prefills_wait_while_a_playing_stream_lacks_lead(model, prompts, l
     assert first.num_new + sum(c.num_new for c in playing_rest) == 60
 
 
-@pytest.mark.parametrize("hold_s", [0.0, 600.0])
-def test_an_admission_under_load_waits_for_a_second_arrival_with_prefill_hold(model, prompts, hold_s):
+@pytest.mark.parametrize("hold_s, lead_s", [(0.0, -1e9), (600.0, -1e9), (600.0, 1e9)])
+def test_an_admission_under_load_waits_for_a_second_arrival_with_prefill_hold(model, prompts, hold_s, lead_s):
     """`prefill_hold_s`: while a stream plays, a lone arrival waits (engine iterations go by, it stays queued)
     until a second one fills the prefill batch of 2, and both are prefilled together; without the hold each is
-    prefilled as it comes. The engine's arrival rate runs on a frozen clock here, so "more expected" cannot
-    decay while the test waits on engine iterations."""
+    prefilled as it comes. The hold holds whether or not the playing stream has `admission_lead_s` of audio
+    ahead (lead_s 1e9: it never has; a held admission delays no running stream). The engine's arrival rate runs
+    on a frozen clock here, so "more expected" cannot decay while the test waits on engine iterations."""
     from stages.arrival_rate import ArrivalRate
 
-    engine = _engine(model, max_num_seqs=8, max_prefill_batch=2, admission_lead_s=-1e9, prefill_hold_s=hold_s)
+    engine = _engine(model, max_num_seqs=8, max_prefill_batch=2, admission_lead_s=lead_s, prefill_hold_s=hold_s)
     engine._arrivals = ArrivalRate(clock=lambda: 0.0)
     admissions = []
     engine.on_admit = lambda ids: admissions.append(ids)
