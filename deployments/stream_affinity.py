@@ -68,7 +68,6 @@ class StreamPlacement:
         self._streams: dict[str, _Stream] = {}
         self._spread = spread_new_streams
         self._answering: set[str] = set()  # replicas that answered, less any that missed a call naming it since
-        self._held_by: Counter[str] = Counter()  # replica -> streams whose state it holds (or is named for)
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -81,7 +80,7 @@ class StreamPlacement:
         if state is None:
             state = self._streams[stream] = _Stream()
             if self._spread and self._answering:
-                self._hold(state, self._fewest_streams())
+                state.holder = self._fewest_streams()
         if state.holder is not None or early:
             return Placement.LEAVE
         if state.placing:
@@ -102,8 +101,7 @@ class StreamPlacement:
         if replica is not None and seq >= state.latest:
             if state.holder is not None and state.holder != replica:  # the named replica was full or gone: no new
                 self._answering.discard(state.holder)  # streams for it until it answers again
-            self._hold(state, replica)
-            state.latest = seq
+            state.holder, state.latest = replica, seq
         if not placing:
             return []
         state.placing = False
@@ -113,29 +111,20 @@ class StreamPlacement:
     def forget(self, stream: str) -> list[Any]:
         """The stream ended (or its client left); returns any items still held for it."""
         state = self._streams.pop(stream, None)
-        if state is None:
-            return []
-        self._hold(state, None)
-        return state.held
+        return state.held if state is not None else []
 
     def target(self, stream: str | None) -> str | None:
         """The replica named for the stream's next chunk (None: any)."""
         state = self._streams.get(stream) if stream is not None else None
         return state.holder if state is not None else None
 
-    def _hold(self, state: _Stream, replica: str | None) -> None:
-        """The stream's state is (to be) on `replica` now (None: nowhere)."""
-        if state.holder is not None:
-            self._held_by[state.holder] -= 1
-        state.holder = replica
-        if replica is not None:
-            self._held_by[replica] += 1
-
     def _fewest_streams(self) -> str:
-        """The answering replica holding the fewest streams (ties at random: 16 ingress replicas must not all pick
-        the same one)."""
-        fewest = min(self._held_by[r] for r in self._answering)
-        return random.choice([r for r in self._answering if self._held_by[r] == fewest])
+        """The answering replica holding (or named for) the fewest of these streams, ties at random: 16 ingress
+        replicas must not all pick the same one. Counted from the streams when a new one comes (a few hundred per
+        ingress replica), so the count cannot drift from where the streams are."""
+        held = Counter(s.holder for s in self._streams.values())
+        fewest = min(held[r] for r in self._answering)
+        return random.choice([r for r in self._answering if held[r] == fewest])
 
 
 class StreamAffinityRouter(RequestRouter):

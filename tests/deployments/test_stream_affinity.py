@@ -152,11 +152,11 @@ def test_without_placement_calls_name_no_replica():
     asyncio.run(main())
 
 
-def _args(stateful: bool, deployment: dict, choice: str = "auto") -> TTSServingArgs:
+def _args(stateful: bool, deployment: dict, choice: str = "auto", **decode_batch) -> TTSServingArgs:
     return TTSServingArgs.model_validate({
         "models": [{"name": "m"}],
         "code2wav": {"engine_kwargs": {"stateful": stateful}, "deployment_config": deployment},
-        "ingress": {"decode_batch": {"stream_affinity": choice}}})
+        "ingress": {"decode_batch": {"stream_affinity": choice, **decode_batch}}})
 
 
 @pytest.mark.parametrize("stateful, deployment, choice, expected", [
@@ -338,8 +338,7 @@ def test_place_new_streams_reaches_the_ingress_placement():
     by_load.settle("w", 0, "A")  # an answer of an unknown stream still teaches the replica...
     by_load.place("s", "c0", early=True)
     assert by_load.target("s") is None  # ...but by load nothing is named
-    spread = TTSIngress._placement(args.model_copy(update={"ingress": args.ingress.model_copy(update={
-        "decode_batch": args.ingress.decode_batch.model_copy(update={"place_new_streams": "fewest_streams"})})}))
+    spread = TTSIngress._placement(_args(True, {"num_replicas": 2}, place_new_streams="fewest_streams"))
     spread.settle("w", 0, "A")
     spread.place("s", "c0", early=True)
     assert spread.target("s") == "A"
