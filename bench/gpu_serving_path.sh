@@ -11,7 +11,8 @@
 #   direct   ingress4 + RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (same-loop routing, buffered logs) and HAProxy
 #            straight to the ingress replicas (RAY_SERVE_ENABLE_HA_PROXY=1, no Serve proxy hop)
 #   mps      direct with the CUDA MPS control daemon running (the Talker's and Code2Wav's processes share one
-#            MPS server: their kernels overlap instead of time-slicing the GPU); the daemon quits after
+#            MPS server: their kernels overlap instead of time-slicing the GPU); the daemon quits after; every
+#            replica's engine counters after the sweeps (the runbook's stats: fresh/continued chunks, step times)
 #   inproc   both engines in one process (bench.pipeline), levels $CONCURRENCY, first chunk of 1 frame, stateful
 #            Code2Wav (as high_concurrency.yaml); INPROC_FLAGS: more bench.pipeline flags (e.g. --max-prefill-batch 64)
 #   gpu1     scale-out baseline on a multi-GPU host: high_concurrency.yaml on GPU 0 only (CUDA_VISIBLE_DEVICES=0)
@@ -95,7 +96,7 @@ for variant in "$@"; do
               RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE $SWEEPS stop ;;
     mps) mps_start
          OUT=$ROOT_OUT/$variant BUDGET_S=$VARIANT_BUDGET_S SET="$INGRESS4" RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
-           RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE $SWEEPS
+           RAY_SERVE_ENABLE_HA_PROXY=1 bash bench/gpu_serve_runbook.sh setup $LIVE_STAGE $SWEEPS stats
          mps_record "$ROOT_OUT/$variant/mps.txt"  # the replicas should be MPS clients (type M+C) of one server
          OUT=$ROOT_OUT/$variant bash bench/gpu_serve_runbook.sh stop ;;
     gpu1) [ "$SCALE_MPS" = 1 ] && mps_start

@@ -23,6 +23,10 @@ first two are never held (their listener waits for them), so a second chunk that
 answered starts a second state on another replica: on 4 replicas 1.62 fresh chunks per request against 1.0 on one
 (H100, 2026-11-28). With `spread_new_streams` the ingress names a replica from a stream's first chunk on: of the replicas
 that have answered it, the one holding the fewest of its streams (the slots a stateful replica keeps are bounded).
+The ingress learns replicas only from answers, and a replica that no call reaches never answers: so every
+`explore_every`-th new stream still goes by load, which finds the replicas this ingress has not heard from (one
+added by autoscaling, or skipped after a miss). Without it, the first replica to answer took every later stream
+(a served CPU run with two Code2Wav replicas, 2026-11-28: 186 chunks on one, none from the ingress on the other).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+# with spread_new_streams, one new stream in this many goes by load: the only way an ingress hears of a replica
+# that none of its calls reaches (on 4 replicas a stream placed by load starts ~1.6 states, so 1 in 8: ~+0.08)
+EXPLORE_EVERY = 8
 TARGET_KWARG = "replica"  # decode_many's keyword argument that names the replica holding the chunks' streams
 
 
@@ -62,11 +69,16 @@ class StreamPlacement:
     The first later chunk that finds no replica named places the stream, and the ones after it wait for its answer.
     """
 
-    def __init__(self, spread_new_streams: bool = False):
+    def __init__(self, spread_new_streams: bool = False, explore_every: int = EXPLORE_EVERY):
         """`spread_new_streams`: a new stream's first chunk names the answering replica with the fewest of these
-        streams (until one has answered, by load as without)."""
+        streams (until one has answered, and for every `explore_every`-th new stream, by load as without)."""
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2 (every new stream by load is spread_new_streams=False), "
+                             f"got {explore_every}")
         self._streams: dict[str, _Stream] = {}
         self._spread = spread_new_streams
+        self._explore_every = explore_every
+        self._new_streams = 0  # new streams placed while spreading (counts toward the next one by load)
         self._answering: set[str] = set()  # replicas that answered, less any that missed a call naming it since
 
     def __len__(self) -> int:
@@ -80,7 +92,9 @@ class StreamPlacement:
         if state is None:
             state = self._streams[stream] = _Stream()
             if self._spread and self._answering:
-                state.holder = self._fewest_streams()
+                self._new_streams += 1
+                if self._new_streams % self._explore_every:  # else by load: it may find a replica not yet heard from
+                    state.holder = self._fewest_streams()
         if state.holder is not None or early:
             return Placement.LEAVE
         if state.placing:

@@ -298,6 +298,29 @@ def test_spreading_new_streams_names_the_replica_with_fewest_from_the_first_chun
     asyncio.run(main())
 
 
+def test_spreading_still_sends_every_eighth_new_stream_by_load_to_find_replicas_no_call_reached():
+    """An ingress hears of a replica only from its answers: had every new stream named the answering replica with
+    fewest streams, a replica no call reached would never answer, and the first to answer would take them all (a
+    served CPU run, 2026-11-28: 186 chunks on one Code2Wav replica, none from the ingress on the other)."""
+    async def main():
+        replicas = _Replicas(("A", "B"))
+        placement = StreamPlacement(spread_new_streams=True)
+        batcher = DecodeBatcher(replicas, max_chunks=1, max_calls_in_flight=4, placement=placement)
+        await batcher.submit(_chunk("w", 0), stream="w", early=True)  # the only answer so far: A's
+        for i in range(1, 17):  # one stream after another, each answered before the next starts
+            await batcher.submit(_chunk(f"s{i}", 0), stream=f"s{i}", early=True)
+        named = [replicas.went(f"s{i}")[0] for i in range(1, 17)]
+        assert named[7] == (None, "B") and named[15] == (None, "A")  # the 8th and 16th by load
+        assert named[:7] == [("A", "A")] * 7  # before B answered, A is all there is
+        assert named[8:15] == [("B", "B")] * 7  # then B, holding fewest, takes the new streams until even
+        assert Counter(went for _, went in named) == Counter({"A": 8, "B": 8})
+        await batcher.close()
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="explore_every"):
+        StreamPlacement(spread_new_streams=True, explore_every=1)
+
+
 def test_by_load_a_streams_two_early_chunks_may_start_two_states():
     """The default: the case `spread_new_streams` is for (the test above fails its check without it)."""
     async def main():
