@@ -233,7 +233,8 @@ class DecodeBatchSettings(BaseConfig):
     place_new_streams: Literal["by_load", "fewest_streams"] = Field("by_load", description=(
         "with stream affinity, where a stream's state starts: by_load, where its first chunks land (the first two"
         " may land on two replicas); fewest_streams, the replica holding the fewest of this ingress replica's"
-        " streams, named from the first chunk on (not yet measured on a GPU: docs/benchmarks.md)"))
+        " streams, named from the first chunk on (every 8th new stream still by load: it finds replicas no call"
+        " reached); on one H200 with two replicas it lost 1-5% of throughput (docs/benchmarks.md)"))
 
     @field_validator("stream_affinity", mode="before")
     @classmethod
