@@ -28,6 +28,8 @@ class RequestResult:
     expected_bytes: int | None = None  # fixed-length runs: the exact PCM size the server must send
     finish_reason: str | None = None  # SSE `done` event
     server_timing: dict[str, float] = field(default_factory=dict)  # the response's Server-Timing stages (ms)
+    new_connection: bool | None = None  # aiohttp opened a connection for it (False: a kept-alive one; None: unknown)
+    connect_s: float | None = None      # that connection's setup (TCP connect), part of every latency
     arrival_s: list[float] = field(default_factory=list)  # audible pieces: arrival times ...
     arrival_bytes: list[int] = field(default_factory=list)  # ... and their PCM bytes
     done: bool = False

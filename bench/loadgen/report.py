@@ -85,6 +85,7 @@ def markdown(doc: dict[str, Any]) -> str:
             f"| {_f(d['p95'], 3)} / {_f(d['p99'], 3)} | {_f(p['stalls_mean'], 2)}, {_f(p['stall_s']['p95'], 3)} "
             f"| {p['peak_inflight']} |")
     lines += _stage_table(points)
+    lines += _connection_table(points)
     lag = max((p["loop_lag_ms"]["max"] or 0.0 for p in points), default=0.0)
     late = max((p["send_lag_ms"]["max"] or 0.0 for p in points), default=0.0)
     lines += ["", f"Stopped: {doc.get('stop_reason') or 'all levels ran'}. "
@@ -107,6 +108,21 @@ def _stage_table(points: list[dict[str, Any]]) -> list[str]:
             st = p.get("server_timing_ms", {}).get(stage)
             cells.append(f"{_f(st['p50'], 1)} / {_f(st['p95'], 1)}" if st and st["n"] else "-")
         lines.append(f"| {p['level']:g} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _connection_table(points: list[dict[str, Any]]) -> list[str]:
+    """Per level: how many ok requests opened a connection, its setup, and the client's share of first audio
+    (`client_side`) on new against kept-alive connections; nothing if the client did not trace connections."""
+    if not any(p.get("new_connections") or (p.get("client_side_kept_ms") or {}).get("n") for p in points):
+        return []
+    lines = ["", "Client connections (aiohttp tracing), ms p50 / p95:", "",
+             "| level | ok on a new connection | connect | client_side, new connection | client_side, kept alive |",
+             "|---:|---:|---:|---:|---:|"]
+    for p in points:
+        cells = [f"{_f(p[k]['p50'], 1)} / {_f(p[k]['p95'], 1)}" if p[k]["n"] else "-"
+                 for k in ("connect_ms", "client_side_new_ms", "client_side_kept_ms")]
+        lines.append(f"| {p['level']:g} | {p['new_connections']} / {p['ok']} | " + " | ".join(cells) + " |")
     return lines
 
 

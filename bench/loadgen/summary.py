@@ -33,6 +33,8 @@ class RequestMetrics:
     stall_s: float | None
     error: str | None = None
     server_timing_ms: dict[str, float] | None = None  # the server's first-audio stages + `client_side`
+    new_connection: bool | None = None  # sent on a connection opened for it (False: kept alive; None: unknown)
+    connect_ms: float | None = None     # that connection's setup
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,12 @@ class PointSummary:
     # per stage of the first audio, from the responses' Server-Timing (deployments/first_audio_timing.py), plus
     # `client_side`: the client's TTFA minus the server's `total` (the client's hops and any proxy)
     server_timing_ms: dict[str, Stats] = field(default_factory=dict)
+    # the client's connections (bench/loadgen/client.py's tracing): ok requests sent on a connection opened for
+    # them, its setup, and `client_side` on new against kept-alive connections
+    new_connections: int = 0
+    connect_ms: Stats = field(default_factory=lambda: Stats(n=0))
+    client_side_new_ms: Stats = field(default_factory=lambda: Stats(n=0))
+    client_side_kept_ms: Stats = field(default_factory=lambda: Stats(n=0))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,7 +105,8 @@ def request_metrics(r: RequestResult, resume_s: float = 0.0) -> RequestMetrics:
         pieces=len(r.arrival_s),
         max_deficit_s=cont.max_deficit_s if cont else None, underrun_events=cont.underrun_events if cont else None,
         stalls=reb.stalls if reb else None, stall_s=reb.stall_s if reb else None,
-        error=r.error, server_timing_ms=timing,
+        error=r.error, server_timing_ms=timing, new_connection=r.new_connection,
+        connect_ms=None if r.connect_s is None else r.connect_s * 1000,
     )
 
 
@@ -140,7 +149,15 @@ def summarize(run: PointRun, threshold_s: float = CONTINUITY_THRESHOLD_S, resume
         loop_lag_ms=Stats.of(x * 1000 for x in run.loop_lag_s),
         continuity_threshold_s=threshold_s, rebuffer_resume_s=resume_s,
         server_timing_ms=_stage_stats(m.server_timing_ms for m in ok),
+        new_connections=sum(1 for m in ok if m.new_connection),
+        connect_ms=Stats.of(m.connect_ms for m in ok),
+        client_side_new_ms=Stats.of(_client_side(m) for m in ok if m.new_connection),
+        client_side_kept_ms=Stats.of(_client_side(m) for m in ok if m.new_connection is False),
     )
+
+
+def _client_side(m: RequestMetrics) -> float | None:
+    return (m.server_timing_ms or {}).get("client_side")
 
 
 def _stage_stats(timings) -> dict[str, Stats]:
