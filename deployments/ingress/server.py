@@ -68,7 +68,7 @@ class TTSIngress:
         """Where each stream's Code2Wav state is, with stream affinity (None: every decode call by load)."""
         if not args.stream_affinity:
             return None
-        return StreamPlacement(args.ingress.decode_batch.place_new_streams == "fewest_streams")
+        return StreamPlacement(spread_new_streams=args.ingress.decode_batch.place_new_streams == "fewest_streams")
 
     @property
     def args(self) -> TTSServingArgs:
