@@ -37,3 +37,18 @@ def trailing_length(prompt: TalkerPrompt) -> int:
         t2 = int(prompt.voice.ref_codes.shape[0]) + 1
         return max(t1 - t2, 1)
     return 1 if prompt.non_streaming_text else t
+
+
+# The one home of the KV-fit rule: a request of `prompt_len` rows and `max_frames` frames holds its prompt, one
+# position per frame and two more (the last frame's input and the step launched before a finish is seen).
+EXTRA_POSITIONS = 2
+
+
+def kv_positions(prompt_len: int, max_frames: int) -> int:
+    """KV positions a request may occupy at its longest."""
+    return prompt_len + max_frames + EXTRA_POSITIONS
+
+
+def max_frames_that_fit(prompt_len: int, max_seq_len: int) -> int:
+    """The most frames a request with a `prompt_len`-row prompt can generate within `max_seq_len` (0 if none)."""
+    return max(max_seq_len - prompt_len - EXTRA_POSITIONS, 0)
