@@ -15,10 +15,19 @@ run() {
   if [[ ${DRY_RUN:-0} -eq 0 ]]; then "$@"; fi
 }
 
-# ---- CUDA MPS (--mps): one control daemon per host, started before Ray, so that the CUDA contexts of every
-# replica on a GPU (the co-located Talker and Code2Wav) become clients of one MPS server and their kernels
-# overlap instead of time-slicing the GPU (H100, 2026-11-23: served audio-s/s +14% / +11% / +7% at c=64 / 128 /
-# 256; docs/serving.md, "CUDA MPS"). Replicas that started before the daemon are not its clients.
+# ---- The fastest measured cluster-wide Serve settings (docs/serving.md, "The fastest recipe"): every Ray process
+# started by these scripts reads them; a value already in the environment wins (=0 opts out).
+export RAY_SERVE_THROUGHPUT_OPTIMIZED="${RAY_SERVE_THROUGHPUT_OPTIMIZED:-1}"
+export RAY_SERVE_ENABLE_HA_PROXY="${RAY_SERVE_ENABLE_HA_PROXY:-1}"
+serve_settings() {
+  echo "${0##*/}: RAY_SERVE_THROUGHPUT_OPTIMIZED=$RAY_SERVE_THROUGHPUT_OPTIMIZED RAY_SERVE_ENABLE_HA_PROXY=$RAY_SERVE_ENABLE_HA_PROXY"
+}
+
+# ---- CUDA MPS: one control daemon per host, started before Ray, so that the CUDA contexts of every replica on a
+# GPU (the co-located Talker and Code2Wav) become clients of one MPS server and their kernels overlap instead of
+# time-slicing the GPU (docs/serving.md, "CUDA MPS"). Replicas that started before the daemon are not its clients.
+# MPS=auto (the default where a script starts GPU raylets): started when the control binary exists; --mps: required;
+# --no-mps: never.
 MPS_BIN="${MPS_CONTROL:-nvidia-cuda-mps-control}"
 
 # is a control daemon (`nvidia-cuda-mps-control -d`) running on this host?
@@ -38,9 +47,15 @@ start_mps() {
     echo "${0##*/}: an MPS control daemon already runs on this host; left as it is"
     return 0
   fi
-  if [[ ${DRY_RUN:-0} -eq 0 ]] && ! command -v "$MPS_BIN" >/dev/null 2>&1; then
-    echo "${0##*/}: --mps: $MPS_BIN not found (it ships with the NVIDIA driver)" >&2
-    exit 2
+  if ! command -v "$MPS_BIN" >/dev/null 2>&1; then
+    if [[ ${MPS:-auto} == auto ]]; then
+      echo "${0##*/}: $MPS_BIN not found: GPU processes start without MPS"
+      return 0
+    fi
+    if [[ ${DRY_RUN:-0} -eq 0 ]]; then
+      echo "${0##*/}: --mps: $MPS_BIN not found (it ships with the NVIDIA driver)" >&2
+      exit 2
+    fi
   fi
   # every GPU of the host: a client's device numbers count within the daemon's visible devices, and the raylets
   # set their own CUDA_VISIBLE_DEVICES

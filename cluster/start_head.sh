@@ -22,16 +22,19 @@ Options:
                                start_workers.sh uses 11000-19999, so both fit on one host)
   --object-store-memory BYTES  object store of the head (default: Ray's, 30% of RAM)
   --restart                    `ray stop` first: stops EVERY Ray process on this host
-  --mps                        start the CUDA MPS control daemon (nvidia-cuda-mps-control -d) before
-                               Ray, unless one runs: replicas sharing a GPU overlap their kernels
-                               (docs/serving.md, "CUDA MPS"); with --stop: quit it after `ray stop`
+  --mps                        require the CUDA MPS control daemon (nvidia-cuda-mps-control -d): started
+                               before Ray unless one runs, an error if the binary is missing. Without
+                               it MPS starts whenever the binary exists and --gpu is given: replicas sharing
+                               a GPU overlap their kernels (docs/serving.md, "CUDA MPS"); --stop quits it
+  --no-mps                     never start (or quit) the MPS control daemon
   --stop                       `ray stop` and exit (safe to repeat)
   --dry-run                    print the commands, run nothing
   -h, --help                   this text
 
 Without --restart, a head already serving PORT on this host is left alone (exit 0).
 
-Environment: RAY (the ray executable, default `ray`). RAY_GRAFANA_HOST, RAY_PROMETHEUS_HOST and
+Environment: RAY (the ray executable, default `ray`). RAY_SERVE_THROUGHPUT_OPTIMIZED and
+RAY_SERVE_ENABLE_HA_PROXY default to 1 (the fastest measured Serve settings; set 0 to opt out). RAY_GRAFANA_HOST, RAY_PROMETHEUS_HOST and
 RAY_GRAFANA_IFRAME_HOST are read when the head starts: export them first to get Grafana panels in
 the dashboard.
 
@@ -53,7 +56,7 @@ WORKER_PORTS="10002-10999"
 OBJECT_STORE=""
 RESTART=0
 STOP=0
-MPS=0
+MPS=auto
 DRY_RUN=0
 EXTRA=()
 
@@ -69,6 +72,7 @@ while [[ $# -gt 0 ]]; do
     --restart) RESTART=1; shift ;;
     --stop) STOP=1; shift ;;
     --mps) MPS=1; shift ;;
+    --no-mps) MPS=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; EXTRA=("$@"); break ;;
@@ -97,7 +101,7 @@ port_in_use() {
 
 if [[ $STOP -eq 1 ]]; then
   run "$RAY_BIN" stop
-  [[ $MPS -eq 0 ]] || stop_mps
+  [[ $MPS == 0 ]] || stop_mps
   exit 0
 fi
 
@@ -133,7 +137,9 @@ ARGS=(
 [[ -z "$OBJECT_STORE" ]] || ARGS+=(--object-store-memory="$OBJECT_STORE")
 ARGS+=(${EXTRA[@]+"${EXTRA[@]}"})
 
-[[ $MPS -eq 0 ]] || start_mps  # before Ray: only processes started after the daemon become its clients
+# before Ray: only processes started after the daemon become its clients
+if [[ $MPS == 1 || ( $MPS == auto && -n "$GPU_SPEC" ) ]]; then start_mps; fi
+serve_settings
 run env "${GPU_ENV[@]}" "$RAY_BIN" start "${ARGS[@]}"
 
 if [[ $DRY_RUN -eq 0 ]]; then

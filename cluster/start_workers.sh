@@ -28,9 +28,11 @@ Options:
   --agent-port-base P          raylet i serves its dashboard agent on P+i (default 52366)
   --metrics-port-base P        raylet i exports Prometheus metrics on P+i (default 8081)
   --restart                    `ray stop` first: stops EVERY Ray process on this host, head included
-  --mps                        start the CUDA MPS control daemon (nvidia-cuda-mps-control -d) before
-                               Ray, unless one runs: replicas sharing a GPU overlap their kernels
-                               (docs/serving.md, "CUDA MPS"); with --stop: quit it after `ray stop`
+  --mps                        require the CUDA MPS control daemon (nvidia-cuda-mps-control -d): started
+                               before Ray unless one runs, an error if the binary is missing. Without
+                               it MPS starts whenever the binary exists: replicas sharing
+                               a GPU overlap their kernels (docs/serving.md, "CUDA MPS"); --stop quits it
+  --no-mps                     never start (or quit) the MPS control daemon
   --stop                       `ray stop` and exit (safe to repeat)
   --dry-run                    print the commands, run nothing
   -h, --help                   this text
@@ -38,7 +40,8 @@ Options:
 A GPU that already has a raylet of this cluster on this host is skipped: running the script twice
 is harmless.
 
-Environment: RAY (the ray executable, default `ray`).
+Environment: RAY (the ray executable, default `ray`). RAY_SERVE_THROUGHPUT_OPTIMIZED and
+RAY_SERVE_ENABLE_HA_PROXY default to 1 (the fastest measured Serve settings; set 0 to opt out).
 
 Examples:
   cluster/start_workers.sh --address 127.0.0.1:6379 --gpus 0,1          # split.yaml on one box
@@ -59,7 +62,7 @@ AGENT_PORT_BASE=52366
 METRICS_PORT_BASE=8081
 RESTART=0
 STOP=0
-MPS=0
+MPS=auto
 DRY_RUN=0
 EXTRA=()
 
@@ -77,6 +80,7 @@ while [[ $# -gt 0 ]]; do
     --restart) RESTART=1; shift ;;
     --stop) STOP=1; shift ;;
     --mps) MPS=1; shift ;;
+    --no-mps) MPS=0; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     --) shift; EXTRA=("$@"); break ;;
@@ -89,7 +93,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 
 if [[ $STOP -eq 1 ]]; then
   run "$RAY_BIN" stop
-  [[ $MPS -eq 0 ]] || stop_mps
+  [[ $MPS == 0 ]] || stop_mps
   exit 0
 fi
 
@@ -184,8 +188,9 @@ for i in "${!GPU_LIST[@]}"; do
     echo "start_workers.sh: GPU $k already has a raylet on this host; skipped"
     continue
   fi
+  [[ $started -ne 0 ]] || serve_settings
   # MPS before the first raylet it starts: only processes started after the daemon become its clients
-  if [[ $MPS -eq 1 && $started -eq 0 ]]; then start_mps; fi
+  if [[ $MPS != 0 && $started -eq 0 ]]; then start_mps; fi
   lo=$(( MIN_WORKER_PORT + i * PORT_SPAN ))
   hi=$(( lo + PORT_SPAN - 1 ))
   args=(

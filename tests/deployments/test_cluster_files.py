@@ -417,7 +417,9 @@ FAKE_RAY = """#!{python}
 import json, os, sys
 with open(os.environ["FAKE_RAY_LOG"], "a") as f:
     f.write(json.dumps({{"argv": sys.argv[1:], "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                        "override": os.environ.get("RAY_OVERRIDE_RESOURCES")}}) + "\\n")
+                        "override": os.environ.get("RAY_OVERRIDE_RESOURCES"),
+                        "serve_env": [os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED"),
+                                      os.environ.get("RAY_SERVE_ENABLE_HA_PROXY")]}}) + "\\n")
 """
 
 
@@ -484,7 +486,7 @@ def test_mps_daemon_starts_before_ray_once_and_quits_with_stop(tmp_path):
         assert "already runs" in out
         assert [c.get("mps") or c["argv"][0] for c in calls()] == ["start"]
         _run([str(START_HEAD), "--stop", "--mps"], env=env)
-        assert calls() == [{"argv": ["stop"], "cvd": None, "override": None},
+        assert calls() == [{"argv": ["stop"], "cvd": None, "override": None, "serve_env": ["1", "1"]},
                            {"mps": [], "stdin": "quit\n", "cvd": None}]
     finally:
         daemon.kill()
@@ -493,6 +495,40 @@ def test_mps_daemon_starts_before_ray_once_and_quits_with_stop(tmp_path):
     missing = _run([str(START_HEAD), "--restart", "--mps"], env={**env, "MPS_CONTROL": str(tmp_path / "absent")},
                    check=False)
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_gpu_raylets_get_mps_and_the_fast_serve_settings_by_default(tmp_path):
+    """Without flags a GPU raylet starts after an MPS control daemon (when its binary exists) and every `ray start`
+    sees the fastest measured Serve settings; --no-mps and an explicit =0 opt out; a head without a GPU needs no
+    daemon."""
+    fake_ray, fake_mps = tmp_path / "ray", tmp_path / "fake-mps-control-auto"
+    fake_ray.write_text(FAKE_RAY.format(python=sys.executable))
+    fake_mps.write_text(FAKE_MPS.format(python=sys.executable))
+    for fake in (fake_ray, fake_mps):
+        fake.chmod(0o755)
+    log = tmp_path / "calls.jsonl"
+    env = {"RAY": str(fake_ray), "MPS_CONTROL": str(fake_mps), "FAKE_RAY_LOG": str(log)}
+
+    def calls() -> list[dict]:
+        out = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        log.unlink(missing_ok=True)
+        return out
+
+    _run([str(START_WORKERS), "--address", "10.9.9.9:59998", "--gpus", "0"], env=env)
+    started = calls()
+    assert [c.get("mps") or c["argv"][0] for c in started] == [["-d"], "start"]
+    assert started[1]["serve_env"] == ["1", "1"]
+    _run([str(START_WORKERS), "--address", "10.9.9.9:59998", "--gpus", "0", "--no-mps"],
+         env={**env, "RAY_SERVE_ENABLE_HA_PROXY": "0"})
+    started = calls()
+    assert [c.get("mps") or c["argv"][0] for c in started] == ["start"]
+    assert started[0]["serve_env"] == ["1", "0"]
+    out = _run([str(START_HEAD), "--restart"], env=env).stdout  # no --gpu: no daemon
+    assert "RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1" in out
+    assert all("mps" not in c for c in calls())
+    absent = _run([str(START_WORKERS), "--address", "10.9.9.9:59998", "--gpus", "0"],
+                  env={**env, "MPS_CONTROL": str(tmp_path / "absent")})
+    assert "without MPS" in absent.stdout and [c["argv"][0] for c in calls()] == ["start"]
 
 
 # ---------------------------------------------------------------------------------------------- Grafana
