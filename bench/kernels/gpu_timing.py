@@ -1,5 +1,5 @@
-"""What the GPU micro-benchmarks (bench/prefill_overlap.py, prefill_kernels.py, first_chunk_kernels.py) share: the
-per-call timer and the profiler's kernels grouped by name."""
+"""What GPU micro-benchmarks share: the per-call timer and the profiler's kernels grouped by name (the one-off
+kernel profiles that used them are in git history, commit d53be6e: docs/benchmarks.md, 2026-11-28)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ sampling kernel (stages/sampling_kernel.py, top-k by bisection), on the talker's
 Each variant is timed as a CUDA graph of back-to-back calls; both must pick the same ids. (A radix-select variant
 measured 1.3-1.5x slower than bisection on the H100 and was removed: docs/benchmarks.md.)
 
-    python -m bench.select [--batches 1,64,256] [--out results.json]    # CUDA only; ~1 min
+    python -m bench.kernels.select [--batches 1,64,256] [--out results.json]    # CUDA only; ~1 min
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from bench.gemv import graph_us
+from bench.kernels.gemv import graph_us
 from stages import sampling_kernel
 from stages.sampling import SamplingTensors, select_tokens
 

@@ -4,7 +4,7 @@ as a CUDA graph of back-to-back calls (as the engine's graphs run it), with and 
 tile's V load issued with its K load); then, at a few rows, each row's keys split over 1-32 programs
 (`splits`, merged by a second kernel) with the new key's store and the head prologue as in the decode step.
 
-    python -m bench.paged_attention                     # CUDA only; ~2 min
+    python -m bench.kernels.paged_attention                     # CUDA only; ~2 min
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from bench.gemv import graph_us
+from bench.kernels.gemv import graph_us
 from stages.talker.paged_attention import (
     HeadNorm,
     contiguous_decode_attention,

@@ -6,7 +6,7 @@ copies together exceed the L2 cache, as a step's weights do), so a call costs wh
 graph: kernel time plus the boundary to the next kernel. The cuBLAS row is the product alone (the compiled
 layer's norm, SwiGLU and residual are further kernels; the Triton rows include them).
 
-    python -m bench.gemv [--rows 1,4] [--warps 4,8] [--out results.json]    # CUDA only; ~3 min per row count
+    python -m bench.kernels.gemv [--rows 1,4] [--warps 4,8] [--out results.json]    # CUDA only; ~3 min per row count
 """
 
 from __future__ import annotations
