@@ -1,30 +1,22 @@
 #!/usr/bin/env bash
-# GPU run for frame speed (issue 12). On the GPU machine, from the repo root:
-#   bash bench/gpu_frame_speed.sh [STEP ...]          (default: tests code2wav pipeline)
+# The engine-level GPU runbook: the engines alone and together in one process, no Ray. On the GPU machine, from the
+# repo root:
+#   bash bench/gpu_engines.sh [STEP ...]          (default: tests code2wav pipeline)
 # tests: stateful + stateless Code2Wav GPU tests; talker_tests: talker engine + sampler GPU tests (kernels vs
-# references, graphed == reference, no host sync); code2wav: bench.code2wav stateless then --stateful;
+# references, graphed == reference, no host sync, a seeded request alone and in batches of 64 and 256);
+# code2wav: bench.code2wav stateless then --stateful;
 # c2w_tuned: --stateful --cudnn-benchmark --profile; talker_profile: bench.talker b1/b256 with the profiler;
 # pipeline / pipeline_stateless: both engines in one process, stateful / stateless Code2Wav.
-# gemv: the few-row Triton GEMVs' GPU tests and their tiling sweep against cuBLAS (bench.gemv); talker_gemv:
+# gemv: the few-row Triton GEMVs' GPU tests and their tiling sweep against cuBLAS (bench.kernels.gemv); talker_gemv:
 # bench.talker --profile per VARIANT (default "4hs 4hsa": --gemv-rows N, "h" adding --heads-in-attention,
 # "s" --sampling-kernel, "p" --pdl, "a" --attention-splits; a letter left out passes --no-...), "4hs"
 # being the default step.
-# attention: bench.paged_attention, the decode-attention tiling sweep in CUDA graphs, with and without loads_first,
-# and the splits sweep at a few rows (1-32 programs per row and KV head, 160-2000 keys).
-# select: bench.select, token selection per call (compiled sort, the sampling kernel).
+# attention: bench.kernels.paged_attention, the decode-attention tiling sweep in CUDA graphs, with and without
+# loads_first, and the splits sweep at a few rows (1-32 programs per row and KV head, 160-2000 keys).
+# select: bench.kernels.select, token selection per call (compiled sort, the sampling kernel).
 # KERNEL_FLAGS (e.g. "--pdl") go to talker_check, talker_profile, talker_before and pipeline.
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's
 # codebook-0 logits and codes, then steps equal).
-# peer: faster-qwen3-tts 0.5.4 timed on the same checkpoint (python -m bench.peer_faster_qwen3_tts: its CUDA-graph
-# path, EOS held off by its own min_new_tokens; docstring there), FRAMES per run (200), RUNS (5); run it with
-# talker_profile in one call for issue 12's side-by-side. Needs .whl carried: the peer's wheels in .whl/peer/ (a
-# subfolder, so the `.whl/*.whl` installs of other scripts never pick up qwen-tts-hf's `qwen_tts`, which would
-# shadow the official oracle's), soundfile, soxr, cffi, pycparser in .whl/; installed in /tmp/site, on PYTHONPATH
-# for this step only. The peer's wheels (here, once; pure Python, ~0.6 MB; the GPU image has the rest):
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl/peer \
-#     faster-qwen3-tts==0.5.4 qwen-tts-hf==0.1.1.post1 librosa==0.11.0 pooch==1.9.0 sox==1.4.1 \
-#     platformdirs==4.14.5 audioread==3.1.0 decorator==5.2.1
-# c2w_ops: bench.code2wav_ops (each vocoder op per layout at a chunk's shapes);
 # c2w_stateful: bench.code2wav --stateful --profile (the serving configs' engine); c2w_before: the same with an
 # earlier tree (BEFORE, as for talker_before).
 # talker_before: talker_profile with an earlier tree (BEFORE=a tar.gz of `git archive <commit> stages bench`,
@@ -54,7 +46,8 @@ for step in $STEPS; do
              tests/stages/test_code2wav_engine.py 2>&1 | tee "$OUT/gpu_tests.log" \
              | grep -E "passed|failed|error|max diff|Error|assert" | tail -24 ;;
     talker_tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_talker_engine_gpu.py tests/stages/test_gemv_gpu.py \
-             tests/stages/test_sampling_gpu.py tests/stages/test_pdl_gpu.py 2>&1 | tee "$OUT/talker_gpu_tests.log" \
+             tests/stages/test_sampling_gpu.py tests/stages/test_pdl_gpu.py \
+             tests/stages/gpu/test_seeded_determinism.py 2>&1 | tee "$OUT/talker_gpu_tests.log" \
              | grep -E "passed|failed|error|max abs err|Error|assert" | tail -24 ;;
     code2wav) python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --out "$OUT/c2w_stateless" \
                 2>&1 | tee "$OUT/c2w_stateless.log" | grep -E "^batch|latency|streams|best" | tail -8
@@ -63,8 +56,6 @@ for step in $STEPS; do
     c2w_stateful) python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --stateful --profile \
                 --out "$OUT/c2w_stateful" 2>&1 | tee "$OUT/c2w_stateful.log" | grep -E "^batch|latency|best|captured in|^\|" \
                 | tail -24 ;;
-    c2w_ops) python3 -m bench.code2wav_ops --batches ${OPS_BATCHES:-1,64,256} --frames ${OPS_FRAMES:-1,4,25} \
-                --out "$OUT/c2w_ops.json" 2>&1 | tee "$OUT/c2w_ops.log" | tail -${OPS_TAIL:-40} ;;
     c2w_before) rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf "${BEFORE:-.before.tar.gz}" -C /tmp/before
               (cd /tmp/before && python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --stateful \
                 --profile --out /tmp/before/c2w) 2>&1 | tee "$OUT/c2w_before.log" \
@@ -79,10 +70,10 @@ for step in $STEPS; do
                 | grep -vE "^\[talker\] captured|^\{" | tail -40 ;;
     gemv) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_gemv_gpu.py 2>&1 \
              | tee "$OUT/gemv_gpu_tests.log" | grep -E "passed|failed|error|max abs err|Error|assert" | tail -40
-          python3 -m bench.gemv --rows ${GEMV_ROWS_SWEEP:-1} --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | tail -20 ;;
-    attention) python3 -m bench.paged_attention --out "$OUT/paged_attention.json" 2>&1 | tee "$OUT/paged_attention.log" \
+          python3 -m bench.kernels.gemv --rows ${GEMV_ROWS_SWEEP:-1} --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | tail -20 ;;
+    attention) python3 -m bench.kernels.paged_attention --out "$OUT/paged_attention.json" 2>&1 | tee "$OUT/paged_attention.log" \
                  | grep -E "^batch|^contiguous|^splits|Error" | tail -30 ;;
-    select) python3 -m bench.select --out "$OUT/select.json" 2>&1 | tee "$OUT/select.log" | grep -E "^batch|Error" | tail -12 ;;
+    select) python3 -m bench.kernels.select --out "$OUT/select.json" 2>&1 | tee "$OUT/select.log" | grep -E "^batch|Error" | tail -12 ;;
     talker_gemv) checkpoint  # the decode step: layers on cuBLAS / on the GEMVs, heads in compiled kernels / in attention
               for v in ${VARIANTS:-4hs 4hsa}; do
                 python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,2,4,256} --steps 30 --compile \
@@ -96,15 +87,6 @@ for step in $STEPS; do
                 --max-seq-len 1024 --check-graphs ${KERNEL_FLAGS:-} --out "$OUT/talker_check.json" 2>&1 \
                 | tee "$OUT/talker_check.log" \
                 | grep -E "^\{" | tail -8 ;;
-    peer) checkpoint
-              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-                .whl/peer/*.whl .whl/soundfile-*.whl .whl/soxr-*.whl .whl/cffi-*.whl .whl/pycparser-*.whl \
-                || { echo "peer: wheel install failed (carry .whl with .whl/peer/)"; exit 3; }
-              python3 -m pip show torch transformers huggingface-hub accelerate torchaudio onnxruntime numba 2>/dev/null \
-                | grep -E "^(Name|Version)" | paste - - > "$OUT/peer_env.txt"
-              PYTHONPATH=/tmp/site:${PYTHONPATH:-} python3 -m bench.peer_faster_qwen3_tts --checkpoint "$CKPT" \
-                --frames "${FRAMES:-200}" --runs "${RUNS:-5}" --json "$OUT/peer_faster_qwen3_tts.json" 2>&1 \
-                | tee "$OUT/peer_faster_qwen3_tts.log" | grep -E "^\[peer\]|^\{|Error|error:|Traceback|CUDA" | tail -16 ;;
     talker_before) checkpoint
               rm -rf /tmp/before && mkdir -p /tmp/before && tar xzf "${BEFORE:-.before.tar.gz}" -C /tmp/before
               CK=$(cd "$CKPT" && pwd)
