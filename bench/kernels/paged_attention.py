@@ -1,0 +1,117 @@
+"""Tiling sweep of the Triton decode-attention kernel (stages/talker/paged_attention.py) on the shapes the
+talker decodes: microseconds per call and effective HBM bandwidth (K and V bytes read / time), each variant timed
+as a CUDA graph of back-to-back calls (as the engine's graphs run it), with and without `loads_first` (each
+tile's V load issued with its K load); then, at a few rows, each row's keys split over 1-32 programs
+(`splits`, merged by a second kernel) with the new key's store and the head prologue as in the decode step.
+
+    python -m bench.kernels.paged_attention                     # CUDA only; ~2 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+
+import torch
+
+from bench.kernels.gemv import graph_us
+from stages.talker.paged_attention import (
+    HeadNorm,
+    contiguous_decode_attention,
+    decode_splits,
+    decode_tiling,
+    paged_decode_attention,
+)
+
+HEADS, N_KV, D, PAGE = 16, 8, 128, 16  # the 1.7B talker's attention
+
+
+def paged_inputs(b: int, keys: int) -> tuple[torch.Tensor, ...]:
+    """q [b, H, D], K/V pools with each row's `keys` positions on shuffled pages, block table, lengths."""
+    per = -(-keys // PAGE)
+    blocks = b * per + 1
+    k_pool = torch.randn(blocks * PAGE, N_KV, D, device="cuda", dtype=torch.bfloat16)
+    v_pool = torch.randn_like(k_pool)
+    table = torch.randperm(blocks, device="cuda")[:b * per].view(b, per)
+    lens = torch.full((b,), keys, device="cuda")
+    q = torch.randn(b, HEADS, D, device="cuda", dtype=torch.bfloat16)
+    return q, k_pool, v_pool, table, lens
+
+
+def time_us(fn, calls: int = 24) -> float:
+    """Microseconds per call: `calls` calls captured in one CUDA graph (launch cost as inside the step's graph)."""
+    return graph_us([fn] * calls)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,64,256,512")
+    ap.add_argument("--keys", default="160,420", help="keys per row (prompt + frames so far)")
+    ap.add_argument("--split-batches", default="1,2,4,8", help="batches of the splits sweep")
+    ap.add_argument("--split-keys", default="160,420,1000,2000", help="keys per row in the splits sweep")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    heads, n_kv, d, page = HEADS, N_KV, D, PAGE
+    rows = []
+    for b, keys in itertools.product(map(int, args.batches.split(",")), map(int, args.keys.split(","))):
+        q, k_pool, v_pool, table, lens = paged_inputs(b, keys)
+        ref = paged_decode_attention(q, k_pool, v_pool, table, lens, page)
+        nbytes = 2 * b * keys * n_kv * d * 2
+        results = []
+        for block, warps, stages, first in itertools.product((16, 32, 64), (1, 2, 4, 8), (1, 2, 3), (False, True)):
+            call = functools.partial(paged_decode_attention, q, k_pool, v_pool, table, lens, page, block, warps, stages,
+                                     loads_first=first)
+            try:
+                err = (call().float() - ref.float()).abs().max().item()
+                us = time_us(call)
+            except Exception as e:  # a tiling Triton cannot build (shared memory)
+                print(f"b={b} keys={keys} block={block} warps={warps} stages={stages}: {type(e).__name__}")
+                continue
+            results.append(dict(block=block, warps=warps, stages=stages, loads_first=first, us=round(us, 2),
+                                gb_s=round(nbytes / us / 1e3, 1), max_diff=err))
+        results.sort(key=lambda r: r["us"])
+        engine = (*decode_tiling(b), 2)  # paged_decode_attention's tiling and num_stages
+        default, first = (next(r for r in results if (r["block"], r["warps"], r["stages"]) == engine
+                               and r["loads_first"] == f) for f in (False, True))
+        print(f"batch {b}, {keys} keys: engine's tiling {default['us']} us ({default['gb_s']} GB/s), with loads_first "
+              f"{first['us']} us; best " + ", ".join(
+                  f"{r['block']}/{r['warps']}/{r['stages']}{'/first' if r['loads_first'] else ''} {r['us']} us "
+                  f"({r['gb_s']} GB/s)" for r in results[:4]), flush=True)
+        rows.append(dict(batch=b, keys=keys, default=default, loads_first=first, best=results[:6]))
+    for b, keys in itertools.product(map(int, args.split_batches.split(",")), map(int, args.split_keys.split(","))):
+        q, k_pool, v_pool, table, lens = paged_inputs(b, keys)
+        new_kv = (torch.randn(b, n_kv, d, device="cuda", dtype=torch.bfloat16),) * 2
+        ones = torch.ones(d, device="cuda", dtype=torch.bfloat16)
+        angle = torch.rand(b, 1, 1, d, device="cuda")
+        head_norm = HeadNorm(ones, ones, 1e-6, angle.cos().bfloat16(), angle.sin().bfloat16())
+        step_call = functools.partial(paged_decode_attention, q, k_pool, v_pool, table, lens, page, new_kv=new_kv,
+                                      head_norm=head_norm)  # as the decode step calls it
+        ref = step_call()
+        timings, errs = {}, {}
+        for splits in (1, 2, 4, 8, 16, 32):
+            call = functools.partial(step_call, splits=splits)
+            errs[splits] = (call().float() - ref.float()).abs().max().item()
+            timings[splits] = round(time_us(call), 2)
+        print(f"splits, batch {b}, {keys} keys (new key + head prologue): us {timings}; decode_splits: "
+              f"{decode_splits(b, n_kv)}; max |diff| vs 1 split {max(errs.values()):.1e}", flush=True)
+        rows.append(dict(splits_sweep=True, batch=b, keys=keys, us_by_splits=timings, max_diff=max(errs.values()),
+                         decode_splits=decode_splits(b, n_kv)))
+    for b in map(int, args.batches.split(",")):  # the code predictor's contiguous cache: 16 positions
+        k = torch.randn(b, n_kv, 16, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
+        rows_idx, n = torch.arange(b, device="cuda")[:, None], torch.tensor([16], device="cuda")
+        timings = {w: round(time_us(functools.partial(contiguous_decode_attention, q, k, v, rows_idx, n, w)), 2)
+                   for w in (1, 2, 4, 8)}
+        print(f"contiguous (code predictor), batch {b}, 16 keys: us by num_warps {timings}", flush=True)
+        rows.append(dict(contiguous=True, batch=b, keys=16, us_by_warps=timings))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
