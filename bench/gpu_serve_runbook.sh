@@ -42,6 +42,8 @@
 #            (same-loop routing, buffered logs), HAProxy straight to the ingress replicas (RAY_SERVE_ENABLE_HA_PROXY=1),
 #            4 ingress replicas; every replica's engine counters after the sweeps; the daemon quits after
 #   serve    plain `serve run` of the config, nothing set: what a user who runs the config as it is gets
+#   readme   the README's first GPU command, `qwen3-tts-serve configs/high_concurrency.yaml` (deployments/launch.py:
+#            the launcher sets the cluster-wide Serve settings and starts MPS itself), nothing else set
 #   objref   the mps recipe with `ingress.stage_transport=object_ref` (Ray object-store handles between the stages)
 #   inproc   both engines in one process (bench.pipeline), levels $CONCURRENCY, first chunk of 1 frame, stateful
 #            Code2Wav (as high_concurrency.yaml); INPROC_FLAGS: more bench.pipeline flags
@@ -116,6 +118,9 @@ streaming.first_chunk_frames=1 streaming.max_pending_decodes=4"
            mps_record "$root/$variant/mps.txt"  # the replicas should be MPS clients (type M+C) of one server
            OUT="$root/$variant" $self stop ;;
       serve) OUT="$root/$variant" BUDGET_S="$budget" SET="${EXTRA_SET:-}" $self setup $live $sweeps stop ;;
+      readme) LAUNCHER=1 OUT="$root/$variant" BUDGET_S="$budget" SET="${EXTRA_SET:-}" $self setup $live $sweeps stats
+              mps_record "$root/$variant/mps.txt"
+              OUT="$root/$variant" $self stop ;;
       objref) mps_start
               env "${fast[@]}" OUT="$root/$variant" BUDGET_S="$budget" \
                 SET="ingress.stage_transport=object_ref $ingress4" $self setup $live $sweeps stop ;;
@@ -144,7 +149,7 @@ code2wav.engine_kwargs.state_slots=$(( 512 * talkers + 64 )) ingress.deployment_
                 --levels "$CONCURRENCY" --min-requests "$CLOSED_MIN" --compile --slots 512 --first-chunk-frames 1 \
                 --stateful-code2wav ${STAGGER_S:+--stagger-s "$STAGGER_S"} ${INPROC_FLAGS:-} \
                 --out "$root/$variant/pipeline.json" 2>&1 | tee "$root/$variant/pipeline.log" | tail -8 ;;
-      *) echo "unknown variant $variant (mps serve objref inproc gpu1 replicas split)"; exit 2 ;;
+      *) echo "unknown variant $variant (mps serve readme objref inproc gpu1 replicas split)"; exit 2 ;;
     esac
     # the next variant starts a fresh cluster: nothing of this one may hold the port or the GPU (nor be an MPS
     # client: the daemon quits after them)
@@ -243,6 +248,8 @@ launch() {  # runs under setsid: everything it starts belongs to its own session
   echo $$ > "$W/serve.pid"
   # a background job starts with SIGINT ignored; give `serve run` its Ctrl-C back (graceful shutdown)
   local run=(python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' serve run)
+  # LAUNCHER=1: the README's command (qwen3-tts-serve, run from the tree), which restores SIGINT for `serve run` itself
+  [ "${LAUNCHER:-0}" = 1 ] && exec python3 -m deployments.launch "$W/serve.yaml" --address=local
   # one raylet per GPU for configs that place by node: pinned (gpu_k resources) or one pair per GPU (replicas.yaml)
   if [ "$(gpus)" -ge 2 ] && grep -qE 'gpu_0|max_replicas_per_node' "$W/serve.yaml"; then
     ray start --head --port="$RAY_PORT" --num-gpus=0 --include-dashboard=false --disable-usage-stats || exit 1

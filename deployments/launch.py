@@ -121,18 +121,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = " ".join(f"{k}={env[k]}" for k in SERVE_ENV)
     _log(f"{settings}; MPS {'on' if use_mps else 'off'}")
     command = [args.serve, "run", args.config, *serve_args]
+    children: list[subprocess.Popen] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:  # `serve run` shuts the app and its local cluster down on SIGINT/SIGTERM
+            child.send_signal(signum)
+
+    # installed before the child starts: a signal this process ignores (a background job's SIGINT) would stay
+    # ignored in `serve run` too, which then could not be stopped gracefully
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        child = subprocess.Popen(command, env=env)
+        children.append(subprocess.Popen(command, env=env))
     except FileNotFoundError:
         _log(f"`{args.serve}` not found: install ray[serve]")
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         if started_mps:
             stop_mps(control)
         return 127
-
-    def forward(signum: int, _frame: object) -> None:
-        child.send_signal(signum)  # `serve run` shuts the app and its local cluster down on SIGINT/SIGTERM
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    child = children[0]
     try:
         code = child.wait()
     finally:

@@ -54,5 +54,5 @@ def test_variants_refuse_an_unknown_name_and_list_the_known_ones(tmp_path):
     done = subprocess.run(["bash", "bench/gpu_serve_runbook.sh", "variants", "ingress4"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "unknown variant ingress4 (mps serve objref inproc gpu1 replicas split)" in done.stdout
+    assert "unknown variant ingress4 (mps serve readme objref inproc gpu1 replicas split)" in done.stdout
     assert not (tmp_path / "out" / "ingress4.tar.gz").exists()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,6 +22,14 @@ with open(os.environ["FAKE_LOG"], "a") as f:
                         "env": [os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED"),
                                 os.environ.get("RAY_SERVE_ENABLE_HA_PROXY")],
                         "cvd": os.environ.get("CUDA_VISIBLE_DEVICES")}}) + "\\n")
+if os.path.basename(sys.argv[0]) == "serve" and os.environ.get("FAKE_SERVE_WAIT"):
+    open(os.environ["FAKE_SERVE_WAIT"], "w").close()
+    import time
+    try:
+        time.sleep(60)
+    except KeyboardInterrupt:  # SIGINT reached `serve run`: it shuts down gracefully
+        sys.exit(130)
+    sys.exit(0)
 if os.path.basename(sys.argv[0]) == "nvidia-smi":
     print("GPU 0: NVIDIA H200 (UUID: GPU-0)")
 sys.exit(int(os.environ.get("FAKE_SERVE_EXIT", "0")) if os.path.basename(sys.argv[0]) == "serve" else 0)
@@ -81,3 +91,26 @@ def test_host_without_gpu_or_joining_a_cluster_starts_no_daemon(tmp_path):
     out, calls = _launch(tmp_path, bin_dir, "configs/local.yaml", RAY_ADDRESS="10.0.0.1:6379")
     assert out.returncode == 0 and [c["tool"] for c in calls] == ["serve"]
     assert "joins that cluster" in out.stderr
+
+
+def test_sigint_reaches_serve_run_even_when_started_as_a_background_job(tmp_path):
+    """A background job starts with SIGINT ignored, and `serve run` would inherit that; the launcher's own handler
+    forwards the signal, so stopping the launcher stops `serve run` gracefully and then quits the daemon."""
+    bin_dir = _tools(tmp_path, ("serve", "nvidia-smi", "nvidia-cuda-mps-control"))
+    started, log = tmp_path / "serve.started", tmp_path / "calls.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update({"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_LOG": str(log), "PYTHONPATH": str(REPO),
+                "FAKE_SERVE_WAIT": str(started)})
+    launcher = subprocess.Popen([sys.executable, "-m", "deployments.launch", "configs/high_concurrency.yaml"],
+                                env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        while not started.exists():  # the stand-in `serve run` is up
+            assert launcher.poll() is None, launcher.stderr.read()
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=60) == 130
+    finally:
+        launcher.kill()
+    tools = [json.loads(line)["tool"] for line in log.read_text().splitlines()]
+    assert tools[-1] == "nvidia-cuda-mps-control"  # quit after serve run ended
