@@ -12,9 +12,13 @@ steps and prefills write there, so a CUDA graph never needs to know which rows a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from stages.config import TransformerConfig
+from stages.talker.engine_config import TalkerEngineConfig
 from stages.talker.paged_attention import HeadNorm, decode_splits, paged_decode_attention
 
 
@@ -110,3 +114,22 @@ class DecodeContext:
         qg = q.reshape(b, n_kv, heads // n_kv, d)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.attn_mask)
         return out.reshape(b, 1, heads * d)
+
+
+def kv_pool_blocks(cfg: TalkerEngineConfig, tcfg: TransformerConfig, device: torch.device, dtype: torch.dtype,
+                   log: Callable[[str], None]) -> int:
+    """The KV pool in blocks: `cfg.kv_cache_tokens`, or on CUDA a share of the free memory, or on CPU room for
+    every row at `max_seq_len`. Requests bigger than the pool are refused (400)."""
+    per_token = PagedKVCache.bytes_per_token(tcfg.num_hidden_layers, tcfg.num_key_value_heads, tcfg.head_dim,
+                                             dtype)
+    tokens = cfg.kv_cache_tokens
+    if tokens is None and device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        tokens = int(free * cfg.kv_cache_memory_fraction) // per_token
+    elif tokens is None:
+        tokens = cfg.max_num_seqs * cfg.max_seq_len
+    block = cfg.kernels.kv_block_size
+    num_blocks = max(1, tokens // block)
+    log(f"[talker] KV pool: {num_blocks} blocks x {block} positions "
+        f"({num_blocks * block * per_token / 2**30:.2f} GiB), {cfg.max_num_seqs} rows")
+    return num_blocks

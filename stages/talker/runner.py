@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,20 +33,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from stages import gemv_kernels, layers, sampling
 from stages import pdl as pdl_module
 from stages import sampling_kernel as sampling_kernel_module
-from stages.contract import NUM_CODEBOOKS, SamplingParams
+from stages.contract import NUM_CODEBOOKS
 from stages.layers import LayerKernels
 from stages.qwen3_tts import Qwen3TTS
-from stages.sampling import (
-    TOP_K_OFF,
-    SamplingRows,
-    SamplingTensors,
-    mask_talker_logits,
-    select_tokens,
-    suppressed_ids_mask,
-)
+from stages.sampling import mask_talker_logits, select_tokens, suppressed_ids_mask
 from stages.talker import frame as frame_module
 from stages.talker import model as talker_model
-from stages.talker.engine_config import PREFILL_BATCHES, PREFILL_WIDTHS
+from stages.talker.engine_config import TalkerEngineConfig
 from stages.talker.frame import (
     advance_rows,
     new_code_predictor_cache,
@@ -58,8 +49,8 @@ from stages.talker.frame import (
 )
 from stages.talker.paged_attention import kernel_available
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
-from stages.talker.prefill import PrefillEmbeds
-from stages.talker.prompt_plan import NONE, PromptPlan, embed_rows, embed_text_rows
+from stages.talker.prompt_plan import NONE, embed_rows, embed_text_rows
+from stages.talker.staging import Admission, HostRing, IntStage, SlotParams, Staging, round_up, write_stage
 from stages.talker.step_clock import StepClock
 
 # the files whose functions `compile` hands to torch.compile, and those the traced code calls into (the step's glue
@@ -75,159 +66,29 @@ EAGER_STEP_FUNCTIONS: dict[str, Callable] = {
 }
 
 
-@dataclass
-class SlotParams(SamplingRows):
-    """Sampling parameters of every engine row (written in place by admissions), and each row's seed."""
-
-    seeds: torch.Tensor
-
-    @classmethod
-    def empty(cls, n: int, device: torch.device) -> SlotParams:
-        def sampling() -> SamplingTensors:
-            return SamplingTensors(torch.zeros(n, dtype=torch.bool, device=device),
-                                   torch.ones(n, device=device), torch.full((n,), TOP_K_OFF, device=device),
-                                   torch.ones(n, device=device))
-
-        return cls(sampling(), sampling(), torch.ones(n, device=device),
-                   torch.zeros(n, dtype=torch.long, device=device), torch.zeros(n, dtype=torch.bool, device=device),
-                   torch.zeros(n, dtype=torch.long, device=device))
-
-    def tensors(self) -> list[torch.Tensor]:
-        t, s = self.talker, self.sub
-        return [t.do_sample, t.temperature, t.top_k, t.top_p, s.do_sample, s.temperature, s.top_k, s.top_p,
-                self.penalty, self.min_frames, self.suppress_eos, self.seeds]
-
-    def rows(self, b: int) -> SlotParams:
-        """Rows [0, b) as views (the decode step)."""
-        return self.index(slice(0, b))
-
-    def index(self, rows: torch.Tensor | slice) -> SlotParams:
-        """The given rows: views for a slice, gathered copies for an index tensor (the prefill's rows)."""
-        t, s = self.talker, self.sub
-        return SlotParams(
-            SamplingTensors(t.do_sample[rows], t.temperature[rows], t.top_k[rows], t.top_p[rows]),
-            SamplingTensors(s.do_sample[rows], s.temperature[rows], s.top_k[rows], s.top_p[rows]),
-            self.penalty[rows], self.min_frames[rows], self.suppress_eos[rows], self.seeds[rows],
-        )
-
-
-@dataclass
-class Admission:
-    """One request entering row `row`: what the staging row holds for it."""
-
-    row: int
-    plan: PromptPlan
-    params: SamplingParams
-    seed: int
-    blocks: np.ndarray  # its KV blocks, in position order
-    exact: PrefillEmbeds | None = None  # reference embeddings (bit-exact path: CPU tests, parity)
-
-
-# staging row layout: int64 fields, then float32 fields, in one byte row (one copy for a whole batch)
-_META = ("row", "length", "trailing_len", "seed", "min_frames", "top_k", "sub_top_k", "do_sample", "sub_do_sample",
-         "suppress_eos", "x_vector_row")
-_FPARAMS = ("temperature", "top_p", "sub_temperature", "sub_top_p", "penalty", "_pad")
-
-
-class _Staging:
-    """A [rows, bytes] buffer with typed views per field (host pinned or device; same layout)."""
-
-    def __init__(self, rows: int, width: int, text_rows: int, blocks: int, hidden: int, device, pin: bool):
-        ints = {"meta": len(_META), "blocks": blocks, "text": width, "codec": width, "frames": width * NUM_CODEBOOKS,
-                "trailing": text_rows}
-        floats = {"fparams": len(_FPARAMS), "x_vector": hidden}
-        n_int, n_float = sum(ints.values()), sum(floats.values())
-        self.row_bytes = 8 * n_int + 4 * n_float
-        self.buf = torch.zeros(rows, self.row_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
-        self.views: dict[str, torch.Tensor] = {}
-        at = 0
-        as_int = self.buf[:, :8 * n_int].view(torch.int64)
-        for name, n in ints.items():
-            self.views[name] = as_int[:, at:at + n]
-            at += n
-        at = 0
-        as_float = self.buf[:, 8 * n_int:].view(torch.float32)
-        for name, n in floats.items():
-            self.views[name] = as_float[:, at:at + n]
-            at += n
-        self.views["frames"] = self.views["frames"].unflatten(1, (width, NUM_CODEBOOKS))
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.views[name]
-
-
-class _HostRing:
-    """Pinned host buffers used in turn, each handed out again only once the copy recorded after its last use
-    is done (an event; on CPU copies are synchronous). With as many buffers as one engine iteration uses, that
-    wait is never a real one."""
-
-    def __init__(self, buffers: list, cuda: bool):
-        self.buffers, self.cuda = buffers, cuda
-        self._events: list[torch.cuda.Event | None] = [None] * len(buffers)
-        self._turn = 0
-
-    def take(self) -> int:
-        """The next buffer's index, free to rewrite."""
-        t = self._turn
-        if self._events[t] is not None:
-            self._events[t].synchronize()  # its previous copy: long done, in practice
-        self._turn = (t + 1) % len(self.buffers)
-        return t
-
-    def copied(self, t: int) -> None:
-        """Buffer t's copy to the device is enqueued: it is reused only once that copy is done."""
-        if self.cuda:
-            self._events[t] = self._events[t] or torch.cuda.Event()
-            self._events[t].record()
-
-
-class _IntStage:
-    """int64 values crossing to the device: pinned host buffers in a ring (`turns`) and one device buffer."""
-
-    def __init__(self, device: torch.device, turns: int = 2):
-        self.device = device
-        self._ring = _HostRing([torch.zeros(0, dtype=torch.long)] * turns, cuda=device.type == "cuda")
-        self._dev = torch.zeros(0, dtype=torch.long, device=device)
-        self._turn = 0
-
-    def host(self, n: int) -> np.ndarray:
-        """The next turn's host buffer, [n] (valid until `copy`)."""
-        t = self._turn = self._ring.take()
-        if self._ring.buffers[t].numel() < n:
-            self._ring.buffers[t] = torch.zeros(_round_up(2 * n, 1024), dtype=torch.long, pin_memory=self._ring.cuda)
-        return self._ring.buffers[t][:n].numpy()
-
-    def copy(self, n: int) -> torch.Tensor:
-        """Copy the first n values of this turn's host buffer to the device (non-blocking); the device view."""
-        if self._dev.numel() < n:
-            self._dev = torch.zeros(_round_up(2 * n, 1024), dtype=torch.long, device=self.device)
-        self._dev[:n].copy_(self._ring.buffers[self._turn][:n], non_blocking=True)
-        self._ring.copied(self._turn)
-        return self._dev[:n]
-
-
 class TalkerRunner:
     """Sole owner of the talker's device state. Not thread-safe: one engine thread calls it."""
 
     # Attention backends for prefill (None: torch's choice). Not cuDNN: it builds a plan per new shape,
-    # and prompts bring new (batch, width) shapes all the time (bench/prefill.py measures both).
+    # and prompts bring new (batch, width) shapes all the time (docs/talker_engine.md, "Prefill").
     prefill_sdpa_backends: tuple[SDPBackend, ...] | None = (
         SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
-    def __init__(self, model: Qwen3TTS, num_slots: int, max_seq_len: int, max_text_rows: int, num_blocks: int,
-                 block_size: int = 16, length_buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096),
-                 compile: bool = False, attention_kernel: bool | None = None, max_prefill_batch: int = 16,
-                 gemv_rows: int = 4, heads_in_attention: bool = True, sampling_kernel: bool = True,
-                 pdl: bool = False, attention_splits: bool = True,
-                 prefill_widths: tuple[int, ...] = PREFILL_WIDTHS, prefill_batches: tuple[int, ...] = PREFILL_BATCHES):
+    def __init__(self, model: Qwen3TTS, config: TalkerEngineConfig, num_blocks: int):
+        """Rows for `config.max_num_seqs` requests, a paged KV pool of `num_blocks` blocks."""
         assert model.talker is not None
         self.model, self.talker = model, model.talker
         self.device, self.dtype = model.device, model.dtype
         cfg = self.talker.config
         tcfg = cfg.transformer
         dev = self.device
+        k = config.kernels
+        num_slots, max_seq_len, max_text_rows = config.max_num_seqs, config.max_seq_len, config.max_text_rows
         self.num_slots, self.max_seq_len, self.max_text_rows = num_slots, max_seq_len, max_text_rows
         self.cuda = dev.type == "cuda"
+        compile = config.compile and self.cuda
+        attention_kernel, length_buckets, block_size = k.attention_kernel, k.length_buckets, k.kv_block_size
+        max_prefill_batch, prefill_batches = config.max_prefill_batch, config.prefill_batches
         self.use_kernel = kernel_available(dev) if attention_kernel is None else attention_kernel
         # the paged kernel reads each row's own length: one attention "bucket" suffices
         self.length_buckets = ((max_seq_len,) if self.use_kernel
@@ -261,33 +122,33 @@ class TalkerRunner:
         # admission staging: two pinned host buffers (alternating: one may still be in flight) and the device copy
         self.prefill_batch_buckets = tuple(b for b in sorted(prefill_batches) if b <= max_prefill_batch) or (1,)
         self.max_prefill_batch = max(max_prefill_batch, 1)
-        self.prefill_width_buckets = tuple(w for w in prefill_widths if w <= max_seq_len)  # sorted (the config's)
+        self.prefill_width_buckets = tuple(w for w in config.prefill_widths if w <= max_seq_len)  # sorted (the config's)
         self.trailing_width = min(PREFILL_TRAILING_WIDTH, max_text_rows)
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         width = max(max_seq_len, max_text_rows)
         stage = (self.max_prefill_batch, width, max_text_rows, self.kv.blocks_per_seq, cfg.hidden_size)
         # two in turn: one admission per engine iteration never waits for a copy (the step read in between is
         # queued after it); a burst of 3+ may
-        self._host_stage = _HostRing([_Staging(*stage, device="cpu", pin=self.cuda) for _ in range(2)], self.cuda)
-        self._stage = _Staging(*stage, device=dev, pin=False)
+        self._host_stage = HostRing([Staging(*stage, device="cpu", pin=self.cuda) for _ in range(2)], self.cuda)
+        self._stage = Staging(*stage, device=dev, pin=False)
         self._parked: list[torch.Tensor] | None = None  # per-row state of parked requests, by park slot (lazy)
-        self._text_stage = _IntStage(dev)
-        self._move_stage = _IntStage(dev, turns=8)  # row moves' indices (several calls per iteration)
+        self._text_stage = IntStage(dev)
+        self._move_stage = IntStage(dev, turns=8)  # row moves' indices (several calls per iteration)
         self._init_tts_pad()
         for name, fn in EAGER_STEP_FUNCTIONS.items():
             setattr(self, name, fn)
         # compiled path only: forwards of <= gemv_rows rows run the layers as Triton GEMVs (stages/gemv_kernels.py)
-        self.gemv_rows = gemv_rows if compile and gemv_kernels.available(dev) else 0
+        self.gemv_rows = k.gemv_rows if compile and gemv_kernels.available(dev) else 0
         # compiled path with the decode kernel: q/k head norm + RoPE inside it (HeadNorm), not kernels of their own
-        self.heads_in_attention = heads_in_attention and compile and self.use_kernel
+        self.heads_in_attention = k.heads_in_attention and compile and self.use_kernel
         # decode kernel: a few rows' keys split over more programs (paged_attention.decode_splits)
-        self.attention_splits = attention_splits and self.use_kernel
+        self.attention_splits = k.attention_splits and self.use_kernel
         # compiled CUDA path, sm_90+: the Triton kernels of steps with few rows launch with programmatic
         # dependent launch (`pdl_at`)
-        self.pdl = pdl and compile and pdl_module.supported(dev)
+        self.pdl = config.pdl and compile and pdl_module.supported(dev)
         if compile:
             self._enable_compile()
-        self.sampling_kernel = sampling_kernel and sampling_kernel_module.available(dev)
+        self.sampling_kernel = k.sampling_kernel and sampling_kernel_module.available(dev)
         if self.sampling_kernel:  # one Triton program per row, no sort
             self._select = sampling_kernel_module.select_tokens
         self._select_pdl = (functools.partial(sampling_kernel_module.select_tokens, pdl=True)
@@ -386,7 +247,7 @@ class TalkerRunner:
         k = sum(len(ids) for _, _, ids in writes)
         n = len(writes)
         # >= 2 rows: a one-row product takes another kernel (GEMV) whose rounding differs from the prefill's
-        width = _round_up(max(k, 2), _WIDTH_MULTIPLE)
+        width = round_up(max(k, 2), _WIDTH_MULTIPLE)
         host = self._text_stage.host(3 * width + 2 * n)
         ids, rows, pos = host[:width], host[width:2 * width], host[2 * width:3 * width]
         ids[:], rows[:], pos[:] = NONE, self.scratch_row, 0  # padding entries write zeros into the scratch row
@@ -422,10 +283,10 @@ class TalkerRunner:
         if key is not None:
             (nb, w), tw = key, self.trailing_width
         else:
-            nb, w, tw = n, _round_up(width, _WIDTH_MULTIPLE), min(_round_up(trailing, _WIDTH_MULTIPLE), self.max_text_rows)
+            nb, w, tw = n, round_up(width, _WIDTH_MULTIPLE), min(round_up(trailing, _WIDTH_MULTIPLE), self.max_text_rows)
         turn = self._host_stage.take()
         host = self._host_stage.buffers[turn]
-        self._write_stage(host, batch, nb, w, tw)
+        write_stage(host, batch, nb, w, tw, self.scratch_row, self.kv.scratch_block)
         self.step_clock.prefill_begin()  # after the host's staging: a device idle while it stages counts as a wait
         self._stage.buf[:nb].copy_(host.buf[:nb], non_blocking=True)
         self._host_stage.copied(turn)
@@ -450,42 +311,6 @@ class TalkerRunner:
     def _prefill_graph_key(self, n: int, width: int) -> tuple[int, int] | None:
         key = self.prefill_bucket(n, width)
         return key if key in self.prefill_graphs else None
-
-    def _write_stage(self, s: _Staging, batch: list[Admission], nb: int, width: int, trailing_width: int) -> None:
-        """Host numpy writes into the pinned staging rows [0, nb); rows past the batch are padding."""
-        meta, fp = s["meta"].numpy(), s["fparams"].numpy()
-        text, codec, frames = s["text"].numpy(), s["codec"].numpy(), s["frames"].numpy()
-        trailing, blocks, x_vector = s["trailing"].numpy(), s["blocks"].numpy(), s["x_vector"].numpy()
-        for i in range(nb):
-            if i >= len(batch):  # padding: the scratch row, a 1-row prompt with no parts
-                meta[i] = (self.scratch_row, 1, 1, 0, 0, TOP_K_OFF, TOP_K_OFF, 0, 0, 1, NONE)
-                fp[i] = (1.0, 1.0, 1.0, 1.0, 1.0, 0.0)
-                text[i, :width] = NONE
-                codec[i, :width] = NONE
-                frames[i, :width] = NONE
-                trailing[i, :trailing_width] = NONE
-                blocks[i] = self.kv.scratch_block
-                continue
-            a = batch[i]
-            p, plan = a.params, a.plan
-            meta[i] = (a.row, plan.length, plan.trailing_length, a.seed, p.min_frames, p.top_k or TOP_K_OFF,
-                       p.subtalker_top_k or TOP_K_OFF, p.do_sample, p.subtalker_do_sample, p.suppress_eos,
-                       plan.x_vector_row)
-            fp[i] = (p.temperature, p.top_p, p.subtalker_temperature, p.subtalker_top_p, p.repetition_penalty, 0.0)
-            L, T = plan.length, plan.trailing_length
-            text[i, :L], codec[i, :L] = plan.text_ids, plan.codec_ids
-            text[i, L:width] = NONE
-            codec[i, L:width] = NONE
-            frames[i, :width] = NONE
-            if plan.ref_codes is not None:
-                rows = np.nonzero(plan.ref_frames >= 0)[0]
-                frames[i, rows] = plan.ref_codes[plan.ref_frames[rows]]
-            trailing[i, :T] = plan.trailing_ids
-            trailing[i, T:trailing_width] = NONE
-            blocks[i, :len(a.blocks)] = a.blocks
-            blocks[i, len(a.blocks):] = self.kv.scratch_block
-            if plan.x_vector is not None:
-                x_vector[i] = plan.x_vector
 
     def _prefill_compute(self, nb: int, width: int, trailing_width: int, x: torch.Tensor | None = None) -> None:
         """Admit staged rows [0, nb): prompts of up to `width` rows, trailing text of up to `trailing_width`
@@ -600,51 +425,3 @@ class TalkerRunner:
             self._out_events[turn].synchronize()
         self.step_clock.read()  # steps are read in launch order
         return self.out_host[turn][:n].numpy()
-
-    # ---------------------------------------------------------------- CUDA graphs
-    @torch.no_grad()
-    def capture_graphs(self, batch_buckets: tuple[int, ...], log: Callable[[str], None] = print) -> float:
-        """Capture the decode step per (batch bucket, length bucket) and the prefill per (batch, width).
-
-        Capture runs on scratch state: row contents are saved and restored around it. Returns seconds taken.
-        """
-        if not self.cuda:
-            return 0.0
-        t0 = time.perf_counter()
-        saved = [t.clone() for t in self._row_tensors()]
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-
-        def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up kernels/allocator outside the capture
-                    fn()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                fn()
-            return graph
-
-        keys = [(b, L) for b in sorted(batch_buckets, reverse=True) for L in self.length_buckets]
-        for i, (b, attn_len) in enumerate(keys):
-            self.positions[:b] = 0
-            self.graphs[(b, attn_len)] = capture(lambda b=b, L=attn_len: self._decode_step(b, L))
-            if (i + 1) % max(1, len(keys) // 10) == 0 or i + 1 == len(keys):
-                log(f"[talker] captured {i + 1}/{len(keys)} decode graphs ({time.perf_counter() - t0:.1f} s)")
-        # prefill graphs read the device staging rows: fill them with padding (the scratch row) for capture
-        host = self._host_stage.buffers[0]  # a blocking copy below: no event needed
-        self._write_stage(host, [], self.max_prefill_batch, max(self.prefill_width_buckets, default=16), self.trailing_width)
-        self._stage.buf.copy_(host.buf)
-        prefill_keys = [(b, w) for b in self.prefill_batch_buckets for w in self.prefill_width_buckets]
-        for b, w in prefill_keys:  # none without widths (prompts longer than every width): prefill runs eagerly
-            self.prefill_graphs[(b, w)] = capture(lambda b=b, w=w: self._prefill_compute(b, w, self.trailing_width))
-        log(f"[talker] captured {len(prefill_keys)} prefill graphs ({time.perf_counter() - t0:.1f} s)")
-        for t, s in zip(self._row_tensors(), saved, strict=True):
-            t.copy_(s)
-        torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple

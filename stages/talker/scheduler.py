@@ -6,9 +6,12 @@ Torch-free (numpy only), so unit tests drive it without a model. It decides; the
   step), never a fixed worst case, and the head of the queue waits until that many blocks are free;
 - running requests occupy rows [0, n) (what a decode step of batch bucket b computes); a release moves
   the last row into the hole (`RowMove`: the runner copies that request's small per-row state, never KV);
-- per-request counters the engine updates every step (frames, limits, next chunk boundary) are numpy
-  arrays indexed by a ticket that stays with the request while it runs, so a step's bookkeeping is a few
-  vectorized operations and Python touches a request only at chunk boundaries and at its end.
+- per-request counters the engine updates every step (frames, limits, next chunk boundary, steps launched,
+  when the audio handed out so far ends) are numpy arrays indexed by a ticket that stays with the request while
+  it runs, so a step's bookkeeping is a few vectorized operations and Python touches a request only at chunk
+  boundaries and at its end;
+- the admission policy (`admit_for_step`): one prefill batch per iteration, or a burst of several while every
+  playing stream has enough audio handed out and not yet played that the extra prefills go unheard.
 
 Live text (stages/talker/live_text.py) adds two states off the dense rows, so waiting costs the batch nothing:
 - held: opened, without the text its prefill needs yet: no slot, no KV, not queued (`hold`, then `enqueue`);
@@ -29,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from stages.contract import SynthesisRequest, TalkerPrompt
+from stages.contract import FRAME_SECONDS, SynthesisRequest, TalkerPrompt
+from stages.talker.layout import kv_positions
 from stages.talker.live_text import UNLIMITED, LiveText
 
 
@@ -65,7 +69,7 @@ class Sequence:
     @property
     def max_positions(self) -> int:
         """KV positions the request can write: prompt, one per frame, one speculative step past its end."""
-        return self.prompt_len + self.request.max_frames + 2
+        return kv_positions(self.prompt_len, self.request.max_frames)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,11 @@ class Scheduler:
         self.generation = np.zeros(max_num_seqs, dtype=np.int64)  # bumped when a ticket changes hands
         self.live = np.zeros(max_num_seqs, dtype=bool)  # running and neither finished nor aborted
         self.text_limit = np.full(max_num_seqs, UNLIMITED, dtype=np.int64)  # steps launchable before text runs out
+        self.launched_steps = np.zeros(max_num_seqs, dtype=np.int64)  # frames whose step has been launched
+        self.launched_pos = np.zeros(max_num_seqs, dtype=np.int64)  # KV position the next launched step writes
+        # when the audio handed out so far ends if its listener plays it from the first chunk on without a pause
+        # (after a pause playback resumes with the next chunk); inf: no chunk yet, not playing
+        self.play_end = np.full(max_num_seqs, np.inf)
         self._gen = itertools.count(1)
 
     # ------------------------------------------------------------------ queue
@@ -201,6 +210,47 @@ class Scheduler:
             self.live[t] = True
             admitted.append(seq)
         return admitted
+
+    def admit_for_step(self, lead_s: float, max_prefills: int, now: float) -> list[Sequence]:
+        """This iteration's admissions: one prefill batch, or up to `max_prefills` batches while every playing
+        stream has at least `lead_s` of handed-out audio not yet played (each extra prefill delays the next step
+        by its own time). A burst is ordered shortest prompt first: one step follows them all, so their order
+        changes no one's first frame, and a batch pads to its longest prompt's width."""
+        lacks_lead = self.num_running and self.min_lead_s(now) < lead_s
+        admitted = self.admit(limit=self.max_prefill_batch * (1 if lacks_lead else max_prefills))
+        if len(admitted) > self.max_prefill_batch:
+            admitted.sort(key=lambda s: s.plan.length)
+        return admitted
+
+    def started(self, seq: Sequence, frames_to_next_chunk: int, now: float) -> bool:
+        """A request's prefill ran: its per-ticket step counters start; True on its first admission."""
+        t = seq.ticket
+        first = seq.admitted_at is None
+        if first:
+            seq.admitted_at = now
+            self.play_end[t] = np.inf  # not playing yet
+        self.launched_pos[t] = seq.prompt_len
+        self.launched_steps[t] = self.frames[t]  # 0, or (a live request's next segment) its frames so far
+        self.next_cut[t] = self.frames[t] + frames_to_next_chunk
+        return first
+
+    def running_tickets(self) -> np.ndarray:
+        """The running requests' tickets, in row order."""
+        return np.fromiter((s.ticket for s in self.running), dtype=np.int64, count=len(self.running))
+
+    def min_lead_s(self, now: float) -> float:
+        """The least lead among running streams: audio handed out not yet played (inf: none is playing)."""
+        return float(self.play_end[self.running_tickets()].min() - now)
+
+    def handed_out(self, ticket: int, new_frames: int, now: float) -> None:
+        """`new_frames` of audio were handed to a listener: it plays on from where it is, or from now after a
+        pause."""
+        end = self.play_end[ticket]
+        self.play_end[ticket] = (now if end == np.inf else max(end, now)) + new_frames * FRAME_SECONDS
+
+    def new_generation(self, ticket: int) -> None:
+        """Steps launched for `ticket` before now are dropped when read (their rows changed meaning)."""
+        self.generation[ticket] = next(self._gen)
 
     # ------------------------------------------------------------------ live text
     def hold(self, seq: Sequence) -> None:

@@ -215,7 +215,7 @@ def test_live_text_codes_identical(name, models, official, ref_wav_path):
             await feeder
             return np.concatenate(blocks)
         codes = asyncio.run(main())
-        parks = engine.parks
+        parks = engine.counters.parks
     finally:
         engine.shutdown()
     _assert_codes_equal(codes, official[name]["codes"].numpy(), official[name]["talker_logits"])

@@ -74,7 +74,7 @@ def test_engine_equals_reference_with_joins_and_leaves(model, prompts, exact_pre
     GPU runs (same math, other text-projection grouping; on this CPU it gives the same greedy codes)."""
     lengths = [30, 12, 25, 40, 7]
     reference = [ReferenceGenerator(model).generate_codes(p, GREEDY, n) for p, n in zip(prompts, lengths, strict=False)]
-    engine = _engine(model, max_num_seqs=3, exact_prefill=exact_prefill)
+    engine = _engine(model, max_num_seqs=3, kernels={"exact_prefill": exact_prefill})
     try:
         async def main():
             return await asyncio.gather(*[
@@ -157,7 +157,7 @@ def test_seeded_engine_equals_seeded_reference(model, prompts):
 
 def test_admission_queues_when_kv_is_short(model, prompts):
     """A KV pool of 3 blocks: each request reserves 2 (its own length), so four requests run one at a time."""
-    engine = _engine(model, max_num_seqs=8, kv_cache_tokens=48, kv_block_size=16)
+    engine = _engine(model, max_num_seqs=8, kv_cache_tokens=48, kernels={"kv_block_size": 16})
     running_at_admission = []
     engine.on_admit = lambda ids: running_at_admission.append(engine.scheduler.num_running)
     try:
@@ -343,73 +343,6 @@ def test_extra_prefills_wait_while_a_playing_stream_lacks_lead(model, prompts, l
     assert (burst[0] == burst[1]) is together
     assert all(sum(c.num_new for c in cs) == 4 for cs in rest)
     assert first.num_new + sum(c.num_new for c in playing_rest) == 60
-
-
-@pytest.mark.parametrize("hold_s, lead_s", [(0.0, -1e9), (600.0, -1e9), (600.0, 1e9)])
-def test_an_admission_under_load_waits_for_a_second_arrival_with_prefill_hold(model, prompts, hold_s, lead_s):
-    """`prefill_hold_s`: while a stream plays, a lone arrival waits (engine iterations go by, it stays queued)
-    until a second one fills the prefill batch of 2, and both are prefilled together; without the hold each is
-    prefilled as it comes. The hold holds whether or not the playing stream has `admission_lead_s` of audio
-    ahead (lead_s 1e9: it never has; a held admission delays no running stream). The engine's arrival rate runs
-    on a frozen clock here, so "more expected" cannot decay while the test waits on engine iterations."""
-    from stages.arrival_rate import ArrivalRate
-
-    engine = _engine(model, max_num_seqs=8, max_prefill_batch=2, admission_lead_s=lead_s, prefill_hold_s=hold_s)
-    engine._arrivals = ArrivalRate(clock=lambda: 0.0)
-    admissions = []
-    engine.on_admit = lambda ids: admissions.append(ids)
-
-    def add_after_an_iteration(request: SynthesisRequest):
-        """-> (requests queued one engine iteration after the last add, the stream of `request` added then): the
-        first call is drained with that add (before its iteration's admission), the second one iteration on,
-        and it holds the engine thread while `request` is added, so that the same drain takes it."""
-        import threading
-
-        engine.run_on_device(lambda: None).result()
-        release, held, queued = threading.Event(), threading.Event(), []
-        engine.run_on_device(lambda: queued.extend(s.request_id for s in engine.scheduler.waiting) or held.set()
-                             or release.wait())
-        held.wait()
-        stream = engine.add_request(request)
-        release.set()
-        return queued, stream
-
-    try:
-        async def main():
-            playing = engine.add_request(SynthesisRequest("playing", prompts[0], GREEDY, 120))
-            first = await playing.__anext__()  # it plays from here on, for far longer than the test's iterations
-            a = engine.add_request(SynthesisRequest("a", prompts[1], GREEDY, 4))
-            queued, b = add_after_an_iteration(SynthesisRequest("b", prompts[2], GREEDY, 4))
-            rest = [[c async for c in s] for s in (a, b)]
-            return first, queued, rest, [c async for c in playing]
-        first, queued, rest, playing_rest = asyncio.run(main())
-        stats = engine.stats()
-    finally:
-        engine.shutdown()
-    if hold_s:
-        assert queued == ["a"] and admissions[1:] == [["a", "b"]] and stats.held_admissions >= 1
-    else:
-        assert queued == [] and admissions[1:] == [["a"], ["b"]] and stats.held_admissions == 0
-    assert all(sum(c.num_new for c in cs) == 4 for cs in rest)
-    assert first.num_new + sum(c.num_new for c in playing_rest) == 120
-
-
-def test_prefill_hold_never_keeps_an_idle_engine_waiting(model, prompts):
-    """With nothing running, a lone request is prefilled at once, however long the hold and however many
-    arrivals are expected."""
-    from stages.arrival_rate import ArrivalRate
-
-    engine = _engine(model, max_num_seqs=8, max_prefill_batch=4, prefill_hold_s=600.0)
-    engine._arrivals = ArrivalRate(clock=lambda: 0.0)
-    engine._arrivals.add(1000)
-    try:
-        async def main():
-            return [c async for c in engine.add_request(SynthesisRequest("alone", prompts[0], GREEDY, 3))]
-        chunks = asyncio.run(main())
-        stats = engine.stats()
-    finally:
-        engine.shutdown()
-    assert sum(c.num_new for c in chunks) == 3 and stats.held_admissions == 0
 
 
 def test_runner_moves_several_rows_at_once_and_frees_a_range(model):

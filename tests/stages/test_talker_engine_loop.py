@@ -31,9 +31,9 @@ def frame_codes(seed: int, frame: int) -> np.ndarray:
 class FakeRunner:
     """Rows of (seed, frame index); a step emits frame_codes and the next codebook-0 (EOS when scripted)."""
 
-    def __init__(self, model, num_slots, max_seq_len, *args, **kwargs):
-        self.eos, self.length_buckets = EOS, (max_seq_len,)
-        self.rows: list[list[int] | None] = [None] * num_slots
+    def __init__(self, model, config, num_blocks):
+        self.eos, self.length_buckets = EOS, (config.max_seq_len,)
+        self.rows: list[list[int] | None] = [None] * config.max_num_seqs
         self.outputs: list[np.ndarray] = [np.zeros((0, 17), dtype=np.int64)] * 2
         self.turn = 0
         self.launches = 0
@@ -90,7 +90,7 @@ def prompt(model):
 
 
 def _engine(model, **kw) -> TalkerEngine:
-    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, exact_prefill=False, **kw), FakeRunner)
+    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, kernels={"exact_prefill": False}, **kw), FakeRunner)
     engine.start(log=lambda _m: None)
     return engine
 
@@ -191,7 +191,7 @@ class FaultyRunner(FakeRunner):
 
 
 def _faulty_engine(model, **kw) -> TalkerEngine:
-    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, exact_prefill=False, **kw), FaultyRunner)
+    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, kernels={"exact_prefill": False}, **kw), FaultyRunner)
     engine.start(log=lambda _m: None)
     return engine
 
@@ -314,7 +314,7 @@ def test_live_requests_park_and_resume_through_row_moves(model, prompt):
     from stages.prompts import build_live_prompt
 
     live_prompt = build_live_prompt(model.config, model.tokenizer, speaker="ryan", language="english")
-    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, exact_prefill=False, max_num_seqs=5),
+    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, kernels={"exact_prefill": False}, max_num_seqs=5),
                           LiveFakeRunner)
     engine.start(log=lambda _m: None)
     rng = random.Random(5)
@@ -341,7 +341,7 @@ def test_live_requests_park_and_resume_through_row_moves(model, prompt):
         async def main():
             return await asyncio.gather(*[live(i) for i in range(12)], *[plain(i) for i in range(4)])
         results = asyncio.run(main())
-        stats, parks, unparks = engine.stats(), engine.parks, engine.unparks
+        stats, parks, unparks = engine.stats(), engine.counters.parks, engine.counters.unparks
     finally:
         engine.shutdown()
     for seed, n, frames, reason in results:
@@ -361,7 +361,7 @@ def test_stats_while_the_runner_is_still_being_built(model):
             release.wait()
             super().__init__(*args, **kwargs)
 
-    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, exact_prefill=False), SlowRunner)
+    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, kernels={"exact_prefill": False}), SlowRunner)
     starter = threading.Thread(target=engine.start, args=(lambda _: None,))
     starter.start()
     try:

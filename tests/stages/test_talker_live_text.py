@@ -149,7 +149,7 @@ def test_piecewise_text_gives_the_codes_of_the_whole_text(cv, base, mode, how, t
             await feeder
             return codes, stream.finish_reason
         codes, reason = asyncio.run(main())
-        stats, parks = engine.stats(), engine.parks
+        stats, parks = engine.stats(), engine.counters.parks
     np.testing.assert_array_equal(codes, reference)
     assert reason is FinishReason.LENGTH
     words = len(text.split())

@@ -1,0 +1,60 @@
+"""CUDA graphs of the talker runner: the decode step per (batch bucket, length bucket) and the prefill per
+(batch, width), captured into one memory pool, largest batch first (smaller graphs reuse its memory)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from stages.talker.staging import write_stage
+
+if TYPE_CHECKING:
+    from stages.talker.runner import TalkerRunner
+
+
+@torch.no_grad()
+def capture(runner: TalkerRunner, batch_buckets: tuple[int, ...], log: Callable[[str], None] = print) -> float:
+    """Capture the decode step per (batch bucket, length bucket) and the prefill per (batch, width).
+
+    Capture runs on scratch state: row contents are saved and restored around it. Returns seconds taken.
+    """
+    if not runner.cuda:
+        return 0.0
+    t0 = time.perf_counter()
+    saved = [t.clone() for t in runner._row_tensors()]
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(runner.device)
+
+    def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        stream.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up kernels/allocator outside the capture
+                fn()
+        torch.cuda.current_stream(runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+        return graph
+
+    keys = [(b, L) for b in sorted(batch_buckets, reverse=True) for L in runner.length_buckets]
+    for i, (b, attn_len) in enumerate(keys):
+        runner.positions[:b] = 0
+        runner.graphs[(b, attn_len)] = capture(lambda b=b, L=attn_len: runner._decode_step(b, L))
+        if (i + 1) % max(1, len(keys) // 10) == 0 or i + 1 == len(keys):
+            log(f"[talker] captured {i + 1}/{len(keys)} decode graphs ({time.perf_counter() - t0:.1f} s)")
+    # prefill graphs read the device staging rows: fill them with padding (the scratch row) for capture
+    host = runner._host_stage.buffers[0]  # a blocking copy below: no event needed
+    write_stage(host, [], runner.max_prefill_batch, max(runner.prefill_width_buckets, default=16), runner.trailing_width,
+                runner.scratch_row, runner.kv.scratch_block)
+    runner._stage.buf.copy_(host.buf)
+    prefill_keys = [(b, w) for b in runner.prefill_batch_buckets for w in runner.prefill_width_buckets]
+    for b, w in prefill_keys:  # none without widths (prompts longer than every width): prefill runs eagerly
+        runner.prefill_graphs[(b, w)] = capture(lambda b=b, w=w: runner._prefill_compute(b, w, runner.trailing_width))
+    log(f"[talker] captured {len(prefill_keys)} prefill graphs ({time.perf_counter() - t0:.1f} s)")
+    for t, s in zip(runner._row_tensors(), saved, strict=True):
+        t.copy_(s)
+    torch.cuda.synchronize(runner.device)
+    return time.perf_counter() - t0
