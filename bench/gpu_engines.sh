@@ -45,8 +45,8 @@ for step in $STEPS; do
     tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_code2wav_stateful.py \
              tests/stages/test_code2wav_engine.py 2>&1 | tee "$OUT/gpu_tests.log" \
              | grep -E "passed|failed|error|max diff|Error|assert" | tail -24 ;;
-    talker_tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_talker_engine_gpu.py tests/stages/test_gemv_gpu.py \
-             tests/stages/test_sampling_gpu.py tests/stages/test_pdl_gpu.py \
+    talker_tests) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/gpu/test_talker_engine_gpu.py tests/stages/gpu/test_gemv_gpu.py \
+             tests/stages/gpu/test_sampling_gpu.py tests/stages/gpu/test_pdl_gpu.py \
              tests/stages/gpu/test_seeded_determinism.py 2>&1 | tee "$OUT/talker_gpu_tests.log" \
              | grep -E "passed|failed|error|max abs err|Error|assert" | tail -24 ;;
     code2wav) python3 -m bench.code2wav --batches "$C2W_BATCHES" --seconds 1 --first 1 --out "$OUT/c2w_stateless" \
@@ -68,7 +68,7 @@ for step in $STEPS; do
               python3 -m bench.talker --checkpoint "$CKPT" --batches ${BATCHES:-1,256} --steps 30 --compile \
                 --max-seq-len 1024 --profile ${KERNEL_FLAGS:-} --out "$OUT/talker_profile.json" 2>&1 | tee "$OUT/talker_profile.log" \
                 | grep -vE "^\[talker\] captured|^\{" | tail -40 ;;
-    gemv) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/test_gemv_gpu.py 2>&1 \
+    gemv) python3 -m pytest -q -p no:cacheprovider -m gpu -s tests/stages/gpu/test_gemv_gpu.py 2>&1 \
              | tee "$OUT/gemv_gpu_tests.log" | grep -E "passed|failed|error|max abs err|Error|assert" | tail -40
           python3 -m bench.kernels.gemv --rows ${GEMV_ROWS_SWEEP:-1} --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log" | tail -20 ;;
     attention) python3 -m bench.kernels.paged_attention --out "$OUT/paged_attention.json" 2>&1 | tee "$OUT/paged_attention.log" \

@@ -30,6 +30,8 @@ from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import write_random_checkpoint
+from stages.talker import cuda_graphs
+from stages.talker.engine_config import TalkerEngineConfig
 from stages.talker.prompt_plan import plan_prompt
 from stages.talker.runner import EAGER_STEP_FUNCTIONS, Admission, TalkerRunner
 
@@ -177,12 +179,13 @@ def main() -> None:
                 else SamplingParams(suppress_eos=True))
     plan = prompt_plan(model)
     per_request = -(-(plan.length + 2 * args.steps + 8) // 16)  # KV blocks: prompt + timed and warm-up steps
-    runner = TalkerRunner(model, max(batches), args.max_seq_len, 64, num_blocks=max(batches) * per_request,
-                          compile=args.compile, attention_kernel=None if not args.no_kernel else False,
-                          **kernel_kwargs(args))
+    config = TalkerEngineConfig(max_num_seqs=max(batches), max_seq_len=args.max_seq_len, max_text_rows=64,
+                                compile=args.compile, **kernel_kwargs(
+                                    args, attention_kernel=None if not args.no_kernel else False))
+    runner = TalkerRunner(model, config, num_blocks=max(batches) * per_request)
     capture_s = 0.0
     if device == "cuda" and not args.no_graphs:
-        capture_s = runner.capture_graphs(tuple(batches), log=print)
+        capture_s = cuda_graphs.capture(runner, tuple(batches), log=print)
     prefill_ms = {}
     for n in (1, 16):  # one admission batch of n requests: host time to launch it, and until the device is done
         if n <= max(batches):

@@ -21,7 +21,7 @@ hundreds of narrow programs (4-8 output columns each) so that enough loads are i
 it). The first version reduced every tile inside its K loop and waited on each load in turn: 1.0-1.4x cuBLAS's
 time at its best tiling on the H100; the loop now accumulates element-wise and keeps the next tile's load in
 flight (not yet measured). The eager layer stays the
-reference: in fp32 the results differ from it only by summation order (GPU tests, `tests/stages/test_gemv_gpu.py`).
+reference: in fp32 the results differ from it only by summation order (GPU tests, `tests/stages/gpu/test_gemv_gpu.py`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Parameter names follow the official checkpoint (`self_attn.q_proj`, `mlp.gate_proj`, ...) so the
 state dicts load unchanged. The KV cache is not owned here: attention asks an `AttentionContext`
-(stages/kv_cache.py) to store this step's keys/values and hand back what to attend over, which lets
+(stages/talker/contiguous_kv.py) to store this step's keys/values and hand back what to attend over, which lets
 the eager reference path and the batched engine share every module.
 """
 

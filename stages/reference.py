@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from stages.contract import NUM_CODEBOOKS, SamplingParams, TalkerPrompt
-from stages.kv_cache import ContiguousKV
 from stages.qwen3_tts import Qwen3TTS
 from stages.sampling import SamplingRows, mask_talker_logits, select_tokens, suppressed_ids_mask
+from stages.talker.contiguous_kv import ContiguousKV
 from stages.talker.frame import new_code_predictor_cache, next_talker_input, predict_frame_codes
 from stages.talker.prefill import build_prefill
 

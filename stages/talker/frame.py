@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from stages.contract import NUM_CODEBOOKS
-from stages.kv_cache import ContiguousKV
 from stages.sampling import SamplingTensors, select_tokens
+from stages.talker.contiguous_kv import ContiguousKV
 from stages.talker.model import Talker
 
 

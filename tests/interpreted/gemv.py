@@ -10,8 +10,8 @@ import torch
 
 from stages import gemv_kernels
 from stages.config import TransformerConfig
-from stages.kv_cache import ContiguousKV
 from stages.layers import LayerKernels, attention_inputs, attention_output_and_mlp
+from stages.talker.contiguous_kv import ContiguousKV
 from tests.kernel_reference import forwards, pytorch_gemv, random_stack
 
 

@@ -1,6 +1,6 @@
 """The few-row GEMV path of the decoder layers (stages/gemv_kernels.py) on CPU: what the Triton kernels compute,
 under Triton's interpreter (tests/triton_interpreter.py), and which forwards take the path.
-The same comparisons in fp32 and bf16 on CUDA: tests/stages/test_gemv_gpu.py."""
+The same comparisons in fp32 and bf16 on CUDA: tests/stages/gpu/test_gemv_gpu.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 from stages import gemv_kernels
 from stages.config import TransformerConfig
-from stages.kv_cache import ContiguousKV
 from stages.layers import DecoderStack, LayerKernels, attention_inputs, attention_output_and_mlp
+from stages.talker.contiguous_kv import ContiguousKV
 from tests.kernel_reference import pytorch_gemv
 from tests.triton_interpreter import run_interpreted
 

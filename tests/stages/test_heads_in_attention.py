@@ -1,6 +1,6 @@
 """q/k's head norm and RoPE inside the decode attention kernel (`HeadNorm`, stages/talker/paged_attention.py;
 `heads_in_attention` in stages/layers.py), checked on CPU under Triton's interpreter (tests/triton_interpreter.py).
-On CUDA: tests/stages/test_talker_engine_gpu.py (bf16, and the engine against the reference generator)."""
+On CUDA: tests/stages/gpu/test_talker_engine_gpu.py (bf16, and the engine against the reference generator)."""
 
 from __future__ import annotations
 

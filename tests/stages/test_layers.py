@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from stages.config import TransformerConfig
-from stages.kv_cache import ContiguousKV
 from stages.layers import DecoderStack, LayerKernels, attention_inputs, attention_output_and_mlp
+from stages.talker.contiguous_kv import ContiguousKV
 
 CFG = TransformerConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32)

@@ -15,10 +15,10 @@ import soundfile as sf
 import torch
 
 from stages.contract import SamplingParams, TalkerPrompt
-from stages.kv_cache import ContiguousKV
 from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
 from stages.reference import ReferenceGenerator
+from stages.talker.contiguous_kv import ContiguousKV
 from stages.talker.frame import new_code_predictor_cache, next_talker_input
 from stages.talker.prefill import build_prefill
 from tests.conftest import reference_clip

@@ -1,5 +1,5 @@
 """stages/sampling_kernel.py (token selection as one Triton program per row) on CPU under Triton's interpreter
-(tests/triton_interpreter.py); on CUDA: tests/stages/test_sampling_gpu.py."""
+(tests/triton_interpreter.py); on CUDA: tests/stages/gpu/test_sampling_gpu.py."""
 
 from __future__ import annotations
 

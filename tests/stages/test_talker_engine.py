@@ -95,30 +95,43 @@ def test_engine_equals_reference_with_joins_and_leaves(model, prompts, exact_pre
 
 
 def test_abort_frees_slot_and_leaves_others_undisturbed(model, prompts):
+    """A running request aborted after its first frames ends with finish reason ABORTED; its row and KV are free
+    for a third request while the survivor runs on, unchanged."""
     reference = ReferenceGenerator(model).generate_codes(prompts[0], GREEDY, 30)
     engine = _engine(model, max_num_seqs=2)
     try:
+        async def victim():
+            stream = engine.add_request(SynthesisRequest("victim", prompts[1], GREEDY, 200))
+            frames = 0
+            async for chunk in stream:
+                frames += chunk.num_new
+                if frames >= 5:
+                    engine.abort("victim")
+                    break
+            frames += sum([c.num_new async for c in stream])  # the stream still ends, with its reason
+            return frames, stream.finish_reason
+
         async def main():
-            victim = asyncio.create_task(
-                _collect(engine, SynthesisRequest("victim", prompts[1], GREEDY, 200), abort_after=5))
+            v = asyncio.create_task(victim())
             survivor = asyncio.create_task(_collect(engine, SynthesisRequest("survivor", prompts[0], GREEDY, 30)))
-            v = await victim
+            v = await v
             # the freed slot is reused by a third request while the survivor is still running
             late = await _collect(engine, SynthesisRequest("late", prompts[0], GREEDY, 30))
             return v, await survivor, late
-        (v_codes, v_reason), (s_codes, s_reason), (l_codes, _) = asyncio.run(main())
+        (v_frames, v_reason), (s_codes, s_reason), (l_codes, _) = asyncio.run(main())
         stats = engine.stats()
     finally:
         engine.shutdown()
-    assert v_reason is None or v_reason is FinishReason.ABORTED
-    assert 5 <= len(v_codes) < 200
+    assert v_reason is FinishReason.ABORTED
+    assert 5 <= v_frames < 200
     np.testing.assert_array_equal(s_codes, reference)
     np.testing.assert_array_equal(l_codes, reference)
     assert stats.running == 0 and stats.kv_reserved_tokens == 0
 
 
 def test_seeded_sampling_independent_of_batch(model, prompts):
-    """A seeded request gives the same frames alone and inside a full batch of other requests."""
+    """A seeded request gives the same frames alone and inside a full batch of other requests: the engine's
+    stats show a step that computed all four rows (the crowd's three and it)."""
     engine = _engine(model, max_num_seqs=4)
     try:
         async def alone():
@@ -127,13 +140,16 @@ def test_seeded_sampling_independent_of_batch(model, prompts):
         async def crowded():
             others = [_collect(engine, SynthesisRequest(f"o{i}", prompts[i % 3], SAMPLED, 20 + i, seed=i))
                       for i in range(3)]
-            return (await asyncio.gather(_collect(engine, SynthesisRequest("b", prompts[3], SAMPLED, 25, seed=42),
-                                                  delay=0.01), *others))[0]
+            return (await asyncio.gather(_collect(engine, SynthesisRequest("b", prompts[3], SAMPLED, 25, seed=42)),
+                                         *others))[0]
         a, _ = asyncio.run(alone())
+        assert engine.stats().max_step_batch == 1
         b, _ = asyncio.run(crowded())
+        crowded_batch = engine.stats().max_step_batch
         c, _ = asyncio.run(_collect_once(engine, SynthesisRequest("c", prompts[3], SAMPLED, 25, seed=43)))
     finally:
         engine.shutdown()
+    assert crowded_batch == 4  # b shared its steps with the three others
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c), "a different seed should give different frames"
     # the sampled path really samples: not the greedy output
@@ -203,17 +219,27 @@ def test_too_long_request_is_rejected(model, prompts):
         engine.shutdown()
 
 
-def test_eos_finishes_request(model, prompts):
-    """Without EOS suppression the request ends when codebook 0 is EOS (random weights: forced by max)."""
-    params = SamplingParams(do_sample=False, subtalker_do_sample=False)
-    reference = ReferenceGenerator(model).generate_codes(prompts[0], params, 60)
-    engine = _engine(model, max_num_seqs=1)
+def test_eos_finishes_request(tiny_custom_voice, prompts):
+    """A codec head biased towards EOS: once `min_frames` lets it through, codebook 0 is EOS, and the request ends
+    by EOS after exactly `min_frames` frames, with the reference generator's codes (random weights alone would
+    rarely reach EOS within a test's frames)."""
+    eos_model = Qwen3TTS.load(tiny_custom_voice, dtype="float32", decoder=False)
+    head = eos_model.talker.codec_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[eos_model.talker.config.codec.eos] = 1e4
+    eos_model.talker.codec_head = biased
+    params = SamplingParams(do_sample=False, subtalker_do_sample=False, min_frames=7)
+    reference = ReferenceGenerator(eos_model).generate_codes(prompts[0], params, 60)
+    engine = _engine(eos_model, max_num_seqs=1)
     try:
         codes, reason = asyncio.run(_collect_once(engine, SynthesisRequest("e", prompts[0], params, 60)))
     finally:
         engine.shutdown()
+    assert len(reference) == 7 and reason is FinishReason.EOS
     np.testing.assert_array_equal(codes, reference)
-    assert reason is (FinishReason.EOS if len(reference) < 60 else FinishReason.LENGTH)
 
 
 def test_run_on_device_runs_between_steps_and_propagates_errors(model, prompts):

@@ -105,8 +105,8 @@ def test_paged_kernel_matches_gather_attention(dtype, atol, b, splits, write):
 def test_code_predictor_cache_kernel_matches_sdpa(dtype, atol, rows):
     """The code predictor's contiguous cache with the decode kernel against SDPA, at every length 1..16: the
     two-row causal first step (one kernel call per row) and the one-row steps after it."""
-    from stages.kv_cache import ContiguousKV
     from stages.layers import Attention
+    from stages.talker.contiguous_kv import ContiguousKV
 
     torch.manual_seed(0)
     heads, n_kv, d, layers = 16, 8, 128, 2
@@ -137,8 +137,8 @@ def test_code_predictor_cache_kernel_matches_sdpa(dtype, atol, rows):
 def test_graphed_engine_equals_reference_on_cuda(cuda_model, prompts, exact_prefill, kernel):
     """fp32, decode graphs (and prefill graphs when staged), padding rows in the scratch row: same greedy codes
     as the reference generator."""
-    engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=False,
-                                                         exact_prefill=exact_prefill, attention_kernel=kernel))
+    engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=False, kernels={
+        "exact_prefill": exact_prefill, "attention_kernel": kernel}))
     engine.start(log=lambda _m: None)
     try:
         assert engine.runner.graphs and engine.runner.prefill_graphs and engine.runner.use_kernel is kernel
@@ -161,9 +161,8 @@ def test_compiled_engine_with_gemv_rows_equals_reference_on_cuda(cuda_model, pro
     norm and RoPE in the attention kernel, token selection as one kernel and a few rows' keys split over more
     programs: the same greedy codes as the reference generator, requests joining and leaving so that steps of 1,
     2 and more rows all run."""
-    engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=True, gemv_rows=4,
-                                                         heads_in_attention=fused, sampling_kernel=fused,
-                                                         pdl=fused, attention_splits=fused))
+    engine = TalkerEngine(cuda_model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=8, compile=True, pdl=fused, kernels={
+        "gemv_rows": 4, "heads_in_attention": fused, "sampling_kernel": fused, "attention_splits": fused}))
     engine.start(log=lambda _m: None)
     try:
         assert engine.runner.gemv_rows == 4 and engine.runner.graphs
@@ -240,8 +239,8 @@ def test_compiled_layer_kernels_match_eager_on_prompt_shapes(tiny_custom_voice, 
     single row, one for every batch and width above it) against its eager layers, at prompt shapes; with
     `fused`, q/k/v and gate/up as one product each (what the engine runs). The error is stated relative to the
     largest hidden value."""
-    from stages.kv_cache import ContiguousKV
     from stages.layers import LayerKernels
+    from stages.talker.contiguous_kv import ContiguousKV
 
     torch._dynamo.reset()  # each parametrization compiles anew (Dynamo's recompile limit counts across them)
     model = Qwen3TTS.load(tiny_custom_voice, device="cuda", dtype=dtype, decoder=False)
