@@ -1,3 +1,4 @@
+
 """One codec frame's code-predictor loop with every opt-in kernel path at once, on CPU under Triton's interpreter
 (tests/triton_interpreter.py, tests/interpreted/frame.py): the GEMVs with the final norm + head fused
 (stages/gemv_kernels.py), the later passes' inputs looked up in the projected embedding tables, q/k's head norm +
@@ -7,7 +8,11 @@ interpreter's GEMV for its head runs 8x faster."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.triton_interpreter import run_interpreted
+
+pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: minutes on 2 cores
 
 PASSES, LAYERS = 15, 2  # the code predictor's passes per frame; the tiny model's code-predictor layers
 

@@ -14,6 +14,8 @@ from stages.talker.contiguous_kv import ContiguousKV
 from tests.kernel_reference import pytorch_gemv
 from tests.triton_interpreter import run_interpreted
 
+pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: minutes on 2 cores
+
 
 def test_gemv_kernels_compute_what_pytorch_does():
     """fp32 under the interpreter: every flag set (norm prologue, SwiGLU and residual epilogues) over 1-8 rows and

@@ -1,10 +1,15 @@
+
 """q/k's head norm and RoPE inside the decode attention kernel (`HeadNorm`, stages/talker/paged_attention.py;
 `heads_in_attention` in stages/layers.py), checked on CPU under Triton's interpreter (tests/triton_interpreter.py).
 On CUDA: tests/stages/gpu/test_talker_engine_gpu.py (bf16, and the engine against the reference generator)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.triton_interpreter import run_interpreted
+
+pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: minutes on 2 cores
 
 
 def test_decode_kernel_applies_head_norm_and_rope_as_the_eager_layers_do():

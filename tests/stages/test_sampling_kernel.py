@@ -1,9 +1,14 @@
+
 """stages/sampling_kernel.py (token selection as one Triton program per row) on CPU under Triton's interpreter
 (tests/triton_interpreter.py); on CUDA: tests/stages/gpu/test_sampling_gpu.py."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.triton_interpreter import run_interpreted
+
+pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: minutes on 2 cores
 
 
 def test_sampling_kernel_draws_what_select_tokens_draws():

@@ -1,3 +1,4 @@
+
 """The decode path's Triton kernels compile for the H100 (sm_90), in every variant the engine launches, without
 register spills and with vectorized loads: Triton's compiler and ptxas run on CPU in the Triton venv
 (tests/triton_interpreter.py, tests/interpreted/compile_sm90.py). What they compute is checked by the
@@ -5,7 +6,11 @@ interpreter tests beside this one."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.triton_interpreter import run_interpreted
+
+pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: minutes on 2 cores
 
 
 def test_decode_kernels_compile_for_sm90_without_spills():
