@@ -12,19 +12,20 @@ import json
 import interpreter_fixes  # noqa: F401  (first: before any kernel runs)
 import torch
 
-from stages import gemv_kernels, kv_cache, sampling_kernel
+from stages import gemv_kernels, sampling_kernel
 from stages.config import ModelConfig
 from stages.contract import NUM_CODEBOOKS, SamplingParams
 from stages.layers import LayerKernels, attention_inputs, attention_output_and_mlp
 from stages.random_checkpoint import main_config
 from stages.sampling import SamplingRows, select_tokens
+from stages.talker import contiguous_kv
 from stages.talker.frame import new_code_predictor_cache, predict_frame_codes
 from stages.talker.model import Talker
 from stages.talker.paged_attention import HeadNorm
 
 
 def main() -> dict:
-    kv_cache.kernel_available = lambda _device: True  # the code predictor's decode kernel on CPU (interpreted)
+    contiguous_kv.kernel_available = lambda _device: True  # the code predictor's decode kernel on CPU (interpreted)
     calls = []  # which kernels ran: every GEMV and every attention call that applied a HeadNorm
     gemv, head_norm_args = gemv_kernels.gemv, HeadNorm.args
     gemv_kernels.gemv = lambda *a, **kw: calls.append("gemv") or gemv(*a, **kw)

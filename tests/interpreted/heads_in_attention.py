@@ -10,9 +10,9 @@ import json
 import interpreter_fixes  # noqa: F401  (first: before any kernel runs)
 import torch
 
-from stages import kv_cache
 from stages.config import TransformerConfig
 from stages.layers import LayerKernels, Rotary, attention_inputs, attention_output_and_mlp, heads_norm_rope
+from stages.talker import contiguous_kv
 from stages.talker.paged_attention import HeadNorm, contiguous_decode_attention, paged_decode_attention
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from tests.kernel_reference import forwards, random_stack
@@ -92,7 +92,7 @@ def stacks() -> dict:
     then decode steps; with and without split keys), with heads_in_attention, with and without the GEMVs, against
     eager layers; and how many
     kernel calls applied a HeadNorm (the path was taken, not the compiled heads before the kernel)."""
-    kv_cache.kernel_available = lambda _device: True  # the decode kernel on CPU tensors (interpreted)
+    contiguous_kv.kernel_available = lambda _device: True  # the decode kernel on CPU tensors (interpreted)
     calls = []
     head_norm_args = HeadNorm.args
     HeadNorm.args = lambda self: calls.append(1) or head_norm_args(self)
@@ -107,7 +107,7 @@ def stacks() -> dict:
         calls.clear()
         for name, k in (("eager", None), ("fused", kernels)):
             stack.kernels = k
-            outs[name] = forwards(stack, x, widths, kv_cache.ContiguousKV(
+            outs[name] = forwards(stack, x, widths, contiguous_kv.ContiguousKV(
                 CFG.num_hidden_layers, b, N_KV, D, 16, torch.float32, "cpu", decode_kernel=name == "fused"))
         result[f"contiguous_gemv{gemv_rows}"] = (outs["fused"] - outs["eager"]).abs().max().item()
         result[f"contiguous_gemv{gemv_rows}_head_norm_calls"] = len(calls)
