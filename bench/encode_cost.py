@@ -1,4 +1,4 @@
-"""CPU cost of streaming each response_format (deployments/stream_encoders.py), per second of audio.
+"""CPU cost of streaming each response_format (deployments/audio/encoders.py), per second of audio.
 
 espeak-ng speech at 24 kHz, pushed in the serving chunk schedule (2, 4, 8, 16, then 25 frames), timed with
 process CPU time over several runs (best of 3).
@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 
 from bench.time_stretch_compare import SR, TEXT, chunked, espeak
-from deployments.audio_formats import FORMATS
-from deployments.stream_encoders import open_stream_encoder
+from deployments.audio.encoders import open_stream_encoder
+from deployments.audio.formats import FORMATS
 
 
 def cost_ms_per_s(fmt: str, pcm, speed: float, runs: int = 3) -> float:

@@ -1,5 +1,5 @@
 """Where a first chunk's decode goes, kernel by kernel: the codec decoder as the Talker's first-chunk decoder runs it
-(deployments/first_chunk_decoder.py: stateless, CUDA graphs for batches 1, 2, 4, 8 of the first chunk and of chunk
+(deployments/talker/first_chunk_decoder.py: stateless, CUDA graphs for batches 1, 2, 4, 8 of the first chunk and of chunk
 1 over it), a random full-size decoder in bf16. Per shape: the graph's replay, `Code2WavEngine.decode` end to end
 (host staging, replay, copy back), and the eager forward under the torch profiler, its kernels grouped by name and
 by the decoder stage that launched them.
@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.code2wav import build_decoder
 from bench.gpu_timing import kernel_groups, timed
-from deployments.first_chunk_decoder import engine_config
+from deployments.talker.first_chunk_decoder import engine_config
 from stages.chunking import ChunkSchedule
 from stages.code2wav.engine import Code2WavEngine
 from stages.contract import CodecChunk

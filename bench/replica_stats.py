@@ -3,7 +3,7 @@
 A scale-out run compares N GPUs with one: when each GPU carries less than one GPU alone, this says where, per
 replica: the Talker's step (engine thread, blocked on the device, the device's own time), its mean batch (are the
 streams spread evenly?), and each Code2Wav's chunks continued from their stream's state against decoded fresh
-(stream affinity: deployments/stream_affinity.py). The figures are per step or per chunk, so a run whose levels
+(stream affinity: deployments/ingress/placement.py). The figures are per step or per chunk, so a run whose levels
 put the same streams on each GPU compares directly with the one-GPU run (`bench/gpu_serving_path.sh`'s stats).
 
     python -m bench.replica_stats --out stats.json

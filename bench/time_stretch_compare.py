@@ -1,4 +1,4 @@
-"""`speed`: FFmpeg's atempo (deployments/tempo.py) vs the hand-written phase vocoder, on real speech.
+"""`speed`: FFmpeg's atempo (deployments/audio/tempo.py) vs the hand-written phase vocoder, on real speech.
 
 The clip is espeak-ng speech (apt-get install espeak-ng) resampled to 24 kHz. For each speed and method:
   len err     output length - round(n / speed), samples
@@ -34,8 +34,8 @@ import numpy as np
 import soundfile as sf
 import soxr
 
-from deployments.audio_formats import float_to_pcm16, pcm16_to_float
-from deployments.tempo import Tempo
+from deployments.audio.formats import float_to_pcm16, pcm16_to_float
+from deployments.audio.tempo import Tempo
 
 SR = 24000
 SPEEDS = (0.5, 0.75, 1.25, 1.5, 2.0, 4.0)
@@ -65,7 +65,7 @@ def chunked(pcm: np.ndarray) -> list[np.ndarray]:
 
 
 # ---------------------------------------------------------------- the methods
-def time_stretch(  # deployments/audio_formats.py until atempo replaced it
+def time_stretch(  # deployments/audio/formats.py until atempo replaced it
 pcm: np.ndarray, speed: float, n_fft: int = 768, hop: int = 192) -> np.ndarray:
     """Pitch-preserving tempo change by `speed` (2.0 = twice as fast): a phase vocoder, int16 in and out.
 

@@ -17,8 +17,8 @@ from ray import serve
 from ray.serve import Application
 
 from deployments import constants as C
-from deployments.code2wav import DEFAULT_ENGINE_CLS as CODE2WAV_ENGINE
-from deployments.code2wav import Code2WavServer
+from deployments.code2wav.server import DEFAULT_ENGINE_CLS as CODE2WAV_ENGINE
+from deployments.code2wav.server import Code2WavServer
 from deployments.config import (
     CheckpointSource,
     Code2WavDeploymentConfig,
@@ -26,11 +26,11 @@ from deployments.config import (
     TalkerDeploymentConfig,
     TTSServingArgs,
 )
-from deployments.http_guard import BodyLimits
 from deployments.ingress import TTSIngress, make_fastapi_app, make_fastapi_ingress
+from deployments.ingress.http_guard import BodyLimits
 from deployments.loading import engine_config
-from deployments.talker import DEFAULT_ENGINE_CLS as TALKER_ENGINE
-from deployments.talker import TalkerServer
+from deployments.talker.server import DEFAULT_ENGINE_CLS as TALKER_ENGINE
+from deployments.talker.server import TalkerServer
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,7 +73,7 @@ def talker_deployment_options(config: TalkerDeploymentConfig) -> dict[str, Any]:
 
 def code2wav_deployment_options(config: Code2WavDeploymentConfig, stream_affinity: bool = False) -> dict[str, Any]:
     """`stream_affinity`: Code2Wav routes by `StreamAffinityRouter` (a call naming the replica that holds its streams'
-    state goes there: deployments/stream_affinity.py); without it, by Serve's own router."""
+    state goes there: deployments/ingress/placement.py); without it, by Serve's own router."""
     defaults = {
         "name": C.CODE2WAV_DEPLOYMENT_NAME,
         "max_ongoing_requests": config.max_batch_size * C.CODE2WAV_ONGOING_PER_BATCH_SLOT,

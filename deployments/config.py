@@ -70,11 +70,6 @@ class _RuntimeOptions(_DeploymentOptions):
     engine_cls: str | None = Field(None, description="import path 'module:Class' of the engine (tests inject fakes)")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="fields of the engine's config dataclass")
     cpu_threads: int | None = Field(None, ge=1, description="torch.set_num_threads in the replica")
-    gil_switch_interval_ms: float | None = Field(
-        None, gt=0, le=100,
-        description="sys.setswitchinterval in the replica (Python's default: 5 ms): how long a thread that wants "
-        "the GIL waits for the one holding it (the engine's thread vs Serve's event loop)",
-    )
     gpu_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="torch.cuda.set_per_process_memory_fraction: Ray does not isolate GPU memory"
     )
@@ -100,7 +95,7 @@ class TalkerDeploymentConfig(_RuntimeOptions):
     default_max_new_tokens: int = Field(C.DEFAULT_MAX_NEW_TOKENS, ge=1, description="frames when a request sets none")
     first_chunk_decode_max_running: int = Field(0, ge=0, description=(
         "the Talker decodes a stream's first chunk itself (in its own CUDA context, sent back with the codes) "
-        "while at most this many requests run in its engine; 0 = never (deployments/first_chunk_decoder.py)"))
+        "while at most this many requests run in its engine; 0 = never (deployments/talker/first_chunk_decoder.py)"))
     first_chunk_decode_count_pending: bool = Field(False, description=(
         "the first-chunk gate counts the Talker's pending first-chunk decodes as running requests: arrivals one by one "
         "are decoded there, a burst's first chunks beyond the limit go to Code2Wav"))
@@ -110,9 +105,6 @@ class TalkerDeploymentConfig(_RuntimeOptions):
         "where the Talker's engine compiles (`engine_kwargs.compile`, CUDA), its first-chunk decoder compiles the "
         "codec's dequantizer and pre-transformer too: first audio ~1-2 ms sooner at one stream on an H100, a first "
         "start ~15 s longer, a start from the compile cache no longer (docs/serving.md)"))
-    first_chunk_decode_fill_ms: float = Field(0.0, ge=0, le=100, description=(
-        "a batch of the Talker's first-chunk decodes waits up to this long for more while they arrive often enough "
-        "for one more within the wait (fewer decoder forwards beside the engine's steps; 0 = never waits)"))
 
     @field_validator("aliases")
     @classmethod
@@ -157,9 +149,6 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
         "a batch of fewer chunks waits up to batch_fill_wait_ms for more, unless it holds a stream's first two "
         "chunks (their listener waits): fewer, larger decodes under load; 0 = a batch never waits"))
     batch_fill_wait_ms: float = Field(4.0, ge=0, description="the longest a batch waits to fill (batch_fill_chunks)")
-    batch_fill_final_waits: bool = Field(True, description=(
-        "a batch holding a stream's last chunk may wait to fill too; False: it leaves at once (the request ends "
-        "with that chunk: its wait adds to the end-to-end time, and a closed-loop client's next request waits)"))
     batch_fill_idle_wait_ms: float = Field(0.0, ge=0, description=(
         "while the decoder was busy less than half of the last second, a batch of later chunks waits up to this "
         "long instead of batch_fill_wait_ms, and one holding a stream's last chunk leaves at once: an idle "
@@ -192,22 +181,12 @@ class StreamingConfig(BaseConfig):
     ramp: list[int] | None = Field(None, description="explicit sizes of chunks 1, 2, ... (then steady)")
     ref_context_frames: int | None = Field(None, ge=0, description="reference frames (Base ICL) as chunk 0 context")
     max_pending_decodes: int = Field(C.DEFAULT_MAX_PENDING_DECODES, ge=1, description="decodes in flight per stream")
-    urgent_chunks: int = Field(C.DEFAULT_URGENT_CHUNKS, ge=0, description=(
-        "a stream's first chunks decoded ahead of the others (sent at once, decoded before the batch waiting "
-        "with them): its listener waits for them with little or no audio buffered; 0 = none"))
-
-    @property
-    def waited_for_chunks(self) -> int:
-        """A stream's first chunks that its listener waits for: the first, the second (it must follow within the
-        first's audio) and the urgent ones. Code2Wav's batch never waits to fill with them, and stream affinity
-        never holds them back."""
-        return max(2, self.urgent_chunks)
 
     def schedule(self):
         """-> stages.chunking.ChunkSchedule (raises ValueError on an inconsistent schedule)."""
         from stages.chunking import ChunkSchedule
 
-        fields = self.model_dump(exclude={"max_pending_decodes", "urgent_chunks"}, exclude_none=True)
+        fields = self.model_dump(exclude={"max_pending_decodes"}, exclude_none=True)
         if "ramp" in fields:
             fields["ramp"] = tuple(fields["ramp"])
         return ChunkSchedule(**fields)
@@ -222,19 +201,14 @@ class BackpressureSettings(BaseConfig):
 
 
 class DecodeBatchSettings(BaseConfig):
-    """How an ingress replica sends its streams' chunks to Code2Wav (deployments/decode_batcher.py)."""
+    """How an ingress replica sends its streams' chunks to Code2Wav (deployments/ingress/decode_batcher.py)."""
 
     max_chunks: int = Field(C.DEFAULT_DECODE_BATCH_MAX_CHUNKS, ge=1, description="chunks in one decode call at most")
     max_calls_in_flight: int = Field(C.DEFAULT_DECODE_CALLS_IN_FLIGHT, ge=1,
                                      description="decode calls of this replica in flight; more chunks wait and join")
     stream_affinity: Literal["auto", "on", "off"] = Field("auto", description=(
-        "keep each stream's chunks on the Code2Wav replica holding its decoder state (deployments/stream_affinity.py);"
+        "keep each stream's chunks on the Code2Wav replica holding its decoder state (deployments/ingress/placement.py);"
         " only a stateful Code2Wav has one; auto: on where it may run several replicas; off: Serve's own routing"))
-    place_new_streams: Literal["by_load", "fewest_streams"] = Field("by_load", description=(
-        "with stream affinity, where a stream's state starts: by_load, where its first chunks land (the first two"
-        " may land on two replicas); fewest_streams, the replica holding the fewest of this ingress replica's"
-        " streams, named from the first chunk on (every 8th new stream still by load: it finds replicas no call"
-        " reached); on one H200 with two replicas it lost 1-5% of throughput (docs/benchmarks.md)"))
 
     @field_validator("stream_affinity", mode="before")
     @classmethod
@@ -320,7 +294,7 @@ class TTSServingArgs(BaseConfig):
     @property
     def stream_affinity(self) -> bool:
         """Whether the ingress keeps each stream on the Code2Wav replica holding its state (and Code2Wav routes by
-        `deployments.stream_affinity.StreamAffinityRouter`): a stateful Code2Wav, `on`, or `auto` where it may run
+        `deployments.ingress.placement.StreamAffinityRouter`): a stateful Code2Wav, `on`, or `auto` where it may run
         several replicas (with one, every call reaches the state anyway)."""
         choice = self.ingress.decode_batch.stream_affinity
         several = self.code2wav.may_run_several_replicas()

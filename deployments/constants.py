@@ -35,7 +35,7 @@ PYCACHE_DIR = os.environ.get("QWEN3_TTS_PYCACHE_DIR", str(COMPILE_CACHE_DIR / "p
 INGRESS_DEPLOYMENT_NAME = "TTSIngress"
 TALKER_DEPLOYMENT_PREFIX = "Talker:"
 CODE2WAV_DEPLOYMENT_NAME = "Code2Wav"
-CODE2WAV_REQUEST_ROUTER = "deployments.stream_affinity:StreamAffinityRouter"  # Code2Wav's (stream affinity)
+CODE2WAV_REQUEST_ROUTER = "deployments.code2wav.router:StreamAffinityRouter"  # Code2Wav's (stream affinity)
 
 # Talker: engine slots and Serve admission
 DEFAULT_TALKER_MAX_NUM_SEQS = _env_int("QWEN3_TTS_TALKER_MAX_NUM_SEQS", 32)
@@ -85,16 +85,15 @@ INLINE_VOICE_CACHE_SIZE = _env_int("QWEN3_TTS_INLINE_VOICE_CACHE_SIZE", 64)
 REF_AUDIO_FETCH_TIMEOUT_S = _env_float("QWEN3_TTS_REF_AUDIO_FETCH_TIMEOUT_S", 10.0)
 READY_PROBE_TIMEOUT_S = _env_float("QWEN3_TTS_READY_PROBE_TIMEOUT_S", 2.0)
 
-# an ingress replica's decode calls to Code2Wav: chunks per call, calls in flight (deployments/decode_batcher.py)
+# an ingress replica's decode calls to Code2Wav: chunks per call, calls in flight (deployments/ingress/decode_batcher.py)
 DEFAULT_DECODE_BATCH_MAX_CHUNKS = _env_int("QWEN3_TTS_DECODE_BATCH_MAX_CHUNKS", 64)
 DEFAULT_DECODE_CALLS_IN_FLIGHT = _env_int("QWEN3_TTS_DECODE_CALLS_IN_FLIGHT", 4)
 
 # decoded chunks in flight per stream: decodes overlap generation, audio still leaves in order
 DEFAULT_MAX_PENDING_DECODES = _env_int("QWEN3_TTS_MAX_PENDING_DECODES", 4)
-# a stream's first chunks decoded ahead of the others: off by default. Measured on an H100 (docs/benchmarks.md,
-# "First audio hop by hop"): 2 or 5 cut first audio under load but cost continuity at c=256 (57% / 86% gap-free
-# against 93%): the later chunks wait longer behind them while playback started sooner
-DEFAULT_URGENT_CHUNKS = _env_int("QWEN3_TTS_URGENT_CHUNKS", 0)
+# a stream's first chunks that its listener waits for: the first, and the second (it must follow within the
+# first's audio). Code2Wav's batch never waits to fill with them, and stream affinity never holds them back.
+WAITED_FOR_CHUNKS = 2
 
 # how often replicas refresh their queue/KV gauges
 METRICS_REFRESH_INTERVAL_S = _env_float("QWEN3_TTS_METRICS_REFRESH_INTERVAL_S", 2.0)

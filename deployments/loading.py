@@ -144,16 +144,10 @@ def keep_bytecode(probe: str = "torch", pycache_dir: str = C.PYCACHE_DIR) -> str
 
 
 def configure_torch(options: _RuntimeOptions, device: str) -> None:
-    """Per-process settings: CPU threads, a GPU memory cap (fractional GPUs share memory), Triton's cache, and
-    the GIL's switch interval."""
-    import sys
-
+    """Per-process settings: CPU threads, a GPU memory cap (fractional GPUs share memory) and Triton's cache."""
     import torch
 
     keep_triton_kernels()
-    if options.gil_switch_interval_ms is not None:
-        sys.setswitchinterval(options.gil_switch_interval_ms / 1000)
-
     if options.cpu_threads is not None:
         torch.set_num_threads(options.cpu_threads)
     if options.gpu_memory_fraction is not None and device.startswith("cuda"):

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from stages.config import GenerationDefaults, ModelConfig
     from stages.prompts import TextTokenizer
 
+# decode_many's keyword argument that names the replica holding the chunks' streams (stream affinity: the ingress's
+# StreamPlacement sets it, Code2Wav's StreamAffinityRouter reads it)
+TARGET_KWARG = "replica"
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -73,7 +77,7 @@ class DecodedChunk:
 
 
 def talker_decoded(chunk: CodecChunk) -> DecodedChunk | None:
-    """The answer for a chunk the Talker decoded itself (it carries `pcm`: deployments/first_chunk_decoder.py);
+    """The answer for a chunk the Talker decoded itself (it carries `pcm`: deployments/talker/first_chunk_decoder.py);
     None for a chunk Code2Wav must decode."""
     if chunk.pcm is None:
         return None

@@ -226,7 +226,7 @@ def test_an_overload_names_its_limit_to_the_ingress_logs_and_metrics_not_to_the_
 
     from deployments.config import BackpressureSettings
     from deployments.errors import OVERLOAD_LIMITS, APIError
-    from deployments.http_guard import OpenWork
+    from deployments.ingress.http_guard import OpenWork
     from deployments.ingress.outcomes import Outcomes
     from stages.contract import EngineOverloadedError
 

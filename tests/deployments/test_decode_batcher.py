@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from deployments.decode_batcher import DecodeBatcher
+from deployments.ingress.decode_batcher import DecodeBatcher
 from tests.fake_response import FakeResponse
 
 

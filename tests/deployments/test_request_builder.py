@@ -7,10 +7,10 @@ import pytest
 
 from deployments.config import TTSServingArgs
 from deployments.errors import APIError
+from deployments.ingress.request_builder import build_request, check_limits, choose_voice, infer_model, resolve_model_name
+from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.voice_store import VoiceRecord
 from deployments.messages import ModelInfo
-from deployments.request_builder import build_request, check_limits, choose_voice, infer_model, resolve_model_name
-from deployments.schemas import SpeechRequest
-from deployments.voices import VoiceRecord
 from stages.contract import TaskType, VoiceClonePrompt
 from tests.conftest import tiny_model_info
 

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from deployments.code2wav import Code2WavServer
+from deployments.code2wav.server import Code2WavServer
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig, TalkerDeploymentConfig
 from deployments.messages import GenerateOptions
 from stages.contract import SAMPLES_PER_FRAME, FinishReason, SamplingParams, SynthesisRequest
@@ -34,7 +34,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def talker(loop, tiny_custom_voice):
-    from deployments.talker import TalkerServer
+    from deployments.talker.server import TalkerServer
 
     config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
                           engine_kwargs={"max_num_seqs": 4, "max_seq_len": 64})
@@ -55,7 +55,7 @@ def code2wav(loop, tiny_custom_voice):
 @pytest.fixture(scope="module")
 def decoding_talker(loop, tiny_custom_voice):
     """A Talker that decodes first chunks itself while at most one request runs."""
-    from deployments.talker import TalkerServer
+    from deployments.talker.server import TalkerServer
 
     config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
                                     engine_kwargs={"max_num_seqs": 4, "max_seq_len": 64},
@@ -319,7 +319,7 @@ def test_first_chunk_decodes_wait_to_batch_only_when_set_and_arriving_often(loop
 
 def test_chunks_the_talker_decodes_continue_exactly_into_code2wavs(loop, decoding_talker, talker, code2wav):
     """Talker-decoded chunks 0 and 1 + Code2Wav's decode of the rest == Code2Wav decoding the whole stream."""
-    from deployments.decode_batcher import DecodeBatcher
+    from deployments.ingress.decode_batcher import DecodeBatcher
 
     before = decoding_talker._first_decoder.decoded  # (its start-up warm-up request decoded one)
     stats_before = loop.run_until_complete(decoding_talker.engine_stats())["first_chunk_decoder"]
@@ -403,7 +403,7 @@ def test_pending_first_chunk_decodes_count_as_running_requests_when_asked(loop, 
 def test_first_chunk_decodes_waiting_together_split_into_forwards_of_max_batch(loop, decoding_talker):
     """`first_chunk_decode_max_batch`: three first chunks waiting together with a batch of 2 take two forwards, each
     chunk's PCM the same as decoded alone (+-1 LSB from batch composition)."""
-    from deployments.first_chunk_decoder import FirstChunkDecoder
+    from deployments.talker.first_chunk_decoder import FirstChunkDecoder
 
     chunks = loop.run_until_complete(_collect(decoding_talker.generate(_request(decoding_talker, 5, rid="mb"))))
     first = dataclasses.replace(chunks[0], pcm=None)
@@ -430,7 +430,7 @@ def test_the_first_chunk_decoder_compiles_where_the_talkers_engine_does(loop, ti
     """`first_chunk_decode_compile` (on by default) with `engine_kwargs.compile`: the Talker's first-chunk decoder is
     built compiled too, with the engine's compile cache directory (CUDA only: on CPU both stay eager, so the decoder
     reports not compiled); with the option off it is not."""
-    from deployments.talker import TalkerServer
+    from deployments.talker.server import TalkerServer
 
     config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1, warmup=False,
                                     engine_kwargs={"max_num_seqs": 2, "max_seq_len": 64, "compile": True,
@@ -525,7 +525,7 @@ def test_code2wav_health_fails_when_pending_chunks_see_no_decode(loop):
 
 
 def test_talker_health_sees_an_engine_that_stopped_stepping(loop, tiny_custom_voice):
-    from deployments.talker import TalkerServer
+    from deployments.talker.server import TalkerServer
 
     config = TalkerDeploymentConfig(name="fake", model=str(tiny_custom_voice), device="cpu", warmup=False,
                           engine_cls="tests.fake_engine:FakeTalkerEngine",

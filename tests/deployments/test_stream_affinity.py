@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from deployments.config import TTSServingArgs
-from deployments.decode_batcher import DecodeBatcher
+from deployments.ingress.decode_batcher import DecodeBatcher
+from deployments.ingress.placement import Placement, StreamAffinityRouter, StreamPlacement
 from deployments.messages import DecodedChunk
-from deployments.stream_affinity import Placement, StreamAffinityRouter, StreamPlacement
 from stages.contract import CodecChunk
 from tests.fake_response import FakeResponse
 

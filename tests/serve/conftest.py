@@ -102,7 +102,7 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
 
     return {
         "models": [
-            # cv's Talker decodes first chunks itself (deployments/first_chunk_decoder.py) while <= 8 requests run
+            # cv's Talker decodes first chunks itself (deployments/talker/first_chunk_decoder.py) while <= 8 requests run
             model("cv", tiny_custom_voice, 20, aliases=["tts-1"], first_chunk_decode_max_running=8),
             model("base", tiny_base, 4),
             # one slot, one queued request: the admission tests fill it

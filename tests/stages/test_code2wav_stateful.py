@@ -246,7 +246,7 @@ def test_the_first_chunk_decoder_and_code2wav_keep_their_compiled_work_apart(dec
     one compile cache file between them made each start replace the other's Dynamo work and trace again (an H100,
     2026-11-25: Code2Wav 2 traces and the first-chunk decoder 1 on every start from the cache). The same engine
     config finds its own file again (a restart)."""
-    from deployments.first_chunk_decoder import engine_config
+    from deployments.talker.first_chunk_decoder import engine_config
     from stages.code2wav import compiled
 
     monkeypatch.setattr(compiled, "enable", lambda _decoder: True)  # CPU: compiled.enable compiles nothing

@@ -23,11 +23,11 @@ import numpy as np
 from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
-from deployments.first_chunk_decoder import FirstChunkDecoder
 from deployments.gc_pauses import GcPauses
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import GenerateOptions, ModelInfo
 from deployments.metrics import TalkerMetrics
+from deployments.talker.first_chunk_decoder import FirstChunkDecoder
 from stages.chunking import ChunkSchedule
 from stages.contract import (
     CodecChunk,
@@ -138,7 +138,7 @@ class TalkerServer:
         """`generate` for a request whose text arrives while it runs (a WebSocket context).
 
         `request.prompt` has no text (`stages.prompts.build_live_prompt`); the text comes from `mailbox` (the
-        calling ingress replica's `TextMailbox`, deployments/text_mailbox.py), where the ingress puts the
+        calling ingress replica's `TextMailbox`, deployments/ingress/text_mailbox.py), where the ingress puts the
         context's append/flush/end events; a task here takes them as they arrive and hands them to the engine,
         which waits for text without stepping the request. Cancelling ends it as for `generate`.
         """
@@ -185,7 +185,7 @@ class TalkerServer:
 
     async def _early_chunk(self, chunk: CodecChunk, started: float, first: CodecChunk | None) -> CodecChunk:
         """A stream's chunk 0 or 1 as it leaves: with its PCM when this replica decodes it (lightly loaded:
-        deployments/first_chunk_decoder.py); the first also with this replica's times (Server-Timing)."""
+        deployments/talker/first_chunk_decoder.py); the first also with this replica's times (Server-Timing)."""
         cut, decoder, pcm = first_audio_timing.now(), self._first_decoder, None
         if decoder is not None and decoder.takes(chunk, self._engine.stats().running, first):
             pcm = await decoder.decode(chunk)

@@ -23,7 +23,7 @@ from ray import ObjectRef
 
 from deployments import constants as C
 from deployments import first_audio_timing
-from deployments.audio_formats import float_to_pcm16
+from deployments.audio.formats import float_to_pcm16
 from deployments.coalescing import Coalescer
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
 from deployments.gc_pauses import GcPauses
@@ -65,7 +65,7 @@ class Code2WavServer:
         self._gc = GcPauses()  # the collector's pauses stop the decoder's thread too (engine_stats reports them)
         # calls waiting for the decoder thread (each a list of chunks), decoded together. Calls holding only
         # streams' first chunks (an ingress sends those at once, in calls of their own:
-        # deployments/decode_batcher.py) go first, in a batch of their own: their listeners wait with little or
+        # deployments/ingress/decode_batcher.py) go first, in a batch of their own: their listeners wait with little or
         # no audio buffered, and in the batch of every waiting chunk a first chunk took as long as the whole
         # batch (H100, c=256: 87 ms at the median)
         self._batches: Coalescer[list[CodecChunk], tuple[list[np.ndarray], tuple[float, float]]] = Coalescer(
@@ -125,7 +125,7 @@ class Code2WavServer:
         `chunks` are CodecChunks or ObjectRefs to them (the Talker's stream items, forwarded unread by
         the ingress's DecodeBatcher). A chunk that cannot be used (malformed, or its ref holds the
         Talker's error) gets its exception in its place; the others are decoded. `replica`: the replica the
-        caller named for these chunks' streams (deployments/stream_affinity.py: Code2Wav's request router reads
+        caller named for these chunks' streams (deployments/ingress/placement.py: Code2Wav's request router reads
         it); a stateful replica's answers name itself, where their streams' state now is.
         """
         n = len(chunks)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from deployments import constants as C
 from deployments.config import IngressConfig, TTSServingArgs
 from deployments.errors import APIError, bad_request, shown
+from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.voice_store import VoiceRecord
 from deployments.messages import GenerateOptions, ModelInfo
-from deployments.schemas import SpeechRequest
-from deployments.voices import VoiceRecord
 from stages.contract import InvalidRequestError, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
 from stages.prompts import build_live_prompt, build_prompt
 from stages.talker.layout import prefill_length
