@@ -90,7 +90,10 @@ def ingress_deployment_options(args: TTSServingArgs) -> dict[str, Any]:
     """The ingress drains longer than any Talker (Serve's default, 20 s, is far shorter than a Talker's): when
     the app is deleted or redeployed, every deployment stops at once, and an ingress killed first would cut its
     clients' streams off while the Talkers still drain them (a stream that could have finished is lost; an SSE
-    client gets no error event). Outliving the Talkers, it ends each stream as its Talker ends it."""
+    client gets no error event). Outliving the Talkers, it ends each stream as its Talker ends it.
+
+    The ingress autoscales from `INGRESS_AUTOSCALING` (several replicas from the first request: one event loop does
+    not carry hundreds of streams, docs/serving.md) unless the config sets `num_replicas` (a CPU config: 1)."""
     backpressure = args.ingress.backpressure
     talker_drain_s = max(talker_deployment_options(m)["graceful_shutdown_timeout_s"] for m in args.models)
     defaults = {
@@ -101,6 +104,8 @@ def ingress_deployment_options(args: TTSServingArgs) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": talker_drain_s + C.INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S,
         "ray_actor_options": {"num_cpus": 1},
     }
+    if "num_replicas" not in args.ingress.deployment_config:
+        defaults["autoscaling_config"] = dict(C.INGRESS_AUTOSCALING)
     options = deep_merge(defaults, args.ingress.deployment_config)
     if options["graceful_shutdown_timeout_s"] <= talker_drain_s:
         logger.warning(f"{options['name']}: graceful_shutdown_timeout_s {options['graceful_shutdown_timeout_s']} "

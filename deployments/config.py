@@ -3,6 +3,9 @@
 Pydantic, `extra="forbid"` everywhere (a typo fails at `serve run`, not at the first request). Engine
 knobs travel as `engine_kwargs` into the stages' frozen dataclasses; Serve options travel as
 `deployment_config` (the keyword arguments of `serve.deployment`), merged over the builder's defaults.
+
+The defaults are the fastest measured configuration on a GPU (docs/serving.md): a config that names only the
+model, device, dtype and GPU fraction gets it. CPU configs set the smaller sizes they need.
 """
 
 from __future__ import annotations
@@ -16,15 +19,25 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments import constants as C
+from stages.code2wav.engine_config import Code2WavEngineConfig
+from stages.talker.engine_config import TalkerEngineConfig
 
 ModelKind = Literal["custom_voice", "base", "voice_design"]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$"
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")  # stages.checkpoint.parse_dtype's
 
 
 def _serve_deployment_options() -> frozenset[str]:
     from ray import serve
 
     return frozenset(inspect.signature(serve.deployment).parameters) - {"_func_or_class", "name", "version"}
+
+
+def _autoscaling_keys() -> frozenset[str]:
+    from ray.serve.config import AutoscalingConfig
+
+    return frozenset(AutoscalingConfig.model_fields)
 
 
 class BaseConfig(BaseModel):
@@ -49,6 +62,10 @@ class _DeploymentOptions(BaseConfig):
         unknown = set(value) - _serve_deployment_options()
         if unknown:
             raise ValueError(f"unknown Serve deployment options {sorted(unknown)}")
+        autoscaling = value.get("autoscaling_config")
+        if isinstance(autoscaling, dict) and (unknown := set(autoscaling) - _autoscaling_keys()):
+            raise ValueError(f"unknown autoscaling_config keys {sorted(unknown)}; Serve's AutoscalingConfig has "
+                             f"{sorted(_autoscaling_keys())}")
         return value
 
 
@@ -66,7 +83,7 @@ class CheckpointSource(BaseConfig):
 
 class _RuntimeOptions(_DeploymentOptions):
     device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
-    dtype: str = Field("auto", description="'auto' (bfloat16 on cuda, float32 on cpu) or a torch dtype name")
+    dtype: str = Field("auto", description=f"'auto' (bfloat16 on cuda, float32 on cpu) or one of {DTYPES[1:]}")
     engine_cls: str | None = Field(None, description="import path 'module:Class' of the engine (tests inject fakes)")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="fields of the engine's config dataclass")
     cpu_threads: int | None = Field(None, ge=1, description="torch.set_num_threads in the replica")
@@ -74,6 +91,20 @@ class _RuntimeOptions(_DeploymentOptions):
         None, gt=0, le=1, description="torch.cuda.set_per_process_memory_fraction: Ray does not isolate GPU memory"
     )
     warmup: bool = Field(True, description="run one real request before reporting ready")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not re.match(DEVICE_PATTERN, value):
+            raise ValueError(f"device {value!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"dtype {value!r} is not one of {list(DTYPES)}")
+        return value
 
     def engine_config_kwargs(self) -> dict[str, Any]:
         """`engine_kwargs` with the compile cache under the serve home for the project's own engine (its config has
@@ -93,18 +124,18 @@ class TalkerDeploymentConfig(_RuntimeOptions):
     embedded_kind: ModelKind = "custom_voice"
     embedded_size: Literal["0.6b", "1.7b"] = "1.7b"
     default_max_new_tokens: int = Field(C.DEFAULT_MAX_NEW_TOKENS, ge=1, description="frames when a request sets none")
-    first_chunk_decode_max_running: int = Field(0, ge=0, description=(
+    first_chunk_decode_max_running: int = Field(160, ge=0, description=(
         "the Talker decodes a stream's first chunk itself (in its own CUDA context, sent back with the codes) "
         "while at most this many requests run in its engine; 0 = never (deployments/talker/first_chunk_decoder.py)"))
-    first_chunk_decode_count_pending: bool = Field(False, description=(
+    first_chunk_decode_count_pending: bool = Field(True, description=(
         "the first-chunk gate counts the Talker's pending first-chunk decodes as running requests: arrivals one by one "
         "are decoded there, a burst's first chunks beyond the limit go to Code2Wav"))
     first_chunk_decode_max_batch: int = Field(8, ge=1, le=64, description=(
         "first chunks the Talker decodes in one forward (those waiting while its last decode ran)"))
     first_chunk_decode_compile: bool = Field(True, description=(
         "where the Talker's engine compiles (`engine_kwargs.compile`, CUDA), its first-chunk decoder compiles the "
-        "codec's dequantizer and pre-transformer too: first audio ~1-2 ms sooner at one stream on an H100, a first "
-        "start ~15 s longer, a start from the compile cache no longer (docs/serving.md)"))
+        "codec's dequantizer and pre-transformer too: first audio sooner, a first start longer, a start from the "
+        "compile cache no longer (docs/serving.md)"))
 
     @field_validator("aliases")
     @classmethod
@@ -129,7 +160,7 @@ class TalkerDeploymentConfig(_RuntimeOptions):
     def max_num_seqs(self) -> int:
         """Engine rows (requests running at once): what `max_ongoing_requests` and the autoscaling target are
         derived from."""
-        return int(self.engine_kwargs.get("max_num_seqs", C.DEFAULT_TALKER_MAX_NUM_SEQS))
+        return int(self.engine_kwargs.get("max_num_seqs", TalkerEngineConfig.max_num_seqs))
 
     @property
     def deployment_name(self) -> str:
@@ -144,12 +175,13 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
     """The shared codec decoder: one deployment decodes chunks of every model (same 12 Hz codec)."""
 
     model: str | None = Field(None, description="checkpoint whose speech_tokenizer/ to load; None = the first model's")
-    max_batch_size: int = Field(C.DEFAULT_CODE2WAV_MAX_BATCH_SIZE, ge=1, description="chunks decoded in one forward")
-    batch_fill_chunks: int = Field(0, ge=0, description=(
+    max_batch_size: int = Field(Code2WavEngineConfig.max_batch_size, ge=1, description="chunks decoded in one forward")
+    batch_fill_chunks: int = Field(64, ge=0, description=(
         "a batch of fewer chunks waits up to batch_fill_wait_ms for more, unless it holds a stream's first two "
-        "chunks (their listener waits): fewer, larger decodes under load; 0 = a batch never waits"))
-    batch_fill_wait_ms: float = Field(4.0, ge=0, description="the longest a batch waits to fill (batch_fill_chunks)")
-    batch_fill_idle_wait_ms: float = Field(0.0, ge=0, description=(
+        "chunks (their listener waits): fewer, larger decodes beside the Talker's steps on a shared GPU; "
+        "0 = a batch never waits"))
+    batch_fill_wait_ms: float = Field(20.0, ge=0, description="the longest a batch waits to fill (batch_fill_chunks)")
+    batch_fill_idle_wait_ms: float = Field(60.0, ge=0, description=(
         "while the decoder was busy less than half of the last second, a batch of later chunks waits up to this "
         "long instead of batch_fill_wait_ms, and one holding a stream's last chunk leaves at once: an idle "
         "decoder loses nothing by waiting, and its fewer forwards leave a shared GPU to the Talker; 0 = off"))
@@ -158,7 +190,8 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
 
     @property
     def stateful(self) -> bool:
-        return bool(self.engine_kwargs.get("stateful", False))
+        """Whether the engine keeps each stream's decoder state (the engine config's default unless set)."""
+        return bool(self.engine_kwargs.get("stateful", Code2WavEngineConfig.stateful))
 
     def may_run_several_replicas(self) -> bool:
         """Whether the deployment may run more than one replica (a fixed count above 1, "auto", or autoscaling
@@ -171,10 +204,11 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
 class StreamingConfig(BaseConfig):
     """How a stream of frames is cut into chunks for Code2Wav: `stages.chunking.ChunkSchedule`.
 
-    Unset fields take the schedule's defaults (a small first chunk, a geometric ramp, steady chunks).
+    Unset fields take the schedule's defaults (a geometric ramp, steady chunks), except the first chunk: one frame,
+    first audio after one frame (docs/serving.md).
     """
 
-    first_chunk_frames: int | None = Field(None, ge=1, description="new frames of the first chunk (80 ms each)")
+    first_chunk_frames: int | None = Field(1, ge=1, description="new frames of the first chunk (80 ms each)")
     steady_chunk_frames: int | None = Field(None, ge=1, description="new frames of chunks after the ramp")
     left_context_frames: int | None = Field(None, ge=0, description="played frames decoded again as context")
     ramp_factor: float | None = Field(None, gt=1, description="geometric growth of chunks after the first")
@@ -294,7 +328,7 @@ class TTSServingArgs(BaseConfig):
     @property
     def stream_affinity(self) -> bool:
         """Whether the ingress keeps each stream on the Code2Wav replica holding its state (and Code2Wav routes by
-        `deployments.ingress.placement.StreamAffinityRouter`): a stateful Code2Wav, `on`, or `auto` where it may run
+        `deployments.code2wav.router.StreamAffinityRouter`): a stateful Code2Wav, `on`, or `auto` where it may run
         several replicas (with one, every call reaches the state anyway)."""
         choice = self.ingress.decode_batch.stream_affinity
         several = self.code2wav.may_run_several_replicas()

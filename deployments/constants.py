@@ -6,12 +6,26 @@ import os
 from pathlib import Path
 
 
+def _env_number(name: str, default, kind: type):
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not {'an integer' if kind is int else 'a number'}"
+                         ) from None
+    if value < 0:
+        raise ValueError(f"environment variable {name}={raw!r} must not be negative")
+    return value
+
+
 def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+    return _env_number(name, default, int)
 
 
 def _env_float(name: str, default: float) -> float:
-    return float(os.environ.get(name, default))
+    return _env_number(name, default, float)
 
 
 def _env_path(name: str, default: Path) -> Path:
@@ -37,8 +51,7 @@ TALKER_DEPLOYMENT_PREFIX = "Talker:"
 CODE2WAV_DEPLOYMENT_NAME = "Code2Wav"
 CODE2WAV_REQUEST_ROUTER = "deployments.code2wav.router:StreamAffinityRouter"  # Code2Wav's (stream affinity)
 
-# Talker: engine slots and Serve admission
-DEFAULT_TALKER_MAX_NUM_SEQS = _env_int("QWEN3_TTS_TALKER_MAX_NUM_SEQS", 32)
+# Talker: Serve admission (its engine rows, `engine_kwargs.max_num_seqs`, default to the engine config's)
 # open streams a replica accepts per engine slot (the excess waits inside the engine, ready to be admitted
 # the step a slot frees) and requests queued at the caller per slot before a fast 429/503
 TALKER_ONGOING_PER_SLOT = _env_float("QWEN3_TTS_TALKER_ONGOING_PER_SLOT", 1.5)
@@ -50,8 +63,7 @@ INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S = _env_float("QWEN3_TTS_INGRESS_GRACEFUL_SHUT
 TALKER_ENGINE_START_TIMEOUT_S = _env_float("QWEN3_TTS_TALKER_ENGINE_START_TIMEOUT_S", 1800.0)
 WARMUP_FRAMES = _env_int("QWEN3_TTS_WARMUP_FRAMES", 4)
 
-# Code2Wav: dynamic batching of chunks from many streams
-DEFAULT_CODE2WAV_MAX_BATCH_SIZE = _env_int("QWEN3_TTS_CODE2WAV_MAX_BATCH_SIZE", 16)
+# Code2Wav: dynamic batching of chunks from many streams (`code2wav.max_batch_size`: the engine config's default)
 CODE2WAV_ONGOING_PER_BATCH_SLOT = _env_int("QWEN3_TTS_CODE2WAV_ONGOING_PER_BATCH_SLOT", 4)
 DEFAULT_CODE2WAV_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_CODE2WAV_MAX_QUEUED_REQUESTS", 1024)
 # a batch decodes in milliseconds on a GPU and in well under a second on CPU; a minute means stuck
@@ -66,6 +78,9 @@ DEFAULT_INGRESS_MAX_ONGOING_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_ONGOING_R
 DEFAULT_INGRESS_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_QUEUED_REQUESTS", 128)
 DEFAULT_INGRESS_MAX_OPEN_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_OPEN_REQUESTS", 256)
 DEFAULT_BODY_READ_TIMEOUT_S = _env_float("QWEN3_TTS_BODY_READ_TIMEOUT_S", 30.0)
+# the ingress's replicas unless a config sets `num_replicas`: several from the first request (one event loop does
+# not carry hundreds of streams; docs/serving.md "Hops and transport"), more as connections grow
+INGRESS_AUTOSCALING = {"min_replicas": 4, "max_replicas": 8, "target_ongoing_requests": 64}
 
 # request limits
 DEFAULT_MAX_CONTEXTS_PER_CONNECTION = _env_int("QWEN3_TTS_MAX_CONTEXTS_PER_CONNECTION", 16)  # WebSocket

@@ -56,10 +56,10 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class GenerateOptions:
-    """Per-request knobs of the Talker's chunking and length, beside the SynthesisRequest."""
+    """Per-request knobs of the Talker's chunking and live text, beside the SynthesisRequest (whose `max_frames`
+    the ingress already fitted to the engine's `max_seq_len`: deployments/ingress/request_builder.py)."""
 
     first_chunk_frames: int | None = None  # None: the configured schedule
-    fit_max_frames: bool = False  # True: shorten max_frames to what fits the engine's max_seq_len
     text_idle_timeout_s: float | None = None  # live text: the request's own idle timeout (<= the engine's)
 
 

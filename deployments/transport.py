@@ -11,8 +11,11 @@ Two transports carry a chunk from the Talker to the ingress and on to Code2Wav (
   limit are still stored in the ingress process (it owns the refs) and inlined into the Code2Wav call, so the
   bytes pass through the ingress either way; only their deserialization there is saved.
 
-`_by_reference` and `DeploymentResponseGenerator._to_object_ref_gen` are Serve developer APIs: they are used here
-and nowhere else, and tests/serve/test_transport.py fails if a Ray upgrade changes them.
+Both ends live here: the ingress's handles and stream items (`stage_handle`, `stream_items`, `max_answer_bytes`)
+and Code2Wav's reading of what arrives (`resolve`). `_by_reference` and
+`DeploymentResponseGenerator._to_object_ref_gen` are Serve developer APIs: they are used here and nowhere else, and
+tests/serve/test_transport.py runs the app end to end over each transport, so it fails if a Ray upgrade changes
+them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Literal
 
+from ray import ObjectRef
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 StageTransport = Literal["grpc", "object_ref"]
@@ -47,3 +51,8 @@ async def stream_items(generator: DeploymentResponseGenerator, transport: StageT
     else:
         async for item in generator:
             yield item
+
+
+async def resolve(item):
+    """What a Code2Wav call received, as a value: a forwarded ObjectRef (object_ref) is read here, a value as is."""
+    return await item if isinstance(item, ObjectRef) else item

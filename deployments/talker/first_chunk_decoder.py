@@ -1,18 +1,19 @@
 """FirstChunkDecoder: the Talker replica decodes a stream's first chunk itself while its engine is lightly loaded.
 
 Why: a served first chunk otherwise makes two more hops (ingress -> Code2Wav -> ingress) and is decoded in the
-Code2Wav process, which time-slices the GPU with the Talker's: a one-frame decode there takes about twice as
-long as in one process, plus the hops (docs/benchmarks.md "First audio hop by hop"). Here it is decoded in the
-Talker's own CUDA context, on a high-priority stream of its own beside the engine's steps (as `bench.pipeline` runs the two engines), and travels back with the codec chunk
-(`CodecChunk.pcm`); the ingress, or Code2Wav for an unread ObjectRef, takes that PCM instead of decoding.
+Code2Wav process, which time-slices the GPU with the Talker's: a one-frame decode there takes about twice as long as
+in one process, plus the hops (docs/benchmarks.md "First audio hop by hop"). Here it is decoded in the Talker's own
+CUDA context, on a high-priority stream of its own beside the engine's steps (as `bench.pipeline` runs the two
+engines), and travels back with the codec chunk (`CodecChunk.pcm`); the ingress, or Code2Wav for an unread ObjectRef,
+takes that PCM instead of decoding.
 
 Exact: the decoder is causal and a stream's first chunk starts from zero state, so this is the samples the
 whole decode gives for those frames.
 
-Its chunk 1 too: once the first chunk's 80 ms play, chunk 1 must be there, and through Code2Wav's queue it
-could come late (an earlier first audio with an unchanged second chunk gaps: docs/benchmarks.md). Chunk 1's
-left context is the whole stream before it (the first chunk's frames), so its decode from zero state is exact as well; Code2Wav decodes from chunk 2 on, over its
-left context (its `fresh` path).
+Its chunk 1 too: once the first chunk's 80 ms play, chunk 1 must be there, and through Code2Wav's queue it could come
+late (an earlier first audio with an unchanged second chunk gaps: docs/benchmarks.md). Chunk 1's left context is the
+whole stream before it (the first chunk's frames), so its decode from zero state is exact as well; Code2Wav decodes
+from chunk 2 on, over its left context (its `fresh` path).
 
 Only while the engine runs at most `max_running` requests when the first chunk is cut: under load the decode
 would take GPU time from every running stream's step, and Code2Wav batches them with everything else more
@@ -60,11 +61,11 @@ class FirstChunkDecoder:
     def __init__(self, decoder_model: Any, schedule: ChunkSchedule, max_running: int, log=print,
                  count_pending: bool = False, max_batch: int = MAX_BATCH,
                  compile: bool = False, compile_cache_dir: str | None = None):
-        """`decoder_model`: the checkpoint's codec decoder (`Qwen3TTS.decoder`), on the Talker's device;
-        `schedule`: the deployment's, whose first two chunks (without reference context) get graphs;
-        `count_pending`: the gate counts the decodes pending here as running requests; `max_batch`: chunks in one forward (graphs for batches 1, 2, 4, ... up to it);
-        `compile`: the decoder's dequantizer and pre-transformer through torch.compile (CUDA; fewer kernels per
-        forward: stages/code2wav/compiled.py), its work kept in `compile_cache_dir`."""
+        """`decoder_model`: the checkpoint's codec decoder (`Qwen3TTS.decoder`), on the Talker's device; `schedule`:
+        the deployment's, whose first two chunks (without reference context) get graphs; `count_pending`: the gate
+        counts the decodes pending here as running requests; `max_batch`: chunks in one forward (graphs for batches 1,
+        2, 4, ... up to it); `compile`: the decoder's dequantizer and pre-transformer through torch.compile (CUDA;
+        fewer kernels per forward: stages/code2wav/compiled.py), its work kept in `compile_cache_dir`."""
         from stages.code2wav.engine import Code2WavEngine
 
         self.max_running, self.count_pending = max_running, count_pending
