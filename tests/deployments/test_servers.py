@@ -135,6 +135,14 @@ def test_closing_the_stream_aborts_the_request_and_frees_the_slot(loop, talker):
     assert set(talker.record_autoscaling_stats()) == {"waiting", "running", "slots"}
 
 
+def test_the_servers_hold_engines_of_their_protocols(talker, code2wav):
+    from deployments.code2wav.engine_protocol import Code2WavEngineProtocol
+    from deployments.talker.engine_protocol import TalkerEngineProtocol
+
+    assert isinstance(talker._engine, TalkerEngineProtocol)
+    assert isinstance(code2wav._engine, Code2WavEngineProtocol)
+
+
 def test_code2wav_decodes_many_streams_in_one_call_like_single_decodes(loop, talker, code2wav):
     streams = [loop.run_until_complete(_collect(talker.generate(_request(talker, 9, rid=f"s{i}", seed=i))))
                for i in range(3)]
