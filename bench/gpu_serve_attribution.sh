@@ -9,7 +9,7 @@
 # Results in $OUT: load_<C>.log, results_<C>.md, results_<C>.json.gz (per request), stats_<C>.json.
 # DIRECT=1: HAProxy straight to the ingress replicas + throughput-optimized Serve (the settings
 # configs/high_concurrency.yaml's header recommends); MPS=1: the CUDA MPS daemon runs while the server does;
-# SET=...: runbook overrides of the Serve config (e.g. SET="streaming.urgent_chunks=0").
+# SET=...: runbook overrides of the Serve config (e.g. SET="streaming.first_chunk_frames=2").
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT"; LEVELS=${LEVELS:-1,256}; W=${W:-/tmp/qwen3-serve-bench}
 source .gpubundle/install_bundle.sh .gpubundle >/dev/null 2>&1

@@ -26,10 +26,7 @@ _CODE2WAV_COUNTS = ("batches", "chunks", "continued", "fresh", "evicted", "named
 
 def talker_summary(stats: dict) -> dict:
     """One Talker replica's per-step figures since it started (from `Talker.engine_stats`)."""
-    summary = talker_step_figures({}, stats)
-    if "gc" in stats:
-        summary["gc_long_pauses"] = stats["gc"]["long_pauses"]
-    return summary
+    return talker_step_figures({}, stats)
 
 
 def code2wav_summary(stats: dict) -> dict:

@@ -59,8 +59,6 @@ def main() -> None:
         "prefill_share": round((after["prefill_seconds"] - before["prefill_seconds"]) / wall, 4),  # their launches
         "running": after["running"], "waiting": after["waiting"],
         "code2wav": _code2wav_window(c2w_before, c2w_after, wall),
-        # Python's garbage collections in each replica over the window (a collection stops all its threads)
-        "talker_gc": _gc_window(before, after), "code2wav_gc": _gc_window(c2w_before, c2w_after),
     }
     if "first_chunk_decoder" in before:  # the Talker's own decodes of first chunks, beside its steps
         report["talker_first_chunk_decoder"] = _code2wav_window(before["first_chunk_decoder"],
@@ -111,18 +109,6 @@ def code2wav_work(before: dict, after: dict) -> dict:
     return {"chunks_per_call": round(delta("chunks") / max(delta("batches"), 1), 1),
             "decoded_per_new_frame": round(delta("decoded_frames") / new, 2),
             "padded_per_new_frame": round(delta("padded_frames") / new, 2)}
-
-
-def _gc_window(before: dict, after: dict) -> dict | None:
-    """Collections by generation, their ms, and the pauses over 5 ms (deployments/gc_pauses.py) in the window."""
-    if "gc" not in before:
-        return None
-    b, a = before["gc"], after["gc"]
-    return {"collections": [y - x for x, y in zip(b["collections"], a["collections"], strict=True)],
-            "ms": [round((y - x) * 1e3, 1) for x, y in zip(b["seconds"], a["seconds"], strict=True)],
-            "long_pauses": a["long_pauses"] - b["long_pauses"],
-            "long_pause_ms": round((a["long_pause_seconds"] - b["long_pause_seconds"]) * 1e3, 1),
-            "frozen": a["frozen"]}
 
 
 async def _same_replica(handle, replica: str, tries: int = 32) -> dict:

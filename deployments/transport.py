@@ -4,8 +4,8 @@ Two transports carry a chunk from the Talker to the ingress and on to Code2Wav (
 
 - "grpc": Serve's interdeployment gRPC transport (`_by_reference=False`). Every value travels inside the gRPC
   message, serialized once per hop; no object is created in Ray's object store or its owner tables. Codec chunks
-  (a few KB) and PCM answers (<= 100 KB per chunk) are small, so this is the cheap path (ray_serve_design.md §2.5:
-  ~0.2 ms per streamed item against ~0.7 ms).
+  (a few KB) and PCM answers (<= 100 KB per chunk) are small, so this is the cheap path (ray_serve_design.md §2.5
+  and docs/serving.md "Hops and transport" have the cost of each per streamed item).
 - "object_ref": Ray actor calls (`_by_reference=True`, Serve's default). The ingress turns the Talker's stream into
   an `ObjectRefGenerator` and forwards each chunk's ref to Code2Wav unread. Chunks under Ray's 100 KiB inline
   limit are still stored in the ingress process (it owns the refs) and inlined into the Code2Wav call, so the

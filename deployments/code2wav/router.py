@@ -37,6 +37,5 @@ class StreamAffinityRouter(RequestRouter):
 
 def _two_of(replicas: list[RunningReplica]) -> list[RunningReplica]:
     """Two replicas in random order (Serve then takes the one with the shorter queue that accepts the request, the
-    first on a tie: two replicas offered in list order sent every call between idle ones to the first, as the
-    split run's stats calls found on 2026-11-28)."""
+    first on a tie: two replicas offered in list order would send every call between idle ones to the first)."""
     return random.sample(replicas, min(2, len(replicas)))
