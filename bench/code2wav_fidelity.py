@@ -158,7 +158,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     streams = rng.integers(0, 2048, (args.streams, args.frames, 16), dtype=np.int64)
     # fp32 rows: the eager modules (the chunking error alone); bf16 rows: the serving kernels
-    fp32_config = Code2WavEngineConfig(cuda_graphs=False, fast_kernels=False, max_batch_size=512,
+    fp32_config = Code2WavEngineConfig(stateful=False, cuda_graphs=False, fast_kernels=False, max_batch_size=512,
                                        max_frames_per_forward=args.max_frames)
     engine = Code2WavEngine(decoder, fp32_config)
     ref = whole(decoder, streams)

@@ -4,7 +4,7 @@ Since start (the default): each Talker and Code2Wav replica's figures per step o
 run whose levels put the same streams on each GPU compares directly with the one-GPU run. Per replica: the
 Talker's step (engine thread, blocked on the device, the device's own time), its mean batch (are the streams
 spread evenly?), and each Code2Wav's chunks continued from their stream's state against decoded fresh (stream
-affinity).
+affinity: deployments/ingress/placement.py).
 
 `--seconds N`: one Talker replica and one Code2Wav replica (the same one at both ends) read twice, N seconds apart:
 the served step time over that window, to compare with `bench/pipeline.py`'s in-process step at the same batch,

@@ -17,8 +17,8 @@ from ray import serve
 from ray.serve import Application
 
 from deployments import constants as C
-from deployments.code2wav import DEFAULT_ENGINE_CLS as CODE2WAV_ENGINE
-from deployments.code2wav import Code2WavServer
+from deployments.code2wav.server import DEFAULT_ENGINE_CLS as CODE2WAV_ENGINE
+from deployments.code2wav.server import Code2WavServer
 from deployments.config import (
     CheckpointSource,
     Code2WavDeploymentConfig,
@@ -26,11 +26,11 @@ from deployments.config import (
     TalkerDeploymentConfig,
     TTSServingArgs,
 )
-from deployments.http_guard import BodyLimits
 from deployments.ingress import TTSIngress, make_fastapi_app, make_fastapi_ingress
+from deployments.ingress.http_guard import BodyLimits
 from deployments.loading import engine_config
-from deployments.talker import DEFAULT_ENGINE_CLS as TALKER_ENGINE
-from deployments.talker import TalkerServer
+from deployments.talker.server import DEFAULT_ENGINE_CLS as TALKER_ENGINE
+from deployments.talker.server import TalkerServer
 
 logger = logging.getLogger("ray.serve")
 
@@ -73,7 +73,7 @@ def talker_deployment_options(config: TalkerDeploymentConfig) -> dict[str, Any]:
 
 def code2wav_deployment_options(config: Code2WavDeploymentConfig, stream_affinity: bool = False) -> dict[str, Any]:
     """`stream_affinity`: Code2Wav routes by `StreamAffinityRouter` (a call naming the replica that holds its streams'
-    state goes there: deployments/stream_affinity.py); without it, by Serve's own router."""
+    state goes there: deployments/ingress/placement.py); without it, by Serve's own router."""
     defaults = {
         "name": C.CODE2WAV_DEPLOYMENT_NAME,
         "max_ongoing_requests": config.max_batch_size * C.CODE2WAV_ONGOING_PER_BATCH_SLOT,
@@ -90,7 +90,10 @@ def ingress_deployment_options(args: TTSServingArgs) -> dict[str, Any]:
     """The ingress drains longer than any Talker (Serve's default, 20 s, is far shorter than a Talker's): when
     the app is deleted or redeployed, every deployment stops at once, and an ingress killed first would cut its
     clients' streams off while the Talkers still drain them (a stream that could have finished is lost; an SSE
-    client gets no error event). Outliving the Talkers, it ends each stream as its Talker ends it."""
+    client gets no error event). Outliving the Talkers, it ends each stream as its Talker ends it.
+
+    The ingress autoscales from `INGRESS_AUTOSCALING` (several replicas from the first request: one event loop does
+    not carry hundreds of streams, docs/serving.md) unless the config sets `num_replicas` (a CPU config: 1)."""
     backpressure = args.ingress.backpressure
     talker_drain_s = max(talker_deployment_options(m)["graceful_shutdown_timeout_s"] for m in args.models)
     defaults = {
@@ -101,6 +104,8 @@ def ingress_deployment_options(args: TTSServingArgs) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": talker_drain_s + C.INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S,
         "ray_actor_options": {"num_cpus": 1},
     }
+    if "num_replicas" not in args.ingress.deployment_config:
+        defaults["autoscaling_config"] = dict(C.INGRESS_AUTOSCALING)
     options = deep_merge(defaults, args.ingress.deployment_config)
     if options["graceful_shutdown_timeout_s"] <= talker_drain_s:
         logger.warning(f"{options['name']}: graceful_shutdown_timeout_s {options['graceful_shutdown_timeout_s']} "

@@ -1,7 +1,6 @@
 """Coalescer: work that arrives while a batch runs waits for the next batch, in a replica's event loop.
 
-One drainer task takes everything waiting and runs it as one batch (or the groups the policy asks for: items
-that `first` selects in a batch of their own ahead of the rest, at most `max_batch` per batch). With `hold`,
+One drainer task takes everything waiting and runs it as one batch (at most `max_batch` items per batch). With `hold`,
 a batch that the policy finds too small waits for more items, up to the time `hold` names, and leaves as soon as
 an arrival makes it big enough (fewer, larger batches where every item has time to spare). A failed batch
 fails only its own items. Each submitter's future is shielded: a caller that leaves does not cancel the batch
@@ -19,12 +18,12 @@ R = TypeVar("R")
 
 
 class Coalescer(Generic[T, R]):
-    def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], first: Callable[[T], bool] | None = None,
-                 max_batch: int | None = None, hold: Callable[[list[T]], float] | None = None):
+    def __init__(self, run: Callable[[list[T]], Awaitable[list[R]]], max_batch: int | None = None,
+                 hold: Callable[[list[T]], float] | None = None):
         """`run`: one batch -> one result per item (raises to fail the batch). `hold`: the items waiting -> seconds
         the next batch may still wait for more (0: run it now); asked again at each arrival, the wait counted from
         the first time it was asked for that batch."""
-        self._run, self._first, self._max_batch, self._hold = run, first, max_batch, hold
+        self._run, self._max_batch, self._hold = run, max_batch, hold
         self.waiting: list[tuple[T, asyncio.Future]] = []  # items (and their answers' futures) for the next batch
         self._drainer: asyncio.Task | None = None
         self._arrived = asyncio.Event()  # set by every submit: a holding batch looks again
@@ -70,12 +69,6 @@ class Coalescer(Generic[T, R]):
                         future.set_result(result)
 
     def _batches(self, taken: list[tuple[T, asyncio.Future]]) -> list[list[tuple[T, asyncio.Future]]]:
-        groups = [taken]
-        if self._first is not None:
-            first, rest = [], []
-            for entry in taken:
-                (first if self._first(entry[0]) else rest).append(entry)
-            groups = [first, rest] if first and rest else [taken]
         if self._max_batch is None:
-            return groups
-        return [group[i:i + self._max_batch] for group in groups for i in range(0, len(group), self._max_batch)]
+            return [taken]
+        return [taken[i:i + self._max_batch] for i in range(0, len(taken), self._max_batch)]

@@ -3,6 +3,9 @@
 Pydantic, `extra="forbid"` everywhere (a typo fails at `serve run`, not at the first request). Engine
 knobs travel as `engine_kwargs` into the stages' frozen dataclasses; Serve options travel as
 `deployment_config` (the keyword arguments of `serve.deployment`), merged over the builder's defaults.
+
+The defaults are the fastest measured configuration on a GPU (docs/serving.md): a config that names only the
+model, device, dtype and GPU fraction gets it. CPU configs set the smaller sizes they need.
 """
 
 from __future__ import annotations
@@ -16,15 +19,25 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments import constants as C
+from stages.code2wav.engine_config import Code2WavEngineConfig
+from stages.talker.engine_config import TalkerEngineConfig
 
 ModelKind = Literal["custom_voice", "base", "voice_design"]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$"
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")  # stages.checkpoint.parse_dtype's
 
 
 def _serve_deployment_options() -> frozenset[str]:
     from ray import serve
 
     return frozenset(inspect.signature(serve.deployment).parameters) - {"_func_or_class", "name", "version"}
+
+
+def _autoscaling_keys() -> frozenset[str]:
+    from ray.serve.config import AutoscalingConfig
+
+    return frozenset(AutoscalingConfig.model_fields)
 
 
 class BaseConfig(BaseModel):
@@ -49,6 +62,10 @@ class _DeploymentOptions(BaseConfig):
         unknown = set(value) - _serve_deployment_options()
         if unknown:
             raise ValueError(f"unknown Serve deployment options {sorted(unknown)}")
+        autoscaling = value.get("autoscaling_config")
+        if isinstance(autoscaling, dict) and (unknown := set(autoscaling) - _autoscaling_keys()):
+            raise ValueError(f"unknown autoscaling_config keys {sorted(unknown)}; Serve's AutoscalingConfig has "
+                             f"{sorted(_autoscaling_keys())}")
         return value
 
 
@@ -66,19 +83,28 @@ class CheckpointSource(BaseConfig):
 
 class _RuntimeOptions(_DeploymentOptions):
     device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
-    dtype: str = Field("auto", description="'auto' (bfloat16 on cuda, float32 on cpu) or a torch dtype name")
+    dtype: str = Field("auto", description=f"'auto' (bfloat16 on cuda, float32 on cpu) or one of {DTYPES[1:]}")
     engine_cls: str | None = Field(None, description="import path 'module:Class' of the engine (tests inject fakes)")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="fields of the engine's config dataclass")
     cpu_threads: int | None = Field(None, ge=1, description="torch.set_num_threads in the replica")
-    gil_switch_interval_ms: float | None = Field(
-        None, gt=0, le=100,
-        description="sys.setswitchinterval in the replica (Python's default: 5 ms): how long a thread that wants "
-        "the GIL waits for the one holding it (the engine's thread vs Serve's event loop)",
-    )
     gpu_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="torch.cuda.set_per_process_memory_fraction: Ray does not isolate GPU memory"
     )
     warmup: bool = Field(True, description="run one real request before reporting ready")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not re.match(DEVICE_PATTERN, value):
+            raise ValueError(f"device {value!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"dtype {value!r} is not one of {list(DTYPES)}")
+        return value
 
     def engine_config_kwargs(self) -> dict[str, Any]:
         """`engine_kwargs` with the compile cache under the serve home for the project's own engine (its config has
@@ -98,21 +124,18 @@ class TalkerDeploymentConfig(_RuntimeOptions):
     embedded_kind: ModelKind = "custom_voice"
     embedded_size: Literal["0.6b", "1.7b"] = "1.7b"
     default_max_new_tokens: int = Field(C.DEFAULT_MAX_NEW_TOKENS, ge=1, description="frames when a request sets none")
-    first_chunk_decode_max_running: int = Field(0, ge=0, description=(
+    first_chunk_decode_max_running: int = Field(160, ge=0, description=(
         "the Talker decodes a stream's first chunk itself (in its own CUDA context, sent back with the codes) "
-        "while at most this many requests run in its engine; 0 = never (deployments/first_chunk_decoder.py)"))
-    first_chunk_decode_count_pending: bool = Field(False, description=(
+        "while at most this many requests run in its engine; 0 = never (deployments/talker/first_chunk_decoder.py)"))
+    first_chunk_decode_count_pending: bool = Field(True, description=(
         "the first-chunk gate counts the Talker's pending first-chunk decodes as running requests: arrivals one by one "
         "are decoded there, a burst's first chunks beyond the limit go to Code2Wav"))
     first_chunk_decode_max_batch: int = Field(8, ge=1, le=64, description=(
         "first chunks the Talker decodes in one forward (those waiting while its last decode ran)"))
     first_chunk_decode_compile: bool = Field(True, description=(
         "where the Talker's engine compiles (`engine_kwargs.compile`, CUDA), its first-chunk decoder compiles the "
-        "codec's dequantizer and pre-transformer too: first audio ~1-2 ms sooner at one stream on an H100, a first "
-        "start ~15 s longer, a start from the compile cache no longer (docs/serving.md)"))
-    first_chunk_decode_fill_ms: float = Field(0.0, ge=0, le=100, description=(
-        "a batch of the Talker's first-chunk decodes waits up to this long for more while they arrive often enough "
-        "for one more within the wait (fewer decoder forwards beside the engine's steps; 0 = never waits)"))
+        "codec's dequantizer and pre-transformer too: first audio sooner, a first start longer, a start from the "
+        "compile cache no longer (docs/serving.md)"))
 
     @field_validator("aliases")
     @classmethod
@@ -137,7 +160,7 @@ class TalkerDeploymentConfig(_RuntimeOptions):
     def max_num_seqs(self) -> int:
         """Engine rows (requests running at once): what `max_ongoing_requests` and the autoscaling target are
         derived from."""
-        return int(self.engine_kwargs.get("max_num_seqs", C.DEFAULT_TALKER_MAX_NUM_SEQS))
+        return int(self.engine_kwargs.get("max_num_seqs", TalkerEngineConfig.max_num_seqs))
 
     @property
     def deployment_name(self) -> str:
@@ -152,15 +175,13 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
     """The shared codec decoder: one deployment decodes chunks of every model (same 12 Hz codec)."""
 
     model: str | None = Field(None, description="checkpoint whose speech_tokenizer/ to load; None = the first model's")
-    max_batch_size: int = Field(C.DEFAULT_CODE2WAV_MAX_BATCH_SIZE, ge=1, description="chunks decoded in one forward")
-    batch_fill_chunks: int = Field(0, ge=0, description=(
+    max_batch_size: int = Field(Code2WavEngineConfig.max_batch_size, ge=1, description="chunks decoded in one forward")
+    batch_fill_chunks: int = Field(64, ge=0, description=(
         "a batch of fewer chunks waits up to batch_fill_wait_ms for more, unless it holds a stream's first two "
-        "chunks (their listener waits): fewer, larger decodes under load; 0 = a batch never waits"))
-    batch_fill_wait_ms: float = Field(4.0, ge=0, description="the longest a batch waits to fill (batch_fill_chunks)")
-    batch_fill_final_waits: bool = Field(True, description=(
-        "a batch holding a stream's last chunk may wait to fill too; False: it leaves at once (the request ends "
-        "with that chunk: its wait adds to the end-to-end time, and a closed-loop client's next request waits)"))
-    batch_fill_idle_wait_ms: float = Field(0.0, ge=0, description=(
+        "chunks (their listener waits): fewer, larger decodes beside the Talker's steps on a shared GPU; "
+        "0 = a batch never waits"))
+    batch_fill_wait_ms: float = Field(20.0, ge=0, description="the longest a batch waits to fill (batch_fill_chunks)")
+    batch_fill_idle_wait_ms: float = Field(60.0, ge=0, description=(
         "while the decoder was busy less than half of the last second, a batch of later chunks waits up to this "
         "long instead of batch_fill_wait_ms, and one holding a stream's last chunk leaves at once: an idle "
         "decoder loses nothing by waiting, and its fewer forwards leave a shared GPU to the Talker; 0 = off"))
@@ -169,7 +190,8 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
 
     @property
     def stateful(self) -> bool:
-        return bool(self.engine_kwargs.get("stateful", False))
+        """Whether the engine keeps each stream's decoder state (the engine config's default unless set)."""
+        return bool(self.engine_kwargs.get("stateful", Code2WavEngineConfig.stateful))
 
     def may_run_several_replicas(self) -> bool:
         """Whether the deployment may run more than one replica (a fixed count above 1, "auto", or autoscaling
@@ -182,32 +204,23 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
 class StreamingConfig(BaseConfig):
     """How a stream of frames is cut into chunks for Code2Wav: `stages.chunking.ChunkSchedule`.
 
-    Unset fields take the schedule's defaults (a small first chunk, a geometric ramp, steady chunks).
+    Unset fields take the schedule's defaults (a geometric ramp, steady chunks), except the first chunk: one frame,
+    first audio after one frame (docs/serving.md).
     """
 
-    first_chunk_frames: int | None = Field(None, ge=1, description="new frames of the first chunk (80 ms each)")
+    first_chunk_frames: int | None = Field(1, ge=1, description="new frames of the first chunk (80 ms each)")
     steady_chunk_frames: int | None = Field(None, ge=1, description="new frames of chunks after the ramp")
     left_context_frames: int | None = Field(None, ge=0, description="played frames decoded again as context")
     ramp_factor: float | None = Field(None, gt=1, description="geometric growth of chunks after the first")
     ramp: list[int] | None = Field(None, description="explicit sizes of chunks 1, 2, ... (then steady)")
     ref_context_frames: int | None = Field(None, ge=0, description="reference frames (Base ICL) as chunk 0 context")
     max_pending_decodes: int = Field(C.DEFAULT_MAX_PENDING_DECODES, ge=1, description="decodes in flight per stream")
-    urgent_chunks: int = Field(C.DEFAULT_URGENT_CHUNKS, ge=0, description=(
-        "a stream's first chunks decoded ahead of the others (sent at once, decoded before the batch waiting "
-        "with them): its listener waits for them with little or no audio buffered; 0 = none"))
-
-    @property
-    def waited_for_chunks(self) -> int:
-        """A stream's first chunks that its listener waits for: the first, the second (it must follow within the
-        first's audio) and the urgent ones. Code2Wav's batch never waits to fill with them, and stream affinity
-        never holds them back."""
-        return max(2, self.urgent_chunks)
 
     def schedule(self):
         """-> stages.chunking.ChunkSchedule (raises ValueError on an inconsistent schedule)."""
         from stages.chunking import ChunkSchedule
 
-        fields = self.model_dump(exclude={"max_pending_decodes", "urgent_chunks"}, exclude_none=True)
+        fields = self.model_dump(exclude={"max_pending_decodes"}, exclude_none=True)
         if "ramp" in fields:
             fields["ramp"] = tuple(fields["ramp"])
         return ChunkSchedule(**fields)
@@ -222,19 +235,14 @@ class BackpressureSettings(BaseConfig):
 
 
 class DecodeBatchSettings(BaseConfig):
-    """How an ingress replica sends its streams' chunks to Code2Wav (deployments/decode_batcher.py)."""
+    """How an ingress replica sends its streams' chunks to Code2Wav (deployments/ingress/decode_batcher.py)."""
 
     max_chunks: int = Field(C.DEFAULT_DECODE_BATCH_MAX_CHUNKS, ge=1, description="chunks in one decode call at most")
     max_calls_in_flight: int = Field(C.DEFAULT_DECODE_CALLS_IN_FLIGHT, ge=1,
                                      description="decode calls of this replica in flight; more chunks wait and join")
     stream_affinity: Literal["auto", "on", "off"] = Field("auto", description=(
-        "keep each stream's chunks on the Code2Wav replica holding its decoder state (deployments/stream_affinity.py);"
+        "keep each stream's chunks on the Code2Wav replica holding its decoder state (deployments/ingress/placement.py);"
         " only a stateful Code2Wav has one; auto: on where it may run several replicas; off: Serve's own routing"))
-    place_new_streams: Literal["by_load", "fewest_streams"] = Field("by_load", description=(
-        "with stream affinity, where a stream's state starts: by_load, where its first chunks land (the first two"
-        " may land on two replicas); fewest_streams, the replica holding the fewest of this ingress replica's"
-        " streams, named from the first chunk on (every 8th new stream still by load: it finds replicas no call"
-        " reached); on one H200 with two replicas it lost 1-5% of throughput (docs/benchmarks.md)"))
 
     @field_validator("stream_affinity", mode="before")
     @classmethod
@@ -320,7 +328,7 @@ class TTSServingArgs(BaseConfig):
     @property
     def stream_affinity(self) -> bool:
         """Whether the ingress keeps each stream on the Code2Wav replica holding its state (and Code2Wav routes by
-        `deployments.stream_affinity.StreamAffinityRouter`): a stateful Code2Wav, `on`, or `auto` where it may run
+        `deployments.code2wav.router.StreamAffinityRouter`): a stateful Code2Wav, `on`, or `auto` where it may run
         several replicas (with one, every call reaches the state anyway)."""
         choice = self.ingress.decode_batch.stream_affinity
         several = self.code2wav.may_run_several_replicas()

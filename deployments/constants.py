@@ -6,12 +6,26 @@ import os
 from pathlib import Path
 
 
+def _env_number(name: str, default, kind: type):
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not {'an integer' if kind is int else 'a number'}"
+                         ) from None
+    if value < 0:
+        raise ValueError(f"environment variable {name}={raw!r} must not be negative")
+    return value
+
+
 def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+    return _env_number(name, default, int)
 
 
 def _env_float(name: str, default: float) -> float:
-    return float(os.environ.get(name, default))
+    return _env_number(name, default, float)
 
 
 def _env_path(name: str, default: Path) -> Path:
@@ -35,10 +49,9 @@ PYCACHE_DIR = os.environ.get("QWEN3_TTS_PYCACHE_DIR", str(COMPILE_CACHE_DIR / "p
 INGRESS_DEPLOYMENT_NAME = "TTSIngress"
 TALKER_DEPLOYMENT_PREFIX = "Talker:"
 CODE2WAV_DEPLOYMENT_NAME = "Code2Wav"
-CODE2WAV_REQUEST_ROUTER = "deployments.stream_affinity:StreamAffinityRouter"  # Code2Wav's (stream affinity)
+CODE2WAV_REQUEST_ROUTER = "deployments.code2wav.router:StreamAffinityRouter"  # Code2Wav's (stream affinity)
 
-# Talker: engine slots and Serve admission
-DEFAULT_TALKER_MAX_NUM_SEQS = _env_int("QWEN3_TTS_TALKER_MAX_NUM_SEQS", 32)
+# Talker: Serve admission (its engine rows, `engine_kwargs.max_num_seqs`, default to the engine config's)
 # open streams a replica accepts per engine slot (the excess waits inside the engine, ready to be admitted
 # the step a slot frees) and requests queued at the caller per slot before a fast 429/503
 TALKER_ONGOING_PER_SLOT = _env_float("QWEN3_TTS_TALKER_ONGOING_PER_SLOT", 1.5)
@@ -50,8 +63,7 @@ INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S = _env_float("QWEN3_TTS_INGRESS_GRACEFUL_SHUT
 TALKER_ENGINE_START_TIMEOUT_S = _env_float("QWEN3_TTS_TALKER_ENGINE_START_TIMEOUT_S", 1800.0)
 WARMUP_FRAMES = _env_int("QWEN3_TTS_WARMUP_FRAMES", 4)
 
-# Code2Wav: dynamic batching of chunks from many streams
-DEFAULT_CODE2WAV_MAX_BATCH_SIZE = _env_int("QWEN3_TTS_CODE2WAV_MAX_BATCH_SIZE", 16)
+# Code2Wav: dynamic batching of chunks from many streams (`code2wav.max_batch_size`: the engine config's default)
 CODE2WAV_ONGOING_PER_BATCH_SLOT = _env_int("QWEN3_TTS_CODE2WAV_ONGOING_PER_BATCH_SLOT", 4)
 DEFAULT_CODE2WAV_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_CODE2WAV_MAX_QUEUED_REQUESTS", 1024)
 # a batch decodes in milliseconds on a GPU and in well under a second on CPU; a minute means stuck
@@ -66,6 +78,9 @@ DEFAULT_INGRESS_MAX_ONGOING_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_ONGOING_R
 DEFAULT_INGRESS_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_QUEUED_REQUESTS", 128)
 DEFAULT_INGRESS_MAX_OPEN_REQUESTS = _env_int("QWEN3_TTS_INGRESS_MAX_OPEN_REQUESTS", 256)
 DEFAULT_BODY_READ_TIMEOUT_S = _env_float("QWEN3_TTS_BODY_READ_TIMEOUT_S", 30.0)
+# the ingress's replicas unless a config sets `num_replicas`: several from the first request (one event loop does
+# not carry hundreds of streams; docs/serving.md "Hops and transport"), more as connections grow
+INGRESS_AUTOSCALING = {"min_replicas": 4, "max_replicas": 8, "target_ongoing_requests": 64}
 
 # request limits
 DEFAULT_MAX_CONTEXTS_PER_CONNECTION = _env_int("QWEN3_TTS_MAX_CONTEXTS_PER_CONNECTION", 16)  # WebSocket
@@ -85,16 +100,15 @@ INLINE_VOICE_CACHE_SIZE = _env_int("QWEN3_TTS_INLINE_VOICE_CACHE_SIZE", 64)
 REF_AUDIO_FETCH_TIMEOUT_S = _env_float("QWEN3_TTS_REF_AUDIO_FETCH_TIMEOUT_S", 10.0)
 READY_PROBE_TIMEOUT_S = _env_float("QWEN3_TTS_READY_PROBE_TIMEOUT_S", 2.0)
 
-# an ingress replica's decode calls to Code2Wav: chunks per call, calls in flight (deployments/decode_batcher.py)
+# an ingress replica's decode calls to Code2Wav: chunks per call, calls in flight (deployments/ingress/decode_batcher.py)
 DEFAULT_DECODE_BATCH_MAX_CHUNKS = _env_int("QWEN3_TTS_DECODE_BATCH_MAX_CHUNKS", 64)
 DEFAULT_DECODE_CALLS_IN_FLIGHT = _env_int("QWEN3_TTS_DECODE_CALLS_IN_FLIGHT", 4)
 
 # decoded chunks in flight per stream: decodes overlap generation, audio still leaves in order
 DEFAULT_MAX_PENDING_DECODES = _env_int("QWEN3_TTS_MAX_PENDING_DECODES", 4)
-# a stream's first chunks decoded ahead of the others: off by default. Measured on an H100 (docs/benchmarks.md,
-# "First audio hop by hop"): 2 or 5 cut first audio under load but cost continuity at c=256 (57% / 86% gap-free
-# against 93%): the later chunks wait longer behind them while playback started sooner
-DEFAULT_URGENT_CHUNKS = _env_int("QWEN3_TTS_URGENT_CHUNKS", 0)
+# a stream's first chunks that its listener waits for: the first, and the second (it must follow within the
+# first's audio). Code2Wav's batch never waits to fill with them, and stream affinity never holds them back.
+WAITED_FOR_CHUNKS = 2
 
 # how often replicas refresh their queue/KV gauges
 METRICS_REFRESH_INTERVAL_S = _env_float("QWEN3_TTS_METRICS_REFRESH_INTERVAL_S", 2.0)

@@ -2,7 +2,7 @@
 
 Each process on the path stamps wall-clock times (`time.time()`) on the stream's first chunk only: the Talker
 when its `generate` starts, when the first chunk is cut and when it leaves (`CodecChunk.stamps`; in between the
-Talker may decode it itself, deployments/first_chunk_decoder.py), Code2Wav when the decode
+Talker may decode it itself, deployments/talker/first_chunk_decoder.py), Code2Wav when the decode
 call holding the chunk arrives and when the batch holding it starts and ends decoding (`DecodedChunk.stamps`);
 the ingress adds its arrival, its Talker call, the first codec chunk's and the first PCM's receipt, and the
 response. The differences are the stages of `STAGES`. A stage that crosses processes compares two processes'
@@ -23,7 +23,7 @@ STAGES: dict[str, str] = {
     "ingress": "arrival at the ingress to its Talker call: validation, routing, tokenization, voice",
     "to_talker": "the call's hop to a Talker replica, until its generate runs",
     "talker": "in the Talker replica: engine admission, prefill and the first chunk's frames",
-    "talker_decode": "the Talker decoding the first chunk itself (deployments/first_chunk_decoder.py; ~0 if not)",
+    "talker_decode": "the Talker decoding the first chunk itself (deployments/talker/first_chunk_decoder.py; ~0 if not)",
     "to_ingress": "the first codec chunk's hop back to the ingress",
     "to_code2wav": "the ingress's decode batching and the hop to a Code2Wav replica",
     "code2wav_queue": "waiting in Code2Wav for the decoder (the batch before it)",

@@ -115,8 +115,8 @@ def resolve_device_dtype(options: _RuntimeOptions) -> tuple[str, str]:
 def keep_triton_kernels(env: MutableMapping[str, str] = os.environ) -> str:
     """Point Triton's cache at C.TRITON_CACHE_DIR unless the environment names one; returns the one in use.
 
-    Measured (H100, 2026-11-23): with Triton's default cache empty, a served start from the compile-cache file
-    spent 7.8 s building the first-chunk decoder's 8 graphs (its vocoder kernels compiling per shape family)."""
+    Why: with Triton's default cache empty, a served start from the compile-cache file still compiles the vocoder
+    kernels of every first-chunk decoder graph, per shape family (seconds; docs/benchmarks.md "Ready")."""
     return env.setdefault("TRITON_CACHE_DIR", str(C.TRITON_CACHE_DIR))
 
 
@@ -124,7 +124,7 @@ def keep_bytecode(probe: str = "torch", pycache_dir: str = C.PYCACHE_DIR) -> str
     """Keep the bytecode of modules imported from here on under `pycache_dir` when the installed `probe` package
     carries none where Python looks (installed without bytecode, as uv does by default, and often run with
     PYTHONDONTWRITEBYTECODE=1, as container images set it): then every replica start compiles torch, Triton and
-    sympy from source again, ~7-9 s of a GPU replica's start on an H100 host (docs/benchmarks.md, "Ready").
+    sympy from source again, seconds of a GPU replica's start (docs/benchmarks.md, "Ready").
     Bytecode goes to that directory only (the installed packages stay untouched), beside the compile cache, so a
     restart or another machine sharing the directory reads it. Returns the prefix in use, or None if nothing was
     changed (bytecode present, a prefix already set by PYTHONPYCACHEPREFIX, `pycache_dir` "off", or no `probe`)."""
@@ -144,16 +144,10 @@ def keep_bytecode(probe: str = "torch", pycache_dir: str = C.PYCACHE_DIR) -> str
 
 
 def configure_torch(options: _RuntimeOptions, device: str) -> None:
-    """Per-process settings: CPU threads, a GPU memory cap (fractional GPUs share memory), Triton's cache, and
-    the GIL's switch interval."""
-    import sys
-
+    """Per-process settings: CPU threads, a GPU memory cap (fractional GPUs share memory) and Triton's cache."""
     import torch
 
     keep_triton_kernels()
-    if options.gil_switch_interval_ms is not None:
-        sys.setswitchinterval(options.gil_switch_interval_ms / 1000)
-
     if options.cpu_threads is not None:
         torch.set_num_threads(options.cpu_threads)
     if options.gpu_memory_fraction is not None and device.startswith("cuda"):

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
     from stages.config import GenerationDefaults, ModelConfig
     from stages.prompts import TextTokenizer
 
+# decode_many's keyword argument that names the replica holding the chunks' streams (stream affinity: the ingress's
+# StreamPlacement sets it, Code2Wav's StreamAffinityRouter reads it)
+TARGET_KWARG = "replica"
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -52,10 +56,10 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class GenerateOptions:
-    """Per-request knobs of the Talker's chunking and length, beside the SynthesisRequest."""
+    """Per-request knobs of the Talker's chunking and live text, beside the SynthesisRequest (whose `max_frames`
+    the ingress already fitted to the engine's `max_seq_len`: deployments/ingress/request_builder.py)."""
 
     first_chunk_frames: int | None = None  # None: the configured schedule
-    fit_max_frames: bool = False  # True: shorten max_frames to what fits the engine's max_seq_len
     text_idle_timeout_s: float | None = None  # live text: the request's own idle timeout (<= the engine's)
 
 
@@ -73,7 +77,7 @@ class DecodedChunk:
 
 
 def talker_decoded(chunk: CodecChunk) -> DecodedChunk | None:
-    """The answer for a chunk the Talker decoded itself (it carries `pcm`: deployments/first_chunk_decoder.py);
+    """The answer for a chunk the Talker decoded itself (it carries `pcm`: deployments/talker/first_chunk_decoder.py);
     None for a chunk Code2Wav must decode."""
     if chunk.pcm is None:
         return None

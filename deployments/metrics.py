@@ -11,7 +11,6 @@ from ray.serve import metrics
 LATENCY_MS_BUCKETS = [5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800]
 RTF_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
-REQUEST_STATUSES = ("ok", "bad_request", "not_found", "rejected", "cancelled", "timeout", "error")
 
 
 class IngressMetrics:
@@ -112,7 +111,7 @@ class Code2WavMetrics:
         self.named_chunks = metrics.Counter(
             "tts_code2wav_named_chunks", description="Stream affinity: chunks of decode calls that named a replica "
             "(the one holding their streams' state), by where they landed: landed=here, or landed=elsewhere when "
-            "the named replica was full or gone (deployments/stream_affinity.py).", tag_keys=("landed",),
+            "the named replica was full or gone (deployments/ingress/placement.py).", tag_keys=("landed",),
         )
 
     def record_state_paths(self, stats) -> None:

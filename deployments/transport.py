@@ -4,15 +4,18 @@ Two transports carry a chunk from the Talker to the ingress and on to Code2Wav (
 
 - "grpc": Serve's interdeployment gRPC transport (`_by_reference=False`). Every value travels inside the gRPC
   message, serialized once per hop; no object is created in Ray's object store or its owner tables. Codec chunks
-  (a few KB) and PCM answers (<= 100 KB per chunk) are small, so this is the cheap path (ray_serve_design.md §2.5:
-  ~0.2 ms per streamed item against ~0.7 ms).
+  (a few KB) and PCM answers (<= 100 KB per chunk) are small, so this is the cheap path (ray_serve_design.md §2.5
+  and docs/serving.md "Hops and transport" have the cost of each per streamed item).
 - "object_ref": Ray actor calls (`_by_reference=True`, Serve's default). The ingress turns the Talker's stream into
   an `ObjectRefGenerator` and forwards each chunk's ref to Code2Wav unread. Chunks under Ray's 100 KiB inline
   limit are still stored in the ingress process (it owns the refs) and inlined into the Code2Wav call, so the
   bytes pass through the ingress either way; only their deserialization there is saved.
 
-`_by_reference` and `DeploymentResponseGenerator._to_object_ref_gen` are Serve developer APIs: they are used here
-and nowhere else, and tests/serve/test_transport.py fails if a Ray upgrade changes them.
+Both ends live here: the ingress's handles and stream items (`stage_handle`, `stream_items`, `max_answer_bytes`)
+and Code2Wav's reading of what arrives (`resolve`). `_by_reference` and
+`DeploymentResponseGenerator._to_object_ref_gen` are Serve developer APIs: they are used here and nowhere else, and
+tests/serve/test_transport.py runs the app end to end over each transport, so it fails if a Ray upgrade changes
+them.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Literal
 
+from ray import ObjectRef
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 StageTransport = Literal["grpc", "object_ref"]
@@ -47,3 +51,8 @@ async def stream_items(generator: DeploymentResponseGenerator, transport: StageT
     else:
         async for item in generator:
             yield item
+
+
+async def resolve(item):
+    """What a Code2Wav call received, as a value: a forwarded ObjectRef (object_ref) is read here, a value as is."""
+    return await item if isinstance(item, ObjectRef) else item

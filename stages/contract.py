@@ -141,7 +141,7 @@ class CodecChunk:
     finish_reason: FinishReason | None = None
     # wall times the serving path stamps on a stream's first chunk (deployments/first_audio_timing.py)
     stamps: tuple[float, ...] = ()
-    # int16 PCM of the new frames when the Talker decoded the chunk itself (deployments/first_chunk_decoder.py)
+    # int16 PCM of the new frames when the Talker decoded the chunk itself (deployments/talker/first_chunk_decoder.py)
     pcm: np.ndarray | None = None
 
     @property

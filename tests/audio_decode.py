@@ -7,7 +7,7 @@ import io
 import av
 import numpy as np
 
-from deployments.audio_formats import FORMATS
+from deployments.audio.formats import FORMATS
 
 SR = 24000
 RAW = {"pcm": ("s16le", SR), "mulaw": ("mulaw", 8000), "alaw": ("alaw", 8000)}  # headerless: demuxer, rate

@@ -1,4 +1,4 @@
-"""A fake talker engine behind the engine interface TalkerServer uses, with injectable faults.
+"""A fake talker engine behind the Protocol TalkerServer uses (deployments/talker/engine_protocol.py), with faults.
 
 `engine_cls: "tests.fake_engine:FakeTalkerEngine"` (its `config_cls`, `FakeTalkerEngineConfig`, from `engine_kwargs`)
 serves requests without a model: a step thread emits one all-zero frame per running request per step
@@ -12,13 +12,15 @@ test drives them through the real HTTP API:
   never returns would; `check_health()` then raises once no step has happened for `stall_timeout_s`
   while work is pending (the heartbeat the real engine offers).
 
-It depends on nothing of stages/talker's internals, so it keeps working while those change.
+It takes no live text (`open_request` refuses: the WebSocket tests use the real engine). It depends on nothing of
+stages/talker's internals, so it keeps working while those change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from typing import ClassVar
 import numpy as np
 
 from stages.chunking import ChunkSchedule, StreamChunker
-from stages.contract import NUM_CODEBOOKS, CodecChunk, FinishReason, SynthesisRequest
+from stages.contract import NUM_CODEBOOKS, CodecChunk, FinishReason, InvalidRequestError, SynthesisRequest
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class FakeTalkerEngineConfig:
     # accepted and ignored, so that configs written for the real engine work unchanged
     cuda_graphs: bool = False
     kv_cache_tokens: int | None = None
+    compile: bool = False  # never compiles (TalkerServer reads it: its first-chunk decoder compiles alongside)
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class _Stream:
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            self._engine.abort(self)
+            self._engine.abort(self.request_id)
 
 
 class FakeTalkerEngine:
@@ -120,7 +123,7 @@ class FakeTalkerEngine:
         self._lock = threading.Lock()
         self._running: list[_Stream] = []
         self._waiting: collections.deque[_Stream] = collections.deque()
-        self._aborted: set[_Stream] = set()
+        self._aborted: set[str] = set()  # request ids
         self._stop = threading.Event()
         self._ready = False
         self._stalled = False
@@ -153,10 +156,32 @@ class FakeTalkerEngine:
             self._waiting.append(stream)  # admitted at the next step, when a slot is free
         return stream
 
-    def abort(self, stream: _Stream) -> None:
+    def open_request(self, request: SynthesisRequest, schedule: ChunkSchedule | None = None, text: str = "",
+                     idle_timeout_s: float | None = None) -> _Stream:
+        raise InvalidRequestError("the fake engine takes no live text")
+
+    def append_text(self, request_id: str, text: str) -> None:
+        raise InvalidRequestError(f"no live request {request_id!r}")
+
+    def flush_text(self, request_id: str) -> None:
+        raise InvalidRequestError(f"no live request {request_id!r}")
+
+    def end_text(self, request_id: str) -> None:
+        raise InvalidRequestError(f"no live request {request_id!r}")
+
+    def run_on_device(self, fn) -> concurrent.futures.Future:
+        """`fn()` at once, on the calling thread (no device here)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(fn())
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    def abort(self, request_id: str) -> None:
         """Like the real engine's: a command the loop carries out at its next step (never, once it is stuck)."""
         with self._lock:
-            self._aborted.add(stream)
+            self._aborted.add(request_id)
 
     def _drop(self, stream: _Stream) -> None:
         with self._lock:
@@ -180,8 +205,8 @@ class FakeTalkerEngine:
     def _loop(self) -> None:
         while not self._stop.wait(self.config.step_interval_s):
             with self._lock:
-                self._running = [s for s in self._running if s not in self._aborted]
-                self._waiting = collections.deque(s for s in self._waiting if s not in self._aborted)
+                self._running = [s for s in self._running if s.request_id not in self._aborted]
+                self._waiting = collections.deque(s for s in self._waiting if s.request_id not in self._aborted)
                 self._aborted.clear()
                 while self._waiting and len(self._running) < self.config.max_num_seqs:
                     self._running.append(self._waiting.popleft())

@@ -19,7 +19,9 @@ DEPLOYMENTS_MAY_IMPORT = frozenset({
     "stages.voice.prompt",  # voice-clone prompts from reference audio
     "stages.chunking",  # the chunk schedule
     "stages.arrival_rate",  # the "more expected within the wait?" rule of batch holds (the engine's too)
-    "stages.talker.layout",  # prefill_length: planning on the ingress, admission on the Talker replica
+    "stages.talker.layout",  # prefill_length and the KV-fit rule: planning on the ingress
+    "stages.talker.engine_config",  # the engine's defaults (max_num_seqs), torch-free
+    "stages.code2wav.engine_config",  # the engine's defaults (max_batch_size, stateful), torch-free
     "stages.qwen3_tts",  # loading a checkpoint
     "stages.random_checkpoint",  # writing the embedded default
     "stages.talker.engine",  # DEFAULT_ENGINE_CLS
@@ -163,3 +165,13 @@ def test_allowlist_check_finds_a_planted_import(tmp_path):
         "deployments/bad.py": "def f():\n    from stages.talker import runner\n",
     })
     assert _disallowed_stages_imports(_import_graph(tmp_path)) == ["deployments.bad -> stages.talker.runner"]
+
+
+def test_deployments_keep_few_top_level_modules_and_short_files():
+    """`deployments/` is a package per Serve process; at its top only what several processes share (at most 12
+    modules), and no file over 450 lines."""
+    top = sorted(p.name for p in (ROOT / "deployments").glob("*.py"))
+    assert len(top) <= 12, top
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "deployments").rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 450}
+    assert long == {}

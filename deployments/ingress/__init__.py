@@ -1,14 +1,23 @@
-"""The ingress: the app's OpenAI-compatible HTTP API (FastAPI on Ray Serve, CPU only), one concern a file.
+"""The ingress: the app's OpenAI-compatible HTTP API (FastAPI on Ray Serve, CPU only) and everything that runs in
+an ingress replica, one concern a file.
 
-    app.py       the FastAPI app (body guard, OpenAPI document, error handlers), `ENDPOINTS` (method, path ->
-                 server method) and `make_fastapi_ingress`, which registers them and wraps the class for Serve
-    server.py    `TTSIngress`, a plain class: one method per endpoint; speech requests admitted and started
-    routing.py   served models by name and alias, their `ModelInfo`s, the model of a request without `model`
-    speech.py    the speech writers: the whole body, or a stream of raw bytes / SSE events
-    sse.py       the SSE events of a stream
-    voices.py    the clone prompt a request uses; list, upload and delete uploaded voices (disk in threads)
-    health.py    /health and /ready
-    outcomes.py  a failure -> the client's JSON error; request metrics
+    app.py             the FastAPI app (body guard, OpenAPI document as the server answers, error handlers),
+                       `ENDPOINTS` (method, path -> server method) and `make_fastapi_ingress`
+    server.py          `TTSIngress`, a plain class: one method per endpoint; speech requests admitted and started
+    routing.py         served models by name and alias, their `ModelInfo`s; /health and /ready
+    speech.py          the speech writers: the whole body, or a stream of raw bytes / SSE events
+    voices.py          the clone prompt a request uses; list, upload and delete uploaded voices (disk in threads)
+    voice_store.py     `VoiceStore`: uploaded voices on disk
+    live.py            `/v1/audio/speech/stream`: the WebSocket session of live-text contexts
+    text_mailbox.py    `TextMailbox`: the actor a Talker takes a live context's text from
+    outcomes.py        a failure -> the client's JSON error; request metrics; `PlaybackClock` (a client's buffer)
+    request_builder.py limits, model and voice choice, the engine's `SynthesisRequest` (fitted to max_seq_len)
+    ref_audio.py       reference clips: fetched, probed, decoded (uploads and inline `ref_audio`)
+    schemas.py         the request bodies (pydantic)
+    http_guard.py      `BodyGuard` (bodies in whole, within a deadline) and `OpenWork` (the replica's admission)
+    pipeline.py        one request's stream: Talker chunks -> DecodeBatcher -> decoded audio, in order
+    decode_batcher.py  `DecodeBatcher`: every stream's chunks to Code2Wav in few calls
+    placement.py       `StreamPlacement`: which Code2Wav replica holds each stream's state (stream affinity)
 
 `deployments.builder.build_app` deploys `make_fastapi_ingress(TTSIngress, app=make_fastapi_app(...))`.
 """

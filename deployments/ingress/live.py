@@ -29,15 +29,14 @@ from pydantic import TypeAdapter, ValidationError
 from ray.actor import ActorHandle
 from starlette.websockets import WebSocketDisconnect
 
+from deployments.audio.encoders import AsyncStreamEncoder
 from deployments.errors import APIError, bad_request
-from deployments.http_guard import OpenWork
-from deployments.ingress.outcomes import Outcomes
+from deployments.ingress.http_guard import OpenWork
+from deployments.ingress.outcomes import Outcomes, PlaybackClock
+from deployments.ingress.request_builder import check_limits, check_live_text, check_request
+from deployments.ingress.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen
+from deployments.ingress.text_mailbox import TextEvent
 from deployments.messages import DecodedChunk
-from deployments.playback import PlaybackClock
-from deployments.request_builder import check_limits, check_live_text, check_request
-from deployments.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen
-from deployments.stream_encoders import AsyncStreamEncoder
-from deployments.text_mailbox import TextEvent
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
 
 
@@ -88,7 +87,7 @@ class LiveSession:
 
     def __init__(self, websocket: WebSocket, ingress: LiveIngress, mailbox: ActorHandle, outcomes: Outcomes,
                  work: OpenWork):
-        """`mailbox`: the ingress replica's TextMailbox actor (deployments/text_mailbox.py)."""
+        """`mailbox`: the ingress replica's TextMailbox actor (deployments/ingress/text_mailbox.py)."""
         self._ws, self._ingress, self._mailbox = websocket, ingress, mailbox
         self._outcomes, self._work = outcomes, work
         self._limits = ingress.args.ingress

@@ -2,6 +2,8 @@
 
 Each Talker deployment sends its `ModelInfo` (config, tokenizer, limits) once per ingress replica; the
 fetch starts when the replica starts, and concurrent requests share it.
+
+`health` and `readiness`: liveness and readiness of the app as one ingress replica sees it (`/health`, `/ready`).
 """
 
 from __future__ import annotations
@@ -10,14 +12,16 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from fastapi.responses import JSONResponse
 from ray.serve.handle import DeploymentHandle
 
+from deployments import constants as C
 from deployments.config import TalkerDeploymentConfig
 from deployments.errors import to_api_error
+from deployments.ingress.request_builder import VoiceChoice, choose_voice, infer_model, resolve_model_name
+from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.voice_store import VoiceRecord
 from deployments.messages import ModelInfo
-from deployments.request_builder import VoiceChoice, choose_voice, infer_model, resolve_model_name
-from deployments.schemas import SpeechRequest
-from deployments.voices import VoiceRecord
 
 
 class ModelRoute:
@@ -98,3 +102,36 @@ class ModelRouter:
 def _ignore_failure(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()  # retrieved: a failed prefetch is retried by the next request
+
+
+def health() -> dict:
+    """The replica answers: Serve's proxy reached it and its event loop runs."""
+    return {"status": "ok"}
+
+
+async def readiness(router: ModelRouter, code2wav: DeploymentHandle) -> JSONResponse:
+    """200 when every Talker and Code2Wav has a warmed-up replica and every model info is loaded, else 503;
+    the body says which deployment is ready."""
+    probes = {name: r.handle.ready.remote() for name, r in router.routes.items()}
+    probes[C.CODE2WAV_DEPLOYMENT_NAME] = code2wav.ready.remote()
+    # awaited together: one probe timeout bounds the answer (a poller sees a replica ready that much sooner)
+    results = await asyncio.gather(*(_probe(response) for response in probes.values()))
+    state = dict(zip(probes, results, strict=True))
+    for name, route in router.routes.items():
+        if state[name] and route.loaded is None:
+            try:
+                async with asyncio.timeout(C.READY_PROBE_TIMEOUT_S):
+                    await route.info()
+            except Exception:
+                state[name] = False
+    ready = all(state.values())
+    return JSONResponse({"ready": ready, "deployments": state}, status_code=200 if ready else 503)
+
+
+async def _probe(response) -> bool:
+    try:
+        async with asyncio.timeout(C.READY_PROBE_TIMEOUT_S):
+            return bool(await response)
+    except Exception:  # not started, still warming up, or failing: not ready
+        response.cancel()
+        return False

@@ -4,7 +4,7 @@ Its methods answer the routes of `deployments/ingress/app.py`'s `ENDPOINTS`; `ma
 the class into a Serve ingress when the application is built. A speech request is admitted, validated and
 tokenized (with the tokenizer each Talker sends once), routed by `model` to that checkpoint's Talker
 deployment, given its voice, and started: Code2Wav decodes of the Talker's chunks are pipelined
-(`deployments.pipeline`), and once the first audio is in hand a writer (deployments/ingress/speech.py)
+(`deployments.ingress.pipeline`), and once the first audio is in hand a writer (deployments/ingress/speech.py)
 sends one body, raw chunked bytes, or SSE events.
 """
 
@@ -21,24 +21,24 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import first_audio_timing
 from deployments.config import TTSServingArgs
-from deployments.decode_batcher import DecodeBatcher
 from deployments.errors import APIError
 from deployments.first_audio_timing import FirstAudioTiming
-from deployments.http_guard import OpenWork
-from deployments.ingress import health
+from deployments.ingress import routing
+from deployments.ingress.decode_batcher import DecodeBatcher
+from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.live import LiveSession
 from deployments.ingress.outcomes import Outcomes
+from deployments.ingress.pipeline import stream_audio
+from deployments.ingress.placement import StreamPlacement
+from deployments.ingress.request_builder import VoiceChoice, build_request, check_limits, check_request
 from deployments.ingress.routing import ModelRouter
+from deployments.ingress.schemas import SpeechRequest
 from deployments.ingress.speech import SpeechJob, stream_response, whole_response
+from deployments.ingress.text_mailbox import new_mailbox
+from deployments.ingress.voice_store import VoiceStore
 from deployments.ingress.voices import Voices
 from deployments.messages import DecodedChunk, ModelInfo
-from deployments.pipeline import stream_audio
-from deployments.request_builder import VoiceChoice, build_request, check_limits, check_request
-from deployments.schemas import SpeechRequest
-from deployments.stream_affinity import StreamPlacement
-from deployments.text_mailbox import new_mailbox
 from deployments.transport import max_answer_bytes, stage_handle
-from deployments.voices import VoiceStore
 from stages.contract import SynthesisRequest
 
 
@@ -58,8 +58,8 @@ class TTSIngress:
         self._voices = Voices(VoiceStore(limits.voices_path), self._router, limits, self._work, self._outcomes)
         self._router.prefetch()
         # this replica's TextMailbox (WebSocket live text), started with the replica: made with the first
-        # WebSocket context instead, it cost that context's first audio seconds (an actor's worker start;
-        # H100 run of 2026-11-22, docs/benchmarks.md "Live text")
+        # WebSocket context instead, it costs that context's first audio an actor's worker start (seconds;
+        # docs/benchmarks.md "Live text")
         self._mailbox = new_mailbox()
         await self._mailbox.open_boxes.remote()
 
@@ -68,7 +68,7 @@ class TTSIngress:
         """Where each stream's Code2Wav state is, with stream affinity (None: every decode call by load)."""
         if not args.stream_affinity:
             return None
-        return StreamPlacement(spread_new_streams=args.ingress.decode_batch.place_new_streams == "fewest_streams")
+        return StreamPlacement()
 
     @property
     def args(self) -> TTSServingArgs:
@@ -77,7 +77,7 @@ class TTSIngress:
     # ------------------------------------------------------------------ speech
     async def speech(self, body: SpeechRequest):
         try:
-            self._work.acquire()  # admission of the costly part (deployments/http_guard.py)
+            self._work.acquire()  # admission of the costly part (deployments/ingress/http_guard.py)
         except APIError as exc:
             return self._outcomes.fail(exc, "-", body.streaming)
         try:
@@ -136,7 +136,7 @@ class TTSIngress:
                                            live=mailbox is not None, idle_timeout_s=idle_timeout_s)
         chunks = stream_audio(self._router.handle(info.name), self._decoder, synthesis, options,
                               self._args.streaming.max_pending_decodes, self._limits.stage_transport, mailbox,
-                              timing, self._args.streaming.urgent_chunks, self._args.streaming.waited_for_chunks)
+                              timing)
         return synthesis, chunks
 
     # ------------------------------------------------------------------ live text (WebSocket)
@@ -157,8 +157,8 @@ class TTSIngress:
         return await self._voices.delete(name)
 
     async def health(self):
-        return health.health()
+        return routing.health()
 
     async def ready(self):
         """200 only when every Talker and Code2Wav has a warmed-up replica and every model info is loaded."""
-        return await health.readiness(self._router, self._code2wav)
+        return await routing.readiness(self._router, self._code2wav)

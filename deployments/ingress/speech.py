@@ -2,11 +2,19 @@
 
 Both writers take a `SpeechJob` whose decoded-chunk pipeline already produced its first chunk (so every
 failure before audio was a JSON error), run within the request's deadline, and record the outcome.
+
+The SSE events of a stream (`stream_format: sse`) are OpenAI's `speech.audio.*` events:
+
+    data: {"type": "speech.audio.delta", "audio": <base64 of the encoded chunk>}      one per chunk
+    data: {"type": "speech.audio.done", "usage": {...}, "finish_reason": ...}         at the end
+    data: {"type": "speech.audio.error", "error": {"message": ..., ...}}             instead, on a failure
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,16 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi.responses import Response, StreamingResponse
 
-from deployments.audio_formats import MEDIA_TYPES
-from deployments.errors import StreamAborted, to_api_error
-from deployments.http_guard import OpenWork
-from deployments.ingress import sse
-from deployments.ingress.outcomes import Outcomes
+from deployments.audio.encoders import AsyncStreamEncoder, encode
+from deployments.audio.formats import MEDIA_TYPES
+from deployments.errors import APIError, StreamAborted, to_api_error
+from deployments.ingress.http_guard import OpenWork
+from deployments.ingress.outcomes import Outcomes, PlaybackClock
+from deployments.ingress.schemas import SpeechRequest
 from deployments.messages import DecodedChunk
-from deployments.playback import PlaybackClock
-from deployments.schemas import SpeechRequest
-from deployments.stream_encoders import AsyncStreamEncoder, encode
-from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
+from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME, FinishReason
 
 logger = logging.getLogger("ray.serve")
 
@@ -72,7 +78,7 @@ def stream_response(job: SpeechJob, outcomes: Outcomes, work: OpenWork, headers:
     """The audio as it comes: raw encoded bytes, or SSE events (`stream_format: sse`)."""
     sse_events = job.body.stream_format == "sse"
     return StreamingResponse(_stream(job, outcomes, work),
-                             media_type=sse.MEDIA_TYPE if sse_events else MEDIA_TYPES[job.body.response_format],
+                             media_type=SSE_MEDIA_TYPE if sse_events else MEDIA_TYPES[job.body.response_format],
                              headers=headers)
 
 
@@ -80,7 +86,7 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
     as_sse, model = job.body.stream_format == "sse", job.model
     frames, status, finish, audio_sent = 0, "ok", None, False
     playback = PlaybackClock()
-    work.acquire(check=False)  # the stream holds its own count while it is sent (deployments/http_guard.py)
+    work.acquire(check=False)  # the stream holds its own count while it is sent (deployments/ingress/http_guard.py)
     outcomes.stream_opened(model)
     try:
         encoder = AsyncStreamEncoder(job.body.response_format, job.body.speed)
@@ -96,7 +102,7 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
             if data:  # a stream may end with an empty final chunk; a codec may hold a short chunk back
                 playback.sent(unsent_s)
                 unsent_s = 0.0
-                yield sse.delta(data) if as_sse else data
+                yield sse_delta(data) if as_sse else data
                 if not audio_sent:
                     audio_sent = True
                     outcomes.first_stream_audio(model, job.started)
@@ -105,7 +111,7 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
             async with asyncio.timeout_at(job.deadline):
                 chunk = await anext(job.chunks, None)
         if as_sse:
-            yield sse.done(job.usage_in, frames, finish)
+            yield sse_done(job.usage_in, frames, finish)
     except asyncio.CancelledError:
         status = "cancelled"  # the client went away: closing `chunks` below aborts the Talker
         raise
@@ -114,7 +120,7 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
         status = "timeout" if error.status == 504 else "error"
         logger.warning(f"{model}: stream failed after {frames} frames: {error.message}")
         if as_sse:
-            yield sse.error(error)
+            yield sse_error(error)
         else:
             # raw bytes can only say "failed" through their framing: the response ends without its
             # terminating chunk, so clients see an incomplete read rather than a short clip that looks whole
@@ -123,3 +129,23 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
         await job.chunks.aclose()
         work.release()
         outcomes.stream_ended(model, status, job.started, frames, playback)
+
+
+SSE_MEDIA_TYPE = "text/event-stream"
+
+
+def sse_event(kind: str, **fields) -> bytes:
+    return f"data: {json.dumps({'type': f'speech.audio.{kind}', **fields})}\n\n".encode()
+
+
+def sse_delta(audio: bytes) -> bytes:
+    return sse_event("delta", audio=base64.b64encode(audio).decode())
+
+
+def sse_done(input_tokens: int, output_tokens: int, finish: FinishReason | None) -> bytes:
+    usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
+    return sse_event("done", usage=usage, finish_reason=finish.value if finish else "unknown")
+
+
+def sse_error(error: APIError) -> bytes:
+    return sse_event("error", **error.body())

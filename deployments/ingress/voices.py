@@ -1,6 +1,6 @@
 """Voices in the ingress: the clone prompt a speech request uses, and the `/v1/audio/voices` endpoints.
 
-Uploaded voices live on disk (deployments/voices.py, `VoiceStore`); every read and write of it runs in a
+Uploaded voices live on disk (deployments/ingress/voice_store.py, `VoiceStore`); every read and write of it runs in a
 thread, never on the event loop. A Base Talker computes clone prompts; the ingress caches them (uploaded
 voices on disk per checkpoint fingerprint, inline `ref_audio` clips in memory).
 """
@@ -20,14 +20,14 @@ from ray.serve.handle import DeploymentHandle
 from deployments import constants as C
 from deployments.config import IngressConfig
 from deployments.errors import APIError, bad_request, plain, shown, unwrap
-from deployments.http_guard import OpenWork
+from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.outcomes import Outcomes
+from deployments.ingress.ref_audio import load_ref_audio, probe_audio, read_voice_upload
+from deployments.ingress.request_builder import VoiceChoice
 from deployments.ingress.routing import ModelRouter
+from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.voice_store import VOICE_NAME_PATTERN, VoiceRecord, VoiceStore
 from deployments.messages import ModelInfo
-from deployments.ref_audio import load_ref_audio, probe_audio, read_voice_upload
-from deployments.request_builder import VoiceChoice
-from deployments.schemas import SpeechRequest
-from deployments.voices import VOICE_NAME_PATTERN, VoiceRecord, VoiceStore
 from stages.contract import TaskType, VoiceClonePrompt
 
 logger = logging.getLogger("ray.serve")
@@ -45,7 +45,7 @@ class Voices:
     # ------------------------------------------------------------------ speech requests
     async def finder(self, body: SpeechRequest) -> VoiceFinder:
         """The uploaded voices `body` may name, read from disk in a thread, as the lookup that request
-        planning (deployments/request_builder.py) calls synchronously. A preset speaker's name is never an
+        planning (deployments/ingress/request_builder.py) calls synchronously. A preset speaker's name is never an
         uploaded voice's: the requests of preset voices (most of them) skip the thread and the disk read, which
         under load waited for the event loop's GIL on both ends."""
         presets = self._router.preset_voices()

@@ -28,7 +28,7 @@ class Code2WavEngineConfig:
     fast_kernels: bool = True  # fused Triton SnakeBeta etc. on CUDA (stages/code2wav/fast.py); False: eager modules
     max_frames_per_forward: int = 4096  # padded batch x padded length of one forward
     forward_overhead_frames: int = 64  # cost of one forward in frames of work (batching plan; ~2 ms on H100)
-    stateful: bool = False  # carry each stream's decoder state between its chunks: decode new frames only
+    stateful: bool = True  # carry each stream's decoder state between its chunks: decode new frames only
     compile: bool = True  # CUDA: torch.compile the dequantizer and pre-transformer (stages/code2wav/compiled.py)
     compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't
     state_slots: int = 512  # streams whose state is kept (least recently used beyond); ~2.6 MB each (bf16)

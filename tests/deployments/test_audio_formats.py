@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from deployments.audio_formats import FORMATS, float_to_pcm16, streaming_wav_header
-from deployments.schemas import ResponseFormat, SpeechRequest
-from deployments.stream_encoders import encode
+from deployments.audio.encoders import encode
+from deployments.audio.formats import FORMATS, float_to_pcm16, streaming_wav_header
+from deployments.ingress.schemas import ResponseFormat, SpeechRequest
 
 SR = 24000
 

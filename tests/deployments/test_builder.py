@@ -43,13 +43,14 @@ def test_every_config_in_the_folder_is_tested():
 def test_every_shipped_config_decodes_statefully(config):
     """README and docs/code2wav.md §6 say so: a chunk decodes its new frames only, with a state slot for each row
     of a Talker replica at least (least recently used beyond: such a stream decodes over its left context)."""
+    from stages.code2wav.engine_config import Code2WavEngineConfig
     from stages.talker.engine_config import TalkerEngineConfig
 
     args = TTSServingArgs.model_validate(_app_args(config))
     kwargs = args.code2wav.engine_kwargs
-    assert kwargs.get("stateful") is True
+    assert args.code2wav.stateful
     rows = max(m.engine_kwargs.get("max_num_seqs", TalkerEngineConfig.max_num_seqs) for m in args.models)
-    assert kwargs["state_slots"] >= rows
+    assert kwargs.get("state_slots", Code2WavEngineConfig.state_slots) >= rows
 
 
 @pytest.mark.parametrize("config", SHIPPED)
@@ -178,6 +179,14 @@ def test_yaml_deployment_config_overrides_defaults_deeply():
     ({"models": [{"name": "a"}], "ingress": {"ref_audio_url_allowlist": ["file:///etc/"]}}, "URL prefix"),
     ({"models": [{"name": "a"}], "ingress": {"backpressure": {"status_code": 500}}}, "429"),
     ({"models": [{"name": "a", "embedded_kind": "tts"}]}, "custom_voice"),
+    # device, dtype and autoscaling keys: the error names the field and what it takes
+    ({"models": [{"name": "a", "device": "gpu"}]}, r"models\.0\.device\n.*device 'gpu' is not one of"),
+    ({"models": [{"name": "a"}], "code2wav": {"device": "cuda:x"}}, r"code2wav\.device\n"),
+    ({"models": [{"name": "a", "dtype": "bfloat"}]}, r"models\.0\.dtype\n.*dtype 'bfloat' is not one of"),
+    ({"models": [{"name": "a", "deployment_config": {"autoscaling_config": {"min_replica": 1}}}]},
+     r"models\.0\.deployment_config\n.*unknown autoscaling_config keys \['min_replica'\]"),
+    ({"models": [{"name": "a"}], "ingress": {"deployment_config": {"autoscaling_config": {"target": 3}}}},
+     r"ingress\.deployment_config\n.*autoscaling_config keys \['target'\]"),
 ])
 def test_invalid_args_fail_validation(args, message):
     with pytest.raises(ValidationError, match=message):
@@ -193,6 +202,44 @@ def test_invalid_args_fail_validation(args, message):
 def test_inconsistent_engine_options_fail_at_build_time(args, message):
     with pytest.raises(ValueError, match=message):
         build_app(args)
+
+
+def test_a_config_naming_only_the_model_gets_the_fast_path_of_high_concurrency():
+    """Defaults are the measured fast path: a config that names the model, device, dtype and GPU fraction gets what
+    configs/high_concurrency.yaml runs (which sets only what differs: sizes)."""
+    from stages.talker.engine_config import TalkerEngineConfig
+
+    minimal = {"models": [{"name": "m", "model": "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice", "device": "cuda",
+                           "dtype": "bfloat16", "gpu_memory_fraction": 0.55}]}
+    for args in (TTSServingArgs.model_validate(minimal),
+                 TTSServingArgs.model_validate(_app_args("high_concurrency.yaml"))):
+        talker, code2wav = args.models[0], args.code2wav
+        assert code2wav.stateful and code2wav.max_batch_size == 64
+        assert (code2wav.batch_fill_chunks, code2wav.batch_fill_wait_ms, code2wav.batch_fill_idle_wait_ms) == (64, 20, 60)
+        assert args.streaming.schedule().first_chunk_frames == 1
+        assert (talker.first_chunk_decode_max_running, talker.first_chunk_decode_count_pending) == (160, True)
+        ingress = _deployments(build_app(args))[C.INGRESS_DEPLOYMENT_NAME]._deployment_config.autoscaling_config
+        assert ingress.min_replicas == 4
+    assert TTSServingArgs.model_validate(minimal).models[0].max_num_seqs == TalkerEngineConfig.max_num_seqs
+
+
+def test_a_config_setting_num_replicas_keeps_the_ingress_at_that_count():
+    app = build_app({"models": [{"name": "m"}], "ingress": {"deployment_config": {"num_replicas": 1}}})
+    ingress = _deployments(app)[C.INGRESS_DEPLOYMENT_NAME]._deployment_config
+    assert ingress.autoscaling_config is None and ingress.num_replicas == 1
+
+
+@pytest.mark.parametrize("value, message", [("many", "is not an integer"), ("-3", "must not be negative")])
+def test_a_bad_environment_value_names_its_variable(value, message):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "QWEN3_TTS_MAX_INPUT_CHARS": value, "PYTHONPATH": str(CONFIGS.parent)}
+    result = subprocess.run([sys.executable, "-c", "import deployments.constants"], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0
+    assert f"environment variable QWEN3_TTS_MAX_INPUT_CHARS={value!r} {message}" in result.stderr
 
 
 def test_suppress_eos_is_refused_by_default_and_only_the_cpu_config_allows_it():
@@ -226,7 +273,7 @@ def test_an_overload_names_its_limit_to_the_ingress_logs_and_metrics_not_to_the_
 
     from deployments.config import BackpressureSettings
     from deployments.errors import OVERLOAD_LIMITS, APIError
-    from deployments.http_guard import OpenWork
+    from deployments.ingress.http_guard import OpenWork
     from deployments.ingress.outcomes import Outcomes
     from stages.contract import EngineOverloadedError
 

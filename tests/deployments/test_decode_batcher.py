@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from deployments.decode_batcher import DecodeBatcher
+from deployments.ingress.decode_batcher import DecodeBatcher
 from tests.fake_response import FakeResponse
 
 
@@ -69,29 +69,6 @@ def test_lone_chunk_goes_at_once_and_busy_chunks_share_a_call():
         handle.release.put_nowait("ok")
         assert await rest[3] == "pcm:e"
         assert handle.calls == [["a"], ["b", "c", "d"], ["e"]]  # max_chunks per call
-        await batcher.close()
-
-    asyncio.run(main())
-
-
-def test_urgent_chunks_leave_at_once_while_the_call_slots_are_busy():
-    async def main():
-        handle = _Code2Wav()
-        batcher = DecodeBatcher(handle, max_chunks=8, max_calls_in_flight=1)
-        busy = batcher.submit("a")
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        waiting = batcher.submit("b")  # the only slot is busy: waits
-        urgent = [batcher.submit(x, urgent=True) for x in ("first-1", "first-2")]
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        assert handle.calls == [["a"], ["first-1", "first-2"]]  # queued together, sent together, no slot taken
-        handle.release.put_nowait("ok")
-        handle.release.put_nowait("ok")
-        assert await busy == "pcm:a" and [await f for f in urgent] == ["pcm:first-1", "pcm:first-2"]
-        handle.release.put_nowait("ok")
-        assert await waiting == "pcm:b"
-        assert handle.calls[2] == ["b"]
         await batcher.close()
 
     asyncio.run(main())

@@ -10,14 +10,14 @@ import pytest
 from ray import cloudpickle
 
 from deployments.config import TalkerDeploymentConfig
-from deployments.http_guard import BodyLimits
 from deployments.ingress import ENDPOINTS, TTSIngress, make_fastapi_app, make_fastapi_ingress
+from deployments.ingress.app import build_openapi
+from deployments.ingress.http_guard import BodyLimits
 from deployments.ingress.routing import ModelRouter
+from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.voice_store import VoiceStore
 from deployments.ingress.voices import Voices
 from deployments.messages import ModelInfo
-from deployments.openapi import build_openapi
-from deployments.schemas import SpeechRequest
-from deployments.voices import VoiceStore
 from tests.conftest import tiny_model_info
 
 

@@ -21,8 +21,8 @@ import deployments.ingress
 info = pickle.loads(sys.stdin.buffer.read())
 loaded = {m: m in sys.modules for m in ("transformers", "torch")}
 from deployments.config import TTSServingArgs
-from deployments.request_builder import build_request, choose_voice
-from deployments.schemas import SpeechRequest
+from deployments.ingress.request_builder import build_request, choose_voice
+from deployments.ingress.schemas import SpeechRequest
 args = TTSServingArgs.model_validate({"models": [{"name": info.name}]})
 body = SpeechRequest.model_validate({"input": "Hello there, 42 times!", "voice": "vivian", "instructions": "calm"})
 request, _ = build_request(body, info, choose_voice(body, info, lambda name: None), None, args, "r")
@@ -51,7 +51,7 @@ def test_building_the_app_does_not_import_torch():
     """Serve builds the application in a fresh worker before any replica starts (on `serve run`'s path to ready):
     the builder, the deployment classes and `build_app` itself (which validates every engine's options) run
     without torch."""
-    script = ("import sys, yaml, deployments.builder, deployments.talker, deployments.code2wav\n"
+    script = ("import sys, yaml, deployments.builder, deployments.talker.server, deployments.code2wav.server\n"
               "args = yaml.safe_load(open('configs/high_concurrency.yaml'))['applications'][0]['args']\n"
               "deployments.builder.build_app(args)\n"
               "print('torch' in sys.modules, 'transformers' in sys.modules)")

@@ -96,19 +96,3 @@ def test_bytecode_is_left_alone_where_the_package_has_it(tmp_path, monkeypatch):
     assert keep_bytecode("withbytecode_pkg", str(tmp_path / "pycache")) is None
     assert sys.pycache_prefix is None
     assert keep_bytecode("no_such_package_here", str(tmp_path / "pycache")) is None
-
-
-def test_the_replicas_gil_switch_interval_is_the_configs():
-    import sys
-
-    from deployments.config import Code2WavDeploymentConfig
-    from deployments.loading import configure_torch
-
-    before = sys.getswitchinterval()
-    try:
-        configure_torch(Code2WavDeploymentConfig(device="cpu"), "cpu")
-        assert sys.getswitchinterval() == before  # unset: Python's own
-        configure_torch(Code2WavDeploymentConfig(device="cpu", gil_switch_interval_ms=0.5), "cpu")
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-    finally:
-        sys.setswitchinterval(before)

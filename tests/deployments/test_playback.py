@@ -1,4 +1,4 @@
-from deployments.playback import PlaybackClock
+from deployments.ingress.outcomes import PlaybackClock
 
 
 def test_no_underrun_when_audio_arrives_ahead():

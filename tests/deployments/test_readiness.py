@@ -8,7 +8,7 @@ import json
 import types
 
 from deployments import constants as C
-from deployments.ingress import health
+from deployments.ingress import routing as health
 from tests.fake_response import FakeResponse
 
 

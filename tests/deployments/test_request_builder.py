@@ -7,10 +7,10 @@ import pytest
 
 from deployments.config import TTSServingArgs
 from deployments.errors import APIError
+from deployments.ingress.request_builder import build_request, check_limits, choose_voice, infer_model, resolve_model_name
+from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.voice_store import VoiceRecord
 from deployments.messages import ModelInfo
-from deployments.request_builder import build_request, check_limits, choose_voice, infer_model, resolve_model_name
-from deployments.schemas import SpeechRequest
-from deployments.voices import VoiceRecord
 from stages.contract import TaskType, VoiceClonePrompt
 from tests.conftest import tiny_model_info
 
@@ -112,9 +112,9 @@ def test_build_request_uses_checkpoint_sampling_defaults_and_overrides(infos, ar
     assert request.sampling.top_k == info.generation.sampling.top_k == 50
     assert request.prompt.speaker_id == info.config.talker.speakers["vivian"]
     assert request.prompt.language_id == info.config.talker.languages["english"]
-    assert options.first_chunk_frames == 3 and not options.fit_max_frames
+    assert options.first_chunk_frames == 3
     default = build_request(_req(), info, choose_voice(_req(), info, _find), None, args, "r2")
-    assert default[0].max_frames == 300 and default[1].fit_max_frames
+    assert default[0].max_frames == 300 and default[1].first_chunk_frames is None
 
 
 def test_base_request_carries_the_voice_and_x_vector_only_drops_reference_codes(infos, args):
@@ -166,7 +166,7 @@ def test_task_of_models(infos):
 def test_requests_too_long_for_max_seq_len_are_refused_in_the_ingress(infos, args):
     """Prompt + frames beyond max_seq_len is a 400 here (the Talker never sees it); without max_new_tokens,
     a prompt that leaves fewer than `min_fitted_frames` is refused rather than answered with a few frames."""
-    from stages.talker.layout import prefill_length
+    from stages.talker.layout import max_frames_that_fit, prefill_length
 
     info = infos["base"]
     long_ref = VoiceClonePrompt(np.zeros(info.config.talker.hidden_size, np.float32),
@@ -180,7 +180,7 @@ def test_requests_too_long_for_max_seq_len_are_refused_in_the_ingress(infos, arg
 
     fits = VoiceClonePrompt(long_ref.x_vector, ref_codes=np.zeros((400, 16), np.int64), ref_text_ids=(1, 2))
     request, _ = build_request(body, info, choice, fits, args, "r")
-    room = 512 - prefill_length(request.prompt) - 2
+    room = max_frames_that_fit(prefill_length(request.prompt), 512)  # the engine's rule (test_servers checks it)
     assert args.ingress.min_fitted_frames <= request.max_frames == room < 300  # fitted, above the floor
     too_many = _req(voice="myvoice", max_new_tokens=room + 1)
     status, param, message = _status(build_request, too_many, info, choice, fits, args, "r")

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from deployments.code2wav.router import StreamAffinityRouter
 from deployments.config import TTSServingArgs
-from deployments.decode_batcher import DecodeBatcher
+from deployments.ingress.decode_batcher import DecodeBatcher
+from deployments.ingress.placement import Placement, StreamPlacement
 from deployments.messages import DecodedChunk
-from deployments.stream_affinity import Placement, StreamAffinityRouter, StreamPlacement
 from stages.contract import CodecChunk
 from tests.fake_response import FakeResponse
 
@@ -277,52 +277,8 @@ def test_placement_places_once_and_follows_the_latest_answer():
     assert placement.settle("s", 5, "A") == [] and len(placement) == 0  # a late answer: nothing comes back
 
 
-def test_spreading_new_streams_names_the_replica_with_fewest_from_the_first_chunk():
-    async def main():
-        replicas = _Replicas(("A", "B", "C"))
-        placement = StreamPlacement(spread_new_streams=True)
-        batcher = DecodeBatcher(replicas, max_chunks=1, max_calls_in_flight=4, placement=placement)
-        # before any replica answered there is nothing to name: the first streams go by load and teach the replicas
-        await asyncio.gather(*(batcher.submit(_chunk(s, 0), stream=s, early=True) for s in ("w0", "w1", "w2")))
-        assert [replicas.went(s)[0] for s in ("w0", "w1", "w2")] == [(None, "A"), (None, "B"), (None, "C")]
-        # six new streams, each sending its two early chunks at once (the second before the first is answered)
-        futures = [batcher.submit(_chunk(f"s{i}", k), stream=f"s{i}", early=True) for i in range(6) for k in range(2)]
-        await asyncio.gather(*futures)
-        for i in range(6):
-            went = replicas.went(f"s{i}")
-            assert went[0][0] is not None and len(set(went)) == 1  # both named, both on one replica
-        per_replica = Counter(replicas.went(f"s{i}")[0][1] for i in range(6))
-        assert per_replica == Counter({"A": 2, "B": 2, "C": 2})  # with w0-w2, three streams on each
-        await batcher.close()
-
-    asyncio.run(main())
-
-
-def test_spreading_still_sends_every_eighth_new_stream_by_load_to_find_replicas_no_call_reached():
-    """An ingress hears of a replica only from its answers: had every new stream named the answering replica with
-    fewest streams, a replica no call reached would never answer, and the first to answer would take them all (a
-    served CPU run, 2026-11-28: 186 chunks on one Code2Wav replica, none from the ingress on the other)."""
-    async def main():
-        replicas = _Replicas(("A", "B"))
-        placement = StreamPlacement(spread_new_streams=True)
-        batcher = DecodeBatcher(replicas, max_chunks=1, max_calls_in_flight=4, placement=placement)
-        await batcher.submit(_chunk("w", 0), stream="w", early=True)  # the only answer so far: A's
-        for i in range(1, 17):  # one stream after another, each answered before the next starts
-            await batcher.submit(_chunk(f"s{i}", 0), stream=f"s{i}", early=True)
-        named = [replicas.went(f"s{i}")[0] for i in range(1, 17)]
-        assert named[7] == (None, "B") and named[15] == (None, "A")  # the 8th and 16th by load
-        assert named[:7] == [("A", "A")] * 7  # before B answered, A is all there is
-        assert named[8:15] == [("B", "B")] * 7  # then B, holding fewest, takes the new streams until even
-        assert Counter(went for _, went in named) == Counter({"A": 8, "B": 8})
-        await batcher.close()
-
-    asyncio.run(main())
-    with pytest.raises(ValueError, match="explore_every"):
-        StreamPlacement(spread_new_streams=True, explore_every=1)
-
-
 def test_by_load_a_streams_two_early_chunks_may_start_two_states():
-    """The default: the case `spread_new_streams` is for (the test above fails its check without it)."""
+    """By load, a stream's two early chunks (neither waits for the other's answer) may start two states."""
     async def main():
         replicas = _Replicas(("A", "B"))
         batcher = DecodeBatcher(replicas, max_chunks=1, max_calls_in_flight=4, placement=StreamPlacement())
@@ -333,36 +289,11 @@ def test_by_load_a_streams_two_early_chunks_may_start_two_states():
     asyncio.run(main())
 
 
-def test_spreading_skips_a_replica_that_missed_until_it_answers_again_and_counts_only_live_streams():
-    placement = StreamPlacement(spread_new_streams=True)
-    placement.place("w", "c0", early=True)
-    placement.settle("w", 0, "A")
-    placement.place("v", "c0", early=True)
-    assert placement.target("v") == "A"  # the only replica known
-    placement.settle("v", 0, "B")  # A was full: B took the chunk and holds v's state now
-    assert placement.target("v") == "B"
-    placement.place("x", "c0", early=True)
-    assert placement.target("x") == "B"  # A missed: not named while B answers
-    placement.settle("w", 1, "A")  # A answers again (w's chunk): named again, and it holds fewer streams
-    placement.place("y", "c0", early=True)
-    assert placement.target("y") == "A"
-    for s in ("v", "x"):  # B's streams end: B holds none, A two (w, y)
-        placement.forget(s)
-    placement.place("z", "c0", early=True)
-    assert placement.target("z") == "B"
-
-
-def test_place_new_streams_reaches_the_ingress_placement():
+def test_the_ingress_places_streams_only_with_affinity():
     from deployments.ingress.server import TTSIngress
 
-    args = _args(True, {"num_replicas": 2})
-    assert args.ingress.decode_batch.place_new_streams == "by_load"
-    by_load = TTSIngress._placement(args)
-    by_load.settle("w", 0, "A")  # an answer of an unknown stream still teaches the replica...
+    by_load = TTSIngress._placement(_args(True, {"num_replicas": 2}))
+    by_load.settle("w", 0, "A")  # an answer of an unknown stream places nothing...
     by_load.place("s", "c0", early=True)
-    assert by_load.target("s") is None  # ...but by load nothing is named
-    spread = TTSIngress._placement(_args(True, {"num_replicas": 2}, place_new_streams="fewest_streams"))
-    spread.settle("w", 0, "A")
-    spread.place("s", "c0", early=True)
-    assert spread.target("s") == "A"
+    assert by_load.target("s") is None  # ...and a new stream goes by load until its own answer names a replica
     assert TTSIngress._placement(_args(False, {"num_replicas": 2})) is None  # no state, no placement

@@ -7,8 +7,8 @@ import av
 import numpy as np
 import pytest
 
-from deployments.audio_formats import FORMATS, float_to_pcm16
-from deployments.stream_encoders import encode, open_stream_encoder
+from deployments.audio.encoders import encode, open_stream_encoder
+from deployments.audio.formats import FORMATS, float_to_pcm16
 from tests.audio_decode import RAW, decode, expected_rate
 
 SR = 24000

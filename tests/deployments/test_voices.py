@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deployments.voices import VoiceStore
+from deployments.ingress.voice_store import VoiceStore
 from stages.contract import VoiceClonePrompt
 
 

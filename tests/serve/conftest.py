@@ -102,7 +102,7 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
 
     return {
         "models": [
-            # cv's Talker decodes first chunks itself (deployments/first_chunk_decoder.py) while <= 8 requests run
+            # cv's Talker decodes first chunks itself (deployments/talker/first_chunk_decoder.py) while <= 8 requests run
             model("cv", tiny_custom_voice, 20, aliases=["tts-1"], first_chunk_decode_max_running=8),
             model("base", tiny_base, 4),
             # one slot, one queued request: the admission tests fill it
@@ -125,15 +125,16 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
              "engine_kwargs": {"max_num_seqs": 2, "max_seq_len": 512, "stall_seed": STALL_SEED,
                                "stall_timeout_s": 1.0, "pause_seed": PAUSE_SEED, "pause_after_frames": 4}},
         ],
+        # production-like: the serving defaults (stateful Code2Wav, batch fill, one-frame first chunk, the Talkers'
+        # first-chunk decoders), with CPU sizes
         "code2wav": {"device": "cpu", "cpu_threads": 1, "max_batch_size": 16, "deployment_config": ZERO_CPU},
-        # urgent_chunks: the first two chunks of each stream take Code2Wav's urgent path (off by default)
-        "streaming": {"first_chunk_frames": 2, "steady_chunk_frames": 8, "left_context_frames": 4, "urgent_chunks": 2},
+        "streaming": {"steady_chunk_frames": 8, "left_context_frames": 4},
         "ingress": {
             "voices_dir": str(voices_dir), "max_input_chars": 300, "max_ref_audio_bytes": 300_000,
             "max_ref_audio_seconds": 5.0, "request_timeout_s": 120, "max_request_bytes": 1_000_000,
             "ref_audio_url_allowlist": [allowed_prefix], "body_read_timeout_s": BODY_READ_TIMEOUT_S,
             "allow_suppress_eos": True,
-            "deployment_config": ZERO_CPU,
+            "deployment_config": {**ZERO_CPU, "num_replicas": 1},  # one event loop on CPU
         },
     }
 

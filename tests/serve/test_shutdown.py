@@ -53,7 +53,7 @@ def lc_args(checkpoint, voices_dir, *, aliases: tuple[str, ...] = (), pause_afte
         "code2wav": {"device": "cpu", "cpu_threads": 1, "max_batch_size": 16, "deployment_config": ZERO_CPU},
         "streaming": {"first_chunk_frames": 2, "steady_chunk_frames": 8, "left_context_frames": 4},
         "ingress": {"voices_dir": str(voices_dir), "request_timeout_s": 300, "allow_suppress_eos": True,
-                    "deployment_config": ZERO_CPU},
+                    "deployment_config": {**ZERO_CPU, "num_replicas": 1}},
     }
 
 

@@ -87,7 +87,7 @@ def test_streamed_audio_equals_non_streamed_audio(http, openai_client):
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
     deltas = [e for e in events if e["type"] == "speech.audio.delta"]
-    assert len(deltas) == 4 and events[-1]["type"] == "speech.audio.done"
+    assert len(deltas) == 5 and events[-1]["type"] == "speech.audio.done"  # 21 frames: 1, 2, 4, 8, 6
     assert events[-1]["finish_reason"] == "length"
     assert events[-1]["usage"]["output_tokens"] == 21 and events[-1]["usage"]["input_tokens"] > 0
     np.testing.assert_array_equal(pcm_of(b"".join(base64.b64decode(e["audio"]) for e in deltas)), whole)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
-from deployments.decode_batcher import DecodeBatcher
-from deployments.stream_affinity import StreamPlacement
+from deployments.ingress.decode_batcher import DecodeBatcher
+from deployments.ingress.placement import StreamPlacement
 from stages.contract import FinishReason
 from tests.serve.conftest import ZERO_CPU
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from deployments.audio_formats import FORMATS, MEDIA_TYPES
+from deployments.audio.formats import FORMATS, MEDIA_TYPES
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
 from tests.audio_decode import decode, expected_rate
 from tests.serve.conftest import speech

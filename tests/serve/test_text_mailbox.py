@@ -1,4 +1,4 @@
-"""deployments/text_mailbox.py on a real Ray cluster: events in order, a waiting take wakes on put and on close."""
+"""deployments/ingress/text_mailbox.py on a real Ray cluster: events in order, a waiting take wakes on put and on close."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from deployments.text_mailbox import TextEvent, new_mailbox
+from deployments.ingress.text_mailbox import TextEvent, new_mailbox
 
 pytestmark = pytest.mark.serve
 

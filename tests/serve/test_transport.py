@@ -1,4 +1,5 @@
-"""deployments/transport.py against real Serve: both stage transports carry a stream into a second deployment.
+"""deployments/transport.py against real Serve: both stage transports carry a stream into a second deployment, and
+the whole app serves speech over the "object_ref" transport (the session app runs the default, "grpc").
 
 The "object_ref" transport relies on Serve developer APIs (`_by_reference`, `_to_object_ref_gen`); this test is
 where a Ray upgrade that changes them fails first.
@@ -10,7 +11,9 @@ import asyncio
 
 import pytest
 
-from deployments.transport import stage_handle, stream_items
+from deployments.transport import resolve, stage_handle, stream_items
+from stages.contract import SAMPLES_PER_FRAME
+from tests.serve.conftest import ZERO_CPU, pcm_of, speech, wait_for
 
 pytestmark = pytest.mark.serve
 
@@ -19,7 +22,6 @@ APP = "transport-test"
 
 @pytest.fixture(scope="module")
 def handles(ray_cluster):
-    import ray
     from ray import serve
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -32,7 +34,7 @@ def handles(ray_cluster):
     class Consumer:
         async def total(self, items: list) -> list[int]:
             """Like Code2Wav.decode_many: each item is a value or a ref to one."""
-            values = [await item if isinstance(item, ray.ObjectRef) else item for item in items]
+            values = [await resolve(item) for item in items]
             return [v["seq"] + len(v["payload"]) for v in values]
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -69,3 +71,44 @@ def test_the_grpc_transport_carries_values_from_a_driver_too(handles):
         return [item["seq"] async for item in stream_items(generator, "grpc")]
 
     assert asyncio.run(run()) == [0, 1, 2]
+
+
+OBJREF = "objref"
+
+
+@pytest.fixture(scope="module")
+def objref_app(ray_cluster, tiny_custom_voice, tmp_path_factory):
+    """The app at /objref with `ingress.stage_transport: object_ref`: the fake engine behind the Talker, a stateful
+    Code2Wav (the defaults), one ingress replica."""
+    import httpx
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    args = {
+        "models": [{"name": "fake", "model": str(tiny_custom_voice), "device": "cpu", "cpu_threads": 1,
+                    "engine_cls": "tests.fake_engine:FakeTalkerEngine",
+                    "engine_kwargs": {"max_num_seqs": 2, "max_seq_len": 512}, "deployment_config": ZERO_CPU}],
+        "code2wav": {"device": "cpu", "cpu_threads": 1, "max_batch_size": 16, "deployment_config": ZERO_CPU},
+        "streaming": {"steady_chunk_frames": 8, "left_context_frames": 4},
+        "ingress": {"stage_transport": "object_ref", "voices_dir": str(tmp_path_factory.mktemp("objref-voices")),
+                    "allow_suppress_eos": True, "deployment_config": {**ZERO_CPU, "num_replicas": 1}},
+    }
+    serve.run(build_app(args), name=OBJREF, route_prefix=f"/{OBJREF}")
+    base = f"{ray_cluster}/{OBJREF}"
+    wait_for(lambda: httpx.get(f"{base}/ready", timeout=10).status_code == 200, 120, 0.5, f"/{OBJREF}/ready")
+    yield base
+    serve.delete(OBJREF)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_app_serves_speech_over_the_object_ref_transport(objref_app, stream):
+    """Every frame's audio arrives, in order, whether the Talker decoded a chunk itself or Code2Wav did from a ref."""
+    import httpx
+
+    frames = 30  # first chunk, the ramp, steady chunks: the Talker's first-chunk decodes and Code2Wav's
+    body = speech(model="fake", voice="vivian", response_format="pcm", stream=stream, max_new_tokens=frames)
+    response = httpx.post(f"{objref_app}/v1/audio/speech", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert pcm_of(response.content).size == frames * SAMPLES_PER_FRAME
+    assert "talker_and_back" in response.headers["Server-Timing"]  # the ingress forwarded refs, read nothing

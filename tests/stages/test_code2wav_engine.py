@@ -44,7 +44,7 @@ def decoder(tiny_custom_voice):
 
 @pytest.fixture(scope="module")
 def engine(decoder) -> Code2WavEngine:
-    eng = Code2WavEngine(decoder, Code2WavEngineConfig())
+    eng = Code2WavEngine(decoder, Code2WavEngineConfig(stateful=False))
     eng.warmup(log=lambda _m: None)
     return eng
 
@@ -235,7 +235,7 @@ def test_batched_equals_one_by_one(engine, decoder, stream):
 
 
 def test_plan_buckets_limits_and_coverage(decoder):
-    cfg = Code2WavEngineConfig(max_batch_size=8, batch_buckets=(1, 2, 4, 8), length_buckets=(2, 6, 30, 75),
+    cfg = Code2WavEngineConfig(stateful=False, max_batch_size=8, batch_buckets=(1, 2, 4, 8), length_buckets=(2, 6, 30, 75),
                                max_frames_per_forward=300, forward_overhead_frames=10)
     eng = Code2WavEngine(decoder, cfg)
     lengths = [2, 75, 75, 6, 5, 75, 1, 2, 30, 75, 75, 75, 75, 75, 200]
@@ -254,7 +254,7 @@ def test_plan_buckets_limits_and_coverage(decoder):
 
 
 def test_stats_and_validation(decoder):
-    eng = Code2WavEngine(decoder, Code2WavEngineConfig())
+    eng = Code2WavEngine(decoder, Code2WavEngineConfig(stateful=False))
     rng = np.random.default_rng(0)
     ok = CodecChunk("a", 0, rng.integers(0, 2048, (7, 16)), 3)
     out = eng.decode([ok, CodecChunk("b", 1, np.zeros((0, 16), dtype=np.int64), 0, final=True)])
@@ -281,8 +281,9 @@ def test_compile_is_cuda_only(decoder):
 
     rng = np.random.default_rng(5)
     chunks = [CodecChunk("c", 0, rng.integers(0, 2048, (6, 16)), 2), CodecChunk("d", 0, rng.integers(0, 2048, (3, 16)), 0)]
-    plain = Code2WavEngine(decoder, Code2WavEngineConfig(max_batch_size=8)).decode(chunks)
-    eng = Code2WavEngine(decoder, Code2WavEngineConfig(max_batch_size=8, compile=True, compile_cache_dir="/nonexistent"))
+    plain = Code2WavEngine(decoder, Code2WavEngineConfig(stateful=False, max_batch_size=8)).decode(chunks)
+    eng = Code2WavEngine(decoder, Code2WavEngineConfig(stateful=False, max_batch_size=8, compile=True,
+                                                       compile_cache_dir="/nonexistent"))
     assert eng.compiled is False and not compiled.is_enabled(decoder)
     assert "forward" not in vars(decoder.quantizer) and "forward" not in vars(decoder.pre_transformer)
     for a, b in zip(eng.decode(chunks), plain, strict=True):
@@ -291,12 +292,13 @@ def test_compile_is_cuda_only(decoder):
 
 
 def test_config_from_lists_and_schedule():
-    cfg = Code2WavEngineConfig(batch_buckets=[1, 4], length_buckets=[2, 75])
+    cfg = Code2WavEngineConfig(stateful=False, batch_buckets=[1, 4], length_buckets=[2, 75])
     assert cfg.batch_buckets == (1, 4) and cfg.length_buckets == (2, 75)
-    assert Code2WavEngineConfig().length_buckets == (2, 6, 14, 30, 50)
-    assert Code2WavEngineConfig.for_schedule(ChunkSchedule(left_context_frames=50)).length_buckets == (2, 6, 14, 30, 55, 75)
+    assert Code2WavEngineConfig(stateful=False).length_buckets == (2, 6, 14, 30, 50)
+    wide = Code2WavEngineConfig.for_schedule(ChunkSchedule(left_context_frames=50), stateful=False)
+    assert wide.length_buckets == (2, 6, 14, 30, 55, 75)
     with pytest.raises(ValueError):
-        Code2WavEngineConfig(max_batch_size=0)
+        Code2WavEngineConfig(stateful=False, max_batch_size=0)
 
 
 # ---- CUDA graphs (GPU only) ----------------------------------------------------------------------------
@@ -314,7 +316,7 @@ def test_cuda_graphs_and_fast_kernels_match_eager(decoder, dtype, fast_kernels, 
     monkeypatch.setattr(fast, "UPSAMPLE_GEMM_MIN_CHANNELS", 32)  # its blocks 0-1 as GEMMs, 2-3 as cuDNN's
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    cfg = Code2WavEngineConfig.for_schedule(ChunkSchedule(left_context_frames=50), max_batch_size=8,
+    cfg = Code2WavEngineConfig.for_schedule(ChunkSchedule(left_context_frames=50), stateful=False, max_batch_size=8,
                                             batch_buckets=(1, 2, 4, 8), max_frames_per_forward=300,
                                             fast_kernels=fast_kernels, compile=compile)
     graphed = Code2WavEngine(copy.deepcopy(decoder).to("cuda", dtype), cfg)
@@ -322,7 +324,7 @@ def test_cuda_graphs_and_fast_kernels_match_eager(decoder, dtype, fast_kernels, 
     graphed.warmup(log=print)
     assert graphed.stats().graphs == len(graphed.graph_shapes()) > 0
     eager = Code2WavEngine(copy.deepcopy(decoder).to("cuda", dtype),
-                           Code2WavEngineConfig(cuda_graphs=False, fast_kernels=False, max_batch_size=8))
+                           Code2WavEngineConfig(stateful=False, cuda_graphs=False, fast_kernels=False, max_batch_size=8))
     rng = np.random.default_rng(1)
     shapes = [(0, 2), (2, 4), (50, 25), (0, 1), (30, 25), (50, 25), (50, 25), (50, 25), (50, 25), (50, 13), (90, 10)]
     chunks = [CodecChunk(f"s{i}", 0, rng.integers(0, 2048, (c + n, 16)), c) for i, (c, n) in enumerate(shapes)]

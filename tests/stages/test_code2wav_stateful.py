@@ -44,7 +44,7 @@ def fulls(decoder, streams) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def stateless(decoder) -> Code2WavEngine:
-    return Code2WavEngine(decoder, Code2WavEngineConfig())
+    return Code2WavEngine(decoder, Code2WavEngineConfig(stateful=False))
 
 
 def stateful_engine(decoder, slots: int = 8, **kwargs) -> Code2WavEngine:
@@ -246,13 +246,14 @@ def test_the_first_chunk_decoder_and_code2wav_keep_their_compiled_work_apart(dec
     one compile cache file between them made each start replace the other's Dynamo work and trace again (an H100,
     2026-11-25: Code2Wav 2 traces and the first-chunk decoder 1 on every start from the cache). The same engine
     config finds its own file again (a restart)."""
-    from deployments.first_chunk_decoder import engine_config
+    from deployments.talker.first_chunk_decoder import engine_config
     from stages.code2wav import compiled
 
     monkeypatch.setattr(compiled, "enable", lambda _decoder: True)  # CPU: compiled.enable compiles nothing
     first_chunks, _, _ = engine_config(FIRST_1, compile=True, compile_cache_dir=str(tmp_path))
     serving = Code2WavEngineConfig(max_batch_size=64, stateful=True, compile=True, compile_cache_dir=str(tmp_path))
-    stateless = Code2WavEngineConfig(max_batch_size=64, compile=True, compile_cache_dir=str(tmp_path))  # shapes alone
+    stateless = Code2WavEngineConfig(stateful=False, max_batch_size=64, compile=True,  # shapes alone
+                                     compile_cache_dir=str(tmp_path))
     configs = (first_chunks, serving, serving, stateless)
     paths = [Code2WavEngine(decoder, config).compile_cache().path for config in configs]
     assert len({paths[0], paths[1], paths[3]}) == 3 and paths[1] == paths[2] and paths[0].parent == tmp_path

@@ -4,7 +4,7 @@ Why here and not in Serve: Serve's proxy hands a request to an ingress replica a
 arrive, and the replica pulls the body from the proxy while the request holds one of the replica's
 `max_ongoing_requests`. Nothing in Serve times out a body that never comes, and nothing bounds its size:
 about 100 half-sent bodies filled the ingress (every route, `/ready` included, answered Serve's
-plain-text 429), and a 300 MB chunked body was read whole (issue 13). So:
+plain-text 429), and a 300 MB chunked body was read whole. So:
 
 - `BodyGuard` (ASGI middleware) reads every body up front, counting bytes as they stream in (413 at the
   limit, chunked bodies included, without reading the rest) within a deadline (408), then replays it.

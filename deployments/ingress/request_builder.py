@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from deployments import constants as C
 from deployments.config import IngressConfig, TTSServingArgs
 from deployments.errors import APIError, bad_request, shown
+from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.voice_store import VoiceRecord
 from deployments.messages import GenerateOptions, ModelInfo
-from deployments.schemas import SpeechRequest
-from deployments.voices import VoiceRecord
 from stages.contract import InvalidRequestError, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
 from stages.prompts import build_live_prompt, build_prompt
-from stages.talker.layout import prefill_length
+from stages.talker.layout import max_frames_that_fit, prefill_length
 
 
 @dataclass(frozen=True)
@@ -193,11 +193,11 @@ def build_request(
 
     # a live prompt's length is that of any text in its layout: one placeholder id sizes it
     prompt_len = prefill_length(dataclasses.replace(prompt, text_ids=(0,)) if live else prompt)
-    room = info.max_seq_len - prompt_len - 2  # frames that fit: the engine needs prompt + frames + 2 positions
+    room = max_frames_that_fit(prompt_len, info.max_seq_len)  # the engine's KV-fit rule (stages/talker/layout.py)
     if body.max_new_tokens is not None:
         if body.max_new_tokens > room:
             raise bad_request(f"request too long: a prompt of {prompt_len} positions + {body.max_new_tokens} frames "
-                              f"exceeds the model's max_seq_len {info.max_seq_len}; at most {max(room, 0)} frames "
+                              f"exceeds the model's max_seq_len {info.max_seq_len}; at most {room} frames "
                               "fit", "max_new_tokens", code="request_too_long")
         max_frames = body.max_new_tokens
     else:
@@ -207,12 +207,10 @@ def build_request(
         # a useless 80 ms answer with finish_reason=length, so it is refused instead
         floor = min(args.ingress.min_fitted_frames, limit)
         if max_frames < floor:
-            raise bad_request(f"request too long: a prompt of {prompt_len} positions leaves room for {max(room, 0)} "
+            raise bad_request(f"request too long: a prompt of {prompt_len} positions leaves room for {room} "
                               f"frames within the model's max_seq_len {info.max_seq_len}; at least {floor} are "
                               "needed (shorten the input or the reference clip)", "input", code="request_too_long")
     request = SynthesisRequest(request_id=request_id, prompt=prompt, sampling=sampling, max_frames=max_frames,
                                seed=body.seed)
-    options = GenerateOptions(first_chunk_frames=body.initial_codec_chunk_frames,
-                              fit_max_frames=body.max_new_tokens is None and not live,
-                              text_idle_timeout_s=idle_timeout_s)
+    options = GenerateOptions(first_chunk_frames=body.initial_codec_chunk_frames, text_idle_timeout_s=idle_timeout_s)
     return request, options

@@ -19,7 +19,7 @@ from fastapi import Request
 from deployments import constants as C
 from deployments.config import IngressConfig
 from deployments.errors import APIError, bad_request
-from deployments.schemas import VoiceUploadJSON
+from deployments.ingress.schemas import VoiceUploadJSON
 
 
 class VoiceUpload(NamedTuple):

@@ -15,7 +15,7 @@ import io
 
 import numpy as np
 
-from deployments.audio_formats import FORMATS, AudioFormat, float_to_pcm16, streaming_wav_header
+from deployments.audio.formats import FORMATS, AudioFormat, float_to_pcm16, streaming_wav_header
 from stages.contract import SAMPLE_RATE
 
 # PyAV (FFmpeg's libraries) is imported where an encoded format or `speed` needs it: pcm and wav, the formats
@@ -34,7 +34,7 @@ class StreamEncoder:
         self.sample_rate = sample_rate
         self._tempo = None
         if speed != 1.0:
-            from deployments.tempo import Tempo
+            from deployments.audio.tempo import Tempo
 
             self._tempo = Tempo(speed, sample_rate)
 

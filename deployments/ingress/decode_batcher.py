@@ -1,19 +1,14 @@
 """DecodeBatcher: an ingress replica's chunks from all its streams, sent to Code2Wav in few calls.
 
 A Ray Serve request costs about a millisecond of CPU in each process it crosses. One request per chunk
-left the Code2Wav replica handling requests rather than decoding once a few hundred streams were open
-(H100, 2026-11-21: decode calls waited 0.4-0.8 s and the GPU sat idle; docs/benchmarks.md). Here each
-stream's chunks (values or refs: deployments/transport.py) join one queue, and a call to
+left the Code2Wav replica handling requests rather than decoding once a few hundred streams were open (decode
+calls waited while the GPU sat idle: docs/benchmarks.md). Here each stream's chunks (values or refs:
+deployments/transport.py) join one queue, and a call to
 `Code2Wav.decode_many` takes everything queued (up to `max_chunks`) as soon as one of `max_calls_in_flight`
 call slots is free. An idle server sends a lone
 chunk at once, so batching costs no latency; a busy one sends bigger calls, not more of them.
 
-A stream's first chunks (`urgent`: its listener is waiting for first audio, or has only the first chunk's
-few frames buffered) skip the call slots: they leave at once, in calls of their own (urgent chunks queued
-together share one), which Code2Wav decodes ahead of the batch waiting with them (deployments/code2wav.py).
-Behind a full set of slots they waited for a whole decode cycle (H100, c=256: 32 ms at the median).
-
-With a `StreamPlacement` (deployments/stream_affinity.py: a stateful Code2Wav of several replicas), each call
+With a `StreamPlacement` (deployments/ingress/placement.py: a stateful Code2Wav of several replicas), each call
 holds the chunks of streams whose state one replica holds and names that replica; a batch splits into one call
 per replica it names (and one for the chunks going by load), sharing its call slot.
 
@@ -37,8 +32,8 @@ from dataclasses import dataclass
 from ray.serve.handle import DeploymentHandle
 
 from deployments import constants as C
-from deployments.messages import DecodedChunk, talker_decoded
-from deployments.stream_affinity import TARGET_KWARG, Placement, StreamPlacement
+from deployments.ingress.placement import Placement, StreamPlacement
+from deployments.messages import TARGET_KWARG, DecodedChunk, talker_decoded
 from stages.contract import SAMPLES_PER_FRAME, CodecChunk
 
 logger = logging.getLogger("ray.serve")
@@ -56,17 +51,13 @@ class DecodeBatcher:
         self._max_answer_bytes = max_answer_bytes
         self._slots = asyncio.Semaphore(max_calls_in_flight)
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._urgent: asyncio.Queue[_Item] = asyncio.Queue()
         self._calls: set[asyncio.Task] = set()
         self.retries = 0  # calls sent again because their replica died
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._run(self._queue, self._slots)),
-                       loop.create_task(self._run(self._urgent, None))]
+        self._tasks = [asyncio.get_running_loop().create_task(self._run())]
 
-    def submit(self, chunk, urgent: bool = False, stream: str | None = None, early: bool = False) -> asyncio.Future:
-        """The decoded chunk, later. Cancelling the future drops the chunk if it has not left yet.
-        `urgent`: sent at once, without waiting for a call slot (a stream's first chunks). A chunk that carries
-        the Talker's own PCM (deployments/first_chunk_decoder.py) is answered at once. `stream`: the request id
+    def submit(self, chunk, stream: str | None = None, early: bool = False) -> asyncio.Future:
+        """The decoded chunk, later. Cancelling the future drops the chunk if it has not left yet. A chunk that carries
+        the Talker's own PCM (deployments/talker/first_chunk_decoder.py) is answered at once. `stream`: the request id
         of the chunk's stream (stream affinity; `forget` it when the stream ends); `early`: one of the stream's
         first chunks, which stream affinity never holds back (`StreamPlacement.place`)."""
         future: asyncio.Future[DecodedChunk] = asyncio.get_running_loop().create_future()
@@ -74,7 +65,7 @@ class DecodeBatcher:
         if decoded is not None:  # the Talker sent its PCM along: nothing to decode
             future.set_result(decoded)
         else:
-            self._enqueue(_Item(chunk, future, stream, urgent, early))
+            self._enqueue(_Item(chunk, future, stream, early))
         return future
 
     def forget(self, stream: str) -> None:
@@ -89,14 +80,14 @@ class DecodeBatcher:
             if placement is Placement.HOLD:
                 return  # until the chunk placing its stream is answered (StreamPlacement.settle)
             item.placing = placement is Placement.LEAVE_AND_PLACE
-        (self._urgent if item.urgent else self._queue).put_nowait(item)
+        self._queue.put_nowait(item)
 
-    async def _run(self, queue: asyncio.Queue, slots: asyncio.Semaphore | None) -> None:
-        """Calls of `queue`'s chunks, each taking what is queued; at most `slots` in flight (None: no limit)."""
+    async def _run(self) -> None:
+        """Calls of the queued chunks, each taking what is queued; at most `max_calls_in_flight` in flight."""
+        queue, slots = self._queue, self._slots
         carried = None  # the chunk that did not fit into the previous call's answer
         while True:
-            if slots is not None:
-                await slots.acquire()
+            await slots.acquire()
             batch = [carried or await queue.get()]
             carried, answer_bytes = None, _pcm_bytes(batch[0].chunk)
             while len(batch) < self._max_chunks and not queue.empty():
@@ -111,14 +102,13 @@ class DecodeBatcher:
                     self._settle(item, None)
             batch = [item for item in batch if not item.future.done()]
             if not batch:
-                if slots is not None:
-                    slots.release()
+                slots.release()
                 continue
             call = asyncio.get_running_loop().create_task(self._calls_of(batch, slots))
             self._calls.add(call)
             call.add_done_callback(self._calls.discard)
 
-    async def _calls_of(self, batch: list, slots: asyncio.Semaphore | None) -> None:
+    async def _calls_of(self, batch: list, slots: asyncio.Semaphore) -> None:
         """`batch` in one call, or with stream affinity one call per replica it names; then its slot is free."""
         try:
             if self._placement is None:
@@ -130,8 +120,7 @@ class DecodeBatcher:
             await asyncio.gather(*(self._call(items, target) for target, items in by_target.items()),
                                  return_exceptions=True)  # the slot is free only when every call of it ended
         finally:
-            if slots is not None:
-                slots.release()
+            slots.release()
 
     async def _call(self, batch: list[_Item], target: str | None) -> None:
         try:
@@ -216,7 +205,6 @@ class _Item:
     chunk: object  # a CodecChunk, or a ref to one (object_ref transport)
     future: asyncio.Future
     stream: str | None  # its stream's request id (stream affinity), None: unknown
-    urgent: bool
     early: bool  # one of its stream's first chunks: never held (StreamPlacement)
     placing: bool = False  # its answer places its stream (StreamPlacement.LEAVE_AND_PLACE)
 

@@ -1,8 +1,9 @@
 """TalkerServer: the `Talker:<model>` deployment, a thin shim over one talker engine per replica.
 
 It streams codec chunks (with left context) of one request: the engine cuts them by the serving
-schedule in its loop (where the frames are) and the chunks leave as the stream's items
-(Ray owns them; the ingress forwards their refs to Code2Wav without deserializing them).
+schedule in its loop (where the frames are) and the chunks leave as the stream's items (by value over
+Serve's gRPC transport, or as refs the ingress forwards unread: deployments/transport.py). The engine is
+whatever `engine_cls` names, used through `TalkerEngineProtocol` (deployments/talker/engine_protocol.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +23,11 @@ import numpy as np
 from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
-from deployments.first_chunk_decoder import FirstChunkDecoder
-from deployments.gc_pauses import GcPauses
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import GenerateOptions, ModelInfo
 from deployments.metrics import TalkerMetrics
+from deployments.talker.engine_protocol import TalkerEngineProtocol
+from deployments.talker.first_chunk_decoder import FirstChunkDecoder
 from stages.chunking import ChunkSchedule
 from stages.contract import (
     CodecChunk,
@@ -37,7 +37,6 @@ from stages.contract import (
     TaskType,
     VoiceClonePrompt,
 )
-from stages.talker.layout import prefill_length
 
 logger = logging.getLogger("ray.serve")
 
@@ -61,14 +60,12 @@ class TalkerServer:
     def _setup(self, config: TalkerDeploymentConfig, streaming: StreamingConfig) -> None:
         self._config = config
         self._streaming = streaming
-        self._engine = None
+        self._engine: TalkerEngineProtocol | None = None
         self._model = None
         self._info: ModelInfo | None = None
-        self._voice_executor = ThreadPoolExecutor(1, thread_name_prefix="voice-encoder")
         self._first_decoder: FirstChunkDecoder | None = None
         self._metrics_task: asyncio.Task | None = None
         self._metrics: TalkerMetrics | None = None
-        self._gc = GcPauses()  # the collector's pauses stop the engine thread too (engine_stats reports them)
 
     async def start(self) -> None:
         """Load the checkpoint, start the engine (KV sizing, graph capture), warm up with one real request."""
@@ -84,12 +81,11 @@ class TalkerServer:
         if decode_first:
             self._first_decoder = FirstChunkDecoder(model.decoder, self._schedule,
                                                     cfg.first_chunk_decode_max_running, log,
-                                                    fill_s=cfg.first_chunk_decode_fill_ms / 1000,
                                                     count_pending=cfg.first_chunk_decode_count_pending,
                                                     max_batch=cfg.first_chunk_decode_max_batch,
                                                     # compiled where the Talker's engine is (fewer kernels)
                                                     compile=cfg.first_chunk_decode_compile
-                                                    and bool(getattr(self._engine.config, "compile", False)),
+                                                    and self._engine.config.compile,
                                                     compile_cache_dir=engine_kwargs.get("compile_cache_dir"))
             await asyncio.to_thread(self._first_decoder.start)
         self._info = ModelInfo(
@@ -122,9 +118,6 @@ class TalkerServer:
         """
         started = first_audio_timing.now()
         options = options or GenerateOptions()
-        if options.fit_max_frames:  # the engine needs prompt + frames + 2 positions (one speculative step)
-            room = self._info.max_seq_len - prefill_length(request.prompt) - 2
-            request = dataclasses.replace(request, max_frames=max(1, min(request.max_frames, room)))
         stream = self._engine.add_request(request, self._schedule_for(options))  # chunks are cut in the engine loop
         try:
             async for chunk in self._leaving(stream, started):
@@ -138,7 +131,7 @@ class TalkerServer:
         """`generate` for a request whose text arrives while it runs (a WebSocket context).
 
         `request.prompt` has no text (`stages.prompts.build_live_prompt`); the text comes from `mailbox` (the
-        calling ingress replica's `TextMailbox`, deployments/text_mailbox.py), where the ingress puts the
+        calling ingress replica's `TextMailbox`, deployments/ingress/text_mailbox.py), where the ingress puts the
         context's append/flush/end events; a task here takes them as they arrive and hands them to the engine,
         which waits for text without stepping the request. Cancelling ends it as for `generate`.
         """
@@ -185,7 +178,7 @@ class TalkerServer:
 
     async def _early_chunk(self, chunk: CodecChunk, started: float, first: CodecChunk | None) -> CodecChunk:
         """A stream's chunk 0 or 1 as it leaves: with its PCM when this replica decodes it (lightly loaded:
-        deployments/first_chunk_decoder.py); the first also with this replica's times (Server-Timing)."""
+        deployments/talker/first_chunk_decoder.py); the first also with this replica's times (Server-Timing)."""
         cut, decoder, pcm = first_audio_timing.now(), self._first_decoder, None
         if decoder is not None and decoder.takes(chunk, self._engine.stats().running, first):
             pcm = await decoder.decode(chunk)
@@ -201,37 +194,31 @@ class TalkerServer:
     async def create_voice(self, audio: bytes, ref_text: str | None, x_vector_only: bool) -> VoiceClonePrompt:
         """Reference clip (+ transcript) -> the Base model's voice-clone prompt (speaker + codec encoders).
 
-        Raises InvalidRequestError (a ValueError) for audio it cannot use or a model that is not Base.
+        Raises InvalidRequestError (a ValueError) for audio it cannot use or a model that is not Base. Runs on
+        the engine's device thread: one thread owns all of the replica's GPU work.
         """
         from stages.voice.prompt import create_voice_clone_prompt
 
         work = functools.partial(create_voice_clone_prompt, self._model, audio, ref_text, x_vector_only)
-        run_on_device = getattr(self._engine, "run_on_device", None)
-        if run_on_device is not None:  # the engine's device thread: one thread owns all GPU work
-            return await asyncio.wrap_future(run_on_device(work))
-        return await asyncio.get_running_loop().run_in_executor(self._voice_executor, work)
+        return await asyncio.wrap_future(self._engine.run_on_device(work))
 
     async def engine_stats(self) -> dict:
         """The engine's counters (`EngineStats`) and which replica answered (`replica`: a window read twice by
-        `bench.serve_engine_stats` must come from one replica), with the first-chunk decoder's (`Code2WavStats`:
-        its forwards share this replica's GPU with the engine's steps) when it has one, and the process's garbage
-        collections (`gc`: `GcPauseStats`)."""
-        stats = {"replica": this_replica(), **dataclasses.asdict(self._engine.stats()),
-                 "gc": dataclasses.asdict(self._gc.stats())}
+        the bench's replica stats must come from one replica), with the first-chunk decoder's (`Code2WavStats`:
+        its forwards share this replica's GPU with the engine's steps) when it has one."""
+        stats = {"replica": this_replica(), **dataclasses.asdict(self._engine.stats())}
         if self._first_decoder is not None:
             stats["first_chunk_decoder"] = dataclasses.asdict(self._first_decoder.stats())
         return stats
 
     # ------------------------------------------------------------------ Serve hooks
     def check_health(self) -> None:
-        """Serve replaces the replica when this raises: an engine that died, or (where the engine keeps a
-        heartbeat, `check_health()`) one that made no step for too long while work was pending, e.g. a
-        thread stuck in a device call; such an engine looks alive to `ready` alone."""
+        """Serve replaces the replica when this raises: an engine that died, or one that made no step for too
+        long while work was pending (the engine's heartbeat: a thread stuck in a device call looks alive to
+        `ready` alone)."""
         if self._engine is None or not self._engine.ready:
             raise RuntimeError(f"talker engine of {self._config.name} is not running")
-        check = getattr(self._engine, "check_health", None)
-        if check is not None:  # a loop that died or stopped stepping with work pending
-            check()
+        self._engine.check_health()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         s = self._engine.stats()
@@ -243,10 +230,8 @@ class TalkerServer:
             self._metrics_task.cancel()
         if self._engine is not None:
             self._engine.shutdown()
-        self._voice_executor.shutdown(wait=False)
         if self._first_decoder is not None:
             self._first_decoder.shutdown()
-        self._gc.close()
 
     # ------------------------------------------------------------------ internals
     async def _warmup(self) -> None:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# every format streams (deployments/stream_encoders.py); mulaw / alaw are G.711 at 8 kHz for telephony
+# every format streams (deployments/audio/encoders.py); mulaw / alaw are G.711 at 8 kHz for telephony
 ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac", "mulaw", "alaw"]
 FORMAT_ALIASES = {"ulaw": "mulaw", "g711_ulaw": "mulaw", "g711_alaw": "alaw"}  # OpenAI Realtime's names
 # bounds of the numeric fields (the model-specific limits, e.g. max_seq_len, are checked later per model)

@@ -1,6 +1,6 @@
 """Audio on the wire: the response formats (media types, codecs), int16 PCM and the WAV header.
 
-The encoders themselves are in `deployments/stream_encoders.py`."""
+The encoders themselves are in `deployments/audio/encoders.py`."""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ decoded over its left context, as a stateless replica would (stages/code2wav/str
 gathers them) and decodes them with the Code2Wav engine, on one thread that owns all of this replica's
 decoder work; the engine plans the forwards (padding buckets, CUDA graphs). Calls that arrive while a
 decode runs (several ingress replicas, several calls in flight each) wait together and are decoded as one
-batch when the thread is free: the GPU sees a few large batches, not one small batch per call.
+batch when the thread is free: the GPU sees a few large batches, not one small batch per call. The engine is
+whatever `engine_cls` names, used through `Code2WavEngineProtocol` (deployments/code2wav/engine_protocol.py).
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-from ray import ObjectRef
 
 from deployments import constants as C
 from deployments import first_audio_timing
-from deployments.audio_formats import float_to_pcm16
+from deployments.audio.formats import float_to_pcm16
 from deployments.coalescing import Coalescer
+from deployments.code2wav.engine_protocol import Code2WavEngineProtocol
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
-from deployments.gc_pauses import GcPauses
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import DecodedChunk, talker_decoded
 from deployments.metrics import Code2WavMetrics
+from deployments.transport import resolve
 from stages.arrival_rate import ArrivalRate
 from stages.contract import NUM_CODEBOOKS, CodecChunk
 
@@ -51,7 +52,7 @@ class Code2WavServer:
 
     def _setup(self, config: Code2WavDeploymentConfig, source: CheckpointSource, streaming: StreamingConfig) -> None:
         self._config, self._source, self._streaming = config, source, streaming
-        self._engine = None
+        self._engine: Code2WavEngineProtocol | None = None
         self._replica: str | None = None  # this replica's id when it keeps stream states (stateful engine)
         self._named = {"here": 0, "elsewhere": 0}  # chunks of calls naming this replica or another (full, gone)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="code2wav")  # the decoder's only thread
@@ -62,23 +63,16 @@ class Code2WavServer:
         self._clock = time.monotonic  # tests drive the heartbeat with their own clock
         self._last_progress = self._clock()
         self._metrics: Code2WavMetrics | None = None
-        self._gc = GcPauses()  # the collector's pauses stop the decoder's thread too (engine_stats reports them)
-        # calls waiting for the decoder thread (each a list of chunks), decoded together. Calls holding only
-        # streams' first chunks (an ingress sends those at once, in calls of their own:
-        # deployments/decode_batcher.py) go first, in a batch of their own: their listeners wait with little or
-        # no audio buffered, and in the batch of every waiting chunk a first chunk took as long as the whole
-        # batch (H100, c=256: 87 ms at the median)
+        # calls waiting for the decoder thread (each a list of chunks), decoded together
         self._batches: Coalescer[list[CodecChunk], tuple[list[np.ndarray], tuple[float, float]]] = Coalescer(
-            self._decode_calls, first=lambda chunks: all(c.seq < streaming.urgent_chunks for c in chunks),
-            hold=self._fill_time)
+            self._decode_calls, hold=self._fill_time)
         self._arrivals = ArrivalRate(clock=lambda: self._clock())  # chunks per second lately (batch fill)
         self._busy = ArrivalRate(clock=lambda: self._clock())  # decoding seconds per second lately: its busy share
 
     def _fill_time(self, calls: list[list[CodecChunk]]) -> float:
         """Seconds the next batch may wait for more chunks (`batch_fill_chunks`): none once it is big enough,
         holds a stream's first two chunks (a listener waits for the first; the second must follow within the
-        first's audio) or an urgent one (`streaming.urgent_chunks`), or a stream's last chunk with
-        `batch_fill_final_waits` off, or when chunks arrive too seldom for one more to be expected within the
+        first's audio), or when chunks arrive too seldom for one more to be expected within the
         wait (light load: waiting would only delay this batch); the later chunks of a stream leave while the
         earlier ones play. Why wait at all: under load, each small decode is a forward of the codec decoder
         beside the Talker's steps on a shared GPU, and fewer, larger ones leave the Talker more of it
@@ -89,11 +83,10 @@ class Code2WavServer:
         if not cfg.batch_fill_chunks:  # off: nothing to count
             return 0.0
         chunks = [c for call in calls for c in call]
-        waited_for = self._streaming.waited_for_chunks
-        if len(chunks) >= cfg.batch_fill_chunks or any(c.seq < waited_for for c in chunks):
+        if len(chunks) >= cfg.batch_fill_chunks or any(c.seq < C.WAITED_FOR_CHUNKS for c in chunks):
             return 0.0
         idle = cfg.batch_fill_idle_wait_ms > 0 and self._busy.per_second() < IDLE_BELOW_BUSY_SHARE
-        if (idle or not cfg.batch_fill_final_waits) and any(c.final for c in chunks):
+        if idle and any(c.final for c in chunks):
             return 0.0
         wait_ms = cfg.batch_fill_idle_wait_ms if idle else cfg.batch_fill_wait_ms
         return self._arrivals.wait_if_more_expected(wait_ms / 1000)
@@ -125,7 +118,7 @@ class Code2WavServer:
         `chunks` are CodecChunks or ObjectRefs to them (the Talker's stream items, forwarded unread by
         the ingress's DecodeBatcher). A chunk that cannot be used (malformed, or its ref holds the
         Talker's error) gets its exception in its place; the others are decoded. `replica`: the replica the
-        caller named for these chunks' streams (deployments/stream_affinity.py: Code2Wav's request router reads
+        caller named for these chunks' streams (deployments/ingress/placement.py: Code2Wav's request router reads
         it); a stateful replica's answers name itself, where their streams' state now is.
         """
         n = len(chunks)
@@ -140,7 +133,7 @@ class Code2WavServer:
         self._inflight += n
         self._metrics.queued_chunks.set(self._inflight - self._decoding)
         try:
-            resolved = await asyncio.gather(*(_resolve(c) for c in chunks), return_exceptions=True)
+            resolved = await asyncio.gather(*(resolve(c) for c in chunks), return_exceptions=True)
             answers: list[DecodedChunk | Exception | None] = [None] * n
             valid = []
             for i, chunk in enumerate(resolved):
@@ -204,7 +197,7 @@ class Code2WavServer:
             self._last_progress = self._clock()
             self._decoding -= len(chunks)
             self._metrics.batch_decode_ms.observe((time.perf_counter() - t0) * 1000)
-            if getattr(self._engine, "stateful", False):
+            if self._engine.stateful:
                 self._metrics.record_state_paths(self._engine.stats())
 
     async def ready(self) -> bool:
@@ -212,11 +205,10 @@ class Code2WavServer:
 
     async def engine_stats(self) -> dict:
         """The engine's counters (`Code2WavStats`: decode calls, chunks, frames new / decoded / padded, busy
-        seconds), the process's garbage collections (`gc`), which replica answered (`replica`) and the chunks
-        of calls that named this replica or another one (`named_here`, `named_elsewhere`: stream affinity), read
-        twice over a window by `bench.serve_engine_stats`."""
+        seconds), which replica answered (`replica`) and the chunks of calls that named this replica or another
+        one (`named_here`, `named_elsewhere`: stream affinity), read twice over a window by the bench's replica
+        stats."""
         return {"replica": this_replica(), **dataclasses.asdict(self._engine.stats()),
-                "gc": dataclasses.asdict(self._gc.stats()),
                 **{f"named_{landed}": chunks for landed, chunks in self._named.items()}}
 
     def check_health(self) -> None:
@@ -236,11 +228,6 @@ class Code2WavServer:
 
     def __del__(self) -> None:
         self._executor.shutdown(wait=False)
-        self._gc.close()
 
     async def _on_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-
-async def _resolve(chunk):
-    return await chunk if isinstance(chunk, ObjectRef) else chunk

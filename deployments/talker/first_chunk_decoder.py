@@ -1,30 +1,25 @@
 """FirstChunkDecoder: the Talker replica decodes a stream's first chunk itself while its engine is lightly loaded.
 
 Why: a served first chunk otherwise makes two more hops (ingress -> Code2Wav -> ingress) and is decoded in the
-Code2Wav process, which time-slices the GPU with the Talker's: on an H100 at one stream its one-frame decode
-took 9.4 ms there against ~4 ms in one process, and the hops ~3 ms (docs/benchmarks.md "First audio hop by
-hop"). Here it is decoded in the Talker's own CUDA context, on a high-priority stream of its own beside the
-engine's steps (as `bench.pipeline` runs the two engines), and travels back with the codec chunk
-(`CodecChunk.pcm`); the ingress, or Code2Wav for an unread ObjectRef, takes that PCM instead of decoding.
+Code2Wav process, which time-slices the GPU with the Talker's: a one-frame decode there takes about twice as long as
+in one process, plus the hops (docs/benchmarks.md "First audio hop by hop"). Here it is decoded in the Talker's own
+CUDA context, on a high-priority stream of its own beside the engine's steps (as `bench.pipeline` runs the two
+engines), and travels back with the codec chunk (`CodecChunk.pcm`); the ingress, or Code2Wav for an unread ObjectRef,
+takes that PCM instead of decoding.
 
 Exact: the decoder is causal and a stream's first chunk starts from zero state, so this is the samples the
 whole decode gives for those frames.
 
-Its chunk 1 too: once the first chunk's 80 ms play, chunk 1 must be there, and through Code2Wav's queue it
-could come late (an earlier first audio with an unchanged second chunk gaps: H100 runs of `urgent_chunks` and
-of this gate at 64, docs/benchmarks.md). Chunk 1's left context is the whole stream before it (the first
-chunk's frames), so its decode from zero state is exact as well; Code2Wav decodes from chunk 2 on, over its
-left context (its `fresh` path).
+Its chunk 1 too: once the first chunk's 80 ms play, chunk 1 must be there, and through Code2Wav's queue it could come
+late (an earlier first audio with an unchanged second chunk gaps: docs/benchmarks.md). Chunk 1's left context is the
+whole stream before it (the first chunk's frames), so its decode from zero state is exact as well; Code2Wav decodes
+from chunk 2 on, over its left context (its `fresh` path).
 
 Only while the engine runs at most `max_running` requests when the first chunk is cut: under load the decode
 would take GPU time from every running stream's step, and Code2Wav batches them with everything else more
 cheaply. With `count_pending` the decodes pending here (asked, not yet answered) count as running requests too:
 streams that arrive one by one are decoded here at a load where a burst of arrivals (a hundred first chunks cut by
 one step) leaves all but the first few to Code2Wav's larger batches.
-
-With `fill_s` a batch of first-chunk decodes waits that long for more while they arrive often enough for one more
-to be expected within the wait: fewer decoder forwards beside the engine's steps, for first audio that much later
-(off by default; docs/serving.md).
 """
 
 from __future__ import annotations
@@ -36,9 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from deployments.audio_formats import float_to_pcm16
+from deployments.audio.formats import float_to_pcm16
 from deployments.coalescing import Coalescer
-from stages.arrival_rate import ArrivalRate
 from stages.chunking import ChunkSchedule
 from stages.contract import CodecChunk
 
@@ -57,7 +51,7 @@ def engine_config(schedule: ChunkSchedule, max_batch: int = MAX_BATCH, compile: 
 
     (_, first), (context1, new1) = schedule.plan(schedule.chunk_frames(0) + schedule.chunk_frames(1) + 1)[:2]
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch) + (max_batch,)
-    config = Code2WavEngineConfig(max_batch_size=max_batch, batch_buckets=buckets,
+    config = Code2WavEngineConfig(max_batch_size=max_batch, stateful=False, batch_buckets=buckets,
                                   length_buckets=tuple(sorted({first, context1 + new1})), compile=compile,
                                   compile_cache_dir=compile_cache_dir)
     return config, first, context1 + new1
@@ -65,14 +59,13 @@ def engine_config(schedule: ChunkSchedule, max_batch: int = MAX_BATCH, compile: 
 
 class FirstChunkDecoder:
     def __init__(self, decoder_model: Any, schedule: ChunkSchedule, max_running: int, log=print,
-                 fill_s: float = 0.0, count_pending: bool = False, max_batch: int = MAX_BATCH,
+                 count_pending: bool = False, max_batch: int = MAX_BATCH,
                  compile: bool = False, compile_cache_dir: str | None = None):
-        """`decoder_model`: the checkpoint's codec decoder (`Qwen3TTS.decoder`), on the Talker's device;
-        `schedule`: the deployment's, whose first two chunks (without reference context) get graphs; `fill_s`:
-        how long a batch may wait for more (0: never); `count_pending`: the gate counts the decodes pending here
-        as running requests; `max_batch`: chunks in one forward (graphs for batches 1, 2, 4, ... up to it);
-        `compile`: the decoder's dequantizer and pre-transformer through torch.compile (CUDA; fewer kernels per
-        forward: stages/code2wav/compiled.py), its work kept in `compile_cache_dir`."""
+        """`decoder_model`: the checkpoint's codec decoder (`Qwen3TTS.decoder`), on the Talker's device; `schedule`:
+        the deployment's, whose first two chunks (without reference context) get graphs; `count_pending`: the gate
+        counts the decodes pending here as running requests; `max_batch`: chunks in one forward (graphs for batches 1,
+        2, 4, ... up to it); `compile`: the decoder's dequantizer and pre-transformer through torch.compile (CUDA;
+        fewer kernels per forward: stages/code2wav/compiled.py), its work kept in `compile_cache_dir`."""
         from stages.code2wav.engine import Code2WavEngine
 
         self.max_running, self.count_pending = max_running, count_pending
@@ -84,10 +77,7 @@ class FirstChunkDecoder:
         self._stream = None
         # decodes waiting together share one forward (padded to the longest: the decoder is causal, so padding
         # after a chunk never changes its samples)
-        self._batches: Coalescer[CodecChunk, np.ndarray] = Coalescer(self._decode_batch, max_batch=max_batch,
-                                                                     hold=self._fill_time)
-        self.fill_s = fill_s
-        self._arrivals = ArrivalRate()  # first-chunk decodes asked per second lately
+        self._batches: Coalescer[CodecChunk, np.ndarray] = Coalescer(self._decode_batch, max_batch=max_batch)
         self._log = log
         self.decoded = 0  # chunks decoded here
 
@@ -116,17 +106,11 @@ class FirstChunkDecoder:
 
     async def decode(self, chunk: CodecChunk) -> np.ndarray:
         """int16 PCM of the chunk's new frames (a cancelled stream does not cancel the others' decode)."""
-        self._arrivals.add(1)
         self.pending += 1  # until answered, or until this stream is cancelled (its decode then runs on, uncounted)
         try:
             return await self._batches.submit(chunk)
         finally:
             self.pending -= 1
-
-    def _fill_time(self, chunks: list[CodecChunk]) -> float:
-        if not self.fill_s or len(chunks) >= self.max_batch:
-            return 0.0
-        return self._arrivals.wait_if_more_expected(self.fill_s)
 
     async def _decode_batch(self, chunks: list[CodecChunk]) -> list[np.ndarray]:
         waves = await asyncio.get_running_loop().run_in_executor(self._executor, self._decode, chunks)

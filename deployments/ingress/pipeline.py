@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle
 
+from deployments import constants as C
 from deployments import first_audio_timing
-from deployments.decode_batcher import DecodeBatcher
 from deployments.first_audio_timing import FirstAudioTiming
+from deployments.ingress.decode_batcher import DecodeBatcher
 from deployments.messages import DecodedChunk, GenerateOptions
 from deployments.transport import StageTransport, stage_handle, stream_items
 from stages.contract import SynthesisRequest
@@ -26,14 +27,12 @@ _END = object()
 async def stream_audio(
     talker: DeploymentHandle, decoder: DecodeBatcher, request: SynthesisRequest, options: GenerateOptions,
     depth: int, transport: StageTransport, mailbox=None, timing: FirstAudioTiming | None = None,
-    urgent_chunks: int = 0, waited_for_chunks: int = 2,
 ) -> AsyncIterator[DecodedChunk]:
     """Decoded chunks of one request, in stream order. Closing the iterator cancels the whole pipeline.
 
     With `mailbox` (a `TextMailbox`) the request is live: `Talker.generate_live` takes its text from there.
-    With `timing`, the first chunk's hops are stamped on it (deployments/first_audio_timing.py). The first
-    `urgent_chunks` chunks go to Code2Wav ahead of other streams' (`DecodeBatcher.submit(urgent=True)`); stream
-    affinity never holds back the first `waited_for_chunks` (`StreamingConfig.waited_for_chunks`).
+    With `timing`, the first chunk's hops are stamped on it (deployments/first_audio_timing.py). Stream
+    affinity never holds back the first `WAITED_FOR_CHUNKS` chunks (deployments/constants.py).
 
     Errors of either stage (e.g. the Talker rejecting the request) surface when the affected chunk is
     awaited; the first chunk therefore tells whether the request was accepted.
@@ -54,8 +53,7 @@ async def stream_audio(
                 if timing is not None and timing.chunk_received is None:
                     timing.chunk_received = first_audio_timing.now()
                     timing.talker = getattr(chunk, "stamps", ())  # an ObjectRef (object_ref transport) has none
-                await pending.put(decoder.submit(chunk, urgent=index < urgent_chunks, stream=request.request_id,
-                                                 early=index < waited_for_chunks))
+                await pending.put(decoder.submit(chunk, stream=request.request_id, early=index < C.WAITED_FOR_CHUNKS))
                 index += 1
         except Exception as e:  # refusal (backpressure) or a failed stream: the consumer raises it in order
             await pending.put(e)

@@ -1,0 +1,6 @@
+"""The `Talker:<model>` deployment: what runs in a Talker replica.
+
+    server.py               `TalkerServer`: the Serve shim over one talker engine (streams codec chunks)
+    engine_protocol.py      `TalkerEngineProtocol`: what the server needs of an engine (real or fake)
+    first_chunk_decoder.py  `FirstChunkDecoder`: the replica decodes streams' first chunks itself while lightly loaded
+"""
