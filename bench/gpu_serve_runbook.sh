@@ -42,7 +42,7 @@
 #            (same-loop routing, buffered logs), HAProxy straight to the ingress replicas (RAY_SERVE_ENABLE_HA_PROXY=1),
 #            4 ingress replicas; every replica's engine counters after the sweeps; the daemon quits after
 #   serve    plain `serve run` of the config, nothing set: what a user who runs the config as it is gets
-#   readme   the README's first GPU command, `qwen3-tts-serve configs/high_concurrency.yaml` (deployments/launch.py:
+#   readme   the README's first GPU command, `qwen3-tts-serve configs/high_concurrency.yaml` (deployments/launcher/serve.py:
 #            the launcher sets the cluster-wide Serve settings and starts MPS itself), nothing else set
 #   objref   the mps recipe with `ingress.stage_transport=object_ref` (Ray object-store handles between the stages)
 #   inproc   both engines in one process (bench.pipeline), levels $CONCURRENCY, first chunk of 1 frame, stateful
@@ -249,7 +249,7 @@ launch() {  # runs under setsid: everything it starts belongs to its own session
   # a background job starts with SIGINT ignored; give `serve run` its Ctrl-C back (graceful shutdown)
   local run=(python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' serve run)
   # LAUNCHER=1: the README's command (qwen3-tts-serve, run from the tree), which restores SIGINT for `serve run` itself
-  [ "${LAUNCHER:-0}" = 1 ] && exec python3 -m deployments.launch "$W/serve.yaml" --address=local
+  [ "${LAUNCHER:-0}" = 1 ] && exec python3 -m deployments.launcher.serve "$W/serve.yaml" --address=local
   # one raylet per GPU for configs that place by node: pinned (gpu_k resources) or one pair per GPU (replicas.yaml)
   if [ "$(gpus)" -ge 2 ] && grep -qE 'gpu_0|max_replicas_per_node' "$W/serve.yaml"; then
     ray start --head --port="$RAY_PORT" --num-gpus=0 --include-dashboard=false --disable-usage-stats || exit 1

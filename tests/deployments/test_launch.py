@@ -1,4 +1,4 @@
-"""`qwen3-tts-serve CONFIG` (deployments/launch.py) runs `serve run CONFIG` with the fastest measured cluster-wide
+"""`qwen3-tts-serve CONFIG` (deployments/launcher/serve.py) runs `serve run CONFIG` with the fastest measured
 settings: the Serve environment variables, and on a GPU host the CUDA MPS control daemon started before Ray and quit
 after. Real subprocesses with stand-ins for `serve`, `nvidia-smi` and the MPS control binary on PATH."""
 
@@ -52,7 +52,7 @@ def _launch(tmp_path: Path, bin_dir: Path, *args: str, **env: str) -> tuple[subp
                 if k not in ("RAY_ADDRESS", "RAY_SERVE_THROUGHPUT_OPTIMIZED", "RAY_SERVE_ENABLE_HA_PROXY")}
     full_env.update({"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_LOG": str(log), "PYTHONPATH": str(REPO),
                      "CUDA_VISIBLE_DEVICES": "0", **env})
-    out = subprocess.run([sys.executable, "-m", "deployments.launch", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "deployments.launcher.serve", *args], capture_output=True, text=True,
                          env=full_env, timeout=120, cwd=tmp_path)
     calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return out, [c for c in calls if c["tool"] != "nvidia-smi"]
@@ -101,7 +101,7 @@ def test_sigint_reaches_serve_run_even_when_started_as_a_background_job(tmp_path
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update({"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_LOG": str(log), "PYTHONPATH": str(REPO),
                 "FAKE_SERVE_WAIT": str(started)})
-    launcher = subprocess.Popen([sys.executable, "-m", "deployments.launch", "configs/high_concurrency.yaml"],
+    launcher = subprocess.Popen([sys.executable, "-m", "deployments.launcher.serve", "configs/high_concurrency.yaml"],
                                 env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:

@@ -1,0 +1,2 @@
+"""Commands run on a host outside Serve: `serve.py` is `qwen3-tts-serve`, `serve run` with the fastest measured
+cluster-wide settings (docs/serving.md, "The fastest recipe")."""
