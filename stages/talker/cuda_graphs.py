@@ -1,5 +1,6 @@
 """CUDA graphs of the talker runner: the decode step per (batch bucket, length bucket) and the prefill per
-(batch, width), captured into one memory pool, largest batch first (smaller graphs reuse its memory)."""
+(batch, width), captured into one memory pool, largest batch first (smaller graphs reuse its memory); and the
+warm-up that runs the widest of both once before the KV pool is sized (stages/talker/paged_kv.kv_pool_blocks)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,27 @@ from stages.talker.staging import write_stage
 
 if TYPE_CHECKING:
     from stages.talker.runner import TalkerRunner
+
+
+@torch.no_grad()
+def warm_up(runner: TalkerRunner, batch_buckets: tuple[int, ...]) -> None:
+    """The widest decode step and prefill once each, eagerly on scratch state (as capture's own warm-up runs them):
+    kernels compiled and autotuned, workspaces allocated, the transient peak of a forward reached and recorded."""
+    if runner.cuda:
+        torch.cuda.reset_peak_memory_stats(runner.device)  # the peak from here on: serving's, not loading's
+    saved = [t.clone() for t in runner._row_tensors()]
+    b = max(batch_buckets)
+    runner.positions[:b] = 0
+    runner._decode_step(b, max(runner.length_buckets))
+    host = runner._host_stage.buffers[0]  # a blocking copy below: no event needed
+    nb, width = runner.max_prefill_batch, max(runner.prefill_width_buckets, default=16)
+    write_stage(host, [], nb, width, runner.trailing_width, runner.scratch_row, runner.kv.scratch_block)
+    runner._stage.buf.copy_(host.buf)
+    runner._prefill_compute(nb, width, runner.trailing_width)
+    for t, s in zip(runner._row_tensors(), saved, strict=True):
+        t.copy_(s)
+    if runner.cuda:
+        torch.cuda.synchronize(runner.device)
 
 
 @torch.no_grad()

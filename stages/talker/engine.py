@@ -23,10 +23,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import ClassVar
 
 from stages.chunking import ChunkSchedule, StreamChunker
-from stages.compile_cache import CompileCache
 from stages.contract import EngineOverloadedError, FinishReason, InvalidRequestError, SynthesisRequest
 from stages.qwen3_tts import Qwen3TTS
 from stages.talker import cuda_graphs
@@ -37,7 +37,7 @@ from stages.talker.paged_kv import kv_pool_blocks
 from stages.talker.prefill import build_prefill
 from stages.talker.prompt_plan import plan_prompt
 from stages.talker.rows import Rows, end
-from stages.talker.runner import COMPILED_SOURCES, Admission, TalkerRunner
+from stages.talker.runner import Admission, TalkerRunner, talker_compile_cache
 from stages.talker.scheduler import Scheduler, Sequence
 from stages.talker.stats import EngineCounters, EngineStats, snapshot
 from stages.talker.stream import ChunkStream
@@ -255,29 +255,33 @@ class TalkerEngine:
         self._end_all(RuntimeError("talker engine shut down"))
 
     def _setup(self, log: Callable[[str], None]) -> None:
+        """Without `kv_cache_tokens`, the CUDA KV pool is sized after a warm-up, before capture (docs/talker_engine.md)."""
         cfg, model = self.config, self.model
-        num_blocks = kv_pool_blocks(cfg, model.config.talker.transformer, model.device, model.dtype, log)
+        cuda = model.device.type == "cuda"
         self.num_slots = cfg.max_num_seqs
+        self._buckets = tuple(sorted({min(b, self.num_slots) for b in cfg.kernels.batch_buckets} | {self.num_slots}))
+        compile_cache = talker_compile_cache(model, cfg)
+        if cfg.compile and cuda:
+            loaded = compile_cache is not None and compile_cache.load(log)
+            log("[talker] compiling fused kernels" + (" (from the compile cache)" if loaded else ""))
+        pool = partial(kv_pool_blocks, cfg, model.config.talker.transformer, model.device, model.dtype, log)
+        sized_after_warm_up = cfg.kv_cache_tokens is None and cuda
+        num_blocks = 1 if sized_after_warm_up else pool()
+        self.runner = self._runner_factory(model, cfg, num_blocks)
+        if sized_after_warm_up:
+            log("[talker] warming up before sizing the KV pool")
+            cuda_graphs.warm_up(self.runner, self._buckets)
+            num_blocks = pool()
+            self.runner.resize_kv(num_blocks)
         self.scheduler = Scheduler(self.num_slots, num_blocks, cfg.kernels.kv_block_size, cfg.max_prefill_batch,
                                    cfg.max_waiting)
-        compile_cache = None
-        if cfg.compile and model.device.type == "cuda":
-            if cfg.compile_cache_dir:
-                shapes = {"talker": repr(model.config.talker), "dtype": str(model.dtype)}
-                compile_cache = CompileCache.for_model(cfg.compile_cache_dir, model.device, shapes,
-                                                       sources=COMPILED_SOURCES, dynamo=cfg.kernels.compile_cache_dynamo)
-                compile_cache.load(log)
-            log("[talker] compiling fused kernels" + (" (from the compile cache)" if compile_cache and
-                                                       compile_cache.loaded else ""))
-        self.runner = self._runner_factory(model, cfg, num_blocks)
         exact = cfg.kernels.exact_prefill
-        self._exact = model.device.type != "cuda" if exact is None else exact
-        self._buckets = tuple(sorted({min(b, self.num_slots) for b in cfg.kernels.batch_buckets} | {self.num_slots}))
+        self._exact = not cuda if exact is None else exact
         self._rows = Rows(self.scheduler, self.runner, self.num_slots)
         self._outputs = StepOutputs(self.num_slots, cfg.max_seq_len, self.runner.eos, logger)
         self._live = LiveTextDriver(model.config, cfg.max_text_rows, self.scheduler, self.runner, self._rows,
                                     self._outputs, self.counters)
-        if cfg.cuda_graphs and model.device.type == "cuda":
+        if cfg.cuda_graphs and cuda:
             log(f"[talker] capturing CUDA graphs for batch buckets {self._buckets} x "
                 f"length buckets {self.runner.length_buckets}")
             self.graph_capture_seconds = cuda_graphs.capture(self.runner, self._buckets, log)

@@ -118,14 +118,18 @@ class DecodeContext:
 
 def kv_pool_blocks(cfg: TalkerEngineConfig, tcfg: TransformerConfig, device: torch.device, dtype: torch.dtype,
                    log: Callable[[str], None]) -> int:
-    """The KV pool in blocks: `cfg.kv_cache_tokens`, or on CUDA a share of the free memory, or on CPU room for
-    every row at `max_seq_len`. Requests bigger than the pool are refused (400)."""
+    """The KV pool in blocks: `cfg.kv_cache_tokens`; unset, on CUDA `kv_cache_memory_fraction` of the device memory
+    free now, less the transient peak the allocator recorded above what is allocated now (a warm-up forward's
+    activations, which serving needs again; the engine warms up before it asks), as nano-vllm sizes its cache; on
+    CPU room for every row at `max_seq_len`. At least one block: a request bigger than the pool is refused (400)."""
     per_token = PagedKVCache.bytes_per_token(tcfg.num_hidden_layers, tcfg.num_key_value_heads, tcfg.head_dim,
                                              dtype)
     tokens = cfg.kv_cache_tokens
     if tokens is None and device.type == "cuda":
+        torch.cuda.empty_cache()  # what the warm-up cached and let go counts as free
         free, _total = torch.cuda.mem_get_info(device)
-        tokens = int(free * cfg.kv_cache_memory_fraction) // per_token
+        transient = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+        tokens = int(max(free - transient, 0) * cfg.kv_cache_memory_fraction) // per_token
     elif tokens is None:
         tokens = cfg.max_num_seqs * cfg.max_seq_len
     block = cfg.kernels.kv_block_size

@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from stages import gemv_kernels, layers, sampling
 from stages import pdl as pdl_module
 from stages import sampling_kernel as sampling_kernel_module
+from stages.compile_cache import CompileCache
 from stages.contract import NUM_CODEBOOKS
 from stages.layers import LayerKernels
 from stages.qwen3_tts import Qwen3TTS
@@ -56,6 +57,16 @@ from stages.talker.step_clock import StepClock
 # the files whose functions `compile` hands to torch.compile, and those the traced code calls into (the step's glue
 # reads the talker's embedding tables): the compile cache keys their source (CompileCache)
 COMPILED_SOURCES = (layers.__file__, sampling.__file__, frame_module.__file__, talker_model.__file__)
+
+def talker_compile_cache(model: Qwen3TTS, config: TalkerEngineConfig) -> CompileCache | None:
+    """The file keeping torch.compile's work for this talker (None: nothing compiled here, or no cache dir)."""
+    if not (config.compile and model.device.type == "cuda" and config.compile_cache_dir):
+        return None
+    shapes = {"talker": repr(model.config.talker), "dtype": str(model.dtype)}
+    return CompileCache.for_model(config.compile_cache_dir, model.device, shapes, sources=COMPILED_SOURCES,
+                                  dynamo=config.kernels.compile_cache_dynamo)
+
+
 PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)
 _WIDTH_MULTIPLE = 16  # eager prefill pads widths to this: fewer distinct shapes
 # the decode step's functions outside the layers, as the runner's attributes: eager, or torch.compile'd with `compile`
@@ -96,8 +107,8 @@ class TalkerRunner:
         # one more row than requests can use: the scratch row, where padding rows of a graphed prefill write
         rows = num_slots + 1
         self.scratch_row = num_slots
-        self.kv = PagedKVCache(tcfg.num_hidden_layers, num_blocks, block_size, tcfg.num_key_value_heads,
-                               tcfg.head_dim, rows, max_seq_len, self.dtype, dev)
+        self._kv_shape = (tcfg.num_hidden_layers, block_size, tcfg.num_key_value_heads, tcfg.head_dim, rows)
+        self.kv = self._new_kv(num_blocks)
         self.params = SlotParams.empty(rows, dev)
         self.positions = torch.zeros(rows, dtype=torch.long, device=dev)  # next talker position
         self.frame_index = torch.zeros(rows, dtype=torch.long, device=dev)  # frames produced so far
@@ -217,6 +228,18 @@ class TalkerRunner:
         if k:
             text_src, text_dst, position = index[2 * n:2 * n + k], index[2 * n + k:2 * n + 2 * k], index[2 * n + 2 * k:]
             self.trailing[text_dst, position] = self.trailing[text_src, position]
+
+    def _new_kv(self, num_blocks: int) -> PagedKVCache:
+        layers, block_size, heads, head_dim, rows = self._kv_shape
+        return PagedKVCache(layers, num_blocks, block_size, heads, head_dim, rows, self.max_seq_len, self.dtype,
+                            self.device)
+
+    def resize_kv(self, num_blocks: int) -> None:
+        """A new KV pool of `num_blocks` blocks, before any request runs and before graph capture (the graphs
+        read the pool in place); every row's table points at the new scratch block."""
+        assert not self.graphs and not self.prefill_graphs, "graphs read the old pool"
+        self.kv = None  # the old pool is freed before the new one is allocated
+        self.kv = self._new_kv(num_blocks)
 
     def free_rows(self, start: int, stop: int) -> None:
         """Rows [start, stop) nobody runs in any more: their KV tables point at the scratch block again, so the

@@ -495,3 +495,44 @@ def test_prefill_pads_to_the_configured_batches(model):
         engine.shutdown()
     with pytest.raises(ValueError, match="prefill_batches"):
         TalkerEngineConfig(prefill_batches=(0, 4))
+
+
+def test_kv_pool_sized_after_a_warm_up_serves_like_the_reference(model, prompts):
+    """The CUDA start-up's order, on CPU: the runner starts with a one-block pool, warms up (the widest decode step
+    and prefill, on scratch state), then gets its real pool before any request; requests then give the reference's
+    codes."""
+    from stages.talker import cuda_graphs
+    from stages.talker.runner import TalkerRunner
+
+    def factory(m, config, num_blocks):
+        runner = TalkerRunner(m, config, 1)
+        cuda_graphs.warm_up(runner, (1, 2))
+        runner.resize_kv(num_blocks)
+        assert runner.kv.num_blocks == num_blocks and (runner.kv.block_table == runner.kv.scratch_block).all()
+        return runner
+
+    reference = ReferenceGenerator(model).generate_codes(prompts[0], GREEDY, 12)
+    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=2), factory)
+    engine.start(log=lambda _m: None)
+    try:
+        codes, reason = asyncio.run(_collect_once(engine, SynthesisRequest("r", prompts[0], GREEDY, 12)))
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    np.testing.assert_array_equal(codes, reference)
+    assert reason is FinishReason.LENGTH and stats.kv_total_tokens == 2 * 256
+
+
+def test_kernel_options_come_from_a_dict_and_invalid_values_name_their_field():
+    from stages.talker.engine_config import KernelOptions
+
+    cfg = TalkerEngineConfig(kernels={"gemv_rows": 0, "batch_buckets": [4, 1, 2]})
+    assert cfg.kernels == KernelOptions(gemv_rows=0, batch_buckets=(4, 1, 2))
+    with pytest.raises(ValueError, match="unknown kernels option.*attention_kernal"):
+        TalkerEngineConfig(kernels={"attention_kernal": True})
+    with pytest.raises(ValueError, match="kernels.gemv_rows"):
+        TalkerEngineConfig(kernels={"gemv_rows": 9})
+    with pytest.raises(ValueError, match="max_seq_len"):
+        TalkerEngineConfig(max_seq_len=4)
+    with pytest.raises(TypeError):  # the developer switches live under `kernels` only
+        TalkerEngineConfig(gemv_rows=4)
