@@ -15,7 +15,7 @@ import yaml
 from tests.bench import REPO
 from tests.procs import stop_process_group
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.serve, pytest.mark.slow]  # `serve run` subprocesses
 
 FRAMES = 8
 SAMPLES_PER_FRAME = 1920

@@ -21,7 +21,7 @@ from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
 from tests.procs import stop_process_group
 from tests.serve.conftest import free_port, wav_bytes
 
-pytestmark = pytest.mark.serve
+pytestmark = [pytest.mark.serve, pytest.mark.slow]  # `serve run` subprocesses
 
 REPO = Path(__file__).resolve().parents[2]
 

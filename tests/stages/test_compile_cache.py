@@ -18,13 +18,14 @@ import torch
 
 from stages.compile_cache import CompileCache, contents
 
+pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: minutes on 2 cores
+
 SCRIPT = r"""
 import json, sys, torch
 from torch._dynamo.utils import counters
 import stages.layers
 from stages.compile_cache import CompileCache
 
-pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: minutes on 2 cores
 cache = CompileCache.for_model(sys.argv[1], torch.device("cpu"), {"model": "test"}, sources=(stages.layers.__file__,),
                                dynamo=sys.argv[2] == "1")
 loaded = cache.load(lambda m: None)
