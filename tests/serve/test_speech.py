@@ -127,7 +127,7 @@ def test_the_response_says_where_its_first_audio_went(http, stream, first_frames
 
 
 def test_code2wav_engine_stats_count_the_chunks_it_decoded(http):
-    """`Code2Wav.engine_stats()` (what bench.serve_engine_stats reads over a window): a 4-frame stream whose
+    """`Code2Wav.engine_stats()` (what `bench.replica_stats --seconds N` reads over a window): a 4-frame stream whose
     first chunk is 3 frames (more than cv's Talker decodes itself) reaches Code2Wav, and its counters move."""
     before = code2wav_stats()
     body = speech(response_format="pcm", max_new_tokens=4, initial_codec_chunk_frames=3)
