@@ -447,23 +447,31 @@ with open(os.environ["FAKE_RAY_LOG"], "a") as f:
 """
 
 
-def test_mps_daemon_starts_before_ray_once_and_quits_with_stop(tmp_path):
-    """--mps: the MPS control daemon is started before the first `ray start` (processes started before it are
-    not its clients), not again while one runs, and `--stop --mps` quits it after `ray stop`. A process whose
-    command line is `<control name> -d` stands for a running daemon (the real one never runs in CI: the
-    fake has a name of its own)."""
-    fake_ray, fake_mps = tmp_path / "ray", tmp_path / "fake-mps-control-test"
+def _fake_ray_and_mps(tmp_path: Path, mps_name: str):
+    """Stand-ins for `ray` and the MPS control binary that log their calls: -> (the scripts' env, calls())."""
+    fake_ray, fake_mps = tmp_path / "ray", tmp_path / mps_name
     fake_ray.write_text(FAKE_RAY.format(python=sys.executable))
     fake_mps.write_text(FAKE_MPS.format(python=sys.executable))
     for fake in (fake_ray, fake_mps):
         fake.chmod(0o755)
     log = tmp_path / "calls.jsonl"
-    env = {"RAY": str(fake_ray), "MPS_CONTROL": str(fake_mps), "FAKE_RAY_LOG": str(log)}
 
     def calls() -> list[dict]:
+        """The calls logged since the last read."""
         out = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
         log.unlink(missing_ok=True)
         return out
+
+    return {"RAY": str(fake_ray), "MPS_CONTROL": str(fake_mps), "FAKE_RAY_LOG": str(log)}, calls
+
+
+def test_mps_daemon_starts_before_ray_once_and_quits_with_stop(tmp_path):
+    """--mps: the MPS control daemon is started before the first `ray start` (processes started before it are
+    not its clients), not again while one runs, and `--stop --mps` quits it after `ray stop`. A process whose
+    command line is `<control name> -d` stands for a running daemon (the real one never runs in CI: the
+    fake has a name of its own)."""
+    env, calls = _fake_ray_and_mps(tmp_path, "fake-mps-control-test")
+    fake_mps = Path(env["MPS_CONTROL"])
 
     dry = _run([str(START_HEAD), "--dry-run", "--restart", "--gpu", "0", "--mps"],
                env={**env, "CUDA_VISIBLE_DEVICES": "3"}).stdout.splitlines()
@@ -501,18 +509,7 @@ def test_gpu_raylets_get_mps_and_the_fast_serve_settings_by_default(tmp_path):
     """Without flags a GPU raylet starts after an MPS control daemon (when its binary exists) and every `ray start`
     sees the fastest measured Serve settings; --no-mps and an explicit =0 opt out; a head without a GPU needs no
     daemon."""
-    fake_ray, fake_mps = tmp_path / "ray", tmp_path / "fake-mps-control-auto"
-    fake_ray.write_text(FAKE_RAY.format(python=sys.executable))
-    fake_mps.write_text(FAKE_MPS.format(python=sys.executable))
-    for fake in (fake_ray, fake_mps):
-        fake.chmod(0o755)
-    log = tmp_path / "calls.jsonl"
-    env = {"RAY": str(fake_ray), "MPS_CONTROL": str(fake_mps), "FAKE_RAY_LOG": str(log)}
-
-    def calls() -> list[dict]:
-        out = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-        log.unlink(missing_ok=True)
-        return out
+    env, calls = _fake_ray_and_mps(tmp_path, "fake-mps-control-auto")
 
     _run([str(START_WORKERS), "--address", "10.9.9.9:59998", "--gpus", "0"], env=env)
     started = calls()
