@@ -278,6 +278,13 @@ class IngressConfig(_DeploymentOptions):
     max_contexts_per_connection: int = Field(C.DEFAULT_MAX_CONTEXTS_PER_CONNECTION, ge=1, description=(
         "contexts (utterances) open at once on one `/v1/audio/speech/stream` WebSocket; each also counts in "
         "max_open_requests"))
+    websocket_idle_timeout_s: float = Field(C.DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S, gt=0, description=(
+        "a `/v1/audio/speech/stream` WebSocket with no open context this long is closed (1000); the time runs "
+        "from the connection, or from its last context's end"))
+    max_websockets_per_replica: int = Field(C.DEFAULT_MAX_WEBSOCKETS_PER_REPLICA, ge=1, description=(
+        "WebSockets one ingress replica holds; more are refused (an error message, then close 1013)"))
+    max_websockets_per_client: int = Field(C.DEFAULT_MAX_WEBSOCKETS_PER_CLIENT, ge=1, description=(
+        "WebSockets one client address holds on one ingress replica; more are refused as above"))
     allow_suppress_eos: bool = Field(False, description=(
         "accept `suppress_eos` (benchmarks, random-weight tests); off in production: it lets any client force "
         "maximum-length generation"))

@@ -84,6 +84,11 @@ INGRESS_AUTOSCALING = {"min_replicas": 4, "max_replicas": 8, "target_ongoing_req
 
 # request limits
 DEFAULT_MAX_CONTEXTS_PER_CONNECTION = _env_int("QWEN3_TTS_MAX_CONTEXTS_PER_CONNECTION", 16)  # WebSocket
+# WebSockets: a socket with no open context is closed after this; caps per ingress replica and per client
+# address, far below the thousands of sockets that starve a replica's event loop (its probes and HTTP included)
+DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S = _env_float("QWEN3_TTS_WEBSOCKET_IDLE_TIMEOUT_S", 30.0)
+DEFAULT_MAX_WEBSOCKETS_PER_REPLICA = _env_int("QWEN3_TTS_MAX_WEBSOCKETS_PER_REPLICA", 1024)
+DEFAULT_MAX_WEBSOCKETS_PER_CLIENT = _env_int("QWEN3_TTS_MAX_WEBSOCKETS_PER_CLIENT", 64)
 DEFAULT_MAX_INPUT_CHARS = _env_int("QWEN3_TTS_MAX_INPUT_CHARS", 4096)
 DEFAULT_MAX_INSTRUCTIONS_CHARS = _env_int("QWEN3_TTS_MAX_INSTRUCTIONS_CHARS", 1000)
 DEFAULT_MAX_REF_AUDIO_BYTES = _env_int("QWEN3_TTS_MAX_REF_AUDIO_BYTES", 10 * 1024 * 1024)

@@ -4,9 +4,11 @@ One `LiveSession` per connection. Each `open` starts a context: one live request
 (`Talker.generate_live`), whose text the session puts in this ingress replica's `TextMailbox` as the client
 sends it (in order: a message's put is awaited before the next message is read), and whose audio a task
 of its own encodes and sends as binary frames tagged with the context id. A bad message is answered with
-an error message and changes nothing; a context that fails ends with an error message; the socket and the
-other contexts go on. When the client leaves, every context it had open is cancelled (its Talker request
-aborted, its slot freed).
+an error message (`"final": false`) and changes nothing, whatever its size or depth; a context that fails ends
+with an error message (`"final": true`); the socket and the other contexts go on. Every context ends with
+`done` or a final error. When the client leaves, every context it had open is cancelled (its Talker request
+aborted, its slot freed). A socket without an open context for `ingress.websocket_idle_timeout_s` is closed,
+and the replica's sockets are capped (deployments/ingress/socket_limits.py).
 
 Binary frame: one byte n, the context id (n ASCII bytes), then audio bytes of the context's
 `response_format` (a stream: concatenated, the frames of a context are one file).
@@ -35,6 +37,7 @@ from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.outcomes import Outcomes, PlaybackClock
 from deployments.ingress.request_builder import check_limits, check_live_text, check_request
 from deployments.ingress.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen
+from deployments.ingress.socket_limits import CLOSE_NORMAL, CLOSE_TRY_AGAIN_LATER, SocketLimits
 from deployments.ingress.text_mailbox import TextEvent
 from deployments.messages import DecodedChunk
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
@@ -53,6 +56,9 @@ class LiveIngress(Protocol):
 logger = logging.getLogger("ray.serve")
 
 _MESSAGES = TypeAdapter(LiveMessage)
+# a message that fails validation is searched for a context id (to tag the error) only this far: parsing an
+# arbitrary payload again costs time and, nested deep, recursion
+_CONTEXT_ID_SCAN_CHARS = 64 * 1024
 
 
 def audio_frame(context_id: str, audio: bytes) -> bytes:
@@ -80,37 +86,74 @@ class _Context:
     cancelled: bool = False  # `cancel` received
     first_text_at: float | None = None  # perf_counter of its first text: first audio is timed from here
     task: asyncio.Task | None = None
+    failure: APIError | None = None  # why the ingress ended it (its task cancelled): its final error
 
 
 class LiveSession:
     """One WebSocket connection and the contexts open on it."""
 
     def __init__(self, websocket: WebSocket, ingress: LiveIngress, mailbox: ActorHandle, outcomes: Outcomes,
-                 work: OpenWork):
-        """`mailbox`: the ingress replica's TextMailbox actor (deployments/ingress/text_mailbox.py)."""
+                 work: OpenWork, sockets: SocketLimits):
+        """`mailbox`: the ingress replica's TextMailbox actor (deployments/ingress/text_mailbox.py);
+        `sockets`: the replica's WebSocket counts."""
         self._ws, self._ingress, self._mailbox = websocket, ingress, mailbox
-        self._outcomes, self._work = outcomes, work
+        self._outcomes, self._work, self._sockets = outcomes, work, sockets
         self._limits = ingress.args.ingress
         self._contexts: dict[str, _Context] = {}
         self._send_lock = asyncio.Lock()  # whole messages, one at a time, from the contexts' tasks
         self._closing = False
+        self._idle_since = time.monotonic()  # when its last context ended (or it connected)
 
     async def run(self) -> None:
-        await self._ws.accept()
+        client = self._ws.client.host if self._ws.client else "-"
+        refused = self._sockets.admit(client)
+        if refused is not None:  # accepted to say why: a refused handshake tells the client nothing
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+                await self._ws.accept()
+                await self._error(None, APIError(503, f"{refused}; try again later", code="too_many_connections"),
+                                  final=True)
+            await self._close(CLOSE_TRY_AGAIN_LATER, "too many connections, try again later")
+            return
+        receive: asyncio.Task | None = None
         try:
+            await self._ws.accept()
             while True:
-                message = await self._ws.receive()
+                # one receive in flight across idle checks: cancelling a receive could lose its message
+                receive = receive or asyncio.ensure_future(self._ws.receive())
+                idle_s = self._limits.websocket_idle_timeout_s
+                left = idle_s if self._contexts else self._idle_since + idle_s - time.monotonic()
+                if left <= 0:
+                    await self._close(CLOSE_NORMAL, f"no open context for {idle_s:g} s")
+                    break
+                done, _ = await asyncio.wait({receive}, timeout=left)
+                if not done:
+                    continue
+                message, receive = receive.result(), None
                 if message["type"] == "websocket.disconnect":
                     break
                 if message.get("text") is None:
                     await self._error(None, bad_request("messages to the server are JSON text; binary messages "
                                                         "are not accepted", code="invalid_message"))
                     continue
-                await self._handle(message["text"])
+                try:
+                    await self._handle(message["text"])
+                except Exception:  # a bug must not end the socket and its other contexts
+                    logger.exception("a WebSocket message failed")
+                    await self._error(None, APIError(500, "the server failed to handle a message",
+                                                     code="internal_error"))
         except WebSocketDisconnect:
             pass
         finally:
+            if receive is not None:
+                receive.cancel()
+            self._sockets.release(client)
             await self._close_all()
+
+    async def _close(self, code: int, reason: str) -> None:
+        self._closing = True
+        async with self._send_lock:
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+                await self._ws.close(code, reason)
 
     # ------------------------------------------------------------------ client messages
     async def _handle(self, raw: str) -> None:
@@ -152,6 +195,11 @@ class LiveSession:
             events.append(TextEvent("flush"))
         elif isinstance(message, LiveEnd):
             ctx.ended = True
+            if not ctx.chars:  # the Talker would refuse it: end the context here, with its final error
+                ctx.failure = bad_request("the context ended without any text", "text", code="empty_input")
+                self._outcomes.error(ctx.failure)
+                ctx.task.cancel()
+                return
             events.append(TextEvent("end"))
         if events:
             # awaited: the next message's events are put after these (one caller's actor calls start in order,
@@ -165,13 +213,13 @@ class LiveSession:
             return
         if len(self._contexts) >= self._limits.max_contexts_per_connection:
             await self._error(cid, APIError(429, f"{self._limits.max_contexts_per_connection} contexts are already "
-                                            "open on this connection", code="too_many_contexts"))
+                                            "open on this connection", code="too_many_contexts"), final=True)
             return
         model, request_id, mailbox = "-", f"live-{uuid.uuid4().hex}", None
         try:
             self._work.acquire()  # admission, as for an HTTP request (429 when the replica is full)
         except APIError as error:
-            await self._error(cid, error)
+            await self._error(cid, error, final=True)
             return
         try:
             check_limits(body, self._limits, live=True)
@@ -186,7 +234,7 @@ class LiveSession:
             self._work.release()
             if mailbox is not None:
                 mailbox.close.remote(request_id)
-            await self._error(cid, self._outcomes.failed(exc, model, True))
+            await self._error(cid, self._outcomes.failed(exc, model, True), final=True)
             return
         ctx = _Context(cid, request_id, model, body, info.tokenizer)
         self._contexts[cid] = ctx
@@ -216,13 +264,17 @@ class LiveSession:
             await self._send_json(self._done(ctx, frames, finish.value if finish else "unknown"))
         except asyncio.CancelledError:
             status = "cancelled"
-            if not ctx.cancelled or self._closing:
+            if not (ctx.cancelled or ctx.failure) or self._closing:
                 raise  # the connection is closing: nobody to tell
-            await self._send_json(self._done(ctx, frames, "cancelled"))
+            if ctx.failure is not None:
+                status = "error"
+                await self._error(ctx.id, ctx.failure, final=True)
+            else:
+                await self._send_json(self._done(ctx, frames, "cancelled"))
         except Exception as exc:  # this context failed; the socket and the others go on
             error = self._outcomes.error(exc)
             status = "timeout" if error.status in (408, 504) else "error"
-            await self._error(ctx.id, error)
+            await self._error(ctx.id, error, final=True)
         finally:
             await chunks.aclose()  # aborts the Talker's request when it has not ended
             self._mailbox.close.remote(ctx.request_id)
@@ -231,6 +283,8 @@ class LiveSession:
             self._outcomes.stream_ended(ctx.model, status, ctx.first_text_at or time.perf_counter(), frames,
                                         PlaybackClock())
             self._contexts.pop(ctx.id, None)
+            if not self._contexts:
+                self._idle_since = time.monotonic()
 
     def _done(self, ctx: _Context, frames: int, finish_reason: str) -> dict:
         input_tokens = len(ctx.tokenizer.encode("".join(ctx.text))) if ctx.text else 0
@@ -245,10 +299,13 @@ class LiveSession:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._contexts.clear()  # nothing of a closed socket stays referenced
 
     # ------------------------------------------------------------------ sending
-    async def _error(self, context_id: str | None, error: APIError) -> None:
-        await self._send_json({"type": "error", "context_id": context_id, "status": error.status, **error.body()})
+    async def _error(self, context_id: str | None, error: APIError, final: bool = False) -> None:
+        """`final`: the context has ended (or never opened): no `done` follows."""
+        await self._send_json({"type": "error", "context_id": context_id, "status": error.status, **error.body(),
+                               "final": final})
 
     async def _send_json(self, message: dict) -> None:
         await self._send(self._ws.send_text, json.dumps(message))
@@ -268,7 +325,9 @@ class LiveSession:
 
 def _context_id_of(raw: str) -> str | None:
     """The context id of a message that failed validation, when it has a usable one (to tag the error)."""
-    with contextlib.suppress(ValueError, TypeError, AttributeError):
+    if len(raw) > _CONTEXT_ID_SCAN_CHARS:
+        return None
+    with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
         cid = json.loads(raw).get("context_id")
         if isinstance(cid, str) and len(cid) <= 64:
             return cid

@@ -33,6 +33,7 @@ from deployments.ingress.placement import StreamPlacement
 from deployments.ingress.request_builder import VoiceChoice, build_request, check_limits, check_request
 from deployments.ingress.routing import ModelRouter
 from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.socket_limits import SocketLimits
 from deployments.ingress.speech import SpeechJob, stream_response, whole_response
 from deployments.ingress.text_mailbox import new_mailbox
 from deployments.ingress.voice_store import VoiceStore
@@ -60,6 +61,7 @@ class TTSIngress:
         # this replica's TextMailbox (WebSocket live text), started with the replica: made with the first
         # WebSocket context instead, it costs that context's first audio an actor's worker start (seconds;
         # docs/benchmarks.md "Live text")
+        self._sockets = SocketLimits(limits.max_websockets_per_replica, limits.max_websockets_per_client)
         self._mailbox = new_mailbox()
         await self._mailbox.open_boxes.remote()
 
@@ -141,7 +143,11 @@ class TTSIngress:
 
     # ------------------------------------------------------------------ live text (WebSocket)
     async def speech_stream(self, websocket: WebSocket):
-        await LiveSession(websocket, self, self._mailbox, self._outcomes, self._work).run()
+        await LiveSession(websocket, self, self._mailbox, self._outcomes, self._work, self._sockets).run()
+
+    async def websocket_stats(self) -> dict:
+        """This replica's open WebSockets (and client addresses holding some), through a deployment handle."""
+        return self._sockets.stats()
 
     # ------------------------------------------------------------------ models, voices, health
     async def models(self):

@@ -178,6 +178,7 @@ def test_bad_messages_are_answered_and_nothing_else_changes(client):
         client.ws.send(raw)
         error = client.until(lambda m: m["type"] == "error")
         assert error["error"]["code"] == code, (raw, error)
+        assert error["final"] is (code == "voice_not_found"), error  # a refused open: that context never was
     client.ws.send(b"\x00binary")
     assert client.until(lambda m: m["type"] == "error")["error"]["code"] == "invalid_message"
     client.send(type="end", context_id="ok", text=" sentence.")
@@ -243,3 +244,63 @@ def test_live_benchmark_measures_an_utterance(base_url):
     assert level["utterances"] == 2 and level["errors"] == 0, level
     assert level["first_word_to_audio_ms"]["n"] == 2 and level["first_word_to_audio_ms"]["p50"] > 0
     assert level["audio_s_per_s"] > 0 and level["gap_free_share"] is not None
+
+
+def _ingress_stats() -> dict:
+    from ray import serve
+
+    from tests.serve.conftest import APP
+
+    return serve.get_deployment_handle("TTSIngress", app_name=APP).websocket_stats.remote().result(timeout_s=30)
+
+
+def test_a_message_of_any_depth_or_size_is_answered_and_the_session_goes_on(client):
+    assert client.open("deep", max_new_tokens=6)["type"] == "opened"
+    client.send(type="append", context_id="deep", text="Words before the junk,")
+    nested = [
+        "[" * 100_000,  # unclosed
+        "[" * 5_000 + "]" * 5_000,
+        '{"a": ' * 5_000 + "1" + "}" * 5_000,
+        '{"type": "append", "context_id": "deep", "text": ' + "[" * 5_000 + "]" * 5_000 + "}",
+        json.dumps({"type": "append", "context_id": "deep", "text": ["x"] * 200_000}),  # 1 MB, shallow
+    ]
+    for raw in nested:
+        client.ws.send(raw)
+        error = client.until(lambda m: m["type"] == "error")
+        assert error["error"]["code"] in ("invalid_json", "invalid_message"), error
+        assert error["final"] is False and error["status"] == 400, error
+    client.send(type="end", context_id="deep", text=" and after it.")
+    done = client.done("deep")
+    assert done["type"] == "done" and done["usage"]["output_tokens"] == 6, done
+
+
+def test_every_context_ends_with_done_or_a_final_error(client):
+    """`end` without any text: the Talker would refuse it; the ingress ends the context with a final error."""
+    assert client.open("empty")["type"] == "opened"
+    client.send(type="end", context_id="empty")
+    error = client.done("empty")
+    assert error["type"] == "error" and error["final"] is True, error
+    assert error["status"] == 400 and error["error"]["code"] == "empty_input", error
+    wait_for(_idle, 60, message="the ended context's slot freed")
+    client.send(type="append", context_id="empty", text="late")  # it has ended: its id is free
+    late = client.until(lambda m: m["type"] == "error")
+    assert late["error"]["code"] == "context_not_found" and late["final"] is False, late
+    assert client.open("empty", max_new_tokens=4)["type"] == "opened"  # the socket goes on
+    client.send(type="end", context_id="empty", text="Now with words.")
+    assert client.done("empty")["type"] == "done"
+
+
+def test_closed_sockets_leave_nothing_counted(base_url):
+    """N sockets, some with a context waiting for text, closed: the replica's open-socket count returns to 0 and
+    every context is aborted."""
+    clients = [Client(base_url) for _ in range(6)]
+    wait_for(lambda: _ingress_stats()["open_websockets"] >= 6, 60, message="6 sockets counted")
+    for i, c in enumerate(clients[:2]):
+        assert c.open(f"p{i}", max_new_tokens=200)["type"] == "opened"
+        c.send(type="append", context_id=f"p{i}", text="Waiting for the rest of")
+    wait_for(lambda: _parked(n=2), 120, message="both contexts parked")
+    for c in clients:
+        c.close()
+    wait_for(lambda: _ingress_stats() == {"open_websockets": 0, "client_addresses": 0}, 60,
+             message="the closed sockets uncounted")
+    wait_for(_idle, 60, message="their contexts aborted")

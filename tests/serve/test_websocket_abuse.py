@@ -1,0 +1,127 @@
+"""`/v1/audio/speech/stream` under abuse: sockets without a context are closed after the idle timeout, and the
+sockets of an ingress replica (in all, and per client address) are capped while /health keeps answering.
+
+Each class deploys its own small app (the tiny CustomVoice checkpoint, the tiny codec) with the limits it tests set small,
+and removes it after. Every wait is for a message or a close frame, with a generous timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.serve.conftest import ZERO_CPU, wait_for
+
+RECV_TIMEOUT_S = 120.0
+APP_NAME = "ws-abuse"
+
+
+def _deploy(base_url: str, tiny_custom_voice, tmp_path_factory, **ingress) -> None:
+    from ray import serve
+
+    from deployments.builder import build_app
+
+    args = {
+        "models": [{"name": "cv", "model": str(tiny_custom_voice), "device": "cpu", "cpu_threads": 1,
+                    "engine_kwargs": {"max_num_seqs": 2, "max_seq_len": 512}, "deployment_config": ZERO_CPU}],
+        "code2wav": {"device": "cpu", "cpu_threads": 1, "max_batch_size": 4, "deployment_config": ZERO_CPU},
+        "ingress": {"voices_dir": str(tmp_path_factory.mktemp("voices")), "allow_suppress_eos": True,
+                    "deployment_config": {**ZERO_CPU, "num_replicas": 1}, **ingress},
+    }
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    wait_for(lambda: httpx.get(f"{base_url}/ready", timeout=10).status_code == 200, 120, 0.5, "/ready")
+
+
+@pytest.fixture(scope="class")
+def app(request, ray_cluster, tiny_custom_voice, tmp_path_factory):
+    from ray import serve
+
+    _deploy(ray_cluster, tiny_custom_voice, tmp_path_factory, **request.cls.INGRESS)
+    yield ray_cluster
+    serve.delete(APP_NAME)
+
+
+def _connect(base_url: str, source: str = "127.0.0.1"):
+    """A WebSocket to the app from the loopback address `source` (each its own client address)."""
+    from websockets.sync.client import connect
+
+    host, port = base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=RECV_TIMEOUT_S, source_address=(source, 0))
+    return connect(f"ws://{host}:{port}/v1/audio/speech/stream", sock=sock, max_size=None).__enter__()
+
+
+def _until_closed(ws) -> list:
+    """Every message received until the server's close frame (raises if none comes in time)."""
+    from websockets.exceptions import ConnectionClosed
+
+    got = []
+    try:
+        while True:
+            got.append(ws.recv(timeout=RECV_TIMEOUT_S))
+    except ConnectionClosed:
+        return got
+
+
+def _stats() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("TTSIngress", app_name=APP_NAME).websocket_stats.remote().result(timeout_s=30)
+
+
+class TestIdleSockets:
+    INGRESS = {"websocket_idle_timeout_s": 1.0}
+
+    def test_a_socket_without_a_context_is_closed_after_the_idle_timeout(self, app):
+        ws = _connect(app)
+        started = time.monotonic()
+        assert _until_closed(ws) == []
+        assert ws.close_code in (1000, 1001) and "no open context" in ws.close_reason, (ws.close_code, ws.close_reason)
+        assert time.monotonic() - started > 0.5  # not at once (its clock starts at the server's accept)
+        wait_for(lambda: _stats()["open_websockets"] == 0, 60, message="the closed socket uncounted")
+
+    def test_an_open_context_keeps_the_socket_and_the_idle_time_starts_at_its_end(self, app):
+        ws = _connect(app)
+        ws.send(json.dumps({"type": "open", "context_id": "a", "model": "cv", "voice": "vivian",
+                            "response_format": "pcm", "suppress_eos": True, "max_new_tokens": 40,
+                            "input": "Some words and"}))  # it speaks its text, then waits for more
+        assert json.loads(ws.recv(timeout=RECV_TIMEOUT_S))["type"] == "opened"
+        time.sleep(3)  # three idle timeouts with a context open (waiting for text): the socket stays
+        ws.send(json.dumps({"type": "end", "context_id": "a", "text": " more."}))
+        got = [json.loads(m) for m in _until_closed(ws) if isinstance(m, str)]
+        assert [m["type"] for m in got] == ["done"], got  # the context ran to its end, then the socket closed
+        assert got[0]["usage"]["output_tokens"] == 40, got
+        assert ws.close_code == 1000, ws.close_code
+
+
+class TestSocketCaps:
+    INGRESS = {"max_websockets_per_replica": 4, "max_websockets_per_client": 3, "websocket_idle_timeout_s": 600}
+
+    @staticmethod
+    def _refused(ws) -> None:
+        got = _until_closed(ws)
+        assert ws.close_code == 1013, (ws.close_code, ws.close_reason)
+        error = json.loads(got[0])
+        assert error["type"] == "error" and error["final"] is True, error
+        assert error["status"] == 503 and error["error"]["code"] == "too_many_connections", error
+
+    def test_sockets_are_capped_per_client_and_per_replica_and_health_answers(self, app):
+        held = [_connect(app) for _ in range(3)]
+        wait_for(lambda: _stats()["open_websockets"] == 3, 60, message="3 sockets counted")
+        self._refused(_connect(app))  # a 4th from the same address
+        held.append(_connect(app, "127.0.0.2"))  # another address: the replica's 4th
+        wait_for(lambda: _stats()["open_websockets"] == 4, 60, message="4 sockets counted")
+        self._refused(_connect(app, "127.0.0.3"))  # the replica is full
+        assert httpx.get(f"{app}/health", timeout=30).status_code == 200
+        held[0].send(json.dumps({"type": "cancel", "context_id": "x"}))  # the held sockets still work
+        assert json.loads(held[0].recv(timeout=RECV_TIMEOUT_S))["error"]["code"] == "context_not_found"
+        for ws in held:
+            ws.close()
+        wait_for(lambda: _stats() == {"open_websockets": 0, "client_addresses": 0}, 60, message="sockets uncounted")
+        ws = _connect(app, "127.0.0.3")  # room again
+        ws.send(json.dumps({"type": "cancel", "context_id": "x"}))
+        assert json.loads(ws.recv(timeout=RECV_TIMEOUT_S))["error"]["code"] == "context_not_found"
+        ws.close()
