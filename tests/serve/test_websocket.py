@@ -113,8 +113,11 @@ def test_text_appended_token_by_token_speaks_like_the_whole_text(client):
     assert pieces["type"] == "done" and pieces["usage"] == whole["usage"]
     a, b = client.pcm("whole"), client.pcm("pieces")
     assert a.size == b.size == 8 * SAMPLES_PER_FRAME
-    # the same codes; Code2Wav's batch may differ between the two, so a float rounding step at most
-    assert np.abs(a.astype(np.int32) - b).max() <= 2, "piecewise text spoke different audio"
+    # the same codes; the chunks are cut at other frames (a live context's chunk ends where its text does), and a
+    # chunk decoded over its left context instead of from its stream's decoder state differs by the chunking error
+    # (docs/code2wav.md section 3; larger on this tiny random decoder): 128 of int16's 32,768 is 0.4% of full scale
+    diff = np.abs(a.astype(np.int32) - b)
+    assert diff.max() <= 128 and diff.mean() < 4, ("piecewise text spoke different audio", diff.max(), diff.mean())
 
 
 def _open_parked(client, context_id: str, frames: int, text: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -32,7 +33,7 @@ def _deploy(base_url: str, tiny_custom_voice, tmp_path_factory, **ingress) -> No
         "ingress": {"voices_dir": str(tmp_path_factory.mktemp("voices")), "allow_suppress_eos": True,
                     "deployment_config": {**ZERO_CPU, "num_replicas": 1}, **ingress},
     }
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    serve.run(build_app(args), name=APP_NAME, route_prefix=f"/{APP_NAME}")  # beside the session's app at /
     wait_for(lambda: httpx.get(f"{base_url}/ready", timeout=10).status_code == 200, 120, 0.5, "/ready")
 
 
@@ -40,8 +41,9 @@ def _deploy(base_url: str, tiny_custom_voice, tmp_path_factory, **ingress) -> No
 def app(request, ray_cluster, tiny_custom_voice, tmp_path_factory):
     from ray import serve
 
-    _deploy(ray_cluster, tiny_custom_voice, tmp_path_factory, **request.cls.INGRESS)
-    yield ray_cluster
+    base_url = f"{ray_cluster}/{APP_NAME}"
+    _deploy(base_url, tiny_custom_voice, tmp_path_factory, **request.cls.INGRESS)
+    yield base_url
     serve.delete(APP_NAME)
 
 
@@ -49,9 +51,9 @@ def _connect(base_url: str, source: str = "127.0.0.1"):
     """A WebSocket to the app from the loopback address `source` (each its own client address)."""
     from websockets.sync.client import connect
 
-    host, port = base_url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=RECV_TIMEOUT_S, source_address=(source, 0))
-    return connect(f"ws://{host}:{port}/v1/audio/speech/stream", sock=sock, max_size=None).__enter__()
+    url = urlsplit(base_url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=RECV_TIMEOUT_S, source_address=(source, 0))
+    return connect(f"ws://{url.netloc}{url.path}/v1/audio/speech/stream", sock=sock, max_size=None).__enter__()
 
 
 def _until_closed(ws) -> list:
