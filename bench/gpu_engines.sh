@@ -11,8 +11,7 @@
 # bench.talker --profile per VARIANT (default "4hs 4hsa": --gemv-rows N, "h" adding --heads-in-attention,
 # "s" --sampling-kernel, "p" --pdl, "a" --attention-splits; a letter left out passes --no-...), "4hs"
 # being the default step.
-# attention: bench.kernels.paged_attention, the decode-attention tiling sweep in CUDA graphs, with and without
-# loads_first, and the splits sweep at a few rows (1-32 programs per row and KV head, 160-2000 keys).
+# attention: bench.kernels.paged_attention, the decode-attention tiling sweep in CUDA graphs, and the splits sweep at a few rows (1-32 programs per row and KV head, 160-2000 keys).
 # select: bench.kernels.select, token selection per call (compiled sort, the sampling kernel).
 # KERNEL_FLAGS (e.g. "--pdl") go to talker_check, talker_profile, talker_before and pipeline.
 # talker_check: bench.talker --check-graphs per batch bucket (graph + compiled + fused vs eager: the first step's

@@ -138,12 +138,11 @@ if triton is not None:
 
 
 def tiling(m: int, n: int, k: int, swiglu: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for m rows times an [n, k] weight. The H100 sweep of `bench/gemv.py` (one row,
-    2026-11-23) favoured narrow, long tiles on every shape of the 1.7B layers: 4 output rows (8 with SwiGLU) by 512
-    columns, 3-4x faster than the first tiling (wide and short: 32 x 128), since each program's loop runs few,
-    large loads. The product tile (rows x BLOCK_N x BLOCK_K, twice with SwiGLU) stays <= 8192 values, which
-    ptxas fits in registers without spills for sm_90 at every shape of the 1.7B and 0.6B layers
-    (tests/interpreted/compile_sm90.py)."""
+    """(BLOCK_N, BLOCK_K, num_warps) for m rows times an [n, k] weight. Narrow, long tiles: 4 output rows (8 with
+    SwiGLU) by 512 columns, so each program's loop runs few, large loads (`python -m bench.kernels.gemv` sweeps
+    them; the figures: docs/benchmarks.md, "Few-row GEMVs on by default"). The product tile (rows x BLOCK_N x
+    BLOCK_K, twice with SwiGLU) stays <= 8192 values, which ptxas fits in registers without spills for sm_90 at
+    every shape of the 1.7B and 0.6B layers (tests/interpreted/compile_sm90.py)."""
     rows = triton.next_power_of_2(m)
     block_n = 8 if swiglu else 4
     block_k = max(32, min(512, 8192 // (block_n * rows * (2 if swiglu else 1))))

@@ -1,8 +1,8 @@
 """Tiling sweep of the Triton decode-attention kernel (stages/talker/paged_attention.py) on the shapes the
 talker decodes: microseconds per call and effective HBM bandwidth (K and V bytes read / time), each variant timed
-as a CUDA graph of back-to-back calls (as the engine's graphs run it), with and without `loads_first` (each
-tile's V load issued with its K load); then, at a few rows, each row's keys split over 1-32 programs
-(`splits`, merged by a second kernel) with the new key's store and the head prologue as in the decode step.
+as a CUDA graph of back-to-back calls (as the engine's graphs run it); then, at a few rows, each row's keys split
+over 1-32 programs (`splits`, merged by a second kernel) with the new key's store and the head prologue as in
+the decode step.
 
     python -m bench.kernels.paged_attention                     # CUDA only; ~2 min
 """
@@ -61,26 +61,23 @@ def main() -> None:
         ref = paged_decode_attention(q, k_pool, v_pool, table, lens, page)
         nbytes = 2 * b * keys * n_kv * d * 2
         results = []
-        for block, warps, stages, first in itertools.product((16, 32, 64), (1, 2, 4, 8), (1, 2, 3), (False, True)):
-            call = functools.partial(paged_decode_attention, q, k_pool, v_pool, table, lens, page, block, warps, stages,
-                                     loads_first=first)
+        for block, warps, stages in itertools.product((16, 32, 64), (1, 2, 4, 8), (1, 2, 3)):
+            call = functools.partial(paged_decode_attention, q, k_pool, v_pool, table, lens, page, block, warps, stages)
             try:
                 err = (call().float() - ref.float()).abs().max().item()
                 us = time_us(call)
             except Exception as e:  # a tiling Triton cannot build (shared memory)
                 print(f"b={b} keys={keys} block={block} warps={warps} stages={stages}: {type(e).__name__}")
                 continue
-            results.append(dict(block=block, warps=warps, stages=stages, loads_first=first, us=round(us, 2),
+            results.append(dict(block=block, warps=warps, stages=stages, us=round(us, 2),
                                 gb_s=round(nbytes / us / 1e3, 1), max_diff=err))
         results.sort(key=lambda r: r["us"])
         engine = (*decode_tiling(b), 2)  # paged_decode_attention's tiling and num_stages
-        default, first = (next(r for r in results if (r["block"], r["warps"], r["stages"]) == engine
-                               and r["loads_first"] == f) for f in (False, True))
-        print(f"batch {b}, {keys} keys: engine's tiling {default['us']} us ({default['gb_s']} GB/s), with loads_first "
-              f"{first['us']} us; best " + ", ".join(
-                  f"{r['block']}/{r['warps']}/{r['stages']}{'/first' if r['loads_first'] else ''} {r['us']} us "
-                  f"({r['gb_s']} GB/s)" for r in results[:4]), flush=True)
-        rows.append(dict(batch=b, keys=keys, default=default, loads_first=first, best=results[:6]))
+        default = next(r for r in results if (r["block"], r["warps"], r["stages"]) == engine)
+        print(f"batch {b}, {keys} keys: engine's tiling {default['us']} us ({default['gb_s']} GB/s); best " + ", ".join(
+                  f"{r['block']}/{r['warps']}/{r['stages']} {r['us']} us ({r['gb_s']} GB/s)" for r in results[:4]),
+              flush=True)
+        rows.append(dict(batch=b, keys=keys, default=default, best=results[:6]))
     for b, keys in itertools.product(map(int, args.split_batches.split(",")), map(int, args.split_keys.split(","))):
         q, k_pool, v_pool, table, lens = paged_inputs(b, keys)
         new_kv = (torch.randn(b, n_kv, d, device="cuda", dtype=torch.bfloat16),) * 2

@@ -3,8 +3,8 @@
 Why: a forward at serving shapes is bound by its kernel count, not by its arithmetic. The first chunk (one frame,
 batch 1) launched ~580 kernels, ~390 of them the 8-layer pre-transformer's (RMSNorms in fp32, RoPE, layer scales,
 SwiGLU: a dozen small kernels around each product) and ~80 the dequantizer's (two lookups, a division and an add
-per codebook); compiled, ~225 (H100, 2026-11-24, `bench/first_chunk_kernels.py`: graph replay 1.65 -> 1.01 ms at
-batch 1 x 1 frame, 2.31 -> 1.54 ms at 8 x 3; the upsampler's ConvNeXt blocks compiled too gained nothing more).
+per codebook); compiled, ~225, and the graph replays in well under the time (the upsampler's ConvNeXt blocks
+compiled too gained nothing more; docs/benchmarks.md, "A compiled first-chunk decoder").
 
 What is compiled: `quantizer.forward` (every path: the stateful engine calls it too), `pre_transformer.forward`
 (the stateless decode) and `stateful.windowed_transformer` (the stateful decode's pre-transformer over its carried

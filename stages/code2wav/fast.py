@@ -40,7 +40,7 @@ except ImportError:  # CPU-only installs
     triton = None
 
 _BLOCK_T, _BLOCK_C = 64, 64
-# Choices measured per op and shape by bench/code2wav_ops.py (H100, bf16, docs/code2wav.md section 7):
+# Choices measured per op and shape (docs/code2wav.md section 7):
 Carry = Callable[[str, torch.Tensor, int], torch.Tensor]  # (state key, padded conv input, rate) -> conv input
 
 CONV2D_MIN_CHANNELS = 0  # dilated convs with at least this many input channels run as (T / d, d) 2-D convs

@@ -112,7 +112,7 @@ if triton is not None:
         stride_qb, stride_qh, stride_kblock, stride_kt, stride_kh, stride_tb, stride_len, stride_ob, stride_oh,
         stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
-        WRITE: tl.constexpr, HEADS: tl.constexpr, LOADS_FIRST: tl.constexpr = False, SPLITS: tl.constexpr = 1,
+        WRITE: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr = 1,
         PDL: tl.constexpr = False,
     ):
         if PDL:  # programmatic dependent launch: the next kernel may launch now; wait for the previous one's writes
@@ -155,16 +155,13 @@ if triton is not None:
             block = tl.load(table_ptr + row * stride_tb + n // PAGE, mask=n_ok, other=0)
             offs = (block * stride_kblock + (n % PAGE) * stride_kt)[:, None] + kv_head * stride_kh + d[None, :]
             k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0)  # [N, D]
-            if LOADS_FIRST:  # V's load in flight with K's: the softmax's reductions (barriers) no longer delay it
-                v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0)
             k = k.to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [G, N]
             s = tl.where(n_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            if not LOADS_FIRST:
-                v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0)
             v = v.to(tl.float32)  # [N, D]
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
@@ -209,7 +206,6 @@ def paged_decode_attention(
     num_stages: int = 2,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_lens - 1
     head_norm: HeadNorm | None = None,  # q and the new key as projected: the kernel norms and rotates them (new_kv)
-    loads_first: bool = False,  # each tile's V load issued with its K load (measured: no gain in the step; below)
     splits: int = 1,  # programs per (row, KV head), each over a share of the keys, then merged (`decode_splits`)
     pdl: bool = False,  # programmatic dependent launch (sm_90+): launched while the previous kernel ends
 ) -> torch.Tensor:
@@ -219,16 +215,10 @@ def paged_decode_attention(
     the caller would otherwise do with two copy kernels per layer. With `head_norm`, q and the new key are the
     projections before the head norm and RoPE, which the kernel applies (the key as stored is the rotated one).
 
-    Tiling (`bench/paged_attention.py` sweeps it; H100, bf16, 2026-11-23): from 64 rows up, 16 keys per
-    iteration and one warp per program (two below 128 rows) read K/V at 2.6-2.8 TB/s at batch 256-512,
-    against 1.1 TB/s with 32 keys and 4 warps: many small programs keep more loads in flight than few wide
-    ones. Below 64 rows the call is launch-bound and 32 keys x 4 warps measured as well or better in graphs.
-    `loads_first` and 32 keys x 1 warp won the sweep at 64 rows (25.6 / 68.3 us at 160 / 420 keys against
-    31.3 / 80.5 us), but in the decode step at batch 64 this kernel's 108 calls (28 of them here, the rest the
-    code predictor's `contiguous_decode_attention`) took 1.53 ms with them against 1.43 ms without
-    (`bench.talker --profile`, same H100 call). The sweep calls the kernel without the step's new-key store
-    and head-norm prologue (`new_kv`, `head_norm`); that is the likely difference, not measured apart. From
-    256 rows up loads_first made no difference (+-1%).
+    Tiling (`decode_tiling`; `python -m bench.kernels.paged_attention` sweeps it): from 64 rows up, 16 keys per
+    iteration and one warp per program (two below 128 rows): many small programs keep more K/V loads in flight than
+    few wide ones; below 64 rows the call is launch-bound and 32 keys x 4 warps do as well in graphs (figures:
+    docs/benchmarks.md, "Frame speed (issue 12)" and "Few-row GEMVs on by default").
 
     With `splits` > 1 (a power of two) each (row, KV head) is `splits` programs over consecutive whole tiles of
     its keys, writing unnormalized partials that a second kernel merges ("flash decoding"): at a few rows the
@@ -257,7 +247,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), block_size * k_pool.stride(0), k_pool.stride(0), k_pool.stride(1),
         block_table.stride(0), 1, out.stride(0), out.stride(1), *new_strides, stride_cb,
         GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d, BLOCK=keys_per_iteration, PAGE=block_size,
-        WRITE=new_kv is not None, HEADS=head_norm is not None, LOADS_FIRST=loads_first, SPLITS=splits, PDL=pdl,
+        WRITE=new_kv is not None, HEADS=head_norm is not None, SPLITS=splits, PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, **launch_args(pdl),
     )
     if splits > 1:

@@ -82,12 +82,11 @@ def attention() -> dict:
     # the paged tilings (batch >= 128, >= 64, below) and the contiguous cache's (16 positions), with and without
     # the new-K/V store and the head prologue
     for block, warps, page in ((16, 1, 16), (16, 2, 16), (32, 4, 16), (16, 4, 16)):
-        for write, heads, first in ((False, False, False), (True, False, False), (True, True, False),
-                                    (True, True, True)):  # the last: each tile's V load issued with its K load
-            out[f"block{block} warps{warps} page{page} write{write} heads{heads} loads_first{first}"] = compile_kernel(
+        for write, heads in ((False, False), (True, False), (True, True)):
+            out[f"block{block} warps{warps} page{page} write{write} heads{heads}"] = compile_kernel(
                 paged_attention._paged_decode_kernel, sig,
                 {"GROUP": 2, "GROUP_P": 2, "D": 128, "BLOCK": block, "PAGE": page, "WRITE": write, "HEADS": heads,
-                 "LOADS_FIRST": first, "SPLITS": 1},
+                 "SPLITS": 1},
                 warps, aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
     # keys split over several programs (attention_splits: batch 1 and 8 of decode_splits), and their merge; PDL:
     # the step's launch mode with `pdl` (batch 1: 16 splits; the code predictor's contiguous cache: no splits)
@@ -96,7 +95,7 @@ def attention() -> dict:
         out[f"block32 warps4 page16 write heads {name}"] = compile_kernel(
             paged_attention._paged_decode_kernel, sig,
             {"GROUP": 2, "GROUP_P": 2, "D": 128, "BLOCK": 32, "PAGE": 16, "WRITE": True, "HEADS": True,
-             "LOADS_FIRST": False, "SPLITS": splits, "PDL": pdl},
+             "SPLITS": splits, "PDL": pdl},
             4, aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
         if splits > 1:
             out[f"combine {name}"] = compile_kernel(
