@@ -28,8 +28,13 @@ def build_random_reference_encoder(codec_config: dict[str, Any], generator: torc
     with torch.device(device):
         encoder = ReferenceAudioEncoder(ReferenceEncoderConfig.from_dict(codec_config))
     probe = torch.sin(torch.linspace(0, 400.0, 24000, device=device)) * 0.5
-    with torch.no_grad():
-        latents = encoder.encoder(probe[None, None])
-        scale = float(latents.float().std().clamp(min=1e-3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            latents = encoder.encoder(probe[None, None])
+            scale = float(f"{float(latents.double().std().clamp(min=1e-3)):.3g}")
+    finally:
+        torch.set_num_threads(threads)
     randomize_codebooks_(encoder, generator, std=scale)
     return encoder

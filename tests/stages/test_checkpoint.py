@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -152,6 +154,23 @@ def test_same_seed_writes_byte_identical_weights(size, kind, tmp_path):
     for name in WEIGHT_FILES:
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
         assert (first / name).read_bytes() != (other / name).read_bytes(), name
+
+
+def test_same_seed_same_bytes_in_fresh_processes_with_other_thread_counts(tmp_path):
+    """Two fresh processes, one and two intra-op threads: a reduction whose order follows the thread pool (the
+    codec encoder's latent scale) once let the codec's file differ between runs on a loaded machine."""
+    import subprocess
+    import sys
+
+    outs = []
+    for threads in (1, 2):
+        out = tmp_path / f"t{threads}"
+        subprocess.run([sys.executable, "-m", "stages.checkpoint", "random", str(out), "--tiny", "--kind", "base",
+                        "--seed", "7"], check=True, capture_output=True,
+                       env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        outs.append(out)
+    for name in WEIGHT_FILES:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
 
 
 def test_tiny_checkpoints_cover_both_code_predictor_projections(tiny_custom_voice_06, tiny_custom_voice):
