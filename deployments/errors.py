@@ -104,7 +104,7 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from stages.contract import EngineOverloadedError, InvalidRequestError, TextTimeoutError
+    from stages.contract import EngineOverloadedError, InvalidRequestError, LiveTextEvictedError, TextTimeoutError
 
     exc = unwrap(exc)
     if isinstance(exc, APIError):
@@ -119,6 +119,8 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
                         limit=ENGINE_QUEUE if isinstance(exc, EngineOverloadedError) else SERVE_QUEUE)
     if isinstance(exc, DeploymentUnavailableError):
         return APIError(503, "the model is not available right now", code="unavailable", retry_after_s=retry_after_s)
+    if isinstance(exc, LiveTextEvictedError):  # live text: its slot went to waiting work, or its lifetime ended
+        return APIError(408, str(exc), code="text_evicted")
     if isinstance(exc, TextTimeoutError):  # live text (WebSocket): the client's text stopped coming
         return APIError(408, str(exc), code="text_timeout")
     if isinstance(exc, TimeoutError):

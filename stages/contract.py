@@ -34,6 +34,11 @@ class TextTimeoutError(TimeoutError):
     """A live-text request waited longer than the engine's idle timeout for its next text; it has ended."""
 
 
+class LiveTextEvictedError(TextTimeoutError):
+    """A live-text request ended to free its slot and KV: it waited for text while other requests waited for
+    a slot, or it outlived the engine's maximum live-request lifetime."""
+
+
 class TaskType(str, enum.Enum):
     CUSTOM_VOICE = "CustomVoice"
     VOICE_DESIGN = "VoiceDesign"

@@ -70,6 +70,10 @@ class TalkerEngineConfig:
     # and a co-located Code2Wav's first chunks wait (docs/talker_engine.md, "Programmatic dependent launch")
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
     text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
+    # live text cannot hold rows hostage: a request parked for text at least this long gives its slot and KV to
+    # a waiting non-live request that cannot get them otherwise (the longest-parked first; LiveTextEvictedError)
+    live_evict_parked_s: float = 1.0
+    live_max_lifetime_s: float = 600.0  # a live request waiting for text after this long from its opening ends
     compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't
     schedule: ChunkSchedule = ChunkSchedule()  # default chunking of a stream (a request may bring its own)
     kernels: KernelOptions = KernelOptions()  # developer switches (a dict from YAML: `engine_kwargs.kernels`)
@@ -77,6 +81,8 @@ class TalkerEngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_seq_len < 16:
             raise ValueError("max_num_seqs must be >= 1 and max_seq_len >= 16")
+        if self.live_evict_parked_s < 0 or self.live_max_lifetime_s <= 0:
+            raise ValueError("live_evict_parked_s must be >= 0 and live_max_lifetime_s > 0")
         if self.max_prefills_per_step < 1 or self.max_prefill_batch < 1:
             raise ValueError("max_prefills_per_step and max_prefill_batch must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:

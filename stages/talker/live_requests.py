@@ -8,6 +8,11 @@ Two halves:
   it is parked off the rows (keeping slot and KV) and resumes at the end of the rows when the text comes; a
   flushed segment spoken to its end parks it between segments, and the next segment starts with a new prefill in
   the same slot; without text for its idle timeout it ends with `TextTimeoutError`.
+
+Parked requests keep a slot and KV while they wait, so a client sending a character now and then could hold
+every row. Two bounds: a waiting non-live request that cannot get a slot or KV ends the longest-parked live
+requests that have waited for text at least `evict_parked_s` (`evict_for_waiting`), and a live request still
+waiting for text `max_lifetime_s` after it opened ends (`expire`); both with `LiveTextEvictedError`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from dataclasses import replace
 import numpy as np
 
 from stages.config import ModelConfig
-from stages.contract import FinishReason, InvalidRequestError, SynthesisRequest, TextTimeoutError
+from stages.contract import (FinishReason, InvalidRequestError, LiveTextEvictedError, SynthesisRequest,
+                             TextTimeoutError)
 from stages.talker.layout import prefill_length
 from stages.talker.live_text import LiveText
 from stages.talker.output import StepOutputs
@@ -87,8 +93,10 @@ class LiveTextDriver:
     """Live requests' states on the engine thread, over the scheduler, the rows and the runner."""
 
     def __init__(self, model_config: ModelConfig, max_text_rows: int, scheduler: Scheduler, runner, rows: Rows,
-                 outputs: StepOutputs, counters: EngineCounters):
+                 outputs: StepOutputs, counters: EngineCounters, evict_parked_s: float = 1.0,
+                 max_lifetime_s: float = 600.0):
         self.model_config, self.max_text_rows = model_config, max_text_rows
+        self.evict_parked_s, self.max_lifetime_s = evict_parked_s, max_lifetime_s
         self.scheduler, self.runner, self.rows = scheduler, runner, rows
         self.outputs, self.counters = outputs, counters
         self.expiry_at = float("inf")  # next time a request waiting for text may time out
@@ -214,10 +222,37 @@ class LiveTextDriver:
     def wait_for_text(self, seq: Sequence) -> None:
         now = time.monotonic()
         seq.live.waiting_since = now
-        self.expiry_at = min(self.expiry_at, now + seq.live.idle_timeout_s)
+        self.expiry_at = min(self.expiry_at, now + seq.live.idle_timeout_s,
+                             seq.live.opened_at + self.max_lifetime_s)
+
+    def evict_for_waiting(self) -> int:
+        """The head of the queue is a non-live request without a slot or KV: the longest-parked live requests
+        that have waited for text at least `evict_parked_s` end (`LiveTextEvictedError`) until it fits or none is
+        left. Returns how many ended."""
+        sched = self.scheduler
+        if not sched.parked or not sched.waiting or sched.waiting[0].live is not None:
+            return 0
+        now, evicted = time.monotonic(), 0
+        while sched.head_blocked():
+            parked = [s for s in sched.parked.values()
+                      if s.live is not None and s.live.waiting_since is not None
+                      and now - s.live.waiting_since >= self.evict_parked_s]
+            if not parked:
+                break
+            seq = min(parked, key=lambda s: s.live.waiting_since)
+            self.finish(seq, LiveTextEvictedError(
+                f"request {seq.request_id!r} waited {now - seq.live.waiting_since:.1f} s for text while other "
+                "requests waited for its slot: it ended to free it"))
+            evicted += 1
+        if evicted:
+            self.counters.live_evictions += evicted
+            self.progress_at = now
+        return evicted
 
     def expire(self) -> None:
-        """Requests that waited for text longer than their idle timeout end with `TextTimeoutError`."""
+        """Requests that waited for text longer than their idle timeout end with `TextTimeoutError`, past their
+        lifetime with `LiveTextEvictedError`; parked ones give way to waiting work (`evict_for_waiting`)."""
+        self.evict_for_waiting()
         now = time.monotonic()
         if now < self.expiry_at:
             return
@@ -229,13 +264,20 @@ class LiveTextDriver:
             if live is None or live.waiting_since is None:
                 continue
             deadline = max(live.waiting_since, live.last_text_at) + live.idle_timeout_s
-            if deadline <= now:
+            end_of_life = live.opened_at + self.max_lifetime_s
+            if min(deadline, end_of_life) <= now:
                 expired.append(seq)
             else:
-                self.expiry_at = min(self.expiry_at, deadline)
+                self.expiry_at = min(self.expiry_at, deadline, end_of_life)
         for seq in expired:
-            timeout = seq.live.idle_timeout_s
-            self.finish(seq, TextTimeoutError(f"no text for {timeout:g} s: request {seq.request_id!r} ended"))
+            live = seq.live
+            if live.opened_at + self.max_lifetime_s <= now:
+                self.counters.live_evictions += 1
+                self.finish(seq, LiveTextEvictedError(
+                    f"request {seq.request_id!r} reached the live-text lifetime of {self.max_lifetime_s:g} s"))
+            else:
+                self.finish(seq, TextTimeoutError(
+                    f"no text for {live.idle_timeout_s:g} s: request {seq.request_id!r} ended"))
         if expired:
             self.progress_at = now
 

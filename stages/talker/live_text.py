@@ -20,6 +20,7 @@ request's row, KV blocks and frame budget (`max_frames` counts all segments).
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -53,6 +54,7 @@ class LiveText:
     written: int = 0  # trailing rows of the current segment written to the device row
     waiting_since: float | None = None  # set while the request waits for text (held or parked)
     seed: int = 0  # the request's seed (each segment derives its own)
+    opened_at: float = field(default_factory=time.monotonic)  # the lifetime bound counts from here
 
     @property
     def ref_ids(self) -> tuple[int, ...]:

@@ -177,6 +177,14 @@ class Scheduler:
         """KV positions reserved by running requests (whole blocks)."""
         return (self.blocks.num_blocks - self.blocks.free) * self.blocks.block_size
 
+    def head_blocked(self) -> bool:
+        """The head of the queue cannot be admitted now for want of a slot or of KV blocks."""
+        if not self.waiting:
+            return False
+        if len(self.running) + len(self.parked) >= self.max_num_seqs:
+            return True
+        return self.blocks.blocks_for(self.waiting[0].max_positions) > self.blocks.free
+
     # ------------------------------------------------------------------ admission
     def admit(self, limit: int | None = None) -> list[Sequence]:
         """Restarts first (they hold a slot and KV), then waiting requests that fit (FIFO), up to `limit`

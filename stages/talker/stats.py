@@ -34,6 +34,7 @@ class EngineStats:
     max_step_batch: int = 0  # the most rows one decode step has computed
     parked: int = 0  # live text: prefilled requests waiting for text, off the rows (they keep slot and KV)
     held: int = 0  # live text: opened requests without the text their prefill needs (no slot, no KV)
+    live_evictions: int = 0  # live requests ended to free their slot for waiting work, or past their lifetime
     # from `add_request` (or a live request's first text) inside the engine: what the engine adds to first audio,
     # against what a client sees (the rest is the serving path)
     admitted: int = 0  # requests admitted (first prefill)
@@ -63,6 +64,7 @@ class EngineCounters:
     admission_wait_seconds: float = 0.0
     command_wait_seconds: float = 0.0
     first_chunks: int = 0
+    live_evictions: int = 0  # live requests ended to free a slot for waiting work, or past their lifetime
     first_chunk_seconds: float = 0.0
     parks: int = 0  # live text: requests parked / resumed
     unparks: int = 0
@@ -88,7 +90,7 @@ def snapshot(counters: EngineCounters, scheduler: Scheduler | None, queued: int,
         steps=c.steps, frames=c.frames, prefills=c.prefills, burst_prefills=c.burst_prefills,
         prefill_seconds=c.prefill_seconds, step_seconds=c.step_seconds, device_wait_seconds=c.device_wait_seconds,
         host_bound_steps=c.host_bound_steps, max_step_batch=c.max_step_batch,
-        parked=scheduler.num_parked, held=scheduler.num_held,
+        parked=scheduler.num_parked, held=scheduler.num_held, live_evictions=c.live_evictions,
         admitted=c.admitted, admission_wait_seconds=c.admission_wait_seconds,
         command_wait_seconds=c.command_wait_seconds,
         first_chunks=c.first_chunks, first_chunk_seconds=c.first_chunk_seconds,
