@@ -127,3 +127,53 @@ class TestSocketCaps:
         ws.send(json.dumps({"type": "cancel", "context_id": "x"}))
         assert json.loads(ws.recv(timeout=RECV_TIMEOUT_S))["error"]["code"] == "context_not_found"
         ws.close()
+
+
+class TestSlowSender:
+    """Contexts fed a character now and then hold every Talker slot (2 here) while they wait for text: an HTTP
+    request that needs a slot takes the one parked longest (after `live_evict_parked_s`, 1 s), and that context
+    ends with a final `text_evicted` error instead of the HTTP request timing out."""
+
+    INGRESS: dict = {}
+
+    def test_http_speech_gets_a_slot_held_by_trickling_live_contexts(self, app):
+        import threading
+
+        from tests.serve.conftest import speech
+
+        ws = _connect(app)
+        try:
+            for cid in ("a", "b"):
+                ws.send(json.dumps({"type": "open", "context_id": cid, "model": "cv", "voice": "vivian",
+                                    "input": "Hello there, my", "max_new_tokens": 300, "response_format": "pcm"}))
+            with_audio: set[str] = set()
+            while with_audio != {"a", "b"}:  # both run (and park once their first words are spoken)
+                msg = ws.recv(timeout=RECV_TIMEOUT_S)
+                if isinstance(msg, bytes):
+                    with_audio.add(msg[1:1 + msg[0]].decode())
+                else:
+                    assert not json.loads(msg).get("final"), msg
+            stop, sent_all = threading.Event(), threading.Event()
+
+            def trickle():  # one character per context every 0.2 s: each resets the idle timeout, none ends a word
+                while not stop.wait(0.2):
+                    for cid in ("a", "b"):
+                        ws.send(json.dumps({"type": "append", "context_id": cid, "text": "y"}))
+                sent_all.set()
+
+            threading.Thread(target=trickle, daemon=True).start()
+            r = httpx.post(f"{app}/v1/audio/speech", json=speech(), timeout=RECV_TIMEOUT_S)
+            assert r.status_code == 200, r.text[:300]
+            finals = []
+            while not finals:
+                msg = ws.recv(timeout=RECV_TIMEOUT_S)
+                if isinstance(msg, str):
+                    event = json.loads(msg)
+                    if event.get("final") or event.get("type") == "done":
+                        finals.append(event)
+            stop.set()
+            sent_all.wait(RECV_TIMEOUT_S)
+        finally:
+            ws.close()
+        assert finals[0]["type"] == "error" and finals[0]["error"]["code"] == "text_evicted", finals[0]
+        assert finals[0]["status"] == 408
