@@ -43,6 +43,8 @@ class Outcomes:
         error = to_api_error(exc, overload_status=limits.status_code, retry_after_s=limits.retry_after_s)
         if error.status >= 500 and error.status not in (503, 504):
             logger.error(f"{error.status} {error.code}: {error.message}")
+        elif error.code == "overloaded":  # Serve's access line says 429/503 already; the metric names the limit
+            logger.debug(f"{error.status} {error.code} (limit: {error.limit})")
         else:
             by = f" (limit: {error.limit})" if error.limit else ""
             logger.info(f"{error.status} {error.code}: {error.message[:200]}{by}")
