@@ -1,0 +1,232 @@
+"""Soak: mixed traffic against a running server for N minutes; 5xx and every Serve process's memory over time.
+
+Each of `--concurrency` workers loops, picking one kind of work at random: a whole response in a random format,
+a raw stream, an SSE stream, a WebSocket context fed in pieces, a voice upload then a request in it then its
+delete (when a Base model is served: `configs/local_all.yaml`), and a share of the streams (`--disconnect`) are
+dropped mid-way by the client. The RSS of every Serve process on this host (replicas, proxy, controller) is
+sampled every `--sample-s`; the report compares each process's RSS at the end of warm-up with its last sample.
+
+    serve run configs/local_all.yaml &
+    python -m bench.soak --minutes 30 --out soak.json
+
+Fixed-length outputs (`suppress_eos`, `--frames`): random weights never stop by themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import random
+import time
+import wave
+from collections import Counter
+
+import aiohttp
+import numpy as np
+import os
+
+FORMATS = ("wav", "pcm", "mp3", "flac", "opus", "aac", "mulaw", "alaw")
+KINDS = ("whole", "stream", "sse", "websocket", "voice")
+
+
+def serve_processes() -> dict[int, str]:
+    """pid -> title of this host's Serve processes (Ray titles them `ray::ServeReplica:<app>:<deployment>`)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].split(b" ")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith(("ray::ServeReplica", "ray::ProxyActor", "ray::ServeController")):
+            found[int(entry)] = title.split(".")[0]  # `ray::<actor>.<method>` while busy
+    return found
+
+
+def rss_mib() -> dict[str, float]:
+    """Resident memory of each Serve process (VmRSS), by title#pid."""
+    out = {}
+    for pid, title in serve_processes().items():
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+        out[f"{title}#{pid}"] = round(kib / 1024, 1)
+    return out
+
+
+def _clip() -> bytes:
+    """A 3 s voice sample: a chirp with some noise, as a WAV file."""
+    t = np.arange(72000) / 24000
+    x = 0.3 * np.sin(2 * np.pi * (120 + 40 * t) * t) + 0.02 * np.random.default_rng(0).standard_normal(t.size)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000)
+        w.writeframes((x * 32767).astype(np.int16).tobytes())
+    return buf.getvalue()
+
+
+class Soak:
+    def __init__(self, args, models: dict[str, str]):
+        self.args, self.models = args, models  # served model name -> task type
+        self.custom = next(n for n, t in models.items() if t == "CustomVoice")
+        self.base = next((n for n, t in models.items() if t == "Base"), None)
+        self.status: Counter[str] = Counter()
+        self.kinds: Counter[str] = Counter()
+        self.disconnects = 0
+        self.failures: list[str] = []
+        self.clip = _clip()
+
+    def body(self, **fields) -> dict:
+        return {"model": self.custom, "input": "Soak test sentence number %d." % random.randrange(10**6),
+                "voice": "vivian", "max_new_tokens": self.args.frames, "suppress_eos": True,
+                "seed": random.randrange(2**31), **fields}
+
+    def note(self, kind: str, status: int, detail: str = "") -> None:
+        self.kinds[kind] += 1
+        self.status[str(status)] += 1
+        if status >= 500 and len(self.failures) < 50:
+            self.failures.append(f"{kind} {status} {detail[:200]}")
+
+    async def whole(self, s: aiohttp.ClientSession) -> None:
+        async with s.post(f"{self.args.url}/v1/audio/speech",
+                          json=self.body(response_format=random.choice(FORMATS), stream=False)) as r:
+            text = await r.read()
+            self.note("whole", r.status, text[:200].decode(errors="replace") if r.status >= 400 else "")
+
+    async def stream(self, s: aiohttp.ClientSession, sse: bool) -> None:
+        fields = {"stream": True, "response_format": random.choice(FORMATS if not sse else ("pcm", "wav"))}
+        if sse:
+            fields["stream_format"] = "sse"
+        drop = random.random() < self.args.disconnect
+        async with s.post(f"{self.args.url}/v1/audio/speech", json=self.body(**fields)) as r:
+            got = 0
+            async for data in r.content.iter_any():
+                got += len(data)
+                if drop and got > 2000:
+                    self.disconnects += 1
+                    r.close()  # the client leaves mid-stream
+                    break
+            self.note("sse" if sse else "stream", r.status)
+
+    async def websocket(self, s: aiohttp.ClientSession) -> None:
+        cid = f"c{random.randrange(10**6)}"
+        async with s.ws_connect(f"{self.args.url.replace('http', 'ws', 1)}/v1/audio/speech/stream") as ws:
+            await ws.send_json({"type": "open", "context_id": cid, "model": self.custom, "voice": "vivian",
+                                "response_format": random.choice(FORMATS), "max_new_tokens": self.args.frames,
+                                "suppress_eos": True})
+            for word in "Soak test over the WebSocket, word by word.".split():
+                await ws.send_json({"type": "append", "context_id": cid, "text": word + " "})
+            await ws.send_json({"type": "end", "context_id": cid})
+            drop = random.random() < self.args.disconnect
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.BINARY:
+                    if drop:
+                        self.disconnects += 1
+                        self.note("websocket", 200)
+                        return  # leaves with the context open
+                    continue
+                event = json.loads(msg.data)
+                if event.get("type") == "done":
+                    self.note("websocket", 200)
+                    return
+                if event.get("type") == "error" and event.get("final"):
+                    self.note("websocket", int(event.get("status", 500)), json.dumps(event))
+                    return
+            self.note("websocket", 599, "socket closed before done")
+
+    async def voice(self, s: aiohttp.ClientSession) -> None:
+        name = f"soak{random.randrange(10**9)}"
+        form = aiohttp.FormData()
+        form.add_field("name", name)
+        form.add_field("x_vector_only_mode", "true")
+        form.add_field("audio_sample", self.clip, filename="v.wav", content_type="audio/wav")
+        async with s.post(f"{self.args.url}/v1/audio/voices", data=form) as r:
+            self.note("voice", r.status, (await r.text())[:200])
+            if r.status != 200:
+                return
+        async with s.post(f"{self.args.url}/v1/audio/speech",
+                          json=self.body(model=self.base, voice=name, response_format="wav")) as r:
+            await r.read()
+            self.note("voice", r.status)
+        async with s.delete(f"{self.args.url}/v1/audio/voices/{name}") as r:
+            self.note("voice", r.status)
+
+    async def worker(self, s: aiohttp.ClientSession, until: float) -> None:
+        kinds = [k for k in KINDS if k != "voice" or self.base]
+        while time.monotonic() < until:
+            kind = random.choice(kinds)
+            try:
+                if kind == "whole":
+                    await self.whole(s)
+                elif kind in ("stream", "sse"):
+                    await self.stream(s, kind == "sse")
+                elif kind == "websocket":
+                    await self.websocket(s)
+                else:
+                    await self.voice(s)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.note(kind, 599, repr(e))  # the connection failed: counted as a server failure
+
+
+async def run(args) -> dict:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout)) as s:
+        async with s.get(f"{args.url}/v1/audio/voices") as r:
+            models = {m: v["task_type"] for m, v in (await r.json())["models"].items()}
+        soak = Soak(args, models)
+        start = time.monotonic()
+        until = start + args.minutes * 60
+        workers = [asyncio.create_task(soak.worker(s, until)) for _ in range(args.concurrency)]
+        samples, warm = [], None
+        while not all(w.done() for w in workers):
+            await asyncio.sleep(min(args.sample_s, max(0.1, until - time.monotonic() + 1)))
+            elapsed = time.monotonic() - start
+            samples.append({"t_s": round(elapsed), "requests": sum(soak.kinds.values()), "rss_mib": rss_mib()})
+            if warm is None and elapsed >= args.warmup_s:
+                warm = samples[-1]
+            if args.progress:
+                print(f"[soak {elapsed / 60:.1f} min] {sum(soak.kinds.values())} requests, status {dict(soak.status)}",
+                      flush=True)
+        await asyncio.gather(*workers)
+    last = samples[-1]
+    warm = warm or samples[0]
+    growth = {k: round((last["rss_mib"][k] / v - 1) * 100, 2) for k, v in warm["rss_mib"].items()
+              if k in last["rss_mib"]}
+    return {"url": args.url, "minutes": args.minutes, "concurrency": args.concurrency, "frames": args.frames,
+            "requests": sum(soak.kinds.values()), "by_kind": dict(soak.kinds), "by_status": dict(soak.status),
+            "errors_5xx": sum(n for st, n in soak.status.items() if int(st) >= 500),
+            "client_disconnects": soak.disconnects, "failures": soak.failures,
+            "rss_growth_pct": growth, "rss_growth_pct_max": max(growth.values(), default=0.0),
+            "replaced_processes": sorted(set(warm["rss_mib"]) ^ set(last["rss_mib"])),
+            "samples": samples}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--minutes", type=float, default=30)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--frames", type=int, default=24, help="frames per request (80 ms each)")
+    ap.add_argument("--disconnect", type=float, default=0.1, help="share of streams the client drops mid-way")
+    ap.add_argument("--warmup-s", type=float, default=120, help="RSS growth counts from the first sample after this")
+    ap.add_argument("--sample-s", type=float, default=30)
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    report = asyncio.run(run(args))
+    summary = {k: v for k, v in report.items() if k != "samples"}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
