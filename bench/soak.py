@@ -61,6 +61,17 @@ def rss_mib() -> dict[str, float]:
     return out
 
 
+def gpu_mem_mib() -> list[float]:
+    """Memory used on each GPU of this host (nvidia-smi), none without one."""
+    import shutil
+    import subprocess
+    if not shutil.which("nvidia-smi"):
+        return []
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30).stdout
+    return [float(x) for x in out.split()]
+
+
 def _clip() -> bytes:
     """A 3 s voice sample: a chirp with some noise, as a WAV file."""
     t = np.arange(72000) / 24000
@@ -117,7 +128,8 @@ class Soak:
 
     async def websocket(self, s: aiohttp.ClientSession) -> None:
         cid = f"c{random.randrange(10**6)}"
-        async with s.ws_connect(f"{self.args.url.replace('http', 'ws', 1)}/v1/audio/speech/stream") as ws:
+        async with s.ws_connect(f"{self.args.url.replace('http', 'ws', 1)}/v1/audio/speech/stream",
+                                receive_timeout=self.args.timeout) as ws:
             await ws.send_json({"type": "open", "context_id": cid, "model": self.custom, "voice": "vivian",
                                 "response_format": random.choice(FORMATS), "max_new_tokens": self.args.frames,
                                 "suppress_eos": True})
@@ -175,8 +187,26 @@ class Soak:
                 self.note(kind, 599, repr(e))  # the connection failed: counted as a server failure
 
 
+def summarize(args, soak: Soak, samples: list[dict], warm: dict | None) -> dict:
+    last = samples[-1]
+    warm = warm or samples[0]
+    growth = {k: round((last["rss_mib"][k] / v - 1) * 100, 2) for k, v in warm["rss_mib"].items()
+              if k in last["rss_mib"]}
+    gpu_growth = [round((b / a - 1) * 100, 2) for a, b in zip(warm["gpu_mem_mib"], last["gpu_mem_mib"]) if a]
+    return {"url": args.url, "minutes": round(last["t_s"] / 60, 2), "concurrency": args.concurrency,
+            "frames": args.frames, "requests": sum(soak.kinds.values()), "by_kind": dict(soak.kinds),
+            "by_status": dict(soak.status), "errors_5xx": sum(n for st, n in soak.status.items() if int(st) >= 500),
+            "client_disconnects": soak.disconnects, "failures": soak.failures,
+            "rss_growth_pct": growth, "rss_growth_pct_max": max(growth.values(), default=0.0),
+            "gpu_mem_growth_pct": gpu_growth, "gpu_mem_growth_pct_max": max(gpu_growth, default=0.0),
+            "replaced_processes": sorted(set(warm["rss_mib"]) ^ set(last["rss_mib"])),
+            "samples": samples}
+
+
 async def run(args) -> dict:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout)) as s:
+    """The soak; with `--out`, the report so far is rewritten at every sample (a run cut short keeps it)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout),
+                                     connector=aiohttp.TCPConnector(limit=0)) as s:
         async with s.get(f"{args.url}/v1/audio/voices") as r:
             models = {m: v["task_type"] for m, v in (await r.json())["models"].items()}
         soak = Soak(args, models)
@@ -185,26 +215,20 @@ async def run(args) -> dict:
         workers = [asyncio.create_task(soak.worker(s, until)) for _ in range(args.concurrency)]
         samples, warm = [], None
         while not all(w.done() for w in workers):
-            await asyncio.sleep(min(args.sample_s, max(0.1, until - time.monotonic() + 1)))
+            await asyncio.sleep(max(0.1, min(args.sample_s, until - time.monotonic() + 0.5)))
             elapsed = time.monotonic() - start
-            samples.append({"t_s": round(elapsed), "requests": sum(soak.kinds.values()), "rss_mib": rss_mib()})
+            samples.append({"t_s": round(elapsed), "requests": sum(soak.kinds.values()), "rss_mib": rss_mib(),
+                            "gpu_mem_mib": await asyncio.to_thread(gpu_mem_mib)})
             if warm is None and elapsed >= args.warmup_s:
                 warm = samples[-1]
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(summarize(args, soak, samples, warm), f, indent=1)
             if args.progress:
                 print(f"[soak {elapsed / 60:.1f} min] {sum(soak.kinds.values())} requests, status {dict(soak.status)}",
                       flush=True)
         await asyncio.gather(*workers)
-    last = samples[-1]
-    warm = warm or samples[0]
-    growth = {k: round((last["rss_mib"][k] / v - 1) * 100, 2) for k, v in warm["rss_mib"].items()
-              if k in last["rss_mib"]}
-    return {"url": args.url, "minutes": args.minutes, "concurrency": args.concurrency, "frames": args.frames,
-            "requests": sum(soak.kinds.values()), "by_kind": dict(soak.kinds), "by_status": dict(soak.status),
-            "errors_5xx": sum(n for st, n in soak.status.items() if int(st) >= 500),
-            "client_disconnects": soak.disconnects, "failures": soak.failures,
-            "rss_growth_pct": growth, "rss_growth_pct_max": max(growth.values(), default=0.0),
-            "replaced_processes": sorted(set(warm["rss_mib"]) ^ set(last["rss_mib"])),
-            "samples": samples}
+    return summarize(args, soak, samples, warm)
 
 
 def main() -> None:
