@@ -36,6 +36,7 @@ from deployments.errors import APIError, bad_request
 from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.outcomes import Outcomes, PlaybackClock
 from deployments.ingress.request_builder import check_limits, check_live_text, check_request
+from deployments.ingress.request_log import RequestRecord, key_hash
 from deployments.ingress.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen
 from deployments.ingress.socket_limits import CLOSE_NORMAL, CLOSE_TRY_AGAIN_LATER, SocketLimits
 from deployments.ingress.text_mailbox import TextEvent
@@ -87,6 +88,7 @@ class _Context:
     first_text_at: float | None = None  # perf_counter of its first text: first audio is timed from here
     task: asyncio.Task | None = None
     failure: APIError | None = None  # why the ingress ended it (its task cancelled): its final error
+    record: RequestRecord | None = None  # its log line (deployments/ingress/request_log.py)
 
 
 class LiveSession:
@@ -216,6 +218,9 @@ class LiveSession:
                                             "open on this connection", code="too_many_contexts"), final=True)
             return
         model, request_id, mailbox = "-", f"live-{uuid.uuid4().hex}", None
+        record = RequestRecord(request_id, "live", len(body.input), True, voice=body.voice, request_id=request_id,
+                               key_hash=key_hash(self._ws.headers.get("authorization"),
+                                                 self._ws.query_params.get("token")))
         try:
             self._work.acquire()  # admission, as for an HTTP request (429 when the replica is full)
         except APIError as error:
@@ -225,7 +230,7 @@ class LiveSession:
             check_limits(body, self._limits, live=True)
             check_live_text(len(body.input), self._limits)
             info, voice_choice = await self._ingress.route(body)
-            model = info.name
+            model = record.model = info.name
             check_request(body, info, self._ingress.args)
             mailbox = self._mailbox
             await mailbox.open.remote(request_id)
@@ -234,9 +239,9 @@ class LiveSession:
             self._work.release()
             if mailbox is not None:
                 mailbox.close.remote(request_id)
-            await self._error(cid, self._outcomes.failed(exc, model, True), final=True)
+            await self._error(cid, self._outcomes.failed(exc, model, True, record), final=True)
             return
-        ctx = _Context(cid, request_id, model, body, info.tokenizer)
+        ctx = _Context(cid, request_id, model, body, info.tokenizer, record=record)
         self._contexts[cid] = ctx
         self._outcomes.stream_opened(model)
         await self._send_json({"type": "opened", "context_id": cid, "model": model, "request_id": request_id})
@@ -259,6 +264,7 @@ class LiveSession:
                     if not audio_sent and ctx.first_text_at is not None:
                         audio_sent = True
                         self._outcomes.first_stream_audio(ctx.model, ctx.first_text_at)
+                        ctx.record.first_audio(since=ctx.first_text_at)
             if data := await encoder.finish():
                 await self._send_bytes(audio_frame(ctx.id, data))
             await self._send_json(self._done(ctx, frames, finish.value if finish else "unknown"))
@@ -280,8 +286,9 @@ class LiveSession:
             self._mailbox.close.remote(ctx.request_id)
             self._work.release()
             # a fresh clock: waits for text are the client's, not gaps
+            ctx.record.input_chars = ctx.chars
             self._outcomes.stream_ended(ctx.model, status, ctx.first_text_at or time.perf_counter(), frames,
-                                        PlaybackClock())
+                                        PlaybackClock(), ctx.record)
             self._contexts.pop(ctx.id, None)
             if not self._contexts:
                 self._idle_since = time.monotonic()

@@ -629,3 +629,47 @@ def test_docs_commands_match_the_files():
         for line in lines:
             for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", line.split(rel, 1)[1].split(" -- ")[0]):
                 assert flag in usage, f"docs/cluster.md: {rel} has no {flag}"
+
+
+def _histogram_boundaries() -> dict[str, list[float]]:
+    """Exported bucket name -> the `le` bounds Ray exports for it (deployments/metrics.py's boundaries, +Inf)."""
+    from unittest import mock
+
+    from ray.serve import metrics as serve_metrics
+
+    import deployments.metrics as app_metrics
+
+    made: dict[str, list[float]] = {}
+
+    def histogram(name, description="", boundaries=None, tag_keys=None):
+        made[f"ray_{name}_bucket"] = [float(b) for b in boundaries]
+        return mock.MagicMock()
+
+    with mock.patch.object(serve_metrics, "Histogram", histogram), \
+            mock.patch.object(serve_metrics, "Counter", mock.MagicMock()), \
+            mock.patch.object(serve_metrics, "Gauge", mock.MagicMock()):
+        app_metrics.IngressMetrics(), app_metrics.TalkerMetrics("m"), app_metrics.Code2WavMetrics()
+    return made
+
+
+def test_dashboard_bucket_selectors_name_buckets_ray_exports():
+    """A `le="x"` selector names a series only when x is a boundary of that histogram ("Streams that ran dry"
+    once selected le="0.0", a series no histogram had)."""
+    boundaries = _histogram_boundaries()
+    selectors = [(m, le) for q in _dashboard_queries(json.loads(DASHBOARD.read_text()))
+                 for m, le in re.findall(r"\b(ray_[a-z0-9_]+_bucket)\{[^}]*\ble=\"([^\"]+)\"", q)]
+    for metric, le in selectors:
+        assert le == "+Inf" or float(le) in boundaries[metric], f'{metric}{{le="{le}"}} is not a series Ray exports'
+
+
+def test_first_audio_buckets_resolve_the_served_range():
+    boundaries = _histogram_boundaries()["ray_tts_time_to_first_audio_ms_bucket"]
+    assert {5.0, 10.0, 15.0, 20.0, 30.0} <= set(boundaries) and boundaries == sorted(boundaries)
+
+
+def test_dashboard_means_are_labelled_approximate():
+    """Ray rebuilds a histogram's `_sum` from bucket midpoints: a mean from it is approximate, and says so."""
+    for p in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in p.get("targets", []):
+            if "_sum{" in target["expr"]:
+                assert "approx" in target["legendFormat"] or "approximate" in p["title"], (p["title"], target)
