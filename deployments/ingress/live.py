@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import WebSocket
+from opentelemetry import trace
 from pydantic import TypeAdapter, ValidationError
 from ray.actor import ActorHandle
 from starlette.websockets import WebSocketDisconnect
@@ -209,22 +210,31 @@ class LiveSession:
             await self._mailbox.put.remote(ctx.request_id, events)
 
     async def _open(self, body: LiveOpen) -> None:
+        request_id = f"live-{uuid.uuid4().hex}"
+        record = RequestRecord(request_id, "live", len(body.input), True, voice=body.voice, request_id=request_id,
+                               key_hash=key_hash(self._ws.headers.get("authorization"),
+                                                 self._ws.query_params.get("token")))
+        # the context's calls to the Talker and Code2Wav (its task inherits this) carry its span
+        with trace.use_span(record.span, end_on_exit=False):
+            await self._open_context(body, request_id, record)
+
+    async def _open_context(self, body: LiveOpen, request_id: str, record: RequestRecord) -> None:
         cid = body.context_id
         if cid in self._contexts:
             await self._error(cid, bad_request(f"context {cid!r} is already open", "context_id", code="context_exists"))
+            record.end("bad_request", 400)
             return
         if len(self._contexts) >= self._limits.max_contexts_per_connection:
             await self._error(cid, APIError(429, f"{self._limits.max_contexts_per_connection} contexts are already "
                                             "open on this connection", code="too_many_contexts"), final=True)
+            record.end("rejected", 429)
             return
-        model, request_id, mailbox = "-", f"live-{uuid.uuid4().hex}", None
-        record = RequestRecord(request_id, "live", len(body.input), True, voice=body.voice, request_id=request_id,
-                               key_hash=key_hash(self._ws.headers.get("authorization"),
-                                                 self._ws.query_params.get("token")))
+        model, mailbox = "-", None
         try:
             self._work.acquire()  # admission, as for an HTTP request (429 when the replica is full)
         except APIError as error:
             await self._error(cid, error, final=True)
+            record.end("rejected", error.status)
             return
         try:
             check_limits(body, self._limits, live=True)

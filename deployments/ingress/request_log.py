@@ -21,8 +21,13 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
 
 logger = logging.getLogger("ray.serve")
+# the request's span (docs/serving.md, "Traces"): a no-op unless Serve's tracing_config set a tracer provider
+tracer = trace.get_tracer("qwen3_tts_serve.ingress")
 
 EVENT = "tts.request"
 CLIENT_CLOSED_STATUS = 499  # the client went away before its answer (nginx's code)
@@ -65,11 +70,17 @@ class RequestRecord:
     started: float = field(default_factory=time.perf_counter)
     first_audio_ms: float | None = None
     ended: dict | None = field(default=None, repr=False)
+    span: Any = field(default=None, repr=False)  # `tts.request`: from arrival to `end`
+
+    def __post_init__(self) -> None:
+        self.span = tracer.start_span(f"tts.request {self.route}", kind=trace.SpanKind.SERVER, attributes={
+            "tts.route": self.route, "tts.engine_request_id": self.engine_request_id, "tts.stream": self.stream})
 
     def first_audio(self, since: float | None = None) -> None:
         """The first audio went out now; timed from arrival, or from `since` (a live context: its first text)."""
         if self.first_audio_ms is None:
             self.first_audio_ms = (time.perf_counter() - (self.started if since is None else since)) * 1000
+            self.span.add_event("first_audio", {"tts.first_audio_ms": self.first_audio_ms})
 
     def end(self, outcome: str, status: int, audio_s: float = 0.0) -> dict:
         """Write the line (the first call only: a request ends once) -> its fields."""
@@ -86,4 +97,8 @@ class RequestRecord:
             "duration_ms": round(duration_s * 1000, 1), "outcome": outcome, "status": status,
         }
         logger.info(json.dumps(self.ended, separators=(",", ":")))
+        self.span.set_attributes({f"tts.{k}": v for k, v in self.ended.items() if v is not None and k != "event"})
+        if outcome not in ("ok", "cancelled"):
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, outcome))
+        self.span.end()
         return self.ended

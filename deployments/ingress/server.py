@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, WebSocket
 from fastapi.responses import Response
+from opentelemetry import trace
 from ray.serve.handle import DeploymentHandle
 
 from deployments import first_audio_timing
@@ -86,7 +87,9 @@ class TTSIngress:
         except APIError as exc:
             return self._outcomes.fail(exc, "-", body.streaming, record)
         try:
-            return await self._speech(body, record)
+            # calls to the Talker and Code2Wav carry the request's span: theirs are its children (Serve propagates it)
+            with trace.use_span(record.span, end_on_exit=False):
+                return await self._speech(body, record)
         finally:
             self._work.release()  # a stream holds its own count while it is sent
 
