@@ -673,3 +673,46 @@ def test_dashboard_means_are_labelled_approximate():
         for target in p.get("targets", []):
             if "_sum{" in target["expr"]:
                 assert "approx" in target["legendFormat"] or "approximate" in p["title"], (p["title"], target)
+
+
+PRESTOP = CLUSTER / "kuberay" / "prestop_drain.sh"
+
+
+def test_prestop_drains_the_node_and_waits_for_its_replicas_before_stopping_ray(tmp_path):
+    """The GPU pods' preStop: `ray drain-node` first, `ray stop` only once no Serve replica is left (a stand-in
+    `pgrep` reports replicas for its first three calls), within a budget below the pod's grace period."""
+    service = _rayservice()
+    for group in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        (container,) = _containers(group["template"])
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:2] == ["/bin/bash", "/home/ray/qwen3-tts-serve/cluster/kuberay/prestop_drain.sh"]
+        assert 0 < int(command[2]) < spec["terminationGracePeriodSeconds"]
+    log, count = tmp_path / "calls.log", tmp_path / "pgrep.count"
+    (tmp_path / "ray").write_text(f'#!/bin/sh\necho "ray $*" >> "{log}"\n')
+    (tmp_path / "pgrep").write_text(  # replicas left for three polls, then none
+        f'#!/bin/sh\nn=$(cat "{count}" 2>/dev/null || echo 0); echo $((n + 1)) > "{count}"\n'
+        f'echo "pgrep" >> "{log}"\n[ "$n" -lt 3 ] && {{ echo 1; exit 0; }}; echo 0; exit 1\n')
+    for tool in ("ray", "pgrep"):
+        (tmp_path / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "QWEN3_TTS_DRAIN_POLL_S": "0"}
+    subprocess.run(["bash", str(PRESTOP), "60"], env=env, check=True, capture_output=True, timeout=60)
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION")
+    assert "--deadline-remaining-seconds 60" in calls[0]
+    assert calls[1:5] == ["pgrep"] * 4 and calls[-1] == "ray stop"
+
+
+def test_podmonitor_scrapes_the_rayservices_pods_on_their_metrics_port():
+    monitor = _yaml(CLUSTER / "kuberay" / "podmonitor.yaml")
+    service = _rayservice()
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    labels = monitor["spec"]["selector"]["matchLabels"]
+    assert labels == {"ray.io/is-ray-node": "yes", "ray.io/originated-from-cr-name": service["metadata"]["name"]}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    cluster = service["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        (container,) = _containers(template)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports[endpoint["port"]] == int(cluster["headGroupSpec"]["rayStartParams"]["metrics-export-port"])
