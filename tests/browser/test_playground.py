@@ -4,6 +4,7 @@ Audio, plays live text typed into the WebSocket tab, and uploads a voice from a 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -36,7 +37,7 @@ def test_the_page_loads_without_errors_and_lists_models_and_voices(page, served)
     assert css.status_code == 200 and "text/css" in css.headers["content-type"]
 
 
-def test_speak_streams_pcm_into_the_audio_graph(page):
+def test_speak_streams_pcm_into_the_audio_graph(page, tmp_path):
     _models_listed(page)
     page.fill("#text", "Hello from the browser test.")
     page.fill("#max-frames", "12")
@@ -50,7 +51,9 @@ def test_speak_streams_pcm_into_the_audio_graph(page):
     assert page.evaluate("window.playground.firstAudioMs") > 0
     assert "first audio in" in page.text_content("#speak-status")
     assert page.errors == []
-    page.screenshot(path=str(DOCS / "playground.png"))
+    # QWEN3_TTS_UPDATE_SCREENSHOT=1 refreshes the README's picture
+    update = os.environ.get("QWEN3_TTS_UPDATE_SCREENSHOT") == "1"
+    page.screenshot(path=str(DOCS / "playground.png" if update else tmp_path / "playground.png"))
 
 
 def test_a_whole_file_format_plays_in_the_audio_element(page):
