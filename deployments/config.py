@@ -11,7 +11,9 @@ model, device, dtype and GPU fraction gets it. CPU configs set the smaller sizes
 from __future__ import annotations
 
 import inspect
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +40,43 @@ def _autoscaling_keys() -> frozenset[str]:
     from ray.serve.config import AutoscalingConfig
 
     return frozenset(AutoscalingConfig.model_fields)
+
+
+ENV_REFERENCE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}")
+
+
+def substitute_env(value: Any, environ: Mapping[str, str] | None = None, where: str = "args") -> Any:
+    """`value` (the YAML `args:` tree) with `${VAR}`, `${VAR:-default}` (unset or empty) and `${VAR-default}`
+    (unset) replaced in every string, as a POSIX shell does; `$$` is a literal `$`. An unset `${VAR}` without a
+    default is an error naming the variable and where it is used. Serve passes `args` as written (it expands
+    nothing), so the variables are read where the application is built: the Ray cluster's environment, or the
+    application's `runtime_env.env_vars`."""
+    environ = os.environ if environ is None else environ
+    if isinstance(value, dict):
+        return {k: substitute_env(v, environ, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [substitute_env(v, environ, f"{where}[{i}]") for i, v in enumerate(value)]
+    if not isinstance(value, str) or "$" not in value:
+        return value
+
+    def replace(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, operator, default = match.groups()
+        current = environ.get(name)
+        if operator == ":-" and not current or operator == "-" and current is None:
+            return default
+        if current is None:
+            raise ValueError(f"{where}: environment variable {name} is not set (write ${{{name}:-default}} "
+                             "for a default)")
+        return current
+
+    return ENV_REFERENCE.sub(replace, value)
+
+
+def _empty_is_none(value: Any) -> Any:
+    """`model: ${QWEN3_TTS_MODEL:-}` with the variable unset: the embedded checkpoint, as `model: null`."""
+    return None if isinstance(value, str) and not value.strip() else value
 
 
 class BaseConfig(BaseModel):
@@ -120,9 +159,10 @@ class TalkerDeploymentConfig(_RuntimeOptions):
 
     name: str = Field(pattern=NAME_PATTERN, description="the `model` clients ask for")
     aliases: list[str] = Field(default_factory=list, description="other `model` values routed here")
-    model: str | None = Field(None, description="checkpoint directory or Hugging Face id; None = embedded tiny")
+    model: str | None = Field(None, description="checkpoint directory or Hugging Face id; None or '' = embedded tiny")
     embedded_kind: ModelKind = "custom_voice"
     embedded_size: Literal["0.6b", "1.7b"] = "1.7b"
+    _model_empty_is_none = field_validator("model", mode="before")(_empty_is_none)
     default_max_new_tokens: int = Field(C.DEFAULT_MAX_NEW_TOKENS, ge=1, description="frames when a request sets none")
     first_chunk_decode_max_running: int = Field(160, ge=0, description=(
         "the Talker decodes a stream's first chunk itself (in its own CUDA context, sent back with the codes) "
@@ -175,6 +215,7 @@ class Code2WavDeploymentConfig(_RuntimeOptions):
     """The shared codec decoder: one deployment decodes chunks of every model (same 12 Hz codec)."""
 
     model: str | None = Field(None, description="checkpoint whose speech_tokenizer/ to load; None = the first model's")
+    _model_empty_is_none = field_validator("model", mode="before")(_empty_is_none)
     max_batch_size: int = Field(Code2WavEngineConfig.max_batch_size, ge=1, description="chunks decoded in one forward")
     batch_fill_chunks: int = Field(64, ge=0, description=(
         "a batch of fewer chunks waits up to batch_fill_wait_ms for more, unless it holds a stream's first two "
@@ -314,6 +355,12 @@ class TTSServingArgs(BaseConfig):
     code2wav: Code2WavDeploymentConfig = Field(default_factory=Code2WavDeploymentConfig)
     streaming: StreamingConfig = Field(default_factory=StreamingConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _environment(cls, value: Any) -> Any:
+        """`${VAR:-default}` in any string of the args (`substitute_env`)."""
+        return substitute_env(value) if isinstance(value, dict) else value
 
     @model_validator(mode="after")
     def _unique_model_names(self) -> TTSServingArgs:

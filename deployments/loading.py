@@ -70,10 +70,11 @@ def serve_logs_to_stderr(env: dict[str, str] | None = None) -> bool:
 def checkpoint_location(source: CheckpointSource, log: Log = print) -> str:
     """A path or Hugging Face id that `Qwen3TTS.load` accepts; writes the embedded checkpoint if needed.
 
-    `${VAR}` and `~` in `model` are expanded here, in the replica (its runtime_env sets the variables).
+    `~` in `model` is expanded here, in the replica (`${VAR:-default}` was, where the config was validated:
+    deployments/config.substitute_env).
     """
     if not source.embedded:
-        return os.path.expanduser(os.path.expandvars(str(source.model)))
+        return os.path.expanduser(str(source.model))
     return str(ensure_embedded_checkpoint(source.embedded_kind, source.embedded_size, log=log))
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from ray.serve import metrics
 
 LATENCY_MS_BUCKETS = [5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800]
+# first audio is 15-60 ms served on a GPU: fine buckets there, so that its quantiles are not a bucket's width
+FIRST_AUDIO_MS_BUCKETS = [5, 10, 15, 20, 30, 40, 50, 75, 100, 150, 200, 400, 800, 1600, 3200, 6400, 12800]
 RTF_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 
@@ -26,13 +28,13 @@ class IngressMetrics:
         )
         self.time_to_first_audio_ms = metrics.Histogram(
             "tts_time_to_first_audio_ms", description="Request arrival to the first audio byte handed to the client.",
-            boundaries=LATENCY_MS_BUCKETS, tag_keys=("model", "stream"),
+            boundaries=FIRST_AUDIO_MS_BUCKETS, tag_keys=("model", "stream"),
         )
         self.first_audio_stage_ms = metrics.Histogram(
             "tts_first_audio_stage_ms", description="Each hop of a request's first audio (stage: ingress, "
             "to_talker, talker, talker_decode, to_ingress, to_code2wav, code2wav_queue, code2wav, from_code2wav, "
             "respond, total; the Server-Timing header of the response, deployments/first_audio_timing.py).",
-            boundaries=[0.5, 1, 2, 5, *LATENCY_MS_BUCKETS[1:]], tag_keys=("model", "stage"),
+            boundaries=[0.5, 1, 2, *FIRST_AUDIO_MS_BUCKETS], tag_keys=("model", "stage"),
         )
         self.real_time_factor = metrics.Histogram(
             "tts_real_time_factor", description="Wall time of a request divided by the duration of its audio.",
@@ -48,6 +50,11 @@ class IngressMetrics:
         )
         self.client_underruns = metrics.Counter(
             "tts_client_underruns", description="Gaps a real-time player starting at the first byte would hear.",
+            tag_keys=("model",),
+        )
+        self.client_dry_streams = metrics.Counter(
+            "tts_client_dry_streams", description="Streams whose real-time player would have run dry at least once "
+            "(one or more tts_client_underruns); over the count of tts_client_buffer_lead_s, the share of streams.",
             tag_keys=("model",),
         )
         self.client_underrun_seconds = metrics.Counter(

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = 60) -> None:
@@ -15,3 +25,43 @@ def stop_process_group(process: subprocess.Popen, grace_s: float = 60) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+@contextlib.contextmanager
+def serve_run(config_name: str, tmp_path: Path, ready_timeout_s: float = 240,
+              env: dict[str, str] | None = None) -> Iterator[tuple[str, Path, Path]]:
+    """`serve run` of a shipped config on a free port with an empty QWEN3_TTS_SERVE_HOME (a fresh machine: no
+    checkpoint anywhere) and `env` added to the environment; -> (base URL, home, log file) once `/ready` answers
+    200. Stopped with SIGINT after."""
+    config = yaml.safe_load((REPO / "configs" / config_name).read_text())
+    from tests.serve.conftest import free_port
+
+    port = free_port()
+    config["http_options"]["port"] = port
+    config_path = tmp_path / config_name
+    config_path.write_text(yaml.safe_dump(config))
+    home = tmp_path / "home"
+    extra = env or {}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env.update(QWEN3_TTS_SERVE_HOME=str(home), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", **extra)
+    serve_cli = Path(sys.executable).with_name("serve")
+    log_path = tmp_path / "serve_run.log"
+    log = open(log_path, "wb")
+    process = subprocess.Popen([str(serve_cli), "run", str(config_path)], cwd=REPO, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            assert process.poll() is None, log_path.read_text()[-5000:]
+            try:
+                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()[-5000:]
+            time.sleep(1)
+        yield url, home, log_path
+    finally:
+        stop_process_group(process)
+        log.close()

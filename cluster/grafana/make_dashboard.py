@@ -75,6 +75,11 @@ def q(p, metric, flt, by):
             f"(rate({metric}_bucket{{{flt}}}{RI})))")
 
 
+# Ray exports a histogram as bucket counts: its `_sum` is rebuilt from bucket midpoints (Ray's OpenTelemetry
+# metric recorder), so a mean from `_sum / _count` is approximate; every mean says so in its legend
+APPROX = " (approx.)"
+
+
 def mean(metric, flt, by):
     b = f"sum by ({by}) " if by else "sum "
     return f"{b}(rate({metric}_sum{{{flt}}}{RI})) / {b}(rate({metric}_count{{{flt}}}{RI}))"
@@ -106,7 +111,7 @@ panel("Time to first audio: streaming",
       [(q(0.5, "ray_tts_time_to_first_audio_ms", f'{APP}, {MODEL}, stream="true"', ""), "p50"),
        (q(0.9, "ray_tts_time_to_first_audio_ms", f'{APP}, {MODEL}, stream="true"', ""), "p90"),
        (q(0.99, "ray_tts_time_to_first_audio_ms", f'{APP}, {MODEL}, stream="true"', ""), "p99"),
-       (mean("ray_tts_time_to_first_audio_ms", f'{APP}, {MODEL}, stream="true"', ""), "mean")],
+       (mean("ray_tts_time_to_first_audio_ms", f'{APP}, {MODEL}, stream="true"', ""), "mean" + APPROX)],
       unit="ms")
 panel("Time to audio: non-streaming",
       "Request arrival to the whole body, non-streamed requests (ray_tts_time_to_first_audio_ms, stream=\"false\").",
@@ -119,7 +124,7 @@ panel("Real-time factor",
       [(q(0.5, "ray_tts_real_time_factor", f"{APP}, {MODEL}", ""), "p50"),
        (q(0.9, "ray_tts_real_time_factor", f"{APP}, {MODEL}", ""), "p90"),
        (q(0.99, "ray_tts_real_time_factor", f"{APP}, {MODEL}", ""), "p99"),
-       (mean("ray_tts_real_time_factor", f"{APP}, {MODEL}", ""), "mean")])
+       (mean("ray_tts_real_time_factor", f"{APP}, {MODEL}", ""), "mean" + APPROX)])
 panel("Audio produced",
       "Seconds of audio produced per second of wall time, per model (ray_tts_audio_seconds_total): "
       "how many real-time streams the service sustains.",
@@ -129,11 +134,11 @@ panel("Time to first audio p90 by model",
       "Streaming p90 per served model.",
       [(q(0.9, "ray_tts_time_to_first_audio_ms", f'{APP}, {MODEL}, stream="true"', "model"), "{{model}}")],
       unit="ms", w=8)
-panel("First audio by stage (mean)",
+panel("First audio by stage (approximate mean)",
       "Where first audio goes, hop by hop (ray_tts_first_audio_stage_ms; the Server-Timing header of each "
       "response, deployments/first_audio_timing.py): ingress work, hops to/from each stage, the Talker engine, "
       "the Code2Wav queue and decode.",
-      [(mean("ray_tts_first_audio_stage_ms", f'{APP}, {MODEL}, stage!="total"', "stage"), "{{stage}}"),
+      [(mean("ray_tts_first_audio_stage_ms", f'{APP}, {MODEL}, stage!="total"', "stage"), "{{stage}}" + APPROX),
        (q(0.9, "ray_tts_first_audio_stage_ms", f'{APP}, {MODEL}, stage="total"', ""), "total p90")],
       unit="ms", w=8)
 panel("Real-time factor p90 by model",
@@ -148,8 +153,9 @@ panel("Client buffer lead (smallest per stream)",
        (q(0.5, "ray_tts_client_buffer_lead_s", f"{APP}, {MODEL}", ""), "p50")],
       unit="s", w=6, min0=False)
 panel("Streams that ran dry",
-      "Share of streams whose smallest lead was <= 0 (ray_tts_client_buffer_lead_s bucket le=0), per model.",
-      [(f'sum by (model) (rate(ray_tts_client_buffer_lead_s_bucket{{{APP}, {MODEL}, le="0.0"}}{RI})) / '
+      "Share of streams whose real-time player would have run dry at least once, per model "
+      "(ray_tts_client_dry_streams_total over the streams counted by ray_tts_client_buffer_lead_s_count).",
+      [(f"sum by (model) (rate(ray_tts_client_dry_streams_total{{{APP}, {MODEL}}}{RI})) / "
         f"sum by (model) (rate(ray_tts_client_buffer_lead_s_count{{{APP}, {MODEL}}}{RI}))", "{{model}}")],
       unit="percentunit", w=6)
 panel("Client underruns",
@@ -187,7 +193,7 @@ panel("Frames generated",
 panel("Engine batch size",
       "Running requests per decode step, averaged per stats refresh (ray_tts_talker_mean_batch_size): mean and p90 "
       "of those averages.",
-      [(mean("ray_tts_talker_mean_batch_size", f"{APP}, {MODEL}", "model"), "mean {{model}}"),
+      [(mean("ray_tts_talker_mean_batch_size", f"{APP}, {MODEL}", "model"), "mean {{model}}" + APPROX),
        (q(0.9, "ray_tts_talker_mean_batch_size", f"{APP}, {MODEL}", "model"), "p90 {{model}}")], w=12)
 panel("Slot occupancy per replica",
       "running / slots per Talker replica: near 1 with waiting > 0 means the replica is the bottleneck.",
@@ -203,15 +209,15 @@ panel("Decode call latency",
       [(q(0.5, "ray_tts_code2wav_call_latency_ms", APP, ""), "p50"),
        (q(0.9, "ray_tts_code2wav_call_latency_ms", APP, ""), "p90"),
        (q(0.99, "ray_tts_code2wav_call_latency_ms", APP, ""), "p99"),
-       (mean("ray_tts_code2wav_call_latency_ms", APP, ""), "mean")], unit="ms", w=6)
+       (mean("ray_tts_code2wav_call_latency_ms", APP, ""), "mean" + APPROX)], unit="ms", w=6)
 panel("Batch decode time",
       "Decode time of one batch of chunks (ray_tts_code2wav_batch_decode_ms).",
       [(q(0.5, "ray_tts_code2wav_batch_decode_ms", APP, ""), "p50"),
        (q(0.99, "ray_tts_code2wav_batch_decode_ms", APP, ""), "p99"),
-       (mean("ray_tts_code2wav_batch_decode_ms", APP, ""), "mean")], unit="ms", w=6)
+       (mean("ray_tts_code2wav_batch_decode_ms", APP, ""), "mean" + APPROX)], unit="ms", w=6)
 panel("Batch size",
       "Chunks decoded together (ray_tts_code2wav_batch_size).",
-      [(mean("ray_tts_code2wav_batch_size", APP, ""), "mean"),
+      [(mean("ray_tts_code2wav_batch_size", APP, ""), "mean" + APPROX),
        (q(0.9, "ray_tts_code2wav_batch_size", APP, ""), "p90"),
        (f"sum(rate(ray_tts_code2wav_batch_size_count{{{APP}}}{RI}))", "batches/s")], w=6)
 panel("Queued chunks",

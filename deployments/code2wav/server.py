@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from opentelemetry import trace
 
 from deployments import constants as C
 from deployments import first_audio_timing
@@ -33,6 +34,9 @@ from deployments.metrics import Code2WavMetrics
 from deployments.transport import resolve
 from stages.arrival_rate import ArrivalRate
 from stages.contract import NUM_CODEBOOKS, CodecChunk
+
+# a span per decode call (docs/serving.md, "Traces"): a no-op unless Serve's tracing is on
+tracer = trace.get_tracer("qwen3_tts_serve.code2wav")
 
 DEFAULT_ENGINE_CLS = "stages.code2wav.engine:Code2WavEngine"
 IDLE_BELOW_BUSY_SHARE = 0.5  # a decoder busy less than this share of the last second fills with batch_fill_idle_wait_ms
@@ -150,7 +154,11 @@ class Code2WavServer:
                     continue
                 valid.append(i)
             if valid:
-                waves, span = await self._decode_together([resolved[i] for i in valid])
+                # the call's chunks are of many streams: the span, a child of the caller's, names them all
+                with tracer.start_as_current_span("code2wav.decode", attributes={
+                        "tts.chunks": len(valid), "tts.frames": sum(resolved[i].num_new for i in valid),
+                        "tts.engine_request_ids": sorted({resolved[i].request_id for i in valid})}):
+                    waves, span = await self._decode_together([resolved[i] for i in valid])
                 for i, wave in zip(valid, waves, strict=True):
                     c = resolved[i]
                     stamps = (arrived, *span) if c.seq == 0 else ()  # a stream's first chunk: Server-Timing

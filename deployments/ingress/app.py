@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,6 +36,8 @@ from deployments.ingress.http_guard import BodyGuard, BodyLimits
 from deployments.ingress.schemas import VoiceUploadJSON
 
 TITLE, VERSION = "Qwen3-TTS on Ray Serve", "0.1.0"
+# the web playground: static files served as they are (no build step), the page at `/` (docs/playground.md)
+PLAYGROUND_DIR = Path(__file__).with_name("playground")
 
 # (HTTP method, path) -> the server method that answers it: one route each, so that each has its own OpenAPI
 # operation id (GET and HEAD /health: health_health_get, health_health_head; one route for both gave both
@@ -53,15 +57,22 @@ ENDPOINTS: dict[tuple[str, str], str] = {
 
 
 def make_fastapi_app(body_limits: BodyLimits | None) -> FastAPI:
-    """The app without routes: bodies read whole within `body_limits` before any route runs
-    (deployments/ingress/http_guard.py), `/openapi.json` as the server answers, every error as `{"error": ...}`."""
+    """The app without the server's routes: bodies read whole within `body_limits` before any route runs
+    (deployments/ingress/http_guard.py), `/openapi.json` as the server answers, every error as `{"error": ...}`,
+    and the web playground (`/` and its files under `/playground/`)."""
     app = FastAPI(title=TITLE, version=VERSION)
     app.add_middleware(BodyGuard, limits=body_limits)
     _install_openapi(app)  # deployments/ingress/app.py
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_api_route("/", _playground_page, methods=["GET"], include_in_schema=False)
+    app.mount("/playground", StaticFiles(directory=PLAYGROUND_DIR), name="playground")
     return app
+
+
+async def _playground_page() -> FileResponse:
+    return FileResponse(PLAYGROUND_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
 def make_fastapi_ingress(cls: type, *, app: FastAPI, endpoints: dict[tuple[str, str], str] = ENDPOINTS) -> type:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import WebSocket
+from opentelemetry import trace
 from pydantic import TypeAdapter, ValidationError
 from ray.actor import ActorHandle
 from starlette.websockets import WebSocketDisconnect
@@ -36,6 +37,7 @@ from deployments.errors import APIError, bad_request
 from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.outcomes import Outcomes, PlaybackClock
 from deployments.ingress.request_builder import check_limits, check_live_text, check_request
+from deployments.ingress.request_log import RequestRecord, key_hash
 from deployments.ingress.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen
 from deployments.ingress.socket_limits import CLOSE_NORMAL, CLOSE_TRY_AGAIN_LATER, SocketLimits
 from deployments.ingress.text_mailbox import TextEvent
@@ -87,6 +89,7 @@ class _Context:
     first_text_at: float | None = None  # perf_counter of its first text: first audio is timed from here
     task: asyncio.Task | None = None
     failure: APIError | None = None  # why the ingress ended it (its task cancelled): its final error
+    record: RequestRecord | None = None  # its log line (deployments/ingress/request_log.py)
 
 
 class LiveSession:
@@ -207,25 +210,37 @@ class LiveSession:
             await self._mailbox.put.remote(ctx.request_id, events)
 
     async def _open(self, body: LiveOpen) -> None:
+        request_id = f"live-{uuid.uuid4().hex}"
+        record = RequestRecord(request_id, "live", len(body.input), True, voice=body.voice, request_id=request_id,
+                               key_hash=key_hash(self._ws.headers.get("authorization"),
+                                                 self._ws.query_params.get("token")))
+        # the context's calls to the Talker and Code2Wav (its task inherits this) carry its span
+        with trace.use_span(record.span, end_on_exit=False):
+            await self._open_context(body, request_id, record)
+
+    async def _open_context(self, body: LiveOpen, request_id: str, record: RequestRecord) -> None:
         cid = body.context_id
         if cid in self._contexts:
             await self._error(cid, bad_request(f"context {cid!r} is already open", "context_id", code="context_exists"))
+            record.end("bad_request", 400)
             return
         if len(self._contexts) >= self._limits.max_contexts_per_connection:
             await self._error(cid, APIError(429, f"{self._limits.max_contexts_per_connection} contexts are already "
                                             "open on this connection", code="too_many_contexts"), final=True)
+            record.end("rejected", 429)
             return
-        model, request_id, mailbox = "-", f"live-{uuid.uuid4().hex}", None
+        model, mailbox = "-", None
         try:
             self._work.acquire()  # admission, as for an HTTP request (429 when the replica is full)
         except APIError as error:
             await self._error(cid, error, final=True)
+            record.end("rejected", error.status)
             return
         try:
             check_limits(body, self._limits, live=True)
             check_live_text(len(body.input), self._limits)
             info, voice_choice = await self._ingress.route(body)
-            model = info.name
+            model = record.model = info.name
             check_request(body, info, self._ingress.args)
             mailbox = self._mailbox
             await mailbox.open.remote(request_id)
@@ -234,9 +249,9 @@ class LiveSession:
             self._work.release()
             if mailbox is not None:
                 mailbox.close.remote(request_id)
-            await self._error(cid, self._outcomes.failed(exc, model, True), final=True)
+            await self._error(cid, self._outcomes.failed(exc, model, True, record), final=True)
             return
-        ctx = _Context(cid, request_id, model, body, info.tokenizer)
+        ctx = _Context(cid, request_id, model, body, info.tokenizer, record=record)
         self._contexts[cid] = ctx
         self._outcomes.stream_opened(model)
         await self._send_json({"type": "opened", "context_id": cid, "model": model, "request_id": request_id})
@@ -259,6 +274,7 @@ class LiveSession:
                     if not audio_sent and ctx.first_text_at is not None:
                         audio_sent = True
                         self._outcomes.first_stream_audio(ctx.model, ctx.first_text_at)
+                        ctx.record.first_audio(since=ctx.first_text_at)
             if data := await encoder.finish():
                 await self._send_bytes(audio_frame(ctx.id, data))
             await self._send_json(self._done(ctx, frames, finish.value if finish else "unknown"))
@@ -280,8 +296,9 @@ class LiveSession:
             self._mailbox.close.remote(ctx.request_id)
             self._work.release()
             # a fresh clock: waits for text are the client's, not gaps
+            ctx.record.input_chars = ctx.chars
             self._outcomes.stream_ended(ctx.model, status, ctx.first_text_at or time.perf_counter(), frames,
-                                        PlaybackClock())
+                                        PlaybackClock(), ctx.record)
             self._contexts.pop(ctx.id, None)
             if not self._contexts:
                 self._idle_since = time.monotonic()

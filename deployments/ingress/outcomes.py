@@ -1,5 +1,6 @@
-"""What became of each request: the client's JSON error for a failure, the ingress's metrics, and how a
-streaming client's buffer fared.
+"""What became of each request: the client's JSON error for a failure, the ingress's metrics, its log line
+(deployments/ingress/request_log.py, when the caller passes the request's record), and how a streaming client's
+buffer fared.
 
 `PlaybackClock` is the server-side estimate of a streaming client's buffer: a player that starts at the first
 byte plays in real time from the moment the first audio byte is sent. Before each later send, `lead` = audio
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse
 from deployments.config import BackpressureSettings
 from deployments.errors import APIError, to_api_error
 from deployments.first_audio_timing import FirstAudioTiming
+from deployments.ingress.request_log import CLIENT_CLOSED_STATUS, RequestRecord
 from deployments.metrics import IngressMetrics
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
 
@@ -50,26 +52,35 @@ class Outcomes:
             logger.info(f"{error.status} {error.code}: {error.message[:200]}{by}")
         return error
 
-    def fail(self, exc: BaseException, model: str, stream: bool) -> JSONResponse:
-        """A request that ends before its audio: counted, and answered with its JSON error."""
-        return self.failed(exc, model, stream).response()
+    def fail(self, exc: BaseException, model: str, stream: bool, record: RequestRecord | None = None) -> JSONResponse:
+        """A request that ends before its audio: counted, logged, and answered with its JSON error."""
+        return self.failed(exc, model, stream, record).response()
 
-    def failed(self, exc: BaseException, model: str, stream: bool) -> APIError:
-        """A failed request (or WebSocket context), counted: -> the error its client gets."""
+    def failed(self, exc: BaseException, model: str, stream: bool, record: RequestRecord | None = None) -> APIError:
+        """A failed request (or WebSocket context), counted and logged: -> the error its client gets."""
         error = self.error(exc)
-        self.count(model, _STATUS_TAGS.get(error.status, "error" if error.status >= 500 else "bad_request"), stream)
+        tag = _STATUS_TAGS.get(error.status, "error" if error.status >= 500 else "bad_request")
+        self.count(model, tag, stream)
         if error.limit:
             self.metrics.rejections.inc(tags={"model": model, "limit": error.limit})
+        if record is not None:
+            record.end(tag, error.status)
         return error
 
-    def count(self, model: str, status: str, stream: bool) -> None:
+    def count(self, model: str, status: str, stream: bool, record: RequestRecord | None = None) -> None:
+        """A request's end by its `status` tag; with `record`, its log line too (a cancelled request: 499)."""
         self.metrics.requests.inc(tags={"model": model, "status": status, "stream": str(stream).lower()})
+        if record is not None:
+            record.end(status, CLIENT_CLOSED_STATUS if status == "cancelled" else 200)
 
-    def finish(self, model: str, started: float, stream: bool, frames: int, time_to_first: float | None = None) -> None:
+    def finish(self, model: str, started: float, stream: bool, frames: int, time_to_first: float | None = None,
+               record: RequestRecord | None = None) -> None:
         """A request whose audio was all sent; `started` is its perf_counter at arrival."""
         elapsed = time.perf_counter() - started
         audio_s = frames * SAMPLES_PER_FRAME / SAMPLE_RATE
         self.count(model, "ok", stream)
+        if record is not None:
+            record.end("ok", 200, audio_s)
         self.metrics.audio_seconds.inc(audio_s, tags={"model": model})
         if audio_s > 0:
             self.metrics.real_time_factor.observe(elapsed / audio_s, tags={"model": model})
@@ -89,20 +100,26 @@ class Outcomes:
         self._open_streams[model] += 1
         self.metrics.open_streams.set(self._open_streams[model], tags={"model": model})
 
-    def stream_ended(self, model: str, status: str, started: float, frames: int, playback: PlaybackClock) -> None:
-        """A stream's end, however it ended: the open-stream gauge, what its listener would have heard, and its
-        count by `status` ("ok": with its audio)."""
+    def stream_ended(self, model: str, status: str, started: float, frames: int, playback: PlaybackClock,
+                     record: RequestRecord | None = None) -> None:
+        """A stream's end, however it ended: the open-stream gauge, what its listener would have heard, its count
+        by `status` ("ok": with its audio) and its log line (HTTP 200: the status line went with the first byte;
+        a WebSocket context's too)."""
         self._open_streams[model] -= 1
         self.metrics.open_streams.set(self._open_streams[model], tags={"model": model})
         if playback.started is not None and playback.min_lead_s != float("inf"):
             self.metrics.client_buffer_lead_s.observe(max(playback.min_lead_s, 0.0), tags={"model": model})
         if playback.underruns:
+            self.metrics.client_dry_streams.inc(tags={"model": model})
             self.metrics.client_underruns.inc(playback.underruns, tags={"model": model})
             self.metrics.client_underrun_seconds.inc(playback.underrun_s, tags={"model": model})
         if status == "ok":
             self.finish(model, started, True, frames)
         else:
             self.count(model, status, True)
+        if record is not None:
+            record.end(status, CLIENT_CLOSED_STATUS if status == "cancelled" else 200,
+                       frames * SAMPLES_PER_FRAME / SAMPLE_RATE)
 
 
 @dataclass

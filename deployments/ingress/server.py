@@ -11,12 +11,12 @@ sends one body, raw chunked bytes, or SSE events.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request, WebSocket
 from fastapi.responses import Response
+from opentelemetry import trace
 from ray.serve.handle import DeploymentHandle
 
 from deployments import first_audio_timing
@@ -31,6 +31,7 @@ from deployments.ingress.outcomes import Outcomes
 from deployments.ingress.pipeline import stream_audio
 from deployments.ingress.placement import StreamPlacement
 from deployments.ingress.request_builder import VoiceChoice, build_request, check_limits, check_request
+from deployments.ingress.request_log import RequestRecord, key_hash
 from deployments.ingress.routing import ModelRouter
 from deployments.ingress.schemas import SpeechRequest
 from deployments.ingress.socket_limits import SocketLimits
@@ -77,28 +78,33 @@ class TTSIngress:
         return self._args
 
     # ------------------------------------------------------------------ speech
-    async def speech(self, body: SpeechRequest):
+    async def speech(self, body: SpeechRequest, request: Request):
+        record = RequestRecord(f"speech-{uuid.uuid4().hex}", "speech", len(body.input), body.streaming,
+                               voice=body.voice, key_hash=key_hash(request.headers.get("authorization"),
+                                                                   request.query_params.get("token")))
         try:
             self._work.acquire()  # admission of the costly part (deployments/ingress/http_guard.py)
         except APIError as exc:
-            return self._outcomes.fail(exc, "-", body.streaming)
+            return self._outcomes.fail(exc, "-", body.streaming, record)
         try:
-            return await self._speech(body)
+            # calls to the Talker and Code2Wav carry the request's span: theirs are its children (Serve propagates it)
+            with trace.use_span(record.span, end_on_exit=False):
+                return await self._speech(body, record)
         finally:
             self._work.release()  # a stream holds its own count while it is sent
 
-    async def _speech(self, body: SpeechRequest) -> Response:
-        started, timing = time.perf_counter(), FirstAudioTiming(arrived=first_audio_timing.now())
+    async def _speech(self, body: SpeechRequest, record: RequestRecord) -> Response:
+        started, timing = record.started, FirstAudioTiming(arrived=first_audio_timing.now())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(body.timeout_s or self._limits.request_timeout_s, self._limits.request_timeout_s)
-        request_id = f"speech-{uuid.uuid4().hex}"
+        request_id = record.engine_request_id
         model = "-"  # metric tag: a served name only (never a client-chosen string)
         chunks: AsyncIterator[DecodedChunk] | None = None
         try:
             check_limits(body, self._limits)
             # validation first, then the client's deadline: a tiny `timeout_s` must not hide a 400
             info, voice_choice = await self.route(body)
-            model = info.name
+            model = record.model = info.name
             check_request(body, info, self._args)
             async with asyncio.timeout_at(deadline):
                 synthesis, chunks = await self.start(body, info, voice_choice, request_id, timing=timing)
@@ -107,11 +113,11 @@ class TTSIngress:
             if chunks is not None:
                 await chunks.aclose()
             if isinstance(exc, asyncio.CancelledError):
-                self._outcomes.count(model, "cancelled", body.streaming)
+                self._outcomes.count(model, "cancelled", body.streaming, record)
                 raise
-            return self._outcomes.fail(exc, model, body.streaming)
+            return self._outcomes.fail(exc, model, body.streaming, record)
         job = SpeechJob(body, model, chunks, first, deadline, started,
-                        usage_in=len(synthesis.prompt.text_ids) + len(synthesis.prompt.instruct_ids or ()))
+                        usage_in=len(synthesis.prompt.text_ids) + len(synthesis.prompt.instruct_ids or ()), record=record)
         timing.responded = first_audio_timing.now()
         self._outcomes.first_audio_stages(model, timing)
         # Serve's proxy adds X-Request-Id (the client's own, or a new one); Server-Timing: where first audio went

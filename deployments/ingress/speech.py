@@ -28,6 +28,7 @@ from deployments.audio.formats import MEDIA_TYPES
 from deployments.errors import APIError, StreamAborted, to_api_error
 from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.outcomes import Outcomes, PlaybackClock
+from deployments.ingress.request_log import RequestRecord
 from deployments.ingress.schemas import SpeechRequest
 from deployments.messages import DecodedChunk
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME, FinishReason
@@ -46,6 +47,7 @@ class SpeechJob:
     deadline: float  # event-loop time
     started: float  # perf_counter at arrival
     usage_in: int  # prompt text (+ instruction) tokens
+    record: RequestRecord | None = None  # its log line (deployments/ingress/request_log.py)
 
 
 async def whole_response(job: SpeechJob, outcomes: Outcomes, headers: dict[str, str]) -> Response:
@@ -61,22 +63,30 @@ async def whole_response(job: SpeechJob, outcomes: Outcomes, headers: dict[str, 
     except BaseException as exc:
         await job.chunks.aclose()
         if isinstance(exc, asyncio.CancelledError):
-            outcomes.count(job.model, "cancelled", False)
+            outcomes.count(job.model, "cancelled", False, job.record)
             raise
-        return outcomes.fail(exc, job.model, False)
+        return outcomes.fail(exc, job.model, False, job.record)
     pcm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int16)
     frames = pcm.size // SAMPLES_PER_FRAME
     data = await asyncio.to_thread(encode, pcm, job.body.response_format, speed=job.body.speed)
-    outcomes.finish(job.model, job.started, False, frames, time_to_first=time.perf_counter() - job.started)
+    if job.record is not None:
+        job.record.first_audio()  # the whole body is its first audio
+    outcomes.finish(job.model, job.started, False, frames, time_to_first=time.perf_counter() - job.started,
+                    record=job.record)
     headers.update({"X-Usage-Input-Tokens": str(job.usage_in), "X-Usage-Output-Tokens": str(frames),
                     "X-Audio-Duration-S": f"{round(pcm.size / job.body.speed) / SAMPLE_RATE:.3f}",
                     "X-Finish-Reason": finish.value if finish else "unknown"})
     return Response(content=data, media_type=MEDIA_TYPES[job.body.response_format], headers=headers)
 
 
+# a stream is read as it comes: no cache may keep it, no proxy (nginx's X-Accel-Buffering) may hold it back
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
 def stream_response(job: SpeechJob, outcomes: Outcomes, work: OpenWork, headers: dict[str, str]) -> StreamingResponse:
     """The audio as it comes: raw encoded bytes, or SSE events (`stream_format: sse`)."""
     sse_events = job.body.stream_format == "sse"
+    headers = {**headers, **STREAM_HEADERS}
     return StreamingResponse(_stream(job, outcomes, work),
                              media_type=SSE_MEDIA_TYPE if sse_events else MEDIA_TYPES[job.body.response_format],
                              headers=headers)
@@ -106,6 +116,8 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
                 if not audio_sent:
                     audio_sent = True
                     outcomes.first_stream_audio(model, job.started)
+                    if job.record is not None:
+                        job.record.first_audio()
             if chunk is None:
                 break
             async with asyncio.timeout_at(job.deadline):
@@ -128,7 +140,7 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
     finally:
         await job.chunks.aclose()
         work.release()
-        outcomes.stream_ended(model, status, job.started, frames, playback)
+        outcomes.stream_ended(model, status, job.started, frames, playback, job.record)
 
 
 SSE_MEDIA_TYPE = "text/event-stream"

@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import numpy as np
+from opentelemetry import trace
 
 from deployments import constants as C
 from deployments import first_audio_timing
@@ -39,6 +40,8 @@ from stages.contract import (
 )
 
 logger = logging.getLogger("ray.serve")
+# spans of a request's admission and first chunk (docs/serving.md, "Traces"): no-ops unless Serve's tracing is on
+tracer = trace.get_tracer("qwen3_tts_serve.talker")
 
 DEFAULT_ENGINE_CLS = "stages.talker.engine:TalkerEngine"
 
@@ -118,9 +121,10 @@ class TalkerServer:
         """
         started = first_audio_timing.now()
         options = options or GenerateOptions()
-        stream = self._engine.add_request(request, self._schedule_for(options))  # chunks are cut in the engine loop
+        with tracer.start_as_current_span("talker.admission", attributes={"tts.engine_request_id": request.request_id}):
+            stream = self._engine.add_request(request, self._schedule_for(options))  # chunks are cut in the engine loop
         try:
-            async for chunk in self._leaving(stream, started):
+            async for chunk in self._leaving(stream, started, request.request_id):
                 yield chunk
         finally:
             await stream.aclose()  # no-op after a normal end; aborts the request otherwise
@@ -136,11 +140,12 @@ class TalkerServer:
         which waits for text without stepping the request. Cancelling ends it as for `generate`.
         """
         started = first_audio_timing.now()
-        stream = self._engine.open_request(request, self._schedule_for(options),
-                                           idle_timeout_s=options.text_idle_timeout_s)
+        with tracer.start_as_current_span("talker.admission", attributes={"tts.engine_request_id": request.request_id}):
+            stream = self._engine.open_request(request, self._schedule_for(options),
+                                               idle_timeout_s=options.text_idle_timeout_s)
         pump = asyncio.get_running_loop().create_task(self._pump_text(request.request_id, mailbox))
         try:
-            async for chunk in self._leaving(stream, started):
+            async for chunk in self._leaving(stream, started, request.request_id):
                 yield chunk
         finally:
             pump.cancel()
@@ -167,14 +172,24 @@ class TalkerServer:
             logger.warning(f"live text of {request_id} lost (its ingress is gone?): {e!r}")
         engine.abort(request_id)  # the box was closed (the ingress ended the context) or lost
 
-    async def _leaving(self, stream, started: float) -> AsyncGenerator[CodecChunk, None]:
-        """The engine's chunks of one request as they leave this replica (chunks 0 and 1 via `_early_chunk`)."""
+    async def _leaving(self, stream, started: float, request_id: str) -> AsyncGenerator[CodecChunk, None]:
+        """The engine's chunks of one request as they leave this replica (chunks 0 and 1 via `_early_chunk`).
+        The `talker.first_chunk` span runs from the admission to the first chunk leaving (queue, prefill, its
+        frames, and its decode when this replica decodes it)."""
         first = None
-        async for chunk in stream:
-            if chunk.seq <= 1:
-                chunk = await self._early_chunk(chunk, started, first)
-                first = first or chunk
-            yield chunk
+        span = tracer.start_span("talker.first_chunk", attributes={"tts.engine_request_id": request_id})
+        try:
+            async for chunk in stream:
+                if chunk.seq <= 1:
+                    chunk = await self._early_chunk(chunk, started, first)
+                    if first is None:
+                        span.set_attributes({"tts.frames": chunk.num_new, "tts.decoded_here": chunk.pcm is not None})
+                        span.end()
+                    first = first or chunk
+                yield chunk
+        finally:
+            if first is None:  # failed or cancelled before its first chunk
+                span.end()
 
     async def _early_chunk(self, chunk: CodecChunk, started: float, first: CodecChunk | None) -> CodecChunk:
         """A stream's chunk 0 or 1 as it leaves: with its PCM when this replica decodes it (lightly loaded:

@@ -299,3 +299,46 @@ def test_local_all_serves_every_task_type_on_two_cpus():
     cpus = sum(d._deployment_config.num_replicas * d.ray_actor_options.get("num_cpus", 1)
                for d in deployments.values())
     assert cpus <= 1.5, cpus  # leaves room on a 2-core machine
+
+
+@pytest.mark.parametrize("text, env, expected", [
+    ("${M}", {"M": "/ckpt"}, "/ckpt"),
+    ("${M:-Qwen/x}", {}, "Qwen/x"),
+    ("${M:-Qwen/x}", {"M": ""}, "Qwen/x"),  # `:-`: unset or empty
+    ("${M-Qwen/x}", {"M": ""}, ""),  # `-`: unset only
+    ("${M:-}", {}, ""),
+    ("a-${M}-${N:-n}", {"M": "m"}, "a-m-n"),
+    ("$${M} $HOME", {"M": "m"}, "${M} $HOME"),  # `$$` escapes; a bare `$NAME` is left as written
+])
+def test_environment_references_are_substituted_as_a_shell_does(text, env, expected):
+    from deployments.config import substitute_env
+
+    assert substitute_env({"a": [text]}, env) == {"a": [expected]}
+
+
+def test_an_unset_variable_without_a_default_names_itself_and_its_field(monkeypatch):
+    monkeypatch.delenv("QWEN3_TTS_TEST_UNSET", raising=False)
+    args = _app_args("local.yaml")
+    args["models"][0]["model"] = "${QWEN3_TTS_TEST_UNSET}"
+    with pytest.raises(ValidationError, match=r"args\.models\[0\]\.model: environment variable QWEN3_TTS_TEST_UNSET"):
+        TTSServingArgs.model_validate(args)
+
+
+@pytest.mark.parametrize("config", ["local.yaml", "local_all.yaml"])
+def test_cpu_configs_serve_qwen3_tts_model_else_the_embedded_checkpoint(config, monkeypatch, tmp_path):
+    for var in ("QWEN3_TTS_MODEL", "QWEN3_TTS_BASE_MODEL", "QWEN3_TTS_VOICEDESIGN_MODEL"):
+        monkeypatch.delenv(var, raising=False)
+    args = TTSServingArgs.model_validate(_app_args(config))
+    assert all(m.source.embedded for m in args.models) and args.codec_source.embedded
+    monkeypatch.setenv("QWEN3_TTS_MODEL", str(tmp_path))
+    args = TTSServingArgs.model_validate(_app_args(config))
+    assert args.models[0].model == str(tmp_path) and not args.codec_source.embedded
+    assert all(m.source.embedded for m in args.models[1:])
+
+
+@pytest.mark.parametrize("config", ["high_concurrency.yaml", "split.yaml", "replicas.yaml", "multi_model.yaml"])
+def test_gpu_configs_default_to_the_released_checkpoint_and_take_qwen3_tts_model(config, monkeypatch):
+    monkeypatch.delenv("QWEN3_TTS_MODEL", raising=False)
+    assert TTSServingArgs.model_validate(_app_args(config)).models[0].model == "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"
+    monkeypatch.setenv("QWEN3_TTS_MODEL", "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
+    assert TTSServingArgs.model_validate(_app_args(config)).models[0].model == "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"

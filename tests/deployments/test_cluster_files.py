@@ -129,7 +129,11 @@ def test_rayservice_embeds_high_concurrency_config():
     service = _rayservice()
     assert (service["apiVersion"], service["kind"]) == ("ray.io/v1", "RayService")
     embedded = yaml.safe_load(service["spec"]["serveConfigV2"])
-    reference = _yaml(CONFIGS / "high_concurrency.yaml")
+    from deployments.config import substitute_env
+
+    # the RayService names its checkpoint (model-cache.yaml's Job downloads it): the file's `${VAR:-default}`s as
+    # their defaults
+    reference = substitute_env(_yaml(CONFIGS / "high_concurrency.yaml"), {})
     differences = _diff(embedded, reference)
     assert not differences, "serveConfigV2 differs from configs/high_concurrency.yaml:\n" + "\n".join(differences)
     ServeDeploySchema.model_validate(embedded)  # Serve's own schema (what KubeRay submits)
@@ -625,3 +629,90 @@ def test_docs_commands_match_the_files():
         for line in lines:
             for flag in re.findall(r"(?<![\w-])--[a-z][a-z-]*", line.split(rel, 1)[1].split(" -- ")[0]):
                 assert flag in usage, f"docs/cluster.md: {rel} has no {flag}"
+
+
+def _histogram_boundaries() -> dict[str, list[float]]:
+    """Exported bucket name -> the `le` bounds Ray exports for it (deployments/metrics.py's boundaries, +Inf)."""
+    from unittest import mock
+
+    from ray.serve import metrics as serve_metrics
+
+    import deployments.metrics as app_metrics
+
+    made: dict[str, list[float]] = {}
+
+    def histogram(name, description="", boundaries=None, tag_keys=None):
+        made[f"ray_{name}_bucket"] = [float(b) for b in boundaries]
+        return mock.MagicMock()
+
+    with mock.patch.object(serve_metrics, "Histogram", histogram), \
+            mock.patch.object(serve_metrics, "Counter", mock.MagicMock()), \
+            mock.patch.object(serve_metrics, "Gauge", mock.MagicMock()):
+        app_metrics.IngressMetrics(), app_metrics.TalkerMetrics("m"), app_metrics.Code2WavMetrics()
+    return made
+
+
+def test_dashboard_bucket_selectors_name_buckets_ray_exports():
+    """A `le="x"` selector names a series only when x is a boundary of that histogram ("Streams that ran dry"
+    once selected le="0.0", a series no histogram had)."""
+    boundaries = _histogram_boundaries()
+    selectors = [(m, le) for q in _dashboard_queries(json.loads(DASHBOARD.read_text()))
+                 for m, le in re.findall(r"\b(ray_[a-z0-9_]+_bucket)\{[^}]*\ble=\"([^\"]+)\"", q)]
+    for metric, le in selectors:
+        assert le == "+Inf" or float(le) in boundaries[metric], f'{metric}{{le="{le}"}} is not a series Ray exports'
+
+
+def test_first_audio_buckets_resolve_the_served_range():
+    boundaries = _histogram_boundaries()["ray_tts_time_to_first_audio_ms_bucket"]
+    assert {5.0, 10.0, 15.0, 20.0, 30.0} <= set(boundaries) and boundaries == sorted(boundaries)
+
+
+def test_dashboard_means_are_labelled_approximate():
+    """Ray rebuilds a histogram's `_sum` from bucket midpoints: a mean from it is approximate, and says so."""
+    for p in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in p.get("targets", []):
+            if "_sum{" in target["expr"]:
+                assert "approx" in target["legendFormat"] or "approximate" in p["title"], (p["title"], target)
+
+
+PRESTOP = CLUSTER / "kuberay" / "prestop_drain.sh"
+
+
+def test_prestop_drains_the_node_and_waits_for_its_replicas_before_stopping_ray(tmp_path):
+    """The GPU pods' preStop: `ray drain-node` first, `ray stop` only once no Serve replica is left (a stand-in
+    `pgrep` reports replicas for its first three calls), within a budget below the pod's grace period."""
+    service = _rayservice()
+    for group in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        (container,) = _containers(group["template"])
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:2] == ["/bin/bash", "/home/ray/qwen3-tts-serve/cluster/kuberay/prestop_drain.sh"]
+        assert 0 < int(command[2]) < spec["terminationGracePeriodSeconds"]
+    log, count = tmp_path / "calls.log", tmp_path / "pgrep.count"
+    (tmp_path / "ray").write_text(f'#!/bin/sh\necho "ray $*" >> "{log}"\n')
+    (tmp_path / "pgrep").write_text(  # replicas left for three polls, then none
+        f'#!/bin/sh\nn=$(cat "{count}" 2>/dev/null || echo 0); echo $((n + 1)) > "{count}"\n'
+        f'echo "pgrep" >> "{log}"\n[ "$n" -lt 3 ] && {{ echo 1; exit 0; }}; echo 0; exit 1\n')
+    for tool in ("ray", "pgrep"):
+        (tmp_path / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "QWEN3_TTS_DRAIN_POLL_S": "0"}
+    subprocess.run(["bash", str(PRESTOP), "60"], env=env, check=True, capture_output=True, timeout=60)
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith("ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION")
+    assert "--deadline-remaining-seconds 60" in calls[0]
+    assert calls[1:5] == ["pgrep"] * 4 and calls[-1] == "ray stop"
+
+
+def test_podmonitor_scrapes_the_rayservices_pods_on_their_metrics_port():
+    monitor = _yaml(CLUSTER / "kuberay" / "podmonitor.yaml")
+    service = _rayservice()
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "PodMonitor")
+    labels = monitor["spec"]["selector"]["matchLabels"]
+    assert labels == {"ray.io/is-ray-node": "yes", "ray.io/originated-from-cr-name": service["metadata"]["name"]}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    cluster = service["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for template in templates:
+        (container,) = _containers(template)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports[endpoint["port"]] == int(cluster["headGroupSpec"]["rayStartParams"]["metrics-export-port"])

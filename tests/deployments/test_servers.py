@@ -530,3 +530,57 @@ def test_talker_health_sees_an_engine_that_stopped_stepping(loop, tiny_custom_vo
         assert "no step" in loop.run_until_complete(stuck())
     finally:
         server.__del__()
+
+
+@pytest.fixture(scope="module")
+def spans():
+    """An in-memory exporter on the process's tracer provider (what Serve's `tracing_config` sets in a replica)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+    exporter = InMemorySpanExporter()
+    processor = SimpleSpanProcessor(exporter)
+    trace.get_tracer_provider().add_span_processor(processor)
+    yield exporter
+    processor.shutdown()
+
+
+def test_a_request_traces_the_talkers_admission_and_first_chunk_and_code2wavs_decode(loop, talker, code2wav, spans):
+    """Spans of the servers under the caller's (Serve propagates the ingress's context into each call)."""
+    from opentelemetry import trace
+
+    from deployments.ingress.request_log import RequestRecord
+
+    spans.clear()
+    record = RequestRecord("traced", "speech", 12, True)
+    with trace.use_span(record.span, end_on_exit=False):
+        chunks = loop.run_until_complete(_collect(talker.generate(_request(talker, 9, rid="traced"))))
+        loop.run_until_complete(code2wav.decode_many(chunks[:2]))
+    record.first_audio()
+    record.end("ok", 200, audio_s=0.72)
+    by_name = {s.name: s for s in spans.get_finished_spans()}
+    root = by_name["tts.request speech"]
+    assert root.parent is None and root.attributes["tts.outcome"] == "ok" and root.attributes["tts.status"] == 200
+    assert [e.name for e in root.events] == ["first_audio"]
+    for name in ("talker.admission", "talker.first_chunk", "code2wav.decode"):
+        span = by_name[name]
+        assert span.parent.span_id == root.context.span_id and span.context.trace_id == root.context.trace_id, name
+    admission, first = by_name["talker.admission"], by_name["talker.first_chunk"]
+    assert admission.end_time <= first.end_time and first.attributes["tts.frames"] == chunks[0].num_new
+    decode = by_name["code2wav.decode"]
+    assert decode.attributes["tts.chunks"] == 2 and list(decode.attributes["tts.engine_request_ids"]) == ["traced"]
+
+
+def test_a_failed_request_marks_its_span_as_an_error(spans):
+    from opentelemetry.trace import StatusCode
+
+    from deployments.ingress.request_log import RequestRecord
+
+    spans.clear()
+    RequestRecord("refused", "speech", 3, False).end("bad_request", 400)
+    (span,) = spans.get_finished_spans()
+    assert span.status.status_code is StatusCode.ERROR and span.attributes["tts.status"] == 400

@@ -3,62 +3,18 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
-import os
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 import soundfile as sf
-import yaml
 
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
-from tests.procs import stop_process_group
-from tests.serve.conftest import free_port, wav_bytes
+from tests.procs import serve_run
+from tests.serve.conftest import wav_bytes
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]  # `serve run` subprocesses
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-@contextlib.contextmanager
-def serve_run(config_name: str, tmp_path: Path, ready_timeout_s: float = 240) -> Iterator[tuple[str, Path, Path]]:
-    """`serve run` of a shipped config on a free port with an empty QWEN3_TTS_SERVE_HOME (a fresh machine: no
-    checkpoint anywhere); -> (base URL, home, log file) once `/ready` answers 200. Stopped with SIGINT after."""
-    config = yaml.safe_load((REPO / "configs" / config_name).read_text())
-    port = free_port()
-    config["http_options"]["port"] = port
-    config_path = tmp_path / config_name
-    config_path.write_text(yaml.safe_dump(config))
-    home = tmp_path / "home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    env.update(QWEN3_TTS_SERVE_HOME=str(home), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    serve_cli = Path(sys.executable).with_name("serve")
-    log_path = tmp_path / "serve_run.log"
-    log = open(log_path, "wb")
-    process = subprocess.Popen([str(serve_cli), "run", str(config_path)], cwd=REPO, env=env, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            assert process.poll() is None, log_path.read_text()[-5000:]
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-5000:]
-            time.sleep(1)
-        yield url, home, log_path
-    finally:
-        stop_process_group(process)
-        log.close()
 
 
 def _wav_frames(response: httpx.Response) -> int:

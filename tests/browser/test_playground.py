@@ -1,0 +1,123 @@
+"""The web playground at `/` in a real headless Chromium: it loads cleanly, plays streamed speech through Web
+Audio, plays live text typed into the WebSocket tab, and uploads a voice from a file and from the microphone."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve.conftest import wav_bytes
+
+pytestmark = [pytest.mark.serve, pytest.mark.slow]  # `serve run` and a browser
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+WAIT_MS = 180_000  # a loaded 2-core CI box; every wait ends on a condition, not at a time
+
+
+def _samples(page) -> int:
+    return page.evaluate("window.playground.scheduledSamples")
+
+
+def _models_listed(page) -> None:
+    page.wait_for_function("document.querySelectorAll('#model option').length === 3", timeout=WAIT_MS)
+
+
+def test_the_page_loads_without_errors_and_lists_models_and_voices(page, served):
+    _models_listed(page)
+    models = page.eval_on_selector_all("#model option", "els => els.map(e => e.value)")
+    assert models == ["qwen3-tts", "qwen3-tts-base", "qwen3-tts-voicedesign"]
+    voices = page.eval_on_selector_all("#voice option", "els => els.map(e => e.value)")
+    assert "vivian" in voices
+    assert page.evaluate("window.playground.errors") == [] and page.errors == []
+    css = httpx.get(served[0] + "/playground/playground.css")
+    assert css.status_code == 200 and "text/css" in css.headers["content-type"]
+
+
+def test_speak_streams_pcm_into_the_audio_graph(page, tmp_path):
+    _models_listed(page)
+    page.fill("#text", "Hello from the browser test.")
+    page.fill("#max-frames", "12")
+    page.fill("#seed", "7")
+    page.click("#speak")
+    # 12 frames x 1920 samples, every one scheduled on the graph, and a first-audio time shown
+    page.wait_for_function("window.playground.scheduledSamples >= 12 * 1920", timeout=WAIT_MS)
+    page.wait_for_function("document.getElementById('speak-status').textContent.includes('s of audio')",
+                           timeout=WAIT_MS)
+    assert _samples(page) == 12 * 1920
+    assert page.evaluate("window.playground.firstAudioMs") > 0
+    assert "first audio in" in page.text_content("#speak-status")
+    assert page.errors == []
+    # QWEN3_TTS_UPDATE_SCREENSHOT=1 refreshes the README's picture
+    update = os.environ.get("QWEN3_TTS_UPDATE_SCREENSHOT") == "1"
+    page.screenshot(path=str(DOCS / "playground.png" if update else tmp_path / "playground.png"))
+
+
+def test_a_whole_file_format_plays_in_the_audio_element(page):
+    _models_listed(page)
+    page.fill("#max-frames", "6")
+    page.select_option("#format", "wav")
+    page.click("#speak")
+    page.wait_for_function("document.getElementById('speak-status').textContent.startsWith('wav:')",
+                           timeout=WAIT_MS)
+    assert page.is_visible("#player") and page.errors == []
+
+
+def test_live_text_plays_as_it_is_typed(page):
+    _models_listed(page)
+    page.fill("#max-frames", "10")
+    page.click("nav .tab[data-tab=live]")
+    page.click("#live-start")
+    page.wait_for_function("document.getElementById('live-status').textContent.startsWith('open:')", timeout=WAIT_MS)
+    page.type("#live-text", "Typed word by word.", delay=20)
+    page.click("#live-end")
+    page.wait_for_function("window.playground.liveDone === 1", timeout=WAIT_MS)
+    assert _samples(page) == 10 * 1920  # max_new_tokens frames, all on the graph
+    assert page.evaluate("window.playground.firstAudioMs") > 0 and page.errors == []
+
+
+def test_a_voice_uploads_from_a_file_and_is_offered_for_the_base_model(page, served):
+    _models_listed(page)
+    page.click("nav .tab[data-tab=voices]")
+    page.fill("#voice-name", "browserfile")
+    page.fill("#voice-text", "What the clip says.")
+    page.set_input_files("#voice-file", files=[{"name": "clip.wav", "mimeType": "audio/wav",
+                                                "buffer": wav_bytes(2.0, seed=5)}])
+    page.click("#upload")
+    page.wait_for_function("window.playground.uploads === 1", timeout=WAIT_MS)
+    page.select_option("#model", "qwen3-tts-base")
+    assert "browserfile" in page.eval_on_selector_all("#voice option", "els => els.map(e => e.value)")
+    listing = httpx.get(served[0] + "/v1/audio/voices").json()
+    assert "browserfile" in [v["name"] for v in listing["uploaded_voices"]]
+    assert page.errors == []
+
+
+def test_a_voice_uploads_from_the_microphone(page, served):
+    """Chromium's fake microphone: recorded by MediaRecorder (webm), sent as WAV (what the server reads)."""
+    _models_listed(page)
+    page.click("nav .tab[data-tab=voices]")
+    page.fill("#voice-name", "browsermic")
+    page.click("#record")
+    page.wait_for_function("document.getElementById('voice-status').textContent === 'recording...'", timeout=WAIT_MS)
+    # the recording must hold some audio: wait until the recorder has been running for a while by its own clock
+    page.wait_for_function("(window.__t0 ??= performance.now()) && performance.now() - window.__t0 > 1500",
+                           timeout=WAIT_MS, polling=100)
+    page.click("#record")
+    page.wait_for_function("document.getElementById('voice-status').textContent.startsWith('recorded')",
+                           timeout=WAIT_MS)
+    page.click("#upload")
+    page.wait_for_function("window.playground.uploads === 1", timeout=WAIT_MS)
+    names = [v["name"] for v in httpx.get(served[0] + "/v1/audio/voices").json()["uploaded_voices"]]
+    assert "browsermic" in names and page.errors == []
+
+
+def test_the_api_key_stays_in_page_memory(page):
+    _models_listed(page)
+    page.fill("#api-key", "sk-not-stored")
+    storage = page.evaluate("JSON.stringify([Object.keys(localStorage), Object.keys(sessionStorage), document.cookie])")
+    assert json.loads(storage) == [[], [], ""]
+
+
