@@ -92,6 +92,7 @@ class Soak:
         self.kinds: Counter[str] = Counter()
         self.disconnects = 0
         self.failures: list[str] = []
+        self.failure_kinds: Counter[tuple[str, int]] = Counter()
         self.clip = _clip()
 
     def body(self, **fields) -> dict:
@@ -102,8 +103,9 @@ class Soak:
     def note(self, kind: str, status: int, detail: str = "") -> None:
         self.kinds[kind] += 1
         self.status[str(status)] += 1
-        if status >= 500 and len(self.failures) < 50:
-            self.failures.append(f"{kind} {status} {detail[:200]}")
+        if status >= 500 and self.failure_kinds[(kind, status)] < 5:  # a few of each kind: the causes differ
+            self.failure_kinds[(kind, status)] += 1
+            self.failures.append(f"{kind} {status} {detail[:300]}")
 
     async def whole(self, s: aiohttp.ClientSession) -> None:
         async with s.post(f"{self.args.url}/v1/audio/speech",
@@ -117,6 +119,9 @@ class Soak:
             fields["stream_format"] = "sse"
         drop = random.random() < self.args.disconnect
         async with s.post(f"{self.args.url}/v1/audio/speech", json=self.body(**fields)) as r:
+            if r.status >= 400:
+                self.note("sse" if sse else "stream", r.status, (await r.read())[:300].decode(errors="replace"))
+                return
             got = 0
             async for data in r.content.iter_any():
                 got += len(data)
@@ -213,9 +218,10 @@ async def run(args) -> dict:
         start = time.monotonic()
         until = start + args.minutes * 60
         workers = [asyncio.create_task(soak.worker(s, until)) for _ in range(args.concurrency)]
-        samples, warm = [], None
-        while not all(w.done() for w in workers):
-            await asyncio.sleep(max(0.1, min(args.sample_s, until - time.monotonic() + 0.5)))
+        samples, warm, pending = [], None, set(workers)
+        while pending:
+            left = until - time.monotonic()
+            _, pending = await asyncio.wait(pending, timeout=min(args.sample_s, left) if left > 1 else args.sample_s)
             elapsed = time.monotonic() - start
             samples.append({"t_s": round(elapsed), "requests": sum(soak.kinds.values()), "rss_mib": rss_mib(),
                             "gpu_mem_mib": await asyncio.to_thread(gpu_mem_mib)})
