@@ -139,7 +139,8 @@ _ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/audio/speech/batches", "post"): (400, 503),
     ("/v1/audio/speech/batches/{batch_id}", "get"): (404, 503),
     ("/v1/audio/speech/batches/{batch_id}", "delete"): (404, 503),
-    ("/v1/audio/speech/batches/{batch_id}/items/{index}", "get"): (404, 409, 503),
+    ("/v1/audio/speech/batches/{batch_id}/items/{index}", "get"): (400, 404, 409, 500, 503, 504),  # 400/500/504: a
+    # failed item's own error, as /v1/audio/speech answered it
     ("/ready", "get"): (503,),
 }
 

@@ -30,6 +30,7 @@ from deployments.audio.formats import MEDIA_TYPES
 from deployments.config import BatchSettings
 from deployments.errors import APIError, bad_request, shown
 from deployments.ingress.batch_store import BatchStore, StoreUnavailable
+from deployments.ingress.batch_worker import BatchWorker
 from deployments.ingress.schemas import SpeechRequest
 
 JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines", "application/json-seq")
@@ -39,10 +40,11 @@ Validate = Callable[[SpeechRequest], Awaitable[None]]
 
 
 class BatchJobs:
-    """The batch API of one ingress replica over the shared store; `wake` tells this replica's worker of a job."""
+    """The batch API of one ingress replica over the shared store; `worker` is this replica's (told of new jobs,
+    and of cancelled ones: its items stop at once, other replicas' at their next lease renewal)."""
 
-    def __init__(self, store: BatchStore, settings: BatchSettings, validate: Validate, wake: Callable[[], None]):
-        self.store, self.settings, self._validate, self._wake = store, settings, validate, wake
+    def __init__(self, store: BatchStore, settings: BatchSettings, validate: Validate, worker: BatchWorker):
+        self.store, self.settings, self._validate, self._worker = store, settings, validate, worker
 
     async def submit(self, request: Request) -> JSONResponse:
         raw = await _read_items(request)
@@ -60,14 +62,16 @@ class BatchJobs:
                 raise _at(index, exc) from None
             bodies.append(body.model_dump_json(exclude_unset=True))
         job = await self._store(self.store.create_job, bodies)
-        self._wake()
+        self._worker.wake()
         return JSONResponse(job, status_code=202)
 
     async def status(self, batch_id: str) -> dict[str, Any]:
         return _found(batch_id, await self._store(self.store.describe, batch_id))
 
     async def cancel(self, batch_id: str) -> dict[str, Any]:
-        return _found(batch_id, await self._store(self.store.cancel, batch_id))
+        job = _found(batch_id, await self._store(self.store.cancel, batch_id))
+        self._worker.stop_job(batch_id)
+        return job
 
     async def item(self, batch_id: str, index: int):
         record = await self._store(self.store.item, batch_id, index) if index >= 0 else None

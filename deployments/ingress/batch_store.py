@@ -324,29 +324,33 @@ class BatchStore:
 
 
 class ResultFile:
-    """An item's audio written to a temporary name, then fsynced and renamed: readers never see part of it."""
+    """An item's audio written to a temporary name, then fsynced and renamed: readers never see part of it.
+
+    A seekable binary file for the encoder (deployments/audio/encoders.FileEncoder). A write that fails (disk full)
+    is kept in `failure`: whatever an encoder makes of the OSError, the writer sees what happened."""
 
     def __init__(self, directory: Path, name: str):
         self.directory, self.name = directory, name
         self._tmp = directory / f".{name}.{uuid.uuid4().hex}.tmp"
         self._file = open(self._tmp, "wb")  # closed by commit or discard
-        self.size = 0
+        self.failure: StoreUnavailable | None = None
+        self.size = 0  # bytes, once committed
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes) -> int:
         try:
-            self._file.write(data)
+            return self._file.write(data)
         except OSError as exc:
-            raise StoreUnavailable(_describe(exc)) from exc
-        self.size += len(data)
+            self.failure = StoreUnavailable(_describe(exc))
+            raise self.failure from exc
 
-    def rewrite_head(self, data: bytes) -> None:
-        """Replace the file's first bytes (a WAV header whose sizes are known once the audio is whole)."""
-        try:
-            self._file.seek(0)
-            self._file.write(data)
-            self._file.seek(0, os.SEEK_END)
-        except OSError as exc:
-            raise StoreUnavailable(_describe(exc)) from exc
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._file.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def seekable(self) -> bool:
+        return True
 
     def commit(self) -> Path:
         """Flush, fsync, rename into place and fsync the directory: the file is whole, and stays so."""
@@ -354,6 +358,7 @@ class ResultFile:
         try:
             self._file.flush()
             os.fsync(self._file.fileno())
+            self.size = os.fstat(self._file.fileno()).st_size
             self._file.close()
             os.replace(self._tmp, final)
             fd = os.open(self.directory, os.O_RDONLY)

@@ -29,8 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from deployments import constants as C
-from deployments.audio.encoders import AsyncStreamEncoder
-from deployments.audio.formats import streaming_wav_header
+from deployments.audio.encoders import FileEncoder
 from deployments.config import BatchSettings
 from deployments.errors import to_api_error
 from deployments.ingress.batch_store import BatchStore, Claim, StoreUnavailable
@@ -69,6 +68,12 @@ class BatchWorker:
     def wake(self) -> None:
         """Look for work now (a job was just submitted here)."""
         self._wake.set()
+
+    def stop_job(self, job_id: str) -> None:
+        """The job was cancelled: stop its items here now (the store no longer counts them as running)."""
+        for (job, _index), task in self._tasks.items():
+            if job == job_id:
+                task.cancel()
 
     def close(self) -> None:
         """Stop (the replica shuts down): running items are aborted and given back to the queue at once, so another
@@ -176,18 +181,20 @@ class BatchWorker:
         timeout_s = min(body.timeout_s or self._timeout_s, self._timeout_s)
         chunks = await self._synthesize(body, request_id)
         try:
-            encoder = AsyncStreamEncoder(body.response_format, body.speed)
             with self.store.result_file(claim, body.response_format) as file:
-                async with asyncio.timeout(None) as deadline:
-                    async for chunk in chunks:
-                        if deadline.when() is None:  # the first audio: the wait for capacity is over
-                            deadline.reschedule(asyncio.get_running_loop().time() + timeout_s)
-                        if data := await encoder.push(chunk.pcm):
-                            await asyncio.to_thread(file.write, data)
-                if data := await encoder.finish():
-                    await asyncio.to_thread(file.write, data)
-                if body.response_format == "wav":  # the length is known: real sizes, as a whole /v1/audio/speech
-                    await asyncio.to_thread(file.rewrite_head, streaming_wav_header(data_bytes=file.size - 44))
+                encoder = FileEncoder(body.response_format, file, body.speed)
+                try:
+                    async with asyncio.timeout(None) as deadline:
+                        async for chunk in chunks:
+                            if deadline.when() is None:  # the first audio: the wait for capacity is over
+                                deadline.reschedule(asyncio.get_running_loop().time() + timeout_s)
+                            await asyncio.to_thread(encoder.push, chunk.pcm)
+                    await asyncio.to_thread(encoder.finish)
+                except BaseException:
+                    encoder.abandon()
+                    if file.failure is not None:  # the disk, not the request (an encoder may wrap the OSError)
+                        raise file.failure from None
+                    raise
                 await asyncio.to_thread(file.commit)
                 return file.name, file.size
         finally:

@@ -73,7 +73,7 @@ class TTSIngress:
         store = BatchStore(batch.store_path, batch.journal_mode, batch.lease_s, batch.max_attempts)
         self._batch_worker = BatchWorker(store, batch, self._batch_item_chunks, limits.request_timeout_s,
                                          BatchMetrics().record)
-        self._batches = BatchJobs(store, batch, self._check_batch_item, self._batch_worker.wake)
+        self._batches = BatchJobs(store, batch, self._check_batch_item, self._batch_worker)
         self._batch_worker.start()
 
     @staticmethod

@@ -82,7 +82,7 @@ class Harness:
         self.settings = BatchSettings(store_dir=str(root), **{"lease_s": 30.0, **settings})
         self.store = BatchStore(root, lease_s=self.settings.lease_s, max_attempts=self.settings.max_attempts)
         self.worker = BatchWorker(self.store, self.settings, synth, request_timeout_s=60, owner=owner)
-        self.jobs = BatchJobs(self.store, self.settings, synth.validate, self.worker.wake)
+        self.jobs = BatchJobs(self.store, self.settings, synth.validate, self.worker)
         app: FastAPI = make_fastapi_app(None)
         app.post("/b")(self._submit)
         app.get("/b/{batch_id}")(self.jobs.status)
@@ -221,14 +221,18 @@ def test_failed_items_keep_their_error_and_busy_items_wait_their_turn(tmp_path):
 
 
 def test_cancel_stops_running_items_and_drops_queued_ones(tmp_path):
+    """Cancelled through another replica (`api`, whose worker has no items): the replica running them notices at its
+    next lease renewal. (The replica that answers the cancel stops its own items at once: tests/serve.)"""
     async def main():
         synth = FakeSynth()
+        api = Harness(tmp_path, FakeSynth(), owner="api")
         with Harness(tmp_path, synth, lease_s=0.3, items_in_flight=2) as h:
-            r = await h.client.post("/b", json={"requests": [item(input="hold") for _ in range(4)]})
+            r = await api.client.post("/b", json={"requests": [item(input="hold") for _ in range(4)]})
+            h.worker.wake()
             job_id = r.json()["id"]
             await h.until(job_id, lambda j: j["running"] == 2)
             await until(lambda: len(synth.started) == 2)
-            cancelled = await h.client.delete(f"/b/{job_id}")
+            cancelled = await api.client.delete(f"/b/{job_id}")
             assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
             assert cancelled.json()["cancelled"] == 4
             await until(lambda: sorted(synth.closed) == sorted(synth.started))  # their Talker requests ended
@@ -302,18 +306,42 @@ def test_an_item_whose_replica_keeps_dying_fails_after_max_attempts(tmp_path):
     assert done["status"] == "failed" and done["errors"][0]["error"]["code"] == "attempts_exhausted"
 
 
-def test_a_full_disk_reports_nothing_done_and_the_item_completes_once_there_is_room(tmp_path, monkeypatch):
+class _FullDisk:
+    """A file whose writes fail as on a full disk."""
+
+    def __init__(self, file, failures: list):
+        self._file, self._failures = file, failures
+
+    def write(self, _data):
+        self._failures.append("write")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+
+@pytest.mark.parametrize(("fault", "fmt"), [("fsync", "wav"), ("write", "wav"), ("write", "flac")])
+def test_a_full_disk_reports_nothing_done_and_the_item_completes_once_there_is_room(tmp_path, monkeypatch, fault, fmt):
     async def main():
         synth = FakeSynth()
         with Harness(tmp_path, synth) as h:
-            real_fsync, failures = batch_store.os.fsync, []
+            failures = []
 
             def full_disk(fd):
                 failures.append(fd)
                 raise OSError(errno.ENOSPC, "No space left on device")
 
-            monkeypatch.setattr(batch_store.os, "fsync", full_disk)
-            r = await h.client.post("/b", json={"requests": [item(seed=4)]})
+            if fault == "fsync":
+                monkeypatch.setattr(batch_store.os, "fsync", full_disk)
+            else:
+                real_init = batch_store.ResultFile.__init__
+
+                def init(self, *args):
+                    real_init(self, *args)
+                    self._file = _FullDisk(self._file, failures)
+
+                monkeypatch.setattr(batch_store.ResultFile, "__init__", init)
+            r = await h.client.post("/b", json={"requests": [item(seed=4, response_format=fmt)]})
             job_id = r.json()["id"]
             await until(lambda: failures)
             await until(lambda: h.worker.in_flight == 0)
@@ -321,7 +349,8 @@ def test_a_full_disk_reports_nothing_done_and_the_item_completes_once_there_is_r
             assert job["completed"] == 0 and job["status"] in ("queued", "running")
             assert (await h.client.get(f"/b/{job_id}/items/0")).status_code == 409
             assert not [p for p in tmp_path.glob("results/**/*") if p.is_file()]  # neither whole nor partial file
-            monkeypatch.setattr(batch_store.os, "fsync", real_fsync)
+            assert h.store.describe(job_id)["failed"] == 0  # the item waits for room, it did not fail
+            monkeypatch.undo()
             h.worker.wake()
             assert (await h.until(job_id, lambda j: j["status"] == "completed"))["completed"] == 1
 
