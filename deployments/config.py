@@ -256,8 +256,9 @@ class BatchSettings(BaseConfig):
     each ingress replica works through them."""
 
     store_dir: str | None = Field(None, description=(
-        "the jobs' SQLite database and their items' audio; default <serve home>/batches. Several ingress replicas "
-        "share it (one host: any disk; several nodes: shared storage with POSIX locks and `journal_mode: delete`)"))
+        "the jobs' SQLite database and their items' audio; default <serve home>/batches/<Serve application name>. "
+        "The ingress replicas of one application share it (one host: any disk; several nodes: shared storage with "
+        "POSIX locks and `journal_mode: delete`); never two applications"))
     journal_mode: Literal["wal", "delete"] = Field("wal", description=(
         "SQLite's journal: wal needs every replica on one host (its index is shared memory); delete works on "
         "shared storage across nodes"))
@@ -270,9 +271,9 @@ class BatchSettings(BaseConfig):
     retention_s: float = Field(C.DEFAULT_BATCH_RETENTION_S, gt=0, description=(
         "a finished or cancelled job, its items' audio included, is deleted this long after it ended"))
 
-    @property
-    def store_path(self) -> Path:
-        return Path(self.store_dir).expanduser() if self.store_dir else C.DEFAULT_BATCH_STORE_DIR
+    def store_path(self, app_name: str) -> Path:
+        """One store per application: another app's replicas would claim its items for their own models."""
+        return Path(self.store_dir).expanduser() if self.store_dir else C.DEFAULT_BATCH_STORE_DIR / app_name
 
 
 class IngressConfig(_DeploymentOptions):

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, WebSocket
 from fastapi.responses import Response
+from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments import first_audio_timing
@@ -70,7 +71,8 @@ class TTSIngress:
         await self._mailbox.open_boxes.remote()
         # batch jobs: this replica's worker resumes what the shared store holds (deployments/ingress/batch_worker.py)
         batch = limits.batch
-        store = BatchStore(batch.store_path, batch.journal_mode, batch.lease_s, batch.max_attempts)
+        store = BatchStore(batch.store_path(serve.get_replica_context().app_name), batch.journal_mode, batch.lease_s,
+                           batch.max_attempts)
         self._batch_worker = BatchWorker(store, batch, self._batch_item_chunks, limits.request_timeout_s,
                                          BatchMetrics().record)
         self._batches = BatchJobs(store, batch, self._check_batch_item, self._batch_worker)
