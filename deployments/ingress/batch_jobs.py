@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from deployments.audio.formats import MEDIA_TYPES
 from deployments.config import BatchSettings
-from deployments.errors import APIError, bad_request, shown
+from deployments.errors import APIError, bad_request, shown, to_api_error
 from deployments.ingress.batch_store import BatchStore, StoreUnavailable
 from deployments.ingress.batch_worker import BatchWorker
 from deployments.ingress.schemas import SpeechRequest
@@ -58,8 +58,8 @@ class BatchJobs:
             body = _parse(index, item)
             try:
                 await self._validate(body)
-            except APIError as exc:
-                raise _at(index, exc) from None
+            except Exception as exc:  # e.g. a model whose info cannot be had: its 503, naming the item
+                raise _at(index, to_api_error(exc)) from None
             bodies.append(body.model_dump_json(exclude_unset=True))
         job = await self._store(self.store.create_job, bodies)
         self._worker.wake()
