@@ -292,6 +292,31 @@ class DecodeBatchSettings(BaseConfig):
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
+class BatchSettings(BaseConfig):
+    """Batch jobs (`/v1/audio/speech/batches`, deployments/ingress/batch_jobs.py): where their state lives and how
+    each ingress replica works through them."""
+
+    store_dir: str | None = Field(None, description=(
+        "the jobs' SQLite database and their items' audio; default <serve home>/batches/<Serve application name>. "
+        "The ingress replicas of one application share it (one host: any disk; several nodes: shared storage with "
+        "POSIX locks and `journal_mode: delete`); never two applications"))
+    journal_mode: Literal["wal", "delete"] = Field("wal", description=(
+        "SQLite's journal: wal needs every replica on one host (its index is shared memory); delete works on "
+        "shared storage across nodes"))
+    max_items: int = Field(C.DEFAULT_BATCH_MAX_ITEMS, ge=1, description="requests in one job at most")
+    items_in_flight: int = Field(C.DEFAULT_BATCH_ITEMS_IN_FLIGHT, ge=1, description=(
+        "items one ingress replica synthesizes at once (each is a low-priority Talker request)"))
+    lease_s: float = Field(C.DEFAULT_BATCH_LEASE_S, gt=0, description=(
+        "an item a replica claimed and stopped renewing (the replica died) is claimed again after this"))
+    max_attempts: int = Field(3, ge=1, description="claims of one item at most (a replica died with it each time)")
+    retention_s: float = Field(C.DEFAULT_BATCH_RETENTION_S, gt=0, description=(
+        "a finished or cancelled job, its items' audio included, is deleted this long after it ended"))
+
+    def store_path(self, app_name: str) -> Path:
+        """One store per application: another app's replicas would claim its items for their own models."""
+        return Path(self.store_dir).expanduser() if self.store_dir else C.DEFAULT_BATCH_STORE_DIR / app_name
+
+
 class IngressConfig(_DeploymentOptions):
     stage_transport: Literal["grpc", "object_ref"] = Field("grpc", description=(
         "how chunks travel Talker -> ingress -> Code2Wav: Serve's gRPC transport by value, or Ray actor calls "
@@ -334,6 +359,7 @@ class IngressConfig(_DeploymentOptions):
         "400 (rather than a truncated clip of a few frames)"))
     backpressure: BackpressureSettings = Field(default_factory=BackpressureSettings)
     decode_batch: DecodeBatchSettings = Field(default_factory=DecodeBatchSettings)
+    batch: BatchSettings = Field(default_factory=BatchSettings)
 
     @field_validator("ref_audio_url_allowlist")
     @classmethod

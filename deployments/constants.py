@@ -36,6 +36,7 @@ def _env_path(name: str, default: Path) -> Path:
 QWEN3_TTS_SERVE_HOME = _env_path("QWEN3_TTS_SERVE_HOME", Path.home() / ".cache" / "qwen3-tts-serve")
 EMBEDDED_CHECKPOINT_DIR = QWEN3_TTS_SERVE_HOME / "embedded"
 DEFAULT_VOICES_DIR = QWEN3_TTS_SERVE_HOME / "voices"
+DEFAULT_BATCH_STORE_DIR = QWEN3_TTS_SERVE_HOME / "batches"
 # torch.compile's cache file (stages/compile_cache.py): on shared storage, one start compiles for every replica
 COMPILE_CACHE_DIR = _env_path("QWEN3_TTS_COMPILE_CACHE_DIR", QWEN3_TTS_SERVE_HOME / "compile")
 # Triton's cache for the replicas (unless TRITON_CACHE_DIR is set): the project's own kernels (paged attention,
@@ -114,6 +115,15 @@ DEFAULT_MAX_PENDING_DECODES = _env_int("QWEN3_TTS_MAX_PENDING_DECODES", 4)
 # a stream's first chunks that its listener waits for: the first, and the second (it must follow within the
 # first's audio). Code2Wav's batch never waits to fill with them, and stream affinity never holds them back.
 WAITED_FOR_CHUNKS = 2
+
+# batch jobs (deployments/ingress/batch_worker.py): items per job, items in flight per ingress replica, the lease
+# of a claimed item, how long a finished job is kept, and how often an idle replica looks for work submitted elsewhere
+DEFAULT_BATCH_MAX_ITEMS = _env_int("QWEN3_TTS_BATCH_MAX_ITEMS", 10000)
+DEFAULT_BATCH_ITEMS_IN_FLIGHT = _env_int("QWEN3_TTS_BATCH_ITEMS_IN_FLIGHT", 4)
+DEFAULT_BATCH_LEASE_S = _env_float("QWEN3_TTS_BATCH_LEASE_S", 30.0)
+DEFAULT_BATCH_RETENTION_S = _env_float("QWEN3_TTS_BATCH_RETENTION_S", 7 * 86400.0)
+BATCH_POLL_INTERVAL_S = _env_float("QWEN3_TTS_BATCH_POLL_INTERVAL_S", 1.0)
+BATCH_STORE_BUSY_TIMEOUT_S = _env_float("QWEN3_TTS_BATCH_STORE_BUSY_TIMEOUT_S", 10.0)
 
 # how often replicas refresh their queue/KV gauges
 METRICS_REFRESH_INTERVAL_S = _env_float("QWEN3_TTS_METRICS_REFRESH_INTERVAL_S", 2.0)

@@ -66,6 +66,19 @@ class IngressMetrics:
         )
 
 
+class BatchMetrics:
+    def __init__(self) -> None:
+        self.items = metrics.Gauge(
+            "tts_batch_items", description="Items of every batch job in the store by state (queued, running, "
+            "completed, failed, cancelled); each ingress replica reports the same store-wide counts: aggregate "
+            "with max, not sum.", tag_keys=("state",),
+        )
+
+    def record(self, counts: dict[str, int]) -> None:
+        for state, count in counts.items():
+            self.items.set(count, tags={"state": state})
+
+
 class TalkerMetrics:
     def __init__(self, model: str) -> None:
         tags = ("model",)

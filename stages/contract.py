@@ -45,6 +45,14 @@ class TaskType(str, enum.Enum):
     BASE = "Base"
 
 
+class Priority(enum.IntEnum):
+    """Who waits for a request's audio: the Talker's scheduler admits real-time requests first
+    (stages/talker/scheduler.py); batch work gets only the capacity they leave idle."""
+
+    REALTIME = 0  # a listener or a client waits (speech, long-form, WebSocket)
+    BATCH = 1  # a batch job's item (deployments/ingress/batch_worker.py): nobody listens as it is made
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Official sampling semantics (generation_config.json of every release).
@@ -121,6 +129,7 @@ class SynthesisRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_frames: int = 2048  # frames of audio at most (80 ms each)
     seed: int | None = None  # None: drawn by the engine
+    priority: Priority = Priority.REALTIME
 
 
 class FinishReason(str, enum.Enum):

@@ -88,12 +88,14 @@ class _Collector:
 class FFmpegEncoder(StreamEncoder):
     """One PyAV output container + audio stream; int16 frames go in, muxed bytes come out per push."""
 
-    def __init__(self, fmt: AudioFormat, sample_rate: int, speed: float, seekable: bool = False):
+    def __init__(self, fmt: AudioFormat, sample_rate: int, speed: float, seekable: bool = False, file=None):
+        """`file`: a seekable binary file the muxer writes itself (push and finish return nothing)."""
         import av
 
         super().__init__(sample_rate, speed)
         self._av = av
-        self._file = io.BytesIO() if seekable else _Collector()
+        self._own_file = file is None
+        self._file = file if file is not None else io.BytesIO() if seekable else _Collector()
         self._container = av.open(self._file, "w", format=fmt.muxer, options=fmt.muxer_options)
         self._stream = self._container.add_stream(fmt.codec, rate=fmt.sample_rate or sample_rate, layout="mono",
                                                   options=fmt.codec_options)
@@ -117,7 +119,18 @@ class FFmpegEncoder(StreamEncoder):
     def _take(self) -> bytes:
         if isinstance(self._file, _Collector):
             return self._file.take()
+        if not self._own_file:
+            return b""  # in the caller's file already
         return b"" if self._open else self._file.getvalue()  # seekable: the file is final only once closed
+
+    def abandon(self) -> None:
+        """Close the container of a clip that will not be finished (its file is thrown away)."""
+        if self._open:
+            self._open = False
+            try:
+                self._container.close()
+            except Exception:  # an unfinished stream may fail to write its trailer: it is discarded anyway
+                pass
 
 
 def open_stream_encoder(fmt: str, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> StreamEncoder:
@@ -138,6 +151,33 @@ class AsyncStreamEncoder:
 
     async def finish(self) -> bytes:
         return self._encoder.finish() if self._inline else await asyncio.to_thread(self._encoder.finish)
+
+
+class FileEncoder:
+    """A whole clip of `fmt` into a seekable binary file, chunk by chunk (never the clip in memory), as `encode()`
+    makes it: FFmpeg's muxer seeks back for the headers a stream cannot have, a WAV gets its real sizes. Blocking
+    (call it in a thread)."""
+
+    def __init__(self, fmt: str, file, speed: float = 1.0, sample_rate: int = SAMPLE_RATE):
+        spec = FORMATS[fmt]
+        self._file, self._wav, self._sample_rate = file, fmt == "wav", sample_rate
+        self._encoder = (RawEncoder(sample_rate, speed, wav=self._wav) if spec.muxer is None
+                         else FFmpegEncoder(spec, sample_rate, speed, file=file))
+
+    def push(self, pcm: np.ndarray) -> None:
+        self._file.write(self._encoder.push(pcm))
+
+    def finish(self) -> None:
+        self._file.write(self._encoder.finish())
+        if self._wav:
+            end = self._file.tell()
+            self._file.seek(0)
+            self._file.write(streaming_wav_header(self._sample_rate, data_bytes=end - 44))
+            self._file.seek(end)
+
+    def abandon(self) -> None:
+        if isinstance(self._encoder, FFmpegEncoder):
+            self._encoder.abandon()
 
 
 def encode(pcm: np.ndarray, response_format: str, sample_rate: int = SAMPLE_RATE, speed: float = 1.0) -> bytes:

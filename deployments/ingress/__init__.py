@@ -18,6 +18,10 @@ an ingress replica, one concern a file.
     pipeline.py        one request's stream: Talker chunks -> DecodeBatcher -> decoded audio, in order
     decode_batcher.py  `DecodeBatcher`: every stream's chunks to Code2Wav in few calls
     placement.py       `StreamPlacement`: which Code2Wav replica holds each stream's state (stream affinity)
+    batch_jobs.py      `/v1/audio/speech/batches`: submit (JSON or JSONL, every item validated), status, items, cancel
+    batch_store.py     `BatchStore`: jobs and items in SQLite (leases), items' audio written whole or not at all
+    batch_worker.py    `BatchWorker`: a replica's share of the items, synthesized at batch priority onto disk
+    batch_cli.py       `python -m deployments.ingress.batch_cli FILE.jsonl OUTDIR --url ...` (the client side)
 
 `deployments.builder.build_app` deploys `make_fastapi_ingress(TTSIngress, app=make_fastapi_app(...))`.
 """

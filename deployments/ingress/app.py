@@ -49,6 +49,10 @@ ENDPOINTS: dict[tuple[str, str], str] = {
     ("GET", "/v1/audio/voices"): "list_voices",
     ("POST", "/v1/audio/voices"): "upload_voice",
     ("DELETE", "/v1/audio/voices/{name}"): "delete_voice",
+    ("POST", "/v1/audio/speech/batches"): "submit_batch",  # batch jobs (deployments/ingress/batch_jobs.py)
+    ("GET", "/v1/audio/speech/batches/{batch_id}"): "batch_status",
+    ("GET", "/v1/audio/speech/batches/{batch_id}/items/{index}"): "batch_item",
+    ("DELETE", "/v1/audio/speech/batches/{batch_id}"): "cancel_batch",
     ("WEBSOCKET", "/v1/audio/speech/stream"): "speech_stream",  # live text in (deployments/ingress/live.py)
     ("GET", "/health"): "health",
     ("HEAD", "/health"): "health",
@@ -127,12 +131,14 @@ class ErrorResponse(BaseModel):
 
 _ERROR_TEXT = {
     400: "invalid request (malformed JSON, unknown field, bad value, unknown voice or language, ...)",
-    404: "unknown model, voice or route",
+    404: "unknown model, voice, batch or route",
+    409: "the batch item is not ready yet (`not_ready`, retry after `Retry-After` seconds) or was cancelled",
     408: "the request body did not arrive within `ingress.body_read_timeout_s`",
     413: "request body or reference audio too large",
     429: "at capacity; retry after `Retry-After` seconds",
     500: "a failure of the server's (logged)",
-    503: "a model is not available or its replica failed; retry after `Retry-After` seconds",
+    503: "a model is not available, its replica failed, or the batch store cannot be written (disk full, storage "
+         "unreachable); retry after `Retry-After` seconds",
     504: "the request's deadline passed",
 }
 _BODY_ERRORS = (408, 413)  # any request with a body (deployments/ingress/http_guard.py)
@@ -141,6 +147,11 @@ _ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/audio/voices", "post"): (400, 429, 500, 503, 504),
     ("/v1/audio/voices", "get"): (500, 503, 504),
     ("/v1/audio/voices/{name}", "delete"): (404,),
+    ("/v1/audio/speech/batches", "post"): (400, 503),
+    ("/v1/audio/speech/batches/{batch_id}", "get"): (404, 503),
+    ("/v1/audio/speech/batches/{batch_id}", "delete"): (404, 503),
+    ("/v1/audio/speech/batches/{batch_id}/items/{index}", "get"): (400, 404, 409, 500, 503, 504),  # 400/500/504: a
+    # failed item's own error, as /v1/audio/speech answered it
     ("/ready", "get"): (503,),
 }
 
@@ -174,6 +185,17 @@ def _voice_upload_body() -> dict[str, Any]:
     }}
 
 
+def _batch_body() -> dict[str, Any]:
+    jsonl = {"type": "string", "description": "one `/v1/audio/speech` request body (JSON) a line"}
+    return {"required": True, "content": {
+        "application/json": {"schema": {"type": "object", "required": ["requests"], "properties": {
+            "requests": {"type": "array", "items": {"$ref": "#/components/schemas/SpeechRequest"}}}}},
+        "application/x-ndjson": {"schema": jsonl},
+        "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
+            "file": {"type": "string", "format": "binary", "description": "the JSONL requests"}}}},
+    }}
+
+
 def build_openapi(app: FastAPI) -> dict[str, Any]:
     """The corrected document (cached on the app, as FastAPI does)."""
     if app.openapi_schema is not None:
@@ -197,6 +219,10 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                 responses[str(status)] = _error(status)
     doc["paths"]["/v1/audio/speech"]["post"]["responses"]["200"] = _speech_ok()
     doc["paths"]["/v1/audio/voices"]["post"]["requestBody"] = _voice_upload_body()
+    batches = doc["paths"]["/v1/audio/speech/batches"]["post"]
+    batches["requestBody"] = _batch_body()
+    batches["responses"]["202"] = batches["responses"].pop("200")
+    batches["responses"]["202"]["description"] = "accepted: the job's id and status (GET it for progress)"
     app.openapi_schema = doc
     return doc
 

@@ -15,7 +15,7 @@ from deployments.errors import APIError, bad_request, shown
 from deployments.ingress.schemas import SpeechRequest
 from deployments.ingress.voice_store import VoiceRecord
 from deployments.messages import GenerateOptions, ModelInfo
-from stages.contract import InvalidRequestError, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
+from stages.contract import InvalidRequestError, Priority, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
 from stages.prompts import build_live_prompt, build_prompt
 from stages.talker.layout import max_frames_that_fit, prefill_length
 
@@ -172,6 +172,7 @@ def check_request(body: SpeechRequest, info: ModelInfo, args: TTSServingArgs) ->
 def build_request(
     body: SpeechRequest, info: ModelInfo, choice: VoiceChoice, voice: VoiceClonePrompt | None,
     args: TTSServingArgs, request_id: str, live: bool = False, idle_timeout_s: float | None = None,
+    priority: Priority = Priority.REALTIME,
 ) -> tuple[SynthesisRequest, GenerateOptions]:
     """The engine's request. Its length is checked here against the model's `max_seq_len` (prompt
     positions + frames), so a request that cannot fit is a 400 from the ingress, never an exception
@@ -211,6 +212,6 @@ def build_request(
                               f"frames within the model's max_seq_len {info.max_seq_len}; at least {floor} are "
                               "needed (shorten the input or the reference clip)", "input", code="request_too_long")
     request = SynthesisRequest(request_id=request_id, prompt=prompt, sampling=sampling, max_frames=max_frames,
-                               seed=body.seed)
+                               seed=body.seed, priority=priority)
     options = GenerateOptions(first_chunk_frames=body.initial_codec_chunk_frames, text_idle_timeout_s=idle_timeout_s)
     return request, options

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request, WebSocket
 from fastapi.responses import Response
 from opentelemetry import trace
+from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments import first_audio_timing
@@ -24,6 +25,9 @@ from deployments.config import TTSServingArgs
 from deployments.errors import APIError
 from deployments.first_audio_timing import FirstAudioTiming
 from deployments.ingress import routing
+from deployments.ingress.batch_jobs import BatchJobs
+from deployments.ingress.batch_store import BatchStore
+from deployments.ingress.batch_worker import BatchWorker
 from deployments.ingress.decode_batcher import DecodeBatcher
 from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.live import LiveSession
@@ -40,8 +44,9 @@ from deployments.ingress.text_mailbox import new_mailbox
 from deployments.ingress.voice_store import VoiceStore
 from deployments.ingress.voices import Voices
 from deployments.messages import DecodedChunk, ModelInfo
+from deployments.metrics import BatchMetrics
 from deployments.transport import max_answer_bytes, stage_handle
-from stages.contract import SynthesisRequest
+from stages.contract import Priority, SynthesisRequest
 
 
 class TTSIngress:
@@ -65,6 +70,14 @@ class TTSIngress:
         self._sockets = SocketLimits(limits.max_websockets_per_replica, limits.max_websockets_per_client)
         self._mailbox = new_mailbox()
         await self._mailbox.open_boxes.remote()
+        # batch jobs: this replica's worker resumes what the shared store holds (deployments/ingress/batch_worker.py)
+        batch = limits.batch
+        store = BatchStore(batch.store_path(serve.get_replica_context().app_name), batch.journal_mode, batch.lease_s,
+                           batch.max_attempts)
+        self._batch_worker = BatchWorker(store, batch, self._batch_item_chunks, limits.request_timeout_s,
+                                         BatchMetrics().record)
+        self._batches = BatchJobs(store, batch, self._check_batch_item, self._batch_worker)
+        self._batch_worker.start()
 
     @staticmethod
     def _placement(args: TTSServingArgs) -> StreamPlacement | None:
@@ -135,17 +148,52 @@ class TTSIngress:
 
     async def start(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, request_id: str,
                     mailbox=None, idle_timeout_s: float | None = None, timing: FirstAudioTiming | None = None,
-                    ) -> tuple[SynthesisRequest, AsyncIterator[DecodedChunk]]:
+                    priority: Priority = Priority.REALTIME) -> tuple[SynthesisRequest, AsyncIterator[DecodedChunk]]:
         """The engine's request and its decoded-chunk pipeline (nothing runs until the first chunk is awaited).
         With `mailbox` the request is live: its text comes through the mailbox (deployments/ingress/live.py);
         `timing` collects the first chunk's hops (deployments/first_audio_timing.py)."""
         voice = await self._voices.prompt(body, info, voice_choice)
         synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id,
-                                           live=mailbox is not None, idle_timeout_s=idle_timeout_s)
+                                           live=mailbox is not None, idle_timeout_s=idle_timeout_s, priority=priority)
         chunks = stream_audio(self._router.handle(info.name), self._decoder, synthesis, options,
                               self._args.streaming.max_pending_decodes, self._limits.stage_transport, mailbox,
                               timing)
         return synthesis, chunks
+
+    # ------------------------------------------------------------------ batch jobs
+    async def submit_batch(self, request: Request):
+        return await self._batches.submit(request)
+
+    async def batch_status(self, batch_id: str):
+        return await self._batches.status(batch_id)
+
+    async def batch_item(self, batch_id: str, index: int):
+        return await self._batches.item(batch_id, index)
+
+    async def cancel_batch(self, batch_id: str):
+        return await self._batches.cancel(batch_id)
+
+    async def _check_batch_item(self, body: SpeechRequest) -> None:
+        """What `/v1/audio/speech` checks before it generates (raises its APIError), for one item of a job."""
+        check_limits(body, self._limits)
+        info, voice_choice = await self.route(body)
+        check_request(body, info, self._args)
+        voice = await self._voices.prompt(body, info, voice_choice)
+        build_request(body, info, voice_choice, voice, self._args, "batch-check")
+
+    async def _batch_item_chunks(self, body: SpeechRequest, request_id: str) -> AsyncIterator[DecodedChunk]:
+        """A batch item started as a low-priority Talker request (stages/talker/scheduler.py)."""
+        check_limits(body, self._limits)
+        info, voice_choice = await self.route(body)
+        check_request(body, info, self._args)
+        _, chunks = await self.start(body, info, voice_choice, request_id, priority=Priority.BATCH)
+        return chunks
+
+    def __del__(self):
+        """Serve's graceful stop: this replica's batch items go back to the queue for the others."""
+        worker = getattr(self, "_batch_worker", None)
+        if worker is not None:
+            worker.close()
 
     # ------------------------------------------------------------------ live text (WebSocket)
     async def speech_stream(self, websocket: WebSocket):

@@ -274,7 +274,7 @@ class TalkerEngine:
             num_blocks = pool()
             self.runner.resize_kv(num_blocks)
         self.scheduler = Scheduler(self.num_slots, num_blocks, cfg.kernels.kv_block_size, cfg.max_prefill_batch,
-                                   cfg.max_waiting)
+                                   cfg.max_waiting, cfg.batch_share)
         exact = cfg.kernels.exact_prefill
         self._exact = not cuda if exact is None else exact
         self._rows = Rows(self.scheduler, self.runner, self.num_slots)
@@ -293,7 +293,7 @@ class TalkerEngine:
         sched = self.scheduler
         pending = None  # the launched step not yet read
         while not self._stop:
-            self._drain_commands(block=not (sched.running or sched.waiting or sched.restarts or pending))
+            self._drain_commands(block=not (sched.running or sched.has_waiting or sched.restarts or pending))
             if self._stop:
                 break
             self._live.expire()

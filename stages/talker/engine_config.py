@@ -62,6 +62,9 @@ class TalkerEngineConfig:
     # arrivals is prefilled at once instead of one batch per step; docs/talker_engine.md, "Admission")
     admission_lead_s: float = 0.3
     max_waiting: int = 4096  # queued requests at most; more are refused (overload)
+    batch_share: float = 0.5  # batch-job requests (Priority.BATCH) hold at most this share of the rows and of the KV
+    # blocks, and start only while no real-time request waits: real-time arrivals find the rest free at once
+    # (stages/talker/scheduler.py; docs/serving.md, "Batch jobs")
     cuda_graphs: bool = True
     compile: bool = True  # torch.compile the per-layer math and sampling (CUDA only)
     pdl: bool = False  # compiled CUDA path, H100+: in steps of <= gemv_rows rows the Triton kernels launch with
@@ -87,6 +90,8 @@ class TalkerEngineConfig:
             raise ValueError("max_prefills_per_step and max_prefill_batch must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError("kv_cache_tokens must be >= 1 (or unset: sized from free memory)")
+        if not 0 < self.batch_share <= 1:
+            raise ValueError("batch_share must be in (0, 1]")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if any(w < 1 for w in self.prefill_widths) or any(b < 1 for b in self.prefill_batches):

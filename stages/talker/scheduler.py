@@ -11,7 +11,12 @@ Torch-free (numpy only), so unit tests drive it without a model. It decides; the
   it runs, so a step's bookkeeping is a few vectorized operations and Python touches a request only at chunk
   boundaries and at its end;
 - the admission policy (`admit_for_step`): one prefill batch per iteration, or a burst of several while every
-  playing stream has enough audio handed out and not yet played that the extra prefills go unheard.
+  playing stream has enough audio handed out and not yet played that the extra prefills go unheard;
+- priority (`SynthesisRequest.priority`): batch requests wait in a queue of their own and are admitted only
+  while no real-time request waits, and only up to `batch_share` of the rows and of the KV blocks, so a
+  real-time arrival finds the rest free at once. A running batch request is never preempted: when real-time
+  demand rises, it finishes, and the batch requests still waiting wait. A batch stream has no listener, so its
+  audio never counts in the admission lead.
 
 Live text (stages/talker/live_text.py) adds two states off the dense rows, so waiting costs the batch nothing:
 - held: opened, without the text its prefill needs yet: no slot, no KV, not queued (`hold`, then `enqueue`);
@@ -32,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from stages.contract import FRAME_SECONDS, SynthesisRequest, TalkerPrompt
+from stages.contract import FRAME_SECONDS, Priority, SynthesisRequest, TalkerPrompt
 from stages.talker.layout import kv_positions
 from stages.talker.live_text import UNLIMITED, LiveText
 
@@ -61,6 +66,10 @@ class Sequence:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def batch(self) -> bool:
+        return self.request.priority is Priority.BATCH
 
     @property
     def prefill_prompt(self) -> TalkerPrompt:
@@ -103,10 +112,15 @@ class BlockAllocator:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, num_blocks: int, block_size: int, max_prefill_batch: int,
-                 max_waiting: int):
+                 max_waiting: int, batch_share: float = 0.5):
         self.max_num_seqs, self.max_prefill_batch, self.max_waiting = max_num_seqs, max_prefill_batch, max_waiting
         self.blocks = BlockAllocator(num_blocks, block_size)
-        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.waiting: collections.deque[Sequence] = collections.deque()  # real-time requests, FIFO
+        self.waiting_batch: collections.deque[Sequence] = collections.deque()  # batch requests, FIFO
+        # what batch requests may hold at most (at least one request, or a tiny engine would never run one)
+        self.batch_rows = max(1, int(max_num_seqs * batch_share))
+        self.batch_blocks = max(1, int(num_blocks * batch_share))
+        self._batch_running: dict[int, int] = {}  # ticket of a running batch request -> its KV blocks
         self.running: list[Sequence] = []  # by row
         self.held: dict[str, Sequence] = {}  # live text: opened, not prefillable yet (no slot, no KV)
         self.parked: dict[str, Sequence] = {}  # live text: waiting for text with a ticket and KV, no row
@@ -125,6 +139,7 @@ class Scheduler:
         # when the audio handed out so far ends if its listener plays it from the first chunk on without a pause
         # (after a pause playback resumes with the next chunk); inf: no chunk yet, not playing
         self.play_end = np.full(max_num_seqs, np.inf)
+        self.listened = np.zeros(max_num_seqs, dtype=bool)  # real-time: a listener plays the audio (play_end counts)
         self._gen = itertools.count(1)
 
     # ------------------------------------------------------------------ queue
@@ -132,8 +147,11 @@ class Scheduler:
         return self.blocks.blocks_for(seq.max_positions) <= self.blocks.num_blocks
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._queue_of(seq).append(seq)
         self._by_id[seq.request_id] = seq
+
+    def _queue_of(self, seq: Sequence) -> collections.deque[Sequence]:
+        return self.waiting_batch if seq.batch else self.waiting
 
     def abort(self, request_id: str) -> Sequence | None:
         """Mark a request aborted and return it (None if unknown or already gone).
@@ -147,7 +165,7 @@ class Scheduler:
         seq.aborted = True
         if seq.ticket < 0:  # queued or held: it leaves now
             if self.held.pop(request_id, None) is None:
-                self.waiting.remove(seq)
+                self._queue_of(seq).remove(seq)
             del self._by_id[request_id]
         else:  # running or parked: released by the caller
             self.live[seq.ticket] = False
@@ -158,7 +176,20 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Requests queued, real-time and batch."""
+        return len(self.waiting) + len(self.waiting_batch)
+
+    @property
+    def num_waiting_batch(self) -> int:
+        return len(self.waiting_batch)
+
+    @property
+    def num_running_batch(self) -> int:
+        return len(self._batch_running)
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self.waiting or self.waiting_batch)
 
     @property
     def num_running(self) -> int:
@@ -187,8 +218,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def admit(self, limit: int | None = None) -> list[Sequence]:
-        """Restarts first (they hold a slot and KV), then waiting requests that fit (FIFO), up to `limit`
-        (default: one prefill batch): each gets a row, a ticket and its KV blocks."""
+        """Restarts first (they hold a slot and KV), then waiting real-time requests that fit (FIFO), then, while
+        none waits, batch requests within their share; up to `limit` (default: one prefill batch) in all: each
+        gets a row, a ticket and its KV blocks."""
         limit = self.max_prefill_batch if limit is None else limit
         admitted: list[Sequence] = []
         while self.restarts and len(admitted) < limit:
@@ -199,25 +231,38 @@ class Scheduler:
             self.running.append(seq)
             self.generation[seq.ticket] = next(self._gen)
             admitted.append(seq)
-        while (self.waiting and len(self.running) + len(self.parked) < self.max_num_seqs
-               and len(admitted) < limit):
-            seq = self.waiting[0]
-            need = self.blocks.blocks_for(seq.max_positions)
+        while self.waiting and self._slot_free() and len(admitted) < limit:
+            need = self.blocks.blocks_for(self.waiting[0].max_positions)
             if need > self.blocks.free:
                 break  # FIFO: the head waits for blocks rather than being overtaken forever
-            self.waiting.popleft()
-            seq.blocks = self.blocks.allocate(need)
-            seq.ticket = self._tickets.pop()
-            seq.row = len(self.running)
-            self.running.append(seq)
-            t = seq.ticket
-            self.frames[t] = 0
-            self.max_frames[t] = seq.request.max_frames
-            self.text_limit[t] = UNLIMITED
-            self.generation[t] = next(self._gen)
-            self.live[t] = True
-            admitted.append(seq)
+            admitted.append(self._start(self.waiting.popleft(), need))
+        while not self.waiting and self.waiting_batch and self._slot_free() and len(admitted) < limit:
+            need = self.blocks.blocks_for(self.waiting_batch[0].max_positions)
+            held = sum(self._batch_running.values())
+            if need > self.blocks.free or len(self._batch_running) >= self.batch_rows or (
+                    held and held + need > self.batch_blocks):
+                break  # the rest stays free for real-time arrivals
+            admitted.append(self._start(self.waiting_batch.popleft(), need))
         return admitted
+
+    def _slot_free(self) -> bool:
+        return len(self.running) + len(self.parked) < self.max_num_seqs
+
+    def _start(self, seq: Sequence, blocks: int) -> Sequence:
+        seq.blocks = self.blocks.allocate(blocks)
+        seq.ticket = self._tickets.pop()
+        seq.row = len(self.running)
+        self.running.append(seq)
+        t = seq.ticket
+        self.frames[t] = 0
+        self.max_frames[t] = seq.request.max_frames
+        self.text_limit[t] = UNLIMITED
+        self.generation[t] = next(self._gen)
+        self.live[t] = True
+        self.listened[t] = not seq.batch
+        if seq.batch:
+            self._batch_running[t] = blocks
+        return seq
 
     def admit_for_step(self, lead_s: float, max_prefills: int, now: float) -> list[Sequence]:
         """This iteration's admissions: one prefill batch, or up to `max_prefills` batches while every playing
@@ -253,6 +298,8 @@ class Scheduler:
     def handed_out(self, ticket: int, new_frames: int, now: float) -> None:
         """`new_frames` of audio were handed to a listener: it plays on from where it is, or from now after a
         pause."""
+        if not self.listened[ticket]:
+            return  # a batch stream: nobody plays it, it never lacks lead
         end = self.play_end[ticket]
         self.play_end[ticket] = (now if end == np.inf else max(end, now)) + new_frames * FRAME_SECONDS
 
@@ -270,7 +317,7 @@ class Scheduler:
         """A held request has the text its prefill needs: it joins the queue (FIFO)."""
         del self.held[seq.request_id]
         seq.enqueued_at = time.monotonic()
-        self.waiting.append(seq)
+        self._queue_of(seq).append(seq)
 
     def park(self, seqs: Iterable[Sequence], restart: bool = False) -> list[RowMove]:
         """Running requests leave their rows and keep ticket and KV blocks (rows stay dense, as in `release`).
@@ -305,6 +352,7 @@ class Scheduler:
             if self.parked.pop(seq.request_id, None) is not None and seq in self.restarts:
                 self.restarts.remove(seq)
             self.blocks.release(seq.blocks)
+            self._batch_running.pop(seq.ticket, None)
             self.live[seq.ticket] = False
             self.generation[seq.ticket] = 0
             self._tickets.append(seq.ticket)
@@ -331,9 +379,10 @@ class Scheduler:
 
     def drop_all(self) -> list[Sequence]:
         """Every waiting and running request, removed (engine failure or shutdown)."""
-        gone = [*self.running, *self.parked.values(), *self.waiting, *self.held.values()]
+        gone = [*self.running, *self.parked.values(), *self.waiting, *self.waiting_batch, *self.held.values()]
         self.release([*self.running, *self.parked.values()])
         self.waiting.clear()
+        self.waiting_batch.clear()
         self.held.clear()
         self._by_id.clear()
         return gone

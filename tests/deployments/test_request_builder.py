@@ -11,7 +11,7 @@ from deployments.ingress.request_builder import build_request, check_limits, cho
 from deployments.ingress.schemas import SpeechRequest
 from deployments.ingress.voice_store import VoiceRecord
 from deployments.messages import ModelInfo
-from stages.contract import TaskType, VoiceClonePrompt
+from stages.contract import Priority, TaskType, VoiceClonePrompt
 from tests.conftest import tiny_model_info
 
 UPLOADED = VoiceRecord("myvoice", "uid", 0, "hello there", False, 10, "audio/wav")
@@ -115,6 +115,9 @@ def test_build_request_uses_checkpoint_sampling_defaults_and_overrides(infos, ar
     assert options.first_chunk_frames == 3
     default = build_request(_req(), info, choose_voice(_req(), info, _find), None, args, "r2")
     assert default[0].max_frames == 300 and default[1].first_chunk_frames is None
+    assert default[0].priority is Priority.REALTIME  # speech, long-form and WebSocket requests
+    batch = build_request(_req(), info, choose_voice(_req(), info, _find), None, args, "r3", priority=Priority.BATCH)
+    assert batch[0].priority is Priority.BATCH  # a batch job's item (deployments/ingress/batch_worker.py)
 
 
 def test_base_request_carries_the_voice_and_x_vector_only_drops_reference_codes(infos, args):

@@ -130,7 +130,8 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
         "code2wav": {"device": "cpu", "cpu_threads": 1, "max_batch_size": 16, "deployment_config": ZERO_CPU},
         "streaming": {"steady_chunk_frames": 8, "left_context_frames": 4},
         "ingress": {
-            "voices_dir": str(voices_dir), "max_input_chars": 300, "max_ref_audio_bytes": 300_000,
+            "voices_dir": str(voices_dir), "batch": {"store_dir": str(voices_dir.parent / "batches")},
+            "max_input_chars": 300, "max_ref_audio_bytes": 300_000,
             "max_ref_audio_seconds": 5.0, "request_timeout_s": 120, "max_request_bytes": 1_000_000,
             "ref_audio_url_allowlist": [allowed_prefix], "body_read_timeout_s": BODY_READ_TIMEOUT_S,
             "allow_suppress_eos": True,

@@ -31,6 +31,7 @@ EXPECTED = (
     "ray_tts_code2wav_queued_chunks{",
     "ray_tts_client_buffer_lead_s_bucket{",
     'ray_tts_first_audio_stage_ms_bucket{.*stage="code2wav"',
+    'ray_tts_batch_items{.*state="completed"',  # store-wide batch job progress (every ingress replica)
 )
 
 

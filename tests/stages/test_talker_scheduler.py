@@ -1,18 +1,20 @@
-"""The talker scheduler alone (no model, no torch): admission by rows and KV blocks, FIFO, moves, aborts."""
+"""The talker scheduler alone (no model, no torch): admission by rows and KV blocks, FIFO, moves, aborts, priority."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from stages.contract import SynthesisRequest, TalkerPrompt
+from stages.contract import FRAME_SECONDS, Priority, SynthesisRequest, TalkerPrompt
 from stages.talker.scheduler import RowMove, Scheduler, Sequence
 
 PROMPT = TalkerPrompt(text_ids=(1, 2, 3), language_id=None)
 
 
-def seq(name: str, prompt_len: int = 14, max_frames: int = 16) -> Sequence:
-    return Sequence(SynthesisRequest(name, PROMPT, max_frames=max_frames), seed=0, prompt_len=prompt_len,
-                    trailing_len=3, output=None)
+def seq(name: str, prompt_len: int = 14, max_frames: int = 16, batch: bool = False) -> Sequence:
+    priority = Priority.BATCH if batch else Priority.REALTIME
+    return Sequence(SynthesisRequest(name, PROMPT, max_frames=max_frames, priority=priority), seed=0,
+                    prompt_len=prompt_len, trailing_len=3, output=None)
 
 
 def test_admission_reserves_the_blocks_of_each_requests_own_bound():
@@ -150,3 +152,91 @@ def test_restarts_are_admitted_before_the_queue_in_their_own_slot():
     s.requeue(a)
     s.release([a])  # aborted while requeued: it leaves the restarts too
     assert not s.restarts and s.admit() == [q]
+
+
+# ---------------------------------------------------------------------------------------------- priority
+def test_real_time_requests_are_admitted_before_batch_requests_queued_earlier():
+    s = Scheduler(max_num_seqs=4, num_blocks=100, block_size=16, max_prefill_batch=4, max_waiting=100, batch_share=1.0)
+    b1, b2, r = seq("b1", batch=True), seq("b2", batch=True), seq("r")
+    for x in (b1, b2, r):
+        s.add(x)
+    assert s.num_waiting == 3 and s.num_waiting_batch == 2
+    assert s.admit() == [r, b1, b2]  # the real-time request first; batch takes what is left, FIFO
+
+
+def test_batch_requests_wait_while_a_real_time_request_waits():
+    """The real-time head waits for KV blocks: a batch request that would fit must not take them."""
+    s = Scheduler(max_num_seqs=8, num_blocks=6, block_size=16, max_prefill_batch=8, max_waiting=100, batch_share=1.0)
+    running, big, small_batch = seq("a", 14, 16), seq("big", 14, 80), seq("b", 14, 16, batch=True)
+    s.add(running)
+    assert s.admit() == [running]  # 2 blocks of 6
+    s.add(big)  # needs 6 blocks: waits for `running`
+    s.add(small_batch)  # needs 2 blocks, 4 are free
+    assert s.admit() == [] and list(s.waiting) == [big] and list(s.waiting_batch) == [small_batch]
+    s.release([running])
+    assert s.admit() == [big]
+    s.release([big])
+    assert s.admit() == [small_batch]
+
+
+def test_batch_requests_take_at_most_their_share_of_rows_and_real_time_arrivals_find_the_rest():
+    s = Scheduler(max_num_seqs=4, num_blocks=100, block_size=16, max_prefill_batch=4, max_waiting=100, batch_share=0.5)
+    batch = [seq(f"b{i}", batch=True) for i in range(4)]
+    for x in batch:
+        s.add(x)
+    assert s.admit() == batch[:2] and s.num_running_batch == 2  # two rows idle, kept for real-time work
+    assert s.admit() == []
+    realtime = [seq(f"r{i}") for i in range(3)]
+    for x in realtime:
+        s.add(x)
+    assert s.admit() == realtime[:2]  # at once, without waiting for a batch request to end
+    # demand rises: running batch requests are not preempted, waiting ones wait behind real-time ones
+    s.release([batch[0]])
+    assert s.admit() == [realtime[2]] and s.num_running_batch == 1
+    s.release([realtime[0]])
+    assert s.admit() == [batch[2]]  # no real-time request waits: the batch queue moves again
+
+
+def test_batch_requests_take_at_most_their_share_of_kv_blocks():
+    s = Scheduler(max_num_seqs=8, num_blocks=10, block_size=16, max_prefill_batch=8, max_waiting=100, batch_share=0.5)
+    batch = [seq(f"b{i}", 14, 16, batch=True) for i in range(4)]  # 2 blocks each: 5 blocks allow two
+    for x in batch:
+        s.add(x)
+    assert s.admit() == batch[:2] and s.blocks.free == 6
+    huge = seq("huge", 14, 200, batch=True)  # needs more than the share alone: admitted when no batch runs
+    s2 = Scheduler(max_num_seqs=8, num_blocks=20, block_size=16, max_prefill_batch=8, max_waiting=100,
+                   batch_share=0.25)
+    s2.add(huge)
+    assert s2.admit() == [huge]
+
+
+def test_batch_streams_never_count_in_the_admission_lead():
+    """Nobody plays a batch stream: its audio handed out leaves `play_end` at inf, so it never holds back a burst."""
+    s = Scheduler(max_num_seqs=4, num_blocks=100, block_size=16, max_prefill_batch=1, max_waiting=100, batch_share=1.0)
+    b = seq("b", batch=True)
+    s.add(b)
+    s.admit()
+    s.handed_out(b.ticket, 3, now=10.0)
+    assert s.play_end[b.ticket] == np.inf and s.min_lead_s(10.0) == np.inf
+    r = seq("r")
+    s.add(r)
+    s.admit()
+    s.handed_out(r.ticket, 2, now=10.0)
+    assert s.min_lead_s(10.0) == pytest.approx(2 * FRAME_SECONDS)
+    for i in range(3):
+        s.add(seq(f"x{i}"))
+    # the real-time stream lacks lead: one prefill batch only; with the lead, a burst
+    assert len(s.admit_for_step(lead_s=1.0, max_prefills=4, now=10.0)) == 1
+
+
+def test_batch_requests_abort_and_drop_from_their_queue():
+    s = Scheduler(max_num_seqs=2, num_blocks=100, block_size=16, max_prefill_batch=2, max_waiting=100, batch_share=0.5)
+    running, waiting = seq("b0", batch=True), seq("b1", batch=True)
+    s.add(running)
+    s.add(waiting)
+    assert s.admit() == [running]
+    assert s.abort("b1") is waiting and s.num_waiting == 0
+    s.add(seq("b2", batch=True))
+    s.release([running])
+    assert s.num_running_batch == 0
+    assert [x.request_id for x in s.drop_all()] == ["b2"] and not s.waiting_batch
