@@ -106,6 +106,10 @@ panel("Rejections by limit",
 panel("Open streams",
       "Requests being generated right now, per model (ray_tts_open_streams, summed over ingress replicas).",
       [(f"sum by (model) (ray_tts_open_streams{{{APP}, {MODEL}}})", "{{model}}")])
+panel("Batch job items",
+      "Items of every batch job in the store by state (ray_tts_batch_items); each ingress replica reports the same "
+      "store-wide counts, so max, not sum.",
+      [(f"max by (state) (ray_tts_batch_items{{{APP}}})", "{{state}}")])
 panel("Time to first audio: streaming",
       "Request arrival to the first audio byte, streamed requests (ray_tts_time_to_first_audio_ms, stream=\"true\").",
       [(q(0.5, "ray_tts_time_to_first_audio_ms", f'{APP}, {MODEL}, stream="true"', ""), "p50"),
