@@ -323,6 +323,9 @@ class IngressConfig(_DeploymentOptions):
         "forwarding object refs (deployments/transport.py)"))
     max_input_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1)
     max_instructions_chars: int = Field(C.DEFAULT_MAX_INSTRUCTIONS_CHARS, ge=1)
+    voice_aliases: dict[str, str] = Field(default_factory=lambda: dict(C.OPENAI_VOICE_ALIASES), description=(
+        "voice names a request may use for a preset speaker (case-insensitive; default: OpenAI's voice names); "
+        "a served preset or an uploaded voice of the same name comes first; {} turns them off"))
     max_ref_text_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1)
     max_ref_audio_bytes: int = Field(C.DEFAULT_MAX_REF_AUDIO_BYTES, ge=1, description="decoded bytes of a reference clip")
     max_ref_audio_seconds: float = Field(C.DEFAULT_MAX_REF_AUDIO_SECONDS, gt=0)

@@ -46,6 +46,7 @@ PLAYGROUND_DIR = Path(__file__).with_name("playground")
 ENDPOINTS: dict[tuple[str, str], str] = {
     ("POST", "/v1/audio/speech"): "speech",
     ("GET", "/v1/models"): "models",
+    ("GET", "/v1/models/{model_id}"): "model",
     ("GET", "/v1/audio/voices"): "list_voices",
     ("POST", "/v1/audio/voices"): "upload_voice",
     ("DELETE", "/v1/audio/voices/{name}"): "delete_voice",
@@ -147,6 +148,7 @@ _ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/audio/voices", "post"): (400, 429, 500, 503, 504),
     ("/v1/audio/voices", "get"): (500, 503, 504),
     ("/v1/audio/voices/{name}", "delete"): (404,),
+    ("/v1/models/{model_id}", "get"): (404,),
     ("/v1/audio/speech/batches", "post"): (400, 503),
     ("/v1/audio/speech/batches/{batch_id}", "get"): (404, 503),
     ("/v1/audio/speech/batches/{batch_id}", "delete"): (404, 503),

@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import constants as C
 from deployments.config import TalkerDeploymentConfig
-from deployments.errors import to_api_error
+from deployments.errors import APIError, to_api_error
 from deployments.ingress.request_builder import VoiceChoice, choose_voice, infer_model, resolve_model_name
 from deployments.ingress.schemas import SpeechRequest
 from deployments.ingress.voice_store import VoiceRecord
@@ -48,8 +48,10 @@ class ModelRoute:
 class ModelRouter:
     """The served models by name, lower-cased name and alias."""
 
-    def __init__(self, talkers: dict[str, DeploymentHandle], models: list[TalkerDeploymentConfig]):
+    def __init__(self, talkers: dict[str, DeploymentHandle], models: list[TalkerDeploymentConfig],
+                 voice_aliases: dict[str, str] | None = None):
         self.routes = {name: ModelRoute(name, handle) for name, handle in talkers.items()}
+        self._aliases = {k.lower(): v.lower() for k, v in (voice_aliases or {}).items()}
         self._models = models
         self._names = {n.lower(): m.name for m in models for n in (m.name, *m.aliases)}
         self._presets: frozenset[str] | None = None
@@ -72,7 +74,12 @@ class ModelRouter:
 
     async def route(self, body: SpeechRequest,
                     find_voice: Callable[[str], VoiceRecord | None]) -> tuple[ModelInfo, VoiceChoice]:
-        """The model and voice of a request; `find_voice` looks up uploaded voices (without blocking)."""
+        """The model and voice of a request; `find_voice` looks up uploaded voices (without blocking). A voice
+        alias (OpenAI's names) becomes its speaker unless a served preset or an uploaded voice has that name."""
+        if body.voice and (alias := self._aliases.get(body.voice.strip().lower())) is not None:
+            infos = await asyncio.gather(*(r.info() for r in self.routes.values()))
+            if not any(body.voice.strip().lower() in i.speakers for i in infos) and find_voice(body.voice) is None:
+                body.voice = alias
         if body.model:
             info = await self.routes[resolve_model_name(body.model, self._names)].info()
         else:
@@ -88,6 +95,14 @@ class ModelRouter:
                 return list(await asyncio.gather(*(r.info() for r in self.routes.values())))
         except Exception as exc:
             raise to_api_error(exc) from None
+
+    def describe_model(self, model_id: str) -> dict:
+        """`GET /v1/models/{id}`: one served model by name or alias (404 naming the served ones)."""
+        name = self._names.get(model_id.lower())
+        if name is None:
+            raise APIError(404, f"model {model_id[:64]!r} is not served (served: {sorted(self.routes)})",
+                           param="model", code="model_not_found")
+        return next(m for m in self.describe()["data"] if m["id"] == name)
 
     def describe(self) -> dict:
         """The `/v1/models` body: every served model, with what its info says once it has arrived."""

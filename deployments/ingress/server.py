@@ -55,7 +55,7 @@ class TTSIngress:
     async def __init__(self, talkers: dict[str, DeploymentHandle], code2wav: DeploymentHandle, args: TTSServingArgs):
         limits = args.ingress
         self._args, self._limits, self._code2wav = args, limits, code2wav
-        self._router = ModelRouter(talkers, args.models)
+        self._router = ModelRouter(talkers, args.models, limits.voice_aliases)
         self._outcomes = Outcomes(limits.backpressure, self._router.routes)
         self._work = OpenWork(limits.max_open_requests, limits.backpressure.retry_after_s,
                               limits.backpressure.status_code)
@@ -206,6 +206,9 @@ class TTSIngress:
     # ------------------------------------------------------------------ models, voices, health
     async def models(self):
         return self._router.describe()
+
+    async def model(self, model_id: str):
+        return self._router.describe_model(model_id)
 
     async def list_voices(self):
         return await self._voices.listing()

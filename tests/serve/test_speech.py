@@ -218,3 +218,31 @@ def test_replica_stats_summarize_every_replica_since_start(http):
     code2wav = code2wav_summary(next(iter(code2wavs.values())))
     assert code2wav["chunks"] >= 1 and code2wav["new_frames"] >= 2  # this request's frames after its first chunk
     assert code2wav["decoded_per_new_frame"] >= 1.0  # left context is decoded again, never less than the new frames
+
+
+def test_one_model_by_name_or_alias(http):
+    assert http.get("/v1/models/cv").json()["id"] == "cv"
+    by_alias = http.get("/v1/models/TTS-1").json()
+    assert by_alias["id"] == "cv" and by_alias["task_type"] == "CustomVoice"
+    missing = http.get("/v1/models/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+                 "shimmer", "verse")
+
+
+def test_openai_voice_names_speak_with_their_presets(openai_client):
+    """Every OpenAI voice name works unchanged, as OpenAI's own examples send it (model tts-1)."""
+    from deployments.constants import OPENAI_VOICE_ALIASES
+
+    assert set(OPENAI_VOICE_ALIASES) == set(OPENAI_VOICES)
+    for voice in OPENAI_VOICES:
+        response = openai_client.audio.speech.create(
+            model="tts-1", voice=voice, input="An OpenAI voice.", response_format="pcm",
+            extra_body={"max_new_tokens": 6, "suppress_eos": True, "seed": 7})
+        assert len(response.content) == 6 * SAMPLES_PER_FRAME * 2, voice
+    # a name no preset or alias has is still refused, naming the field
+    with pytest.raises(Exception) as err:
+        openai_client.audio.speech.create(model="tts-1", voice="nobody", input="x")
+    assert getattr(err.value, "status_code", None) == 400
