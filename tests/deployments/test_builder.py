@@ -299,3 +299,21 @@ def test_local_all_serves_every_task_type_on_two_cpus():
     cpus = sum(d._deployment_config.num_replicas * d.ray_actor_options.get("num_cpus", 1)
                for d in deployments.values())
     assert cpus <= 1.5, cpus  # leaves room on a 2-core machine
+
+
+def test_a_deterministic_model_fixes_its_engine_and_code2wavs_shapes():
+    """`deterministic: true` on a model: its engine runs in deterministic mode, it never decodes first chunks itself,
+    and the shared Code2Wav decodes in fixed shapes; without it nothing changes."""
+    from stages.code2wav.engine_config import Code2WavEngineConfig
+    from stages.talker.engine_config import TalkerEngineConfig
+
+    models = [{"name": "fixed", "deterministic": True}, {"name": "fast"}]
+    args = TTSServingArgs.model_validate({"models": models})
+    fixed, fast = args.models
+    assert TalkerEngineConfig(**fixed.engine_config_kwargs()).deterministic
+    assert not fixed.decodes_first_chunks and fast.decodes_first_chunks
+    assert "deterministic" not in fast.engine_config_kwargs()
+    assert Code2WavEngineConfig(**args.code2wav.engine_config_kwargs()).deterministic
+    plain = TTSServingArgs.model_validate({"models": [{"name": "fast"}]})
+    assert "deterministic" not in plain.code2wav.engine_kwargs
+    _deployments(build_app(args))  # builds
