@@ -177,6 +177,11 @@ class TalkerDeploymentConfig(_RuntimeOptions):
         "codec's dequantizer and pre-transformer too: first audio sooner, a first start longer, a start from the "
         "compile cache no longer (docs/serving.md)"))
 
+    deterministic: bool = Field(False, description=(
+        "batch-invariant mode: a seeded request's codes and audio do not depend on what runs beside it (the engine's "
+        "`deterministic`: fixed decode and prefill shapes; Code2Wav decodes in fixed shapes too; the Talker never "
+        "decodes first chunks itself). Costs throughput: docs/serving.md, 'Deterministic mode'"))
+
     @field_validator("aliases")
     @classmethod
     def _alias_names(cls, value: list[str]) -> list[str]:
@@ -206,9 +211,17 @@ class TalkerDeploymentConfig(_RuntimeOptions):
     def deployment_name(self) -> str:
         return C.TALKER_DEPLOYMENT_PREFIX + self.name
 
+    @property
+    def decodes_first_chunks(self) -> bool:
+        """Whether the Talker decodes first chunks itself: never in deterministic mode (which decoder takes a first
+        chunk depends on the load, and the two decode in other shapes)."""
+        return self.first_chunk_decode_max_running > 0 and not self.deterministic
+
     def engine_config_kwargs(self) -> dict[str, Any]:
-        """`engine_kwargs` with the deployment's defaults: rows, and the compile cache (`_RuntimeOptions`)."""
-        return {**super().engine_config_kwargs(), "max_num_seqs": self.max_num_seqs}
+        """`engine_kwargs` with the deployment's defaults: rows, the compile cache (`_RuntimeOptions`), and
+        `deterministic` where set."""
+        extra = {"deterministic": True} if self.deterministic else {}
+        return {**super().engine_config_kwargs(), "max_num_seqs": self.max_num_seqs, **extra}
 
 
 class Code2WavDeploymentConfig(_RuntimeOptions):
@@ -399,6 +412,9 @@ class TTSServingArgs(BaseConfig):
                 if name.lower() in seen:
                     raise ValueError(f"model name or alias {name!r} is used twice")
                 seen.add(name.lower())
+        # Code2Wav is shared: a deterministic model's audio needs its fixed shapes (the project's engine only)
+        if any(m.deterministic for m in self.models) and self.code2wav.engine_cls is None:
+            self.code2wav.engine_kwargs.setdefault("deterministic", True)
         return self
 
     @property

@@ -74,7 +74,7 @@ class TalkerServer:
         """Load the checkpoint, start the engine (KV sizing, graph capture), warm up with one real request."""
         cfg = self._config
         log = replica_log(cfg.deployment_name)
-        decode_first = cfg.first_chunk_decode_max_running > 0
+        decode_first = cfg.decodes_first_chunks
         model, device = await load_model(cfg, cfg.source, log, talker=True, decoder=decode_first, voice=True)
         self._model = model
         engine_kwargs = cfg.engine_config_kwargs()

@@ -109,6 +109,10 @@ class Code2WavEngine:
             self._stateful_decoder = StatefulDecoder(
                 decoder, self._states, compiled.stateful_transformer() if self.compiled else None)
             self._slots = StreamSlots(config.state_slots)
+        self.deterministic = config.deterministic
+        if self.deterministic:  # convolution algorithms chosen by shape alone, never by timing (the process's flags)
+            torch.backends.cudnn.benchmark = False
+            torch.backends.cudnn.deterministic = True
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._lock = threading.Lock()
         self._waiting = 0
@@ -149,7 +153,10 @@ class Code2WavEngine:
                                       sources=compiled.COMPILED_SOURCES)
 
     def graph_shapes(self) -> list[tuple[int, int]]:
-        """(batch, length) pairs that get a graph: every bucket pair within `max_frames_per_forward`."""
+        """(batch, length) pairs that get a graph: every bucket pair within `max_frames_per_forward`; deterministic:
+        each length bucket at its one batch size."""
+        if self.deterministic:
+            return [(self.config.fixed_batch(t, self.min_size), t) for t in self.length_buckets]
         return [(b, t) for b in self.batch_buckets for t in self.length_buckets
                 if b * t <= self.config.max_frames_per_forward]
 
@@ -315,6 +322,8 @@ class Code2WavEngine:
         n = len(lengths)
         if n == 0:
             return []
+        if self.deterministic:
+            return self._fixed_plan(lengths)
         order = sorted(range(n), key=lengths.__getitem__)
         cfg = self.config
         best = [0.0] + [float("inf")] * n
@@ -338,14 +347,26 @@ class Code2WavEngine:
             j = i
         return plan[::-1]
 
+    def _fixed_plan(self, lengths: list[int]) -> list[tuple[list[int], int, int]]:
+        """Deterministic mode: a chunk's forward shape depends on its own length alone (kernels and their rounding
+        follow the shape): chunks of one padded length together, `fixed_batch` of them a forward, padded to it."""
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            groups.setdefault(self._length_pad(n), []).append(i)
+        plan = []
+        for t_pad, idx in sorted(groups.items()):
+            b_pad = self.config.fixed_batch(t_pad, self.min_size)
+            plan += [(idx[k:k + b_pad], b_pad, t_pad) for k in range(0, len(idx), b_pad)]
+        return plan
+
     def _buckets(self, sizes) -> tuple[int, ...]:
         """`sizes` raised to `min_size`, sorted, each once."""
         return tuple(sorted({max(n, self.min_size) for n in sizes}))
 
     def _length_pad(self, length: int) -> int:
         length = max(length, self.min_size)
-        if not self._graphs:
-            return length  # eager: no reason to pad further
+        if not self._graphs and not self.deterministic:
+            return length  # eager: no reason to pad further (deterministic: the buckets fix the shapes)
         k = bisect.bisect_left(self.length_buckets, length)
         return self.length_buckets[k] if k < len(self.length_buckets) else length
 

@@ -32,6 +32,9 @@ class Code2WavEngineConfig:
     compile: bool = True  # CUDA: torch.compile the dequantizer and pre-transformer (stages/code2wav/compiled.py)
     compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't
     state_slots: int = 512  # streams whose state is kept (least recently used beyond); ~2.6 MB each (bf16)
+    deterministic: bool = False  # batch-invariant mode: a chunk's PCM does not depend on the chunks decoded with it.
+    # Every forward holds chunks of one length bucket (their own length's), padded to that bucket's one batch size
+    # (`fixed_batch`), cuDNN without benchmark, deterministic algorithms (docs/code2wav.md, "Deterministic mode")
 
     def __post_init__(self) -> None:
         for f in fields(self):  # lists from YAML/JSON
@@ -45,6 +48,11 @@ class Code2WavEngineConfig:
             raise ValueError("batch_buckets must be non-empty and >= 1")
         if self.length_buckets and min(self.length_buckets) < 1:
             raise ValueError("length_buckets must be >= 1")
+
+    def fixed_batch(self, length: int, min_size: int = 1) -> int:
+        """Deterministic mode: the one batch size of a forward of chunks `length` frames long (padded): as many as
+        `max_frames_per_forward` holds, at most `max_batch_size`."""
+        return max(min_size, min(self.max_batch_size, self.max_frames_per_forward // length))
 
     @classmethod
     def for_schedule(cls, schedule: ChunkSchedule, ref_frames: tuple[int, ...] = (), **kwargs) -> Code2WavEngineConfig:

@@ -3,7 +3,7 @@ validates `engine_kwargs` without importing torch (Serve builds the app in a fre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stages.chunking import ChunkSchedule
 
@@ -80,6 +80,9 @@ class TalkerEngineConfig:
     compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't
     schedule: ChunkSchedule = ChunkSchedule()  # default chunking of a stream (a request may bring its own)
     kernels: KernelOptions = KernelOptions()  # developer switches (a dict from YAML: `engine_kwargs.kernels`)
+    deterministic: bool = False  # batch-invariant mode: a seeded request's codes do not depend on what runs beside
+    # it. Every decode step runs at max_num_seqs rows, every prefill alone, text rows are projected in fixed-width
+    # products (docs/talker_engine.md, "Deterministic mode"); it sets the fields below in __post_init__
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_seq_len < 16:
@@ -105,3 +108,15 @@ class TalkerEngineConfig:
             if unknown:
                 raise ValueError(f"unknown kernels option(s): {', '.join(sorted(unknown))}")
             object.__setattr__(self, "kernels", KernelOptions(**self.kernels))
+        if self.deterministic:
+            self._fix_shapes()
+
+    def _fix_shapes(self) -> None:
+        """Deterministic mode: the shapes whose kernels a request's numbers come from depend on the request alone.
+        One decode batch bucket (max_num_seqs rows, whatever runs; the decode attention's splits and tiling follow
+        the batch, so they are fixed too), one attention length bucket (the gather path's keys: max_seq_len), and
+        prefills of one prompt each (padded to the prompt's own width)."""
+        object.__setattr__(self, "max_prefill_batch", 1)
+        object.__setattr__(self, "prefill_batches", (1,))
+        object.__setattr__(self, "kernels", replace(self.kernels, batch_buckets=(self.max_num_seqs,),
+                                                    length_buckets=(self.max_seq_len,)))

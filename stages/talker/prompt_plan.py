@@ -147,9 +147,19 @@ def embed_rows(
     return text + codec + frames + x_vector
 
 
-def embed_text_rows(talker: Talker, ids: torch.Tensor) -> torch.Tensor:
-    """Trailing text rows: P(ids) for ids [B, T] (NONE rows give zeros, never read)."""
-    return talker.embed_text(ids.clamp(min=0)) * (ids >= 0)[..., None]
+def embed_text_rows(talker: Talker, ids: torch.Tensor, fixed_width: int = 0) -> torch.Tensor:
+    """Trailing text rows: P(ids) for ids [B, T] (NONE rows give zeros, never read).
+
+    `fixed_width` (deterministic mode; T a multiple of it): each row's T ids are projected in products of exactly
+    [1, fixed_width] rows, one after the other, so a text row's value never depends on how many rows (or requests)
+    were projected with it: the GEMM's kernel and its rounding follow its row count."""
+    if not fixed_width or not ids.shape[1]:  # (no rows: the plain product of none)
+        return talker.embed_text(ids.clamp(min=0)) * (ids >= 0)[..., None]
+    b, t = ids.shape
+    padded = torch.nn.functional.pad(ids, (0, -t % fixed_width), value=NONE)  # NONE rows: zeros, never read
+    rows = [embed_text_rows(talker, padded[i:i + 1, j:j + fixed_width])
+            for i in range(b) for j in range(0, padded.shape[1], fixed_width)]
+    return torch.cat(rows, 1).view(b, padded.shape[1], -1)[:, :t]
 
 
 def frame_codes_of(plan: PromptPlan) -> np.ndarray:

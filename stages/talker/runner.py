@@ -135,6 +135,8 @@ class TalkerRunner:
         self.max_prefill_batch = max(max_prefill_batch, 1)
         self.prefill_width_buckets = tuple(w for w in config.prefill_widths if w <= max_seq_len)  # sorted (the config's)
         self.trailing_width = min(PREFILL_TRAILING_WIDTH, max_text_rows)
+        # deterministic mode: every text row is projected in a product of this many rows (embed_text_rows)
+        self.text_width = self.trailing_width if config.deterministic else 0
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         width = max(max_seq_len, max_text_rows)
         stage = (self.max_prefill_batch, width, max_text_rows, self.kv.blocks_per_seq, cfg.hidden_size)
@@ -201,13 +203,10 @@ class TalkerRunner:
 
     def move_rows(self, moves: list[tuple[int, int, int]]) -> None:
         """Requests continue in other rows, each (src, dst, trailing_len): their small state and first
-        trailing_len text rows move, their KV stays in its blocks. The scheduler moves each row at most once
-        and no destination is also a source (rows above the new count fill holes below it), so one gather and
-        one scatter per row tensor do all moves at once (a request's ~14 indexing ops each made the releases
-        of a served c=256 about a fifth of the engine thread's time). The text rows move by (row, position)
-        pairs: each request's own length, no temporary of the longest one's width per move. The indices cross
-        in one staged copy (a ring of 8 host buffers: several releases and parks per iteration never wait on
-        a copy). Ordered after any step in flight; no host sync."""
+        trailing_len text rows move, their KV stays in its blocks. Each row moves at most once and no destination
+        is also a source, so one gather and one scatter per row tensor do all moves at once (per-request indexing
+        was a fifth of a served c=256's engine thread). Text rows move by (row, position) pairs: each request's
+        own length. The indices cross in one staged copy (a ring of 8 host buffers). No host sync."""
         if not moves:
             return
         n = len(moves)
@@ -242,8 +241,7 @@ class TalkerRunner:
         self.kv = self._new_kv(num_blocks)
 
     def free_rows(self, start: int, stop: int) -> None:
-        """Rows [start, stop) nobody runs in any more: their KV tables point at the scratch block again, so the
-        padding rows of later steps write nowhere that matters."""
+        """Rows [start, stop) nobody runs in any more point at the scratch block: padding rows write nowhere."""
         if stop > start:
             self.kv.block_table[start:stop] = self.kv.scratch_block
 
@@ -281,7 +279,8 @@ class TalkerRunner:
             host[3 * width + j], host[3 * width + n + j] = row, start + m
             at += m
         dev = self._text_stage.copy(3 * width + 2 * n)
-        self.trailing[dev[width:2 * width], dev[2 * width:3 * width]] = embed_text_rows(self.talker, dev[None, :width])[0]
+        projected = embed_text_rows(self.talker, dev[None, :width], self.text_width)[0]
+        self.trailing[dev[width:2 * width], dev[2 * width:3 * width]] = projected
         self.trailing_len[dev[3 * width:3 * width + n]] = dev[3 * width + n:]
 
     def attn_bucket(self, max_position: int) -> int:
@@ -319,7 +318,8 @@ class TalkerRunner:
             x = torch.zeros(nb, w, self.hidden.shape[1], dtype=self.dtype, device=self.device)
             for i, a in enumerate(batch):
                 x[i, :a.plan.length] = a.exact.prefill
-                self.trailing[a.row, :a.plan.trailing_length] = a.exact.trailing[:a.plan.trailing_length]
+                if not self.text_width:  # deterministic: from the staged ids, as live text's later rows
+                    self.trailing[a.row, :a.plan.trailing_length] = a.exact.trailing[:a.plan.trailing_length]
             self._prefill_compute(nb, w, tw, x)
         else:
             self._prefill_compute(nb, w, tw)
@@ -340,8 +340,7 @@ class TalkerRunner:
         (x: exact embeddings, trailing already written; else both from the staged ids).
 
         Shape-static and sync-free (graph-capturable). With `compile`, the layers' compiled kernels: they are
-        compiled for dynamic shapes, so every prompt width and batch (more than one row) shares one variant;
-        eager, a batch of 16 x 128 rows spent 13 of its 20.6 ms in ~1,100 unfused elementwise kernels (H100).
+        compiled for dynamic shapes, so every prompt width and batch (more than one row) shares one variant.
         Attention without cuDNN, which builds a plan per new shape.
         """
         s, dev, p = self._stage, self.device, self.params
@@ -362,12 +361,14 @@ class TalkerRunner:
         p.penalty[rows] = fp[:, 4]
         self.kv.block_table[rows] = s["blocks"][:nb]
         self.trailing_len[rows] = trailing_len
+        tw, project_trailing = trailing_width, x is None or self.text_width  # deterministic: exact path too
         if x is None:
             x = embed_rows(self.talker, s["text"][:nb, :width], s["codec"][:nb, :width],
                            s["frames"][:nb, :width].clamp(min=0), s["frames"][:nb, :width, 0] >= 0,
                            s["x_vector"][:nb], meta[:, 10])
-            tw = trailing_width
-            self.trailing[:, :tw].index_copy_(0, rows, embed_text_rows(self.talker, s["trailing"][:nb, :tw]))
+        if project_trailing:
+            ids = s["trailing"][:nb, :tw]
+            self.trailing[:, :tw].index_copy_(0, rows, embed_text_rows(self.talker, ids, self.text_width))
         positions = torch.arange(width, device=dev).expand(nb, width)
         scratch = self.kv.scratch_block * self.kv.block_size
         write_index = torch.where(positions < lengths[:, None], self.kv.token_index(rows, positions), scratch)
@@ -418,9 +419,8 @@ class TalkerRunner:
 
     def pdl_at(self, b: int) -> bool:
         """Whether a decode step of b rows launches its Triton kernels with PDL (`pdl` on): only where its layers run
-        as GEMVs (b <= gemv_rows), the launch-bound steps. H100 (docs/benchmarks.md, "Programmatic dependent launch"):
-        batch 1 4.63 -> 4.37 ms; batch 8 6.21 -> 6.45 and 256 9.55 -> 9.70 ms with it, so larger steps launch
-        plainly."""
+        as GEMVs (b <= gemv_rows), the launch-bound steps; larger ones measured slower with it (docs/benchmarks.md,
+        "Programmatic dependent launch")."""
         return self.pdl and b <= self.gemv_rows
 
     @torch.no_grad()

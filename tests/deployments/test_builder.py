@@ -346,3 +346,21 @@ def test_gpu_configs_default_to_the_released_checkpoint_and_take_qwen3_tts_model
     assert TTSServingArgs.model_validate(_app_args(config)).models[0].model == "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"
     monkeypatch.setenv("QWEN3_TTS_MODEL", "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
     assert TTSServingArgs.model_validate(_app_args(config)).models[0].model == "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+
+
+def test_a_deterministic_model_fixes_its_engine_and_code2wavs_shapes():
+    """`deterministic: true` on a model: its engine runs in deterministic mode, it never decodes first chunks itself,
+    and the shared Code2Wav decodes in fixed shapes; without it nothing changes."""
+    from stages.code2wav.engine_config import Code2WavEngineConfig
+    from stages.talker.engine_config import TalkerEngineConfig
+
+    models = [{"name": "fixed", "deterministic": True}, {"name": "fast"}]
+    args = TTSServingArgs.model_validate({"models": models})
+    fixed, fast = args.models
+    assert TalkerEngineConfig(**fixed.engine_config_kwargs()).deterministic
+    assert not fixed.decodes_first_chunks and fast.decodes_first_chunks
+    assert "deterministic" not in fast.engine_config_kwargs()
+    assert Code2WavEngineConfig(**args.code2wav.engine_config_kwargs()).deterministic
+    plain = TTSServingArgs.model_validate({"models": [{"name": "fast"}]})
+    assert "deterministic" not in plain.code2wav.engine_kwargs
+    _deployments(build_app(args))  # builds

@@ -7,6 +7,12 @@ flip a sampled token, after which the streams diverge (docs/talker_engine.md, "S
 seeded request run again alone gives the same codes. What is printed (run with -s): the first differing frame inside
 batches of 8 and 64, the figure the docs cite.
 
+Deterministic mode (`deterministic=True`: one decode shape of max_num_seqs rows, prefills alone, fixed text
+projection widths; Code2Wav in fixed shapes) is asserted batch-invariant: the probe's codes alone equal its codes
+beside 7, 63, 255 and 511 others (sampled; half of them arriving while it runs) and beside 63 greedy, and its PCM
+alone equals its PCM decoded with 7, 63 and 255 other streams' chunks (bench/seeded_determinism.py holds the probes;
+`python -m bench.seeded_determinism` prints the same comparison on full-size shapes with the throughput cost).
+
 Marked `gpu`: `python -m pytest -m gpu -s tests/stages/gpu`, CPU CI skips it.
 """
 
@@ -19,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.seeded_determinism import alone_vs_batch, code2wav_checks, probe, prompts, talker_engine
 from stages.contract import SamplingParams, SynthesisRequest
 from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
@@ -69,3 +76,21 @@ def test_a_seeded_request_alone_repeats_its_codes(engine_and_prompt, sampling):
         first = None if same.all() else int(np.argmin(same))
         print(json.dumps({"sampling": "greedy" if sampling is GREEDY else "sampled", "batch": batch,
                           "identical_frames": f"{int(same.sum())}/{len(same)}", "first_differing_frame": first}))
+
+
+def test_deterministic_mode_gives_the_same_codes_and_pcm_in_any_batch(tiny_custom_voice):
+    model = Qwen3TTS.load(tiny_custom_voice, device="cuda", dtype="bfloat16", decoder=False, voice=False)
+    engine = talker_engine(model, 512, FRAMES + 10, deterministic=True)
+    try:
+        plist = prompts(model)
+        codes = alone_vs_batch(engine, plist, [8, 64, 256, 512], FRAMES)
+        alone = probe(engine, plist, SAMPLED, 0, FRAMES)
+    finally:
+        engine.shutdown()
+    print(json.dumps({"deterministic_alone_vs_batch": codes}))
+    assert codes == dict.fromkeys(["8", "64", "256", "512", "greedy_64"], "identical")
+    decoder = Qwen3TTS.load(tiny_custom_voice, device="cuda", dtype="bfloat16", talker=False, decoder=True,
+                            voice=False).decoder
+    pcm, _ = code2wav_checks(decoder, alone, [8, 64, 256], 8, 512)
+    print(json.dumps({"deterministic_pcm_alone_vs_batch": pcm}))
+    assert pcm == dict.fromkeys(["8", "64", "256"], "identical")
