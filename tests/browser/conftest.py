@@ -22,7 +22,7 @@ def chromium_binary() -> str | None:
     return next((path for name in ("chromium", "chromium-browser") if (path := shutil.which(name))), None)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
     binary = chromium_binary()
     if binary is None:
@@ -37,7 +37,7 @@ def browser():
         browser.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # its own Ray cluster: stopped before the next module's tests start
 def served(browser, tiny_custom_voice_06, tiny_base, tiny_voice_design, tmp_path_factory):
     """`serve run configs/local_all.yaml` with its checkpoints from the environment: local directories in the
     Hugging Face layout (the README's `QWEN3_TTS_MODEL=...` path) -> the base URL."""
