@@ -89,7 +89,9 @@ def test_a_voice_uploads_from_a_file_and_is_offered_for_the_base_model(page, ser
     page.click("#upload")
     page.wait_for_function("window.playground.uploads === 1", timeout=WAIT_MS)
     page.select_option("#model", "qwen3-tts-base")
-    assert "browserfile" in page.eval_on_selector_all("#voice option", "els => els.map(e => e.value)")
+    # the page refreshes its voice list after an upload (a fetch): wait for the option, not for a fixed time
+    page.wait_for_function("[...document.querySelectorAll('#voice option')].some(o => o.value === 'browserfile')",
+                           timeout=WAIT_MS)
     listing = httpx.get(served[0] + "/v1/audio/voices").json()
     assert "browserfile" in [v["name"] for v in listing["uploaded_voices"]]
     assert page.errors == []

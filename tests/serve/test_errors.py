@@ -28,7 +28,7 @@ def _check_error(response: httpx.Response, status: int, param: str | None, fragm
 
 @pytest.mark.parametrize("fields, status, param, fragment", [
     ({"model": "gpt-9"}, 404, "model", "not served"),
-    ({"voice": "alloy"}, 400, "voice", "unknown voice 'alloy'"),
+    ({"voice": "nobody"}, 400, "voice", "unknown voice 'nobody'"),
     ({"language": "Klingon"}, 400, None, "unsupported language"),
     ({"task_type": "Base"}, 400, "task_type", "cannot do task_type Base"),
     ({"task_type": "Singing"}, 400, "task_type", "input should be"),
