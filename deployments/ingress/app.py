@@ -133,7 +133,8 @@ class ErrorResponse(BaseModel):
 _ERROR_TEXT = {
     400: "invalid request (malformed JSON, unknown field, bad value, unknown voice or language, ...)",
     404: "unknown model, voice, batch or route",
-    409: "the batch item is not ready yet (`not_ready`, retry after `Retry-After` seconds) or was cancelled",
+    409: "the batch item is not ready yet (`not_ready`, retry after `Retry-After` seconds) or was cancelled; an "
+         "uploaded voice of that name exists (`voice_exists`: send `replace`)",
     408: "the request body did not arrive within `ingress.body_read_timeout_s`",
     413: "request body or reference audio too large",
     429: "at capacity; retry after `Retry-After` seconds",
@@ -145,7 +146,7 @@ _ERROR_TEXT = {
 _BODY_ERRORS = (408, 413)  # any request with a body (deployments/ingress/http_guard.py)
 _ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/audio/speech", "post"): (400, 404, 429, 500, 503, 504),
-    ("/v1/audio/voices", "post"): (400, 429, 500, 503, 504),
+    ("/v1/audio/voices", "post"): (400, 409, 429, 500, 503, 504),
     ("/v1/audio/voices", "get"): (500, 503, 504),
     ("/v1/audio/voices/{name}", "delete"): (404,),
     ("/v1/models/{model_id}", "get"): (404,),
@@ -180,6 +181,8 @@ def _voice_upload_body() -> dict[str, Any]:
         "name": {"type": "string", "description": "[A-Za-z0-9][A-Za-z0-9_-]{0,63}, not a preset speaker"},
         "ref_text": {"type": "string", "description": "transcript; without it the voice is x-vector only"},
         "x_vector_only_mode": {"type": "boolean", "default": False},
+        "replace": {"type": "boolean", "default": False,
+                    "description": "overwrite an uploaded voice of the same name (else 409 voice_exists)"},
     }}
     return {"required": True, "content": {
         "multipart/form-data": {"schema": multipart},

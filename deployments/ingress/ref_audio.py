@@ -28,6 +28,7 @@ class VoiceUpload(NamedTuple):
     mime_type: str | None
     ref_text: str | None
     x_vector_only: bool
+    replace: bool = False  # may overwrite an uploaded voice of the same name (else 409)
 
 
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+\-]+/[\w.+\-]+)?(?P<params>(;[\w\-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
@@ -130,9 +131,11 @@ async def read_voice_upload(request: Request, limits: IngressConfig) -> VoiceUpl
             raise _too_large(limit, "audio_sample")
         if not audio:
             raise bad_request("audio_sample is empty", "audio_sample")
-        x_vector_only = str(form.get("x_vector_only_mode") or "false").lower() in ("1", "true", "yes")
+        def flag(field: str) -> bool:
+            return str(form.get(field) or "false").lower() in ("1", "true", "yes")
+
         return VoiceUpload(str(form.get("name") or ""), audio, upload.content_type,
-                           str(form.get("ref_text") or "").strip() or None, x_vector_only)
+                           str(form.get("ref_text") or "").strip() or None, flag("x_vector_only_mode"), flag("replace"))
     try:
         body = VoiceUploadJSON.model_validate_json(await request.body())
     except ValueError as e:
@@ -142,4 +145,5 @@ async def read_voice_upload(request: Request, limits: IngressConfig) -> VoiceUpl
         audio, mime = await load_ref_audio(body.audio_sample, limits, "audio_sample")
     else:
         audio, mime = decode_base64(body.audio_sample, limit, "audio_sample"), None
-    return VoiceUpload(body.name, audio, mime, (body.ref_text or "").strip() or None, body.x_vector_only_mode)
+    return VoiceUpload(body.name, audio, mime, (body.ref_text or "").strip() or None, body.x_vector_only_mode,
+                       body.replace)

@@ -129,6 +129,7 @@ class VoiceUploadJSON(BaseModel):
     ref_text: str | None = None
     x_vector_only_mode: bool = False
     consent: str | None = None
+    replace: bool = Field(False, description="overwrite an uploaded voice of the same name (else 409)")
 
     @field_validator("*", mode="after")
     @classmethod

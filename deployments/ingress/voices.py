@@ -109,7 +109,7 @@ class Voices:
 
     async def _upload(self, request: Request) -> dict:
         async with asyncio.timeout(self._limits.request_timeout_s):
-            name, audio, mime, ref_text, x_vector_only = await read_voice_upload(request, self._limits)
+            name, audio, mime, ref_text, x_vector_only, replace = await read_voice_upload(request, self._limits)
             if ref_text is not None and len(ref_text) > self._limits.max_ref_text_chars:
                 raise bad_request(f"ref_text is {len(ref_text)} characters; the limit is "
                                   f"{self._limits.max_ref_text_chars}", "ref_text", code="input_too_long")
@@ -119,6 +119,11 @@ class Voices:
             if name.lower() == C.DEFAULT_VOICE_NAME or any(name.lower() in i.speakers for i in infos):
                 raise bad_request(f"voice name {shown(name)} is taken by a preset voice", "name", code="name_taken")
             existing = await asyncio.to_thread(self._store.list)
+            taken = next((r.name for r in existing if r.name.lower() == name.lower()), None)
+            if taken is not None and not replace:  # whoever can reach the port must not swap a voice unasked
+                raise APIError(409, f"an uploaded voice named {shown(taken)} exists; send replace=true to overwrite "
+                               "it", param="name", code="voice_exists")
+            name = taken or name  # a replacement keeps the stored name's case (names are case-insensitive)
             if name not in {r.name for r in existing} and len(existing) >= self._limits.max_uploaded_voices:
                 raise bad_request(f"there are already {len(existing)} uploaded voices (the limit)", "name",
                                   code="too_many_voices")

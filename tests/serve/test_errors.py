@@ -160,6 +160,25 @@ def test_voice_upload_errors(http):
     _check_error(http.delete("/v1/audio/voices/nobody"), 404, "name", "no uploaded voice")
 
 
+def test_an_upload_never_silently_replaces_a_voice(http):
+    """Without keys anyone who reaches the port may upload: a second upload of a name (any case) is a 409 unless
+    it asks to replace, so an owner's requests never start speaking someone else's clip unasked."""
+    files = {"audio_sample": ("a.wav", wav_bytes(1.0, seed=1), "audio/wav")}
+    first = http.post("/v1/audio/voices", files=files, data={"name": "keepme", "x_vector_only_mode": "true"})
+    assert first.status_code == 200, first.text
+    try:
+        other = {"audio_sample": ("b.wav", wav_bytes(1.0, seed=2), "audio/wav")}
+        _check_error(http.post("/v1/audio/voices", files=other, data={"name": "KeepMe", "x_vector_only_mode": "true"}),
+                     409, "name", "exists")
+        names = [v["name"].lower() for v in http.get("/v1/audio/voices").json()["uploaded_voices"]]
+        assert names.count("keepme") == 1
+        again = http.post("/v1/audio/voices", files=other,
+                          data={"name": "KeepMe", "x_vector_only_mode": "true", "replace": "true"})
+        assert again.status_code == 200 and again.json()["voice"]["name"] == "keepme", again.text
+    finally:
+        http.delete("/v1/audio/voices/keepme")
+
+
 def test_health_answers_head_and_responses_carry_one_request_id(http):
     assert http.head("/health").status_code == 200
     r = http.post("/v1/audio/speech", json=speech(response_format="pcm"))
