@@ -20,7 +20,7 @@ class _Keep(logging.Handler):
         self.records.append(record)
 
 
-def _records(caplog, exc) -> list[logging.LogRecord]:
+def _records(exc) -> list[logging.LogRecord]:
     """What `Outcomes.error` logs at INFO and above on the ingress's logger ("ray.serve" does not propagate)."""
     logger, keep = logging.getLogger("ray.serve"), _Keep()
     level, logger.level = logger.level, logging.DEBUG
@@ -33,12 +33,12 @@ def _records(caplog, exc) -> list[logging.LogRecord]:
     return [r for r in keep.records if r.levelno >= logging.INFO]
 
 
-def test_overload_adds_no_line_of_its_own(caplog):
-    assert _records(caplog, EngineOverloadedError("queue full")) == []
-    assert _records(caplog, APIError(429, "at capacity", code="overloaded", limit="ingress_open_requests")) == []
+def test_overload_adds_no_line_of_its_own():
+    assert _records(EngineOverloadedError("queue full")) == []
+    assert _records(APIError(429, "at capacity", code="overloaded", limit="ingress_open_requests")) == []
 
 
-def test_client_error_is_one_info_line_and_ours_an_error(caplog):
-    (line,) = _records(caplog, InvalidRequestError("unknown speaker 'x'"))
+def test_client_error_is_one_info_line_and_ours_an_error():
+    (line,) = _records(InvalidRequestError("unknown speaker 'x'"))
     assert line.levelno == logging.INFO and line.exc_info is None and "400" in line.getMessage()
-    assert any(r.levelno == logging.ERROR for r in _records(caplog, RuntimeError("boom")))
+    assert any(r.levelno == logging.ERROR for r in _records(RuntimeError("boom")))
