@@ -11,6 +11,7 @@ model, device, dtype and GPU fraction gets it. CPU configs set the smaller sizes
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -251,6 +252,34 @@ class DecodeBatchSettings(BaseConfig):
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
+def _default_voice_aliases() -> dict[str, str]:
+    from deployments.ingress.voice_aliases import DEFAULT_VOICE_ALIASES  # imported late: the ingress imports this
+
+    return dict(DEFAULT_VOICE_ALIASES)
+
+
+class AuthConfig(BaseConfig):
+    """API keys (deployments/ingress/api_keys.py): off without a keys file; then the server trusts every client
+    that can reach it. Per-key limits: these defaults, overridden on a key's line (docs/serving.md "API keys")."""
+
+    keys_file: str | None = Field(None, description=(
+        "one key a line: `KEY SCOPES [streams=N] [rpm=N]`; reloaded when it changes; unset: env "
+        f"{C.API_KEYS_FILE_ENV}, else auth is off"))
+    max_concurrent_streams: int | None = Field(C.DEFAULT_KEY_MAX_CONCURRENT_STREAMS, ge=1, description=(
+        "speech requests and WebSocket contexts one key has open at once, across ingress replicas; null: no limit"))
+    requests_per_minute: int | None = Field(C.DEFAULT_KEY_REQUESTS_PER_MINUTE, ge=1, description=(
+        "speech requests, WebSocket contexts and voice uploads one key starts per minute, across ingress replicas; "
+        "null: no limit"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_file_from_env(cls, value: Any) -> Any:
+        """Resolved where the config is validated (the process that builds the app), then travels with it."""
+        if isinstance(value, dict) and value.get("keys_file") is None and os.environ.get(C.API_KEYS_FILE_ENV):
+            return {**value, "keys_file": os.environ[C.API_KEYS_FILE_ENV]}
+        return value
+
+
 class IngressConfig(_DeploymentOptions):
     stage_transport: Literal["grpc", "object_ref"] = Field("grpc", description=(
         "how chunks travel Talker -> ingress -> Code2Wav: Serve's gRPC transport by value, or Ray actor calls "
@@ -291,6 +320,11 @@ class IngressConfig(_DeploymentOptions):
     min_fitted_frames: int = Field(C.DEFAULT_MIN_FITTED_FRAMES, ge=1, description=(
         "a request without max_new_tokens whose prompt leaves fewer frames than this within max_seq_len is a "
         "400 (rather than a truncated clip of a few frames)"))
+    voice_aliases: dict[str, str] = Field(default_factory=_default_voice_aliases, description=(
+        "voice names (OpenAI's by default) -> CustomVoice speakers (deployments/ingress/voice_aliases.py)"))
+    default_response_format: str = Field("mp3", description="response_format of a request that names none "
+                                         "(OpenAI's default)")
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     backpressure: BackpressureSettings = Field(default_factory=BackpressureSettings)
     decode_batch: DecodeBatchSettings = Field(default_factory=DecodeBatchSettings)
 
@@ -300,6 +334,20 @@ class IngressConfig(_DeploymentOptions):
         for prefix in value:
             if not re.match(r"^https?://[^/]+/", prefix):
                 raise ValueError(f"allowlist entry {prefix!r} must be an http(s) URL prefix ending its host with '/'")
+        return value
+
+    @field_validator("voice_aliases")
+    @classmethod
+    def _lower_case_aliases(cls, value: dict[str, str]) -> dict[str, str]:
+        return {k.strip().lower(): v.strip().lower() for k, v in value.items()}
+
+    @field_validator("default_response_format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        from deployments.audio.formats import FORMATS
+
+        if value not in FORMATS:
+            raise ValueError(f"default_response_format {value!r} is not one of {sorted(FORMATS)}")
         return value
 
     @property

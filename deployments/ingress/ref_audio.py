@@ -19,7 +19,9 @@ from fastapi import Request
 from deployments import constants as C
 from deployments.config import IngressConfig
 from deployments.errors import APIError, bad_request
-from deployments.ingress.schemas import VoiceUploadJSON
+from deployments.ingress.schemas import MAX_NAME_CHARS, VoiceUploadJSON
+
+MAX_CONSENT_CHARS = MAX_NAME_CHARS
 
 
 class VoiceUpload(NamedTuple):
@@ -28,6 +30,8 @@ class VoiceUpload(NamedTuple):
     mime_type: str | None
     ref_text: str | None
     x_vector_only: bool
+    consent: str | None = None  # the speaker's consent (OpenAI: a consent recording's id), stored with the voice
+    replace: bool = False  # replace an existing voice of this name
 
 
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+\-]+/[\w.+\-]+)?(?P<params>(;[\w\-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
@@ -62,6 +66,24 @@ def decode_base64(text: str, max_bytes: int, param: str) -> bytes:
         raise _too_large(max_bytes, param)
     if not data:
         raise bad_request(f"{param} is empty", param)
+    return data
+
+
+def usable_clip(data: bytes, max_seconds: float, param: str = "ref_audio") -> bytes:
+    """A clip the Talker can read (libsndfile: wav, flac, ogg, mp3), probed within the limits: `data` itself, or
+    what browsers and phones record (webm/opus, m4a/aac, ...) decoded into a WAV by PyAV. Blocking (decodes):
+    run it in a thread. 400 naming `param` when it is not audio."""
+    try:
+        sf.info(io.BytesIO(data))
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
+        from deployments.audio.clip_decoding import decode_to_wav
+
+        wav = decode_to_wav(data, max_seconds)
+        if wav is None:
+            raise bad_request(f"{param} could not be decoded as audio (formats: wav, flac, mp3, ogg, webm/opus, "
+                              "m4a/aac)", param, code="invalid_audio") from None
+        data = wav
+    probe_audio(data, max_seconds, param)
     return data
 
 
@@ -131,8 +153,12 @@ async def read_voice_upload(request: Request, limits: IngressConfig) -> VoiceUpl
         if not audio:
             raise bad_request("audio_sample is empty", "audio_sample")
         x_vector_only = str(form.get("x_vector_only_mode") or "false").lower() in ("1", "true", "yes")
+        consent = str(form.get("consent") or "").strip() or None
+        if consent is not None and len(consent) > MAX_CONSENT_CHARS:
+            raise bad_request(f"consent is longer than {MAX_CONSENT_CHARS} characters", "consent")
         return VoiceUpload(str(form.get("name") or ""), audio, upload.content_type,
-                           str(form.get("ref_text") or "").strip() or None, x_vector_only)
+                           str(form.get("ref_text") or "").strip() or None, x_vector_only, consent,
+                           str(form.get("replace") or "false").lower() in ("1", "true", "yes"))
     try:
         body = VoiceUploadJSON.model_validate_json(await request.body())
     except ValueError as e:
@@ -142,4 +168,5 @@ async def read_voice_upload(request: Request, limits: IngressConfig) -> VoiceUpl
         audio, mime = await load_ref_audio(body.audio_sample, limits, "audio_sample")
     else:
         audio, mime = decode_base64(body.audio_sample, limit, "audio_sample"), None
-    return VoiceUpload(body.name, audio, mime, (body.ref_text or "").strip() or None, body.x_vector_only_mode)
+    return VoiceUpload(body.name, audio, mime, (body.ref_text or "").strip() or None, body.x_vector_only_mode,
+                       (body.consent or "").strip() or None, body.replace)

@@ -20,6 +20,7 @@ from deployments.config import TalkerDeploymentConfig
 from deployments.errors import to_api_error
 from deployments.ingress.request_builder import VoiceChoice, choose_voice, infer_model, resolve_model_name
 from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.voice_aliases import OPENAI_MODEL_NAMES, model_names
 from deployments.ingress.voice_store import VoiceRecord
 from deployments.messages import ModelInfo
 
@@ -48,11 +49,16 @@ class ModelRoute:
 class ModelRouter:
     """The served models by name, lower-cased name and alias."""
 
-    def __init__(self, talkers: dict[str, DeploymentHandle], models: list[TalkerDeploymentConfig]):
+    def __init__(self, talkers: dict[str, DeploymentHandle], models: list[TalkerDeploymentConfig],
+                 voice_aliases: dict[str, str] | None = None):
+        """`voice_aliases`: other names of preset speakers; OpenAI's model names go to the first model unless a
+        model has them as aliases (deployments/ingress/voice_aliases.py)."""
         self.routes = {name: ModelRoute(name, handle) for name, handle in talkers.items()}
         self._models = models
-        self._names = {n.lower(): m.name for m in models for n in (m.name, *m.aliases)}
+        self.voice_aliases = dict(voice_aliases or {})
+        self._names = model_names({n.lower(): m.name for m in models for n in (m.name, *m.aliases)}, models[0].name if models else None)
         self._presets: frozenset[str] | None = None
+        self._created = int(time.time())
 
     def prefetch(self) -> None:
         """Start fetching every model's info now (on the running loop); requests await them."""
@@ -78,8 +84,8 @@ class ModelRouter:
         else:
             infos = await asyncio.gather(*(r.info() for r in self.routes.values()))
             by_name = {i.name: i for i in infos}
-            info = by_name[infer_model(body, by_name, find_voice)]
-        return info, choose_voice(body, info, find_voice)
+            info = by_name[infer_model(body, by_name, find_voice, self.voice_aliases)]
+        return info, choose_voice(body, info, find_voice, self.voice_aliases)
 
     async def infos(self, timeout_s: float) -> list[ModelInfo]:
         """Every model's info, or the APIError of the first that cannot be had within `timeout_s`."""
@@ -91,12 +97,18 @@ class ModelRouter:
 
     def describe(self) -> dict:
         """The `/v1/models` body: every served model, with what its info says once it has arrived."""
-        created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": created, "owned_by": "qwen3-tts-serve", "aliases": m.aliases,
-             **(info.describe() if (info := self.routes[m.name].loaded) is not None else {})}
-            for m in self._models
-        ]}
+        return {"object": "list", "data": [self._model_object(m) for m in self._models]}
+
+    def describe_one(self, model_id: str) -> dict:
+        """`GET /v1/models/{id}`: the model a name or alias (OpenAI's included) is served by; 404 if none."""
+        name = resolve_model_name(model_id, self._names)
+        return self._model_object(next(m for m in self._models if m.name == name))
+
+    def _model_object(self, m: TalkerDeploymentConfig) -> dict:
+        aliases = [*m.aliases, *(n for n, served in self._names.items() if served == m.name and n in OPENAI_MODEL_NAMES
+                                  and n not in {a.lower() for a in m.aliases})]
+        return {"id": m.name, "object": "model", "created": self._created, "owned_by": "qwen3-tts-serve",
+                "aliases": aliases, **(info.describe() if (info := self.routes[m.name].loaded) is not None else {})}
 
 
 def _ignore_failure(future: asyncio.Future) -> None:
