@@ -37,18 +37,19 @@ WINDOW_S = 60.0
 ACTOR_PREFIX = "qwen3-tts-key-counters:"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class KeyCounters:
-    """Every key's open streams (leases) and recent starts, for all ingress replicas of an app."""
+class Counters:
+    """Every key's open streams (leases) and recent starts, for all ingress replicas of an app (`KeyCounters`: the
+    actor holding one)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
         self._leases: dict[str, dict[str, float]] = defaultdict(dict)  # key id -> {lease: expires (monotonic)}
         self._starts: dict[str, deque[float]] = defaultdict(deque)  # key id -> start times within the window
 
     def admit(self, key_id: str, max_streams: int | None, per_minute: int | None, stream: bool,
               lease_s: float) -> tuple[str | None, str | None, float]:
         """-> (lease id (None without a stream), refusing limit or None, seconds until a retry may pass)."""
-        now = time.monotonic()
+        now = self._clock()
         leases = self._leases[key_id]
         for lease in [k for k, v in leases.items() if v <= now]:
             del leases[lease]
@@ -72,9 +73,12 @@ class KeyCounters:
 
     def counts(self, key_id: str) -> dict[str, int]:
         """The key's open streams and starts in the last minute (tests, operators)."""
-        now = time.monotonic()
+        now = self._clock()
         return {"streams": sum(1 for e in self._leases[key_id].values() if e > now),
                 "recent_starts": sum(1 for t in self._starts[key_id] if t > now - WINDOW_S)}
+
+
+KeyCounters = ray.remote(num_cpus=0, max_restarts=-1)(Counters)
 
 
 @dataclass

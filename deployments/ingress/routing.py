@@ -56,7 +56,8 @@ class ModelRouter:
         self.routes = {name: ModelRoute(name, handle) for name, handle in talkers.items()}
         self._models = models
         self.voice_aliases = dict(voice_aliases or {})
-        self._names = model_names({n.lower(): m.name for m in models for n in (m.name, *m.aliases)}, models[0].name if models else None)
+        self._names = model_names({n.lower(): m.name for m in models for n in (m.name, *m.aliases)},
+                                  models[0].name if models else None)
         self._presets: frozenset[str] | None = None
         self._created = int(time.time())
 
