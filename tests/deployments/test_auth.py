@@ -67,7 +67,7 @@ def test_a_keys_file_parses_scopes_and_limits_and_skips_bad_lines_without_their_
     assert admin.allows("voices") and admin.allows("speech") and not speaker.allows("voices")
     assert speaker.label == key_digest("sk-speaker-0001").hex()[:8]
     # each bad line is named by its number, never by its text (it holds a key)
-    assert [m[:20] for m in lines] == ["keys file, line 6: e", "keys file, line 7: s", "keys file, line 8: o"]
+    assert [m[:18] for m in lines] == ["keys file, line 6:", "keys file, line 7:", "keys file, line 8:"]
     assert not any("sk-typo" in m or "sk-opt" in m for m in lines)
 
 
