@@ -48,7 +48,7 @@ def test_every_format_decodes_to_the_right_rate_and_length(openai_client, fmt):
 
 def test_speed_stretches_the_clip(http):
     normal = http.post("/v1/audio/speech", json=speech(response_format="pcm", max_new_tokens=10))
-    fast = http.post("/v1/audio/speech", json=speech(response_format="pcm", max_new_tokens=10, speed=2.0))
+    fast = http.post("/v1/audio/speech", json=speech(response_format="pcm", max_new_tokens=10, speed=2.0, stream=False))
     assert len(pcm_of(fast.content)) == len(pcm_of(normal.content)) // 2
     assert fast.headers["x-usage-output-tokens"] == "10" and fast.headers["x-finish-reason"] == "length"
 
