@@ -34,7 +34,7 @@ logger = logging.getLogger("ray.serve")
 
 KEY_STREAMS, KEY_RATE = "key_streams", "key_rate"  # the `limit` of a refusal (metrics, logs)
 WINDOW_S = 60.0
-ACTOR_PREFIX = "qwen3-tts-key-counters:"
+ACTOR_PREFIX, ACTOR_NAMESPACE = "qwen3-tts-key-counters:", "qwen3_tts"  # one actor per app, found by name
 
 
 class Counters:
@@ -109,7 +109,8 @@ class KeyLimits:
     def counters(self):
         """The app's KeyCounters actor (created by the first replica that needs it)."""
         if self._actor is None:
-            self._actor = KeyCounters.options(name=self._name, lifetime="detached", get_if_exists=True).remote()
+            self._actor = KeyCounters.options(name=self._name, namespace=ACTOR_NAMESPACE, lifetime="detached",
+                                              get_if_exists=True).remote()
         return self._actor
 
     async def admit(self, key: ApiKey | None, stream: bool) -> Admission:

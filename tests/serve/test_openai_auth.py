@@ -250,7 +250,9 @@ def test_browser_and_phone_recordings_upload_and_speak(http, kind):
 def _counts(key: str) -> dict:
     import ray
 
-    actor = ray.get_actor(f"qwen3-tts-key-counters:{APP_NAME}", namespace="serve")
+    from deployments.ingress.rate_limits import ACTOR_NAMESPACE, ACTOR_PREFIX
+
+    actor = ray.get_actor(ACTOR_PREFIX + APP_NAME, namespace=ACTOR_NAMESPACE)
     return ray.get(actor.counts.remote(key_digest(key).hex()), timeout=30)
 
 
