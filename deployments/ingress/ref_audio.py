@@ -1,8 +1,9 @@
 """Reference clips from requests and voice uploads: base64 / data: URIs, or http(s) URLs from the allowlist.
 
 Local files are never read (no `file://`, no paths). Sizes are checked before decoding, and the clip
-is probed (format, duration) here so that bad audio is a fast 4xx; the waveform itself is decoded by
-the Base model's Talker replica, which computes the clone prompt.
+is probed (format, duration) here so that bad audio is a fast 4xx; what libsndfile cannot read (webm/opus,
+m4a/aac from browsers and phones) is decoded here by PyAV into a WAV (deployments/audio/clip_decoding.py). The
+waveform itself is decoded by the Base model's Talker replica, which computes the clone prompt.
 """
 
 from __future__ import annotations
