@@ -177,6 +177,7 @@ class LiveSession:
             await self._error(None, error, final=True)
             await self._close(CLOSE_POLICY_VIOLATION, "authentication failed")
             return False
+        logger.info(f"WebSocket authenticated key={self._key.label}")  # the key's hash prefix, never the key
         if token is not None and websocket_token(self._ws.scope) is None:
             await self._send_json({"type": "authenticated"})
         return True

@@ -155,9 +155,10 @@ class KeyLimits:
 
 
 def _refused(limit: str, retry_s: float, key: ApiKey) -> APIError:
+    """The 429 of a key past `limit` (the log line of its request names the key's label: auth.py)."""
     what = "streams open at once" if limit == KEY_STREAMS else "requests per minute"
     return APIError(429, f"this API key is at its limit of {what}; retry later", code="rate_limit_exceeded",
-                    retry_after_s=max(1.0, math.ceil(retry_s)), limit=f"{limit}:{key.label}")
+                    retry_after_s=max(1.0, math.ceil(retry_s)), limit=limit)
 
 
 def held_until_sent(response, release) -> object:
