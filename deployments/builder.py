@@ -146,5 +146,6 @@ def build_ingress_deployment(args: TTSServingArgs, talkers: dict[str, Applicatio
     """`TTSIngress` behind a FastAPI app made now, for this application (deployments/ingress/app.py)."""
     options = ingress_deployment_options(args)
     logger.info(f"{options['name']} deployment options: {options}")
-    app = make_fastapi_app(BodyLimits(args.ingress.max_request_bytes, args.ingress.body_read_timeout_s))
+    app = make_fastapi_app(BodyLimits(args.ingress.max_request_bytes, args.ingress.body_read_timeout_s),
+                           args.ingress.auth)
     return serve.deployment(make_fastapi_ingress(TTSIngress, app=app), **options).bind(talkers, code2wav, args)

@@ -92,13 +92,6 @@ DEFAULT_MAX_WEBSOCKETS_PER_REPLICA = _env_int("QWEN3_TTS_MAX_WEBSOCKETS_PER_REPL
 DEFAULT_MAX_WEBSOCKETS_PER_CLIENT = _env_int("QWEN3_TTS_MAX_WEBSOCKETS_PER_CLIENT", 64)
 DEFAULT_MAX_INPUT_CHARS = _env_int("QWEN3_TTS_MAX_INPUT_CHARS", 4096)
 DEFAULT_MAX_INSTRUCTIONS_CHARS = _env_int("QWEN3_TTS_MAX_INSTRUCTIONS_CHARS", 4096)  # OpenAI's limit
-# OpenAI's voice names -> a CustomVoice speaker of a similar kind (docs/serving.md, "OpenAI voice names"); a
-# served preset or an uploaded voice of the same name comes first
-OPENAI_VOICE_ALIASES = {
-    "alloy": "vivian", "ash": "aiden", "ballad": "ryan", "cedar": "ryan", "coral": "serena", "echo": "aiden",
-    "fable": "eric", "marin": "serena", "nova": "vivian", "onyx": "uncle_fu", "sage": "sohee",
-    "shimmer": "ono_anna", "verse": "dylan",
-}
 DEFAULT_MAX_REF_AUDIO_BYTES = _env_int("QWEN3_TTS_MAX_REF_AUDIO_BYTES", 10 * 1024 * 1024)
 DEFAULT_MAX_REF_AUDIO_SECONDS = _env_float("QWEN3_TTS_MAX_REF_AUDIO_SECONDS", 60.0)
 MIN_REF_AUDIO_SECONDS = _env_float("QWEN3_TTS_MIN_REF_AUDIO_SECONDS", 0.5)  # shorter clips carry no usable voice
@@ -137,3 +130,8 @@ METRICS_REFRESH_INTERVAL_S = _env_float("QWEN3_TTS_METRICS_REFRESH_INTERVAL_S", 
 
 # the voice name a request may give when the model takes no preset voice (openai's client requires one)
 DEFAULT_VOICE_NAME = "default"
+
+# API keys (deployments/ingress/api_keys.py): the keys file when `ingress.auth.keys_file` names none
+API_KEYS_FILE_ENV = "QWEN3_TTS_API_KEYS_FILE"
+DEFAULT_KEY_MAX_CONCURRENT_STREAMS = 32  # per key, across ingress replicas
+DEFAULT_KEY_REQUESTS_PER_MINUTE = 600

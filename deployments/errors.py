@@ -19,6 +19,9 @@ MAX_SHOWN_CHARS = 64
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    409: "invalid_request_error",
     404: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",

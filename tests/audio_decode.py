@@ -29,3 +29,25 @@ def decode(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
 
 def expected_rate(fmt: str) -> int:
     return 48000 if fmt == "opus" else FORMATS[fmt].sample_rate or SR  # FFmpeg decodes all Opus at 48 kHz
+
+
+def recorded_clip(seconds: float, container: str, codec: str, rate: int = 48000, seed: int = 0) -> bytes:
+    """A clip as a browser or phone records it (webm/opus: MediaRecorder; m4a/aac: phones), encoded by PyAV from
+    the tests' reference chirp."""
+    from tests.conftest import reference_clip
+
+    pcm = (reference_clip(seconds, rate, seed=seed) * 32767).astype(np.int16)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container) as out:
+        stream = out.add_stream(codec, rate=rate, layout="mono")
+        for start in range(0, pcm.size, 960):
+            frame = av.AudioFrame.from_ndarray(pcm[None, start:start + 960], format="s16", layout="mono")
+            frame.sample_rate = rate
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
+
+
+RECORDED = {"webm": ("webm", "libopus"), "m4a": ("ipod", "aac"), "ogg": ("ogg", "libopus"), "mp3": ("mp3", "libmp3lame")}

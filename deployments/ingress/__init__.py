@@ -14,6 +14,10 @@ an ingress replica, one concern a file.
     request_builder.py limits, model and voice choice, the engine's `SynthesisRequest` (fitted to max_seq_len)
     ref_audio.py       reference clips: fetched, probed, decoded (uploads and inline `ref_audio`)
     schemas.py         the request bodies (pydantic)
+    voice_aliases.py   OpenAI's voice and model names -> CustomVoice speakers and the served default model
+    api_keys.py        `KeyRing`: the keys file (scopes, per-key limits), read again when it changes
+    auth.py            `AuthGuard` (keys on HTTP: 401/403), WebSocket tokens, who may use or change a voice
+    rate_limits.py     per-key streams and requests per minute, counted across replicas in a named actor
     http_guard.py      `BodyGuard` (bodies in whole, within a deadline) and `OpenWork` (the replica's admission)
     pipeline.py        one request's stream: Talker chunks -> DecodeBatcher -> decoded audio, in order
     decode_batcher.py  `DecodeBatcher`: every stream's chunks to Code2Wav in few calls

@@ -31,7 +31,9 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.audio.formats import MEDIA_TYPES
+from deployments.config import AuthConfig
 from deployments.errors import APIError, bad_request
+from deployments.ingress.auth import OPEN_PATHS, AuthGuard
 from deployments.ingress.http_guard import BodyGuard, BodyLimits
 from deployments.ingress.schemas import VoiceUploadJSON
 
@@ -61,12 +63,14 @@ ENDPOINTS: dict[tuple[str, str], str] = {
 }
 
 
-def make_fastapi_app(body_limits: BodyLimits | None) -> FastAPI:
-    """The app without the server's routes: bodies read whole within `body_limits` before any route runs
+def make_fastapi_app(body_limits: BodyLimits | None, auth: AuthConfig | None = None) -> FastAPI:
+    """The app without the server's routes: API keys checked when `auth` names a keys file
+    (deployments/ingress/auth.py), then bodies read whole within `body_limits` before any route runs
     (deployments/ingress/http_guard.py), `/openapi.json` as the server answers, every error as `{"error": ...}`,
     and the web playground (`/` and its files under `/playground/`)."""
     app = FastAPI(title=TITLE, version=VERSION)
     app.add_middleware(BodyGuard, limits=body_limits)
+    app.add_middleware(AuthGuard, config=auth)  # added last: runs first, before a body is read
     _install_openapi(app)  # deployments/ingress/app.py
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -132,18 +136,21 @@ class ErrorResponse(BaseModel):
 
 _ERROR_TEXT = {
     400: "invalid request (malformed JSON, unknown field, bad value, unknown voice or language, ...)",
+    401: "a valid API key is required (`Authorization: Bearer <key>`; only when the server has API keys)",
+    403: "the API key lacks the scope this route needs",
     404: "unknown model, voice, batch or route",
-    409: "the batch item is not ready yet (`not_ready`, retry after `Retry-After` seconds) or was cancelled; an "
-         "uploaded voice of that name exists (`voice_exists`: send `replace`)",
+    409: "the batch item is not ready yet (`not_ready`, retry after `Retry-After` seconds) or was cancelled; a "
+         "voice of this name exists (`voice_exists`: `replace: true` replaces one's own)",
     408: "the request body did not arrive within `ingress.body_read_timeout_s`",
     413: "request body or reference audio too large",
-    429: "at capacity; retry after `Retry-After` seconds",
+    429: "at capacity, or the API key at its limit; retry after `Retry-After` seconds",
     500: "a failure of the server's (logged)",
     503: "a model is not available, its replica failed, or the batch store cannot be written (disk full, storage "
          "unreachable); retry after `Retry-After` seconds",
     504: "the request's deadline passed",
 }
 _BODY_ERRORS = (408, 413)  # any request with a body (deployments/ingress/http_guard.py)
+_AUTH_ERRORS = (401, 403)  # any route but the open ones, when the server has API keys (deployments/ingress/auth.py)
 _ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/audio/speech", "post"): (400, 404, 429, 500, 503, 504),
     ("/v1/audio/voices", "post"): (400, 409, 429, 500, 503, 504),
@@ -181,8 +188,9 @@ def _voice_upload_body() -> dict[str, Any]:
         "name": {"type": "string", "description": "[A-Za-z0-9][A-Za-z0-9_-]{0,63}, not a preset speaker"},
         "ref_text": {"type": "string", "description": "transcript; without it the voice is x-vector only"},
         "x_vector_only_mode": {"type": "boolean", "default": False},
+        "consent": {"type": "string", "description": "the speaker's consent (OpenAI: a consent id), stored"},
         "replace": {"type": "boolean", "default": False,
-                    "description": "overwrite an uploaded voice of the same name (else 409 voice_exists)"},
+                    "description": "replace one's own voice of this name (else 409 voice_exists)"},
     }}
     return {"required": True, "content": {
         "multipart/form-data": {"schema": multipart},
@@ -220,6 +228,8 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             errors = set(_ROUTE_ERRORS.get((path, method), ()))
             if method in ("post", "put", "patch"):
                 errors.update(_BODY_ERRORS)
+            if path not in OPEN_PATHS:
+                errors.update(_AUTH_ERRORS)
             for status in sorted(errors):
                 responses[str(status)] = _error(status)
     doc["paths"]["/v1/audio/speech"]["post"]["responses"]["200"] = _speech_ok()

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from deployments.audio.formats import MEDIA_TYPES
 from deployments.config import BatchSettings
 from deployments.errors import APIError, bad_request, shown, to_api_error
+from deployments.ingress.api_keys import ApiKey
 from deployments.ingress.batch_store import BatchStore, StoreUnavailable
 from deployments.ingress.batch_worker import BatchWorker
 from deployments.ingress.schemas import SpeechRequest
@@ -36,17 +37,21 @@ from deployments.ingress.schemas import SpeechRequest
 JSONL_TYPES = ("application/x-ndjson", "application/jsonl", "application/x-jsonlines", "application/json-seq")
 NOT_READY_RETRY_S = 1.0
 # (body) -> raises the APIError /v1/audio/speech would answer for it (nothing is generated)
-Validate = Callable[[SpeechRequest], Awaitable[None]]
+Validate = Callable[[SpeechRequest, ApiKey | None], Awaitable[None]]
 
 
 class BatchJobs:
     """The batch API of one ingress replica over the shared store; `worker` is this replica's (told of new jobs,
     and of cancelled ones: its items stop at once, other replicas' at their next lease renewal)."""
 
-    def __init__(self, store: BatchStore, settings: BatchSettings, validate: Validate, worker: BatchWorker):
+    def __init__(self, store: BatchStore, settings: BatchSettings, validate: Validate, worker: BatchWorker,
+                 default_format: str):
+        """`default_format`: an item's `response_format` when it names none (stored with the item)."""
         self.store, self.settings, self._validate, self._worker = store, settings, validate, worker
+        self._default_format = default_format
 
-    async def submit(self, request: Request) -> JSONResponse:
+    async def submit(self, request: Request, key: ApiKey | None = None) -> JSONResponse:
+        """`key`: the caller's API key (None: auth off); every item is checked as its own speech request would be."""
         raw = await _read_items(request)
         if not raw:
             raise bad_request("a batch needs at least one request", "requests", code="empty_batch")
@@ -55,9 +60,9 @@ class BatchJobs:
                               "requests", code="too_many_requests")
         bodies = []
         for index, item in enumerate(raw):
-            body = _parse(index, item)
+            body = _parse(index, item).with_default_format(self._default_format)
             try:
-                await self._validate(body)
+                await self._validate(body, key)
             except Exception as exc:  # e.g. a model whose info cannot be had: its 503, naming the item
                 raise _at(index, to_api_error(exc)) from None
             bodies.append(body.model_dump_json(exclude_unset=True))

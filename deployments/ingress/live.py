@@ -34,8 +34,11 @@ from starlette.websockets import WebSocketDisconnect
 
 from deployments.audio.encoders import AsyncStreamEncoder
 from deployments.errors import APIError, bad_request
+from deployments.ingress.api_keys import SPEECH, ApiKey
+from deployments.ingress.auth import Auth, websocket_token
 from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.outcomes import Outcomes, PlaybackClock
+from deployments.ingress.rate_limits import Admission, KeyLimits
 from deployments.ingress.request_builder import check_limits, check_live_text, check_request
 from deployments.ingress.request_log import RequestRecord, key_hash
 from deployments.ingress.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen
@@ -51,7 +54,7 @@ class LiveIngress(Protocol):
     @property
     def args(self) -> Any: ...
 
-    async def route(self, body) -> tuple[Any, Any]: ...
+    async def route(self, body, key=None) -> tuple[Any, Any]: ...
 
     async def start(self, body, info, choice, request_id: str, mailbox=None, idle_timeout_s: float | None = None): ...
 
@@ -90,16 +93,19 @@ class _Context:
     task: asyncio.Task | None = None
     failure: APIError | None = None  # why the ingress ended it (its task cancelled): its final error
     record: RequestRecord | None = None  # its log line (deployments/ingress/request_log.py)
+    admission: Admission | None = None  # its slot under its key's limits
 
 
 class LiveSession:
     """One WebSocket connection and the contexts open on it."""
 
     def __init__(self, websocket: WebSocket, ingress: LiveIngress, mailbox: ActorHandle, outcomes: Outcomes,
-                 work: OpenWork, sockets: SocketLimits):
+                 work: OpenWork, sockets: SocketLimits, auth: LiveAuth | None = None):
         """`mailbox`: the ingress replica's TextMailbox actor (deployments/ingress/text_mailbox.py);
-        `sockets`: the replica's WebSocket counts."""
+        `sockets`: the replica's WebSocket counts; `auth`: API keys and their limits (None: no keys)."""
         self._ws, self._ingress, self._mailbox = websocket, ingress, mailbox
+        self._auth = auth
+        self._key: ApiKey | None = None
         self._outcomes, self._work, self._sockets = outcomes, work, sockets
         self._limits = ingress.args.ingress
         self._contexts: dict[str, _Context] = {}
@@ -120,6 +126,8 @@ class LiveSession:
         receive: asyncio.Task | None = None
         try:
             await self._ws.accept()
+            if not await self._authenticate():
+                return
             while True:
                 # one receive in flight across idle checks: cancelling a receive could lose its message
                 receive = receive or asyncio.ensure_future(self._ws.receive())
@@ -151,6 +159,31 @@ class LiveSession:
                 receive.cancel()
             self._sockets.release(client)
             await self._close_all()
+
+    async def _authenticate(self) -> bool:
+        """The socket's key (auth.py): its handshake's, or a first message `{"type": "auth", "api_key": KEY}`.
+        False (the socket told why and closed) when it has none that may speak."""
+        if self._auth is None or not self._auth.auth.enabled:
+            return True
+        token = websocket_token(self._ws.scope)
+        if token is None:
+            try:
+                message = await asyncio.wait_for(self._ws.receive(), self._limits.websocket_idle_timeout_s)
+            except TimeoutError:
+                message = {}
+            if message.get("type") == "websocket.disconnect":
+                return False
+            token = _auth_message_key(message.get("text"))
+        try:
+            self._key = self._auth.auth.check(token, SPEECH)
+        except APIError as error:
+            await self._error(None, error, final=True)
+            await self._close(CLOSE_POLICY_VIOLATION, "authentication failed")
+            return False
+        logger.info(f"WebSocket authenticated key={self._key.label}")  # the key's hash prefix, never the key
+        if token is not None and websocket_token(self._ws.scope) is None:
+            await self._send_json({"type": "authenticated"})
+        return True
 
     async def _close(self, code: int, reason: str) -> None:
         self._closing = True
@@ -229,17 +262,21 @@ class LiveSession:
                                             "open on this connection", code="too_many_contexts"), final=True)
             record.end("rejected", 429)
             return
-        model, mailbox = "-", None
+        model, mailbox, admission = "-", None, None
+        body = body.with_default_format(self._limits.default_response_format)
         try:
+            if self._auth is not None:  # the key's limits, across replicas (deployments/ingress/rate_limits.py)
+                admission = await self._auth.limits.admit(self._key, stream=True)
             self._work.acquire()  # admission, as for an HTTP request (429 when the replica is full)
         except APIError as error:
-            await self._error(cid, error, final=True)
-            record.end("rejected", error.status)
+            if admission is not None:
+                admission.release()
+            await self._error(cid, self._outcomes.failed(error, model, True, record), final=True)
             return
         try:
             check_limits(body, self._limits, live=True)
             check_live_text(len(body.input), self._limits)
-            info, voice_choice = await self._ingress.route(body)
+            info, voice_choice = await self._ingress.route(body, self._key)
             model = record.model = info.name
             check_request(body, info, self._ingress.args)
             mailbox = self._mailbox
@@ -247,11 +284,13 @@ class LiveSession:
             _, chunks = await self._ingress.start(body, info, voice_choice, request_id, mailbox, body.idle_timeout_s)
         except Exception as exc:  # every failure to open is one error message
             self._work.release()
+            if admission is not None:
+                admission.release()
             if mailbox is not None:
                 mailbox.close.remote(request_id)
             await self._error(cid, self._outcomes.failed(exc, model, True, record), final=True)
             return
-        ctx = _Context(cid, request_id, model, body, info.tokenizer, record=record)
+        ctx = _Context(cid, request_id, model, body, info.tokenizer, record=record, admission=admission)
         self._contexts[cid] = ctx
         self._outcomes.stream_opened(model)
         await self._send_json({"type": "opened", "context_id": cid, "model": model, "request_id": request_id})
@@ -295,6 +334,8 @@ class LiveSession:
             await chunks.aclose()  # aborts the Talker's request when it has not ended
             self._mailbox.close.remote(ctx.request_id)
             self._work.release()
+            if ctx.admission is not None:
+                ctx.admission.release()
             # a fresh clock: waits for text are the client's, not gaps
             ctx.record.input_chars = ctx.chars
             self._outcomes.stream_ended(ctx.model, status, ctx.first_text_at or time.perf_counter(), frames,
@@ -338,6 +379,28 @@ class LiveSession:
                 await send(data)
             except (WebSocketDisconnect, RuntimeError, OSError):  # the client is gone: the receive loop ends all
                 self._closing = True
+
+
+@dataclass(frozen=True)
+class LiveAuth:
+    """The ingress's API keys and per-key limits, for its WebSocket sessions."""
+
+    auth: Auth
+    limits: KeyLimits
+
+
+CLOSE_POLICY_VIOLATION = 1008  # RFC 6455: the socket did not authenticate
+
+
+def _auth_message_key(raw: str | None) -> str | None:
+    """The key of a first message `{"type": "auth", "api_key": KEY}`, else None."""
+    if not raw or len(raw) > _CONTEXT_ID_SCAN_CHARS:
+        return None
+    with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
+        message = json.loads(raw)
+        if message.get("type") == "auth" and isinstance(message.get("api_key"), str):
+            return message["api_key"]
+    return None
 
 
 def _context_id_of(raw: str) -> str | None:

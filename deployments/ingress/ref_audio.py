@@ -1,8 +1,9 @@
 """Reference clips from requests and voice uploads: base64 / data: URIs, or http(s) URLs from the allowlist.
 
 Local files are never read (no `file://`, no paths). Sizes are checked before decoding, and the clip
-is probed (format, duration) here so that bad audio is a fast 4xx; the waveform itself is decoded by
-the Base model's Talker replica, which computes the clone prompt.
+is probed (format, duration) here so that bad audio is a fast 4xx; what libsndfile cannot read (webm/opus,
+m4a/aac from browsers and phones) is decoded here by PyAV into a WAV (deployments/audio/clip_decoding.py). The
+waveform itself is decoded by the Base model's Talker replica, which computes the clone prompt.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from fastapi import Request
 from deployments import constants as C
 from deployments.config import IngressConfig
 from deployments.errors import APIError, bad_request
-from deployments.ingress.schemas import VoiceUploadJSON
+from deployments.ingress.schemas import MAX_NAME_CHARS, VoiceUploadJSON
+
+MAX_CONSENT_CHARS = MAX_NAME_CHARS
 
 
 class VoiceUpload(NamedTuple):
@@ -28,7 +31,8 @@ class VoiceUpload(NamedTuple):
     mime_type: str | None
     ref_text: str | None
     x_vector_only: bool
-    replace: bool = False  # may overwrite an uploaded voice of the same name (else 409)
+    consent: str | None = None  # the speaker's consent (OpenAI: a consent recording's id), stored with the voice
+    replace: bool = False  # replace an existing voice of this name
 
 
 _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+\-]+/[\w.+\-]+)?(?P<params>(;[\w\-]+=[^;,]*)*)(?P<b64>;base64)?,", re.I)
@@ -63,6 +67,24 @@ def decode_base64(text: str, max_bytes: int, param: str) -> bytes:
         raise _too_large(max_bytes, param)
     if not data:
         raise bad_request(f"{param} is empty", param)
+    return data
+
+
+def usable_clip(data: bytes, max_seconds: float, param: str = "ref_audio") -> bytes:
+    """A clip the Talker can read (libsndfile: wav, flac, ogg, mp3), probed within the limits: `data` itself, or
+    what browsers and phones record (webm/opus, m4a/aac, ...) decoded into a WAV by PyAV. Blocking (decodes):
+    run it in a thread. 400 naming `param` when it is not audio."""
+    try:
+        sf.info(io.BytesIO(data))
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
+        from deployments.audio.clip_decoding import decode_to_wav
+
+        wav = decode_to_wav(data, max_seconds)
+        if wav is None:
+            raise bad_request(f"{param} could not be decoded as audio (formats: wav, flac, mp3, ogg, webm/opus, "
+                              "m4a/aac)", param, code="invalid_audio") from None
+        data = wav
+    probe_audio(data, max_seconds, param)
     return data
 
 
@@ -131,11 +153,13 @@ async def read_voice_upload(request: Request, limits: IngressConfig) -> VoiceUpl
             raise _too_large(limit, "audio_sample")
         if not audio:
             raise bad_request("audio_sample is empty", "audio_sample")
-        def flag(field: str) -> bool:
-            return str(form.get(field) or "false").lower() in ("1", "true", "yes")
-
+        x_vector_only = str(form.get("x_vector_only_mode") or "false").lower() in ("1", "true", "yes")
+        consent = str(form.get("consent") or "").strip() or None
+        if consent is not None and len(consent) > MAX_CONSENT_CHARS:
+            raise bad_request(f"consent is longer than {MAX_CONSENT_CHARS} characters", "consent")
         return VoiceUpload(str(form.get("name") or ""), audio, upload.content_type,
-                           str(form.get("ref_text") or "").strip() or None, flag("x_vector_only_mode"), flag("replace"))
+                           str(form.get("ref_text") or "").strip() or None, x_vector_only, consent,
+                           str(form.get("replace") or "false").lower() in ("1", "true", "yes"))
     try:
         body = VoiceUploadJSON.model_validate_json(await request.body())
     except ValueError as e:
@@ -146,4 +170,4 @@ async def read_voice_upload(request: Request, limits: IngressConfig) -> VoiceUpl
     else:
         audio, mime = decode_base64(body.audio_sample, limit, "audio_sample"), None
     return VoiceUpload(body.name, audio, mime, (body.ref_text or "").strip() or None, body.x_vector_only_mode,
-                       body.replace)
+                       (body.consent or "").strip() or None, body.replace)

@@ -13,6 +13,7 @@ from deployments import constants as C
 from deployments.config import IngressConfig, TTSServingArgs
 from deployments.errors import APIError, bad_request, shown
 from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.voice_aliases import alias_target
 from deployments.ingress.voice_store import VoiceRecord
 from deployments.messages import GenerateOptions, ModelInfo
 from stages.contract import InvalidRequestError, Priority, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
@@ -39,42 +40,48 @@ def resolve_model_name(requested: str, names: dict[str, str]) -> str:
     return name
 
 
-def infer_model(body: SpeechRequest, infos: dict[str, ModelInfo], find_voice) -> str:
+def infer_model(body: SpeechRequest, infos: dict[str, ModelInfo], find_voice, aliases: dict[str, str] | None = None,
+                ) -> str:
     """The one served model that fits a request without `model`; 400 when none or several fit.
 
     `find_voice(name) -> VoiceRecord | None` looks up uploaded voices.
     """
     if len(infos) == 1:
         return next(iter(infos))
-    task = _requested_task(body, infos, find_voice)
-    fits = [n for n, i in infos.items() if (task is None or i.task is task) and _voice_fits(body, i, find_voice)]
+    task = _requested_task(body, infos, find_voice, aliases or {})
+    fits = [n for n, i in infos.items()
+            if (task is None or i.task is task) and _voice_fits(body, i, find_voice, aliases)]
     if len(fits) == 1:
         return fits[0]
     raise bad_request(f"`model` is required: {len(fits) or 'no'} served models fit this request "
                       f"(served: {sorted(infos)})", "model", code="model_required")
 
 
-def _requested_task(body: SpeechRequest, infos: dict[str, ModelInfo], find_voice) -> TaskType | None:
+def _requested_task(body: SpeechRequest, infos: dict[str, ModelInfo], find_voice,
+                    aliases: dict[str, str]) -> TaskType | None:
     if body.task_type:
         return TaskType(body.task_type)
     if body.ref_audio or body.ref_text or (body.voice and find_voice(body.voice)):
         return TaskType.BASE
-    if body.voice and any(body.voice.lower() in i.speakers for i in infos.values()):
+    if body.voice and any(body.voice.lower() in i.speakers or alias_target(body.voice, aliases, i.speakers)
+                          for i in infos.values()):
         return TaskType.CUSTOM_VOICE
     if body.instructions and not body.voice:
         return TaskType.VOICE_DESIGN
     return None
 
 
-def _voice_fits(body: SpeechRequest, info: ModelInfo, find_voice) -> bool:
+def _voice_fits(body: SpeechRequest, info: ModelInfo, find_voice, aliases: dict[str, str] | None) -> bool:
     try:
-        choose_voice(body, info, find_voice)
+        choose_voice(body, info, find_voice, aliases)
     except APIError:
         return False
     return True
 
 
-def choose_voice(body: SpeechRequest, info: ModelInfo, find_voice) -> VoiceChoice:
+def choose_voice(body: SpeechRequest, info: ModelInfo, find_voice, aliases: dict[str, str] | None = None,
+                 ) -> VoiceChoice:
+    """`aliases`: other names of preset speakers (`ingress.voice_aliases`: OpenAI's voice names)."""
     task = info.task
     if body.task_type and body.task_type != task.value:
         raise bad_request(f"model {info.name!r} is a {task.value} checkpoint and cannot do task_type "
@@ -93,6 +100,8 @@ def choose_voice(body: SpeechRequest, info: ModelInfo, find_voice) -> VoiceChoic
             return VoiceChoice(speaker="vivian" if "vivian" in info.speakers else info.speakers[0])
         if voice.lower() in info.speakers:
             return VoiceChoice(speaker=voice.lower())
+        if (speaker := alias_target(voice, aliases or {}, info.speakers)) is not None:
+            return VoiceChoice(speaker=speaker)
         if find_voice(voice) is not None:
             raise bad_request(f"voice {shown(voice)} is an uploaded clone voice; it needs a Base model, and "
                               f"{info.name!r} is CustomVoice", "voice", code="unsupported_task")

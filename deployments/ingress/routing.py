@@ -17,9 +17,10 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import constants as C
 from deployments.config import TalkerDeploymentConfig
-from deployments.errors import APIError, to_api_error
+from deployments.errors import to_api_error
 from deployments.ingress.request_builder import VoiceChoice, choose_voice, infer_model, resolve_model_name
 from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.voice_aliases import OPENAI_MODEL_NAMES, model_names
 from deployments.ingress.voice_store import VoiceRecord
 from deployments.messages import ModelInfo
 
@@ -50,11 +51,15 @@ class ModelRouter:
 
     def __init__(self, talkers: dict[str, DeploymentHandle], models: list[TalkerDeploymentConfig],
                  voice_aliases: dict[str, str] | None = None):
+        """`voice_aliases`: other names of preset speakers; OpenAI's model names go to the first model unless a
+        model has them as aliases (deployments/ingress/voice_aliases.py)."""
         self.routes = {name: ModelRoute(name, handle) for name, handle in talkers.items()}
-        self._aliases = {k.lower(): v.lower() for k, v in (voice_aliases or {}).items()}
         self._models = models
-        self._names = {n.lower(): m.name for m in models for n in (m.name, *m.aliases)}
+        self.voice_aliases = dict(voice_aliases or {})
+        self._names = model_names({n.lower(): m.name for m in models for n in (m.name, *m.aliases)},
+                                  models[0].name if models else None)
         self._presets: frozenset[str] | None = None
+        self._created = int(time.time())
 
     def prefetch(self) -> None:
         """Start fetching every model's info now (on the running loop); requests await them."""
@@ -74,19 +79,14 @@ class ModelRouter:
 
     async def route(self, body: SpeechRequest,
                     find_voice: Callable[[str], VoiceRecord | None]) -> tuple[ModelInfo, VoiceChoice]:
-        """The model and voice of a request; `find_voice` looks up uploaded voices (without blocking). A voice
-        alias (OpenAI's names) becomes its speaker unless a served preset or an uploaded voice has that name."""
-        if body.voice and (alias := self._aliases.get(body.voice.strip().lower())) is not None:
-            infos = await asyncio.gather(*(r.info() for r in self.routes.values()))
-            if not any(body.voice.strip().lower() in i.speakers for i in infos) and find_voice(body.voice) is None:
-                body.voice = alias
+        """The model and voice of a request; `find_voice` looks up uploaded voices (without blocking)."""
         if body.model:
             info = await self.routes[resolve_model_name(body.model, self._names)].info()
         else:
             infos = await asyncio.gather(*(r.info() for r in self.routes.values()))
             by_name = {i.name: i for i in infos}
-            info = by_name[infer_model(body, by_name, find_voice)]
-        return info, choose_voice(body, info, find_voice)
+            info = by_name[infer_model(body, by_name, find_voice, self.voice_aliases)]
+        return info, choose_voice(body, info, find_voice, self.voice_aliases)
 
     async def infos(self, timeout_s: float) -> list[ModelInfo]:
         """Every model's info, or the APIError of the first that cannot be had within `timeout_s`."""
@@ -96,22 +96,20 @@ class ModelRouter:
         except Exception as exc:
             raise to_api_error(exc) from None
 
-    def describe_model(self, model_id: str) -> dict:
-        """`GET /v1/models/{id}`: one served model by name or alias (404 naming the served ones)."""
-        name = self._names.get(model_id.lower())
-        if name is None:
-            raise APIError(404, f"model {model_id[:64]!r} is not served (served: {sorted(self.routes)})",
-                           param="model", code="model_not_found")
-        return next(m for m in self.describe()["data"] if m["id"] == name)
-
     def describe(self) -> dict:
         """The `/v1/models` body: every served model, with what its info says once it has arrived."""
-        created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": created, "owned_by": "qwen3-tts-serve", "aliases": m.aliases,
-             **(info.describe() if (info := self.routes[m.name].loaded) is not None else {})}
-            for m in self._models
-        ]}
+        return {"object": "list", "data": [self._model_object(m) for m in self._models]}
+
+    def describe_one(self, model_id: str) -> dict:
+        """`GET /v1/models/{id}`: the model a name or alias (OpenAI's included) is served by; 404 if none."""
+        name = resolve_model_name(model_id, self._names)
+        return self._model_object(next(m for m in self._models if m.name == name))
+
+    def _model_object(self, m: TalkerDeploymentConfig) -> dict:
+        aliases = [*m.aliases, *(n for n, served in self._names.items() if served == m.name and n in OPENAI_MODEL_NAMES
+                                  and n not in {a.lower() for a in m.aliases})]
+        return {"id": m.name, "object": "model", "created": self._created, "owned_by": "qwen3-tts-serve",
+                "aliases": aliases, **(info.describe() if (info := self.routes[m.name].loaded) is not None else {})}
 
 
 def _ignore_failure(future: asyncio.Future) -> None:

@@ -41,11 +41,13 @@ class SpeechRequest(BaseModel):
     input: str = Field(description="text to speak")
     voice: str | None = Field(None, max_length=MAX_NAME_CHARS,
                               description="preset speaker (CustomVoice) or uploaded voice (Base)")
-    response_format: ResponseFormat = "wav"
+    response_format: ResponseFormat | None = Field(None, description="default: `ingress.default_response_format` "
+                                                   "(mp3, as OpenAI's)")
     speed: float = Field(1.0, ge=0.25, le=4.0, description="tempo, pitch preserved (streamed or not)")
     instructions: str | None = Field(None, description="style instruction (CustomVoice 1.7B) or voice description "
                                      "(VoiceDesign)")
-    stream: bool | None = Field(None, description="stream the audio as it is generated")
+    stream: bool | None = Field(None, description="stream the audio as it is generated (the default); false: one "
+                                "body, sent when it is complete")
     stream_format: Literal["audio", "sse"] | None = Field(None, description="audio = raw chunked bytes, "
                                                           "sse = base64 `speech.audio.delta` events")
     # Qwen3-TTS
@@ -102,8 +104,14 @@ class SpeechRequest(BaseModel):
 
     @property
     def streaming(self) -> bool:
-        """`stream: true`, or a `stream_format` without `stream: false` (what OpenAI's client sends)."""
-        return bool(self.stream) or (self.stream is None and self.stream_format is not None)
+        """Streams unless the client asks `stream: false` (every format streams: deployments/audio/encoders.py)."""
+        return self.stream is not False
+
+    def with_default_format(self, default: str) -> SpeechRequest:
+        """This request with `response_format` set (the server's default when the client named none)."""
+        if self.response_format is not None:
+            return self
+        return self.model_copy(update={"response_format": default})
 
     def sampling_overrides(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) is not None}
@@ -128,8 +136,9 @@ class VoiceUploadJSON(BaseModel):
     audio_sample: str = Field(description="base64 or a data: URI")
     ref_text: str | None = None
     x_vector_only_mode: bool = False
-    consent: str | None = None
-    replace: bool = Field(False, description="overwrite an uploaded voice of the same name (else 409)")
+    consent: str | None = Field(None, max_length=MAX_NAME_CHARS, description="the speaker's consent (OpenAI: a "
+                                "consent recording's id), stored with the voice")
+    replace: bool = Field(False, description="replace an existing voice of this name (one's own; admin: any)")
 
     @field_validator("*", mode="after")
     @classmethod

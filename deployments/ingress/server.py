@@ -25,15 +25,18 @@ from deployments.config import TTSServingArgs
 from deployments.errors import APIError
 from deployments.first_audio_timing import FirstAudioTiming
 from deployments.ingress import routing
+from deployments.ingress.api_keys import ApiKey
+from deployments.ingress.auth import Auth, caller
 from deployments.ingress.batch_jobs import BatchJobs
 from deployments.ingress.batch_store import BatchStore
 from deployments.ingress.batch_worker import BatchWorker
 from deployments.ingress.decode_batcher import DecodeBatcher
 from deployments.ingress.http_guard import OpenWork
-from deployments.ingress.live import LiveSession
+from deployments.ingress.live import LiveAuth, LiveSession
 from deployments.ingress.outcomes import Outcomes
 from deployments.ingress.pipeline import stream_audio
 from deployments.ingress.placement import StreamPlacement
+from deployments.ingress.rate_limits import KeyLimits, held_until_sent
 from deployments.ingress.request_builder import VoiceChoice, build_request, check_limits, check_request
 from deployments.ingress.request_log import RequestRecord, key_hash
 from deployments.ingress.routing import ModelRouter
@@ -56,6 +59,8 @@ class TTSIngress:
         limits = args.ingress
         self._args, self._limits, self._code2wav = args, limits, code2wav
         self._router = ModelRouter(talkers, args.models, limits.voice_aliases)
+        self._auth = Auth(limits.auth)  # the WebSocket's checks; HTTP requests are checked by AuthGuard (app.py)
+        self._key_limits = KeyLimits(_app_name(), limits.request_timeout_s)
         self._outcomes = Outcomes(limits.backpressure, self._router.routes)
         self._work = OpenWork(limits.max_open_requests, limits.backpressure.retry_after_s,
                               limits.backpressure.status_code)
@@ -76,7 +81,8 @@ class TTSIngress:
                            batch.max_attempts)
         self._batch_worker = BatchWorker(store, batch, self._batch_item_chunks, limits.request_timeout_s,
                                          BatchMetrics().record)
-        self._batches = BatchJobs(store, batch, self._check_batch_item, self._batch_worker)
+        self._batches = BatchJobs(store, batch, self._check_batch_item, self._batch_worker,
+                                  limits.default_response_format)
         self._batch_worker.start()
 
     @staticmethod
@@ -92,21 +98,32 @@ class TTSIngress:
 
     # ------------------------------------------------------------------ speech
     async def speech(self, body: SpeechRequest, request: Request):
+        key = caller(request)
+        body = body.with_default_format(self._limits.default_response_format)
         record = RequestRecord(f"speech-{uuid.uuid4().hex}", "speech", len(body.input), body.streaming,
                                voice=body.voice, key_hash=key_hash(request.headers.get("authorization"),
                                                                    request.query_params.get("token")))
         try:
+            admission = await self._key_limits.admit(key, stream=True)  # the key's limits (rate_limits.py)
+        except APIError as exc:
+            return self._outcomes.fail(exc, "-", body.streaming, record)
+        try:
             self._work.acquire()  # admission of the costly part (deployments/ingress/http_guard.py)
         except APIError as exc:
+            admission.release()
             return self._outcomes.fail(exc, "-", body.streaming, record)
         try:
             # calls to the Talker and Code2Wav carry the request's span: theirs are its children (Serve propagates it)
             with trace.use_span(record.span, end_on_exit=False):
-                return await self._speech(body, record)
+                response = await self._speech(body, record, key)
+        except BaseException:
+            admission.release()
+            raise
         finally:
             self._work.release()  # a stream holds its own count while it is sent
+        return held_until_sent(response, admission.release)
 
-    async def _speech(self, body: SpeechRequest, record: RequestRecord) -> Response:
+    async def _speech(self, body: SpeechRequest, record: RequestRecord, key: ApiKey | None = None) -> Response:
         started, timing = record.started, FirstAudioTiming(arrived=first_audio_timing.now())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(body.timeout_s or self._limits.request_timeout_s, self._limits.request_timeout_s)
@@ -116,7 +133,7 @@ class TTSIngress:
         try:
             check_limits(body, self._limits)
             # validation first, then the client's deadline: a tiny `timeout_s` must not hide a 400
-            info, voice_choice = await self.route(body)
+            info, voice_choice = await self.route(body, key)
             model = record.model = info.name
             check_request(body, info, self._args)
             async with asyncio.timeout_at(deadline):
@@ -139,11 +156,11 @@ class TTSIngress:
             return stream_response(job, self._outcomes, self._work, headers)
         return await whole_response(job, self._outcomes, headers)
 
-    async def route(self, body: SpeechRequest) -> tuple[ModelInfo, VoiceChoice]:
-        """The request's model and voice. Waits only for a model's info (fetched once per replica) and a voice
-        lookup on disk (in a thread), bounded by the server's deadline."""
+    async def route(self, body: SpeechRequest, key: ApiKey | None = None) -> tuple[ModelInfo, VoiceChoice]:
+        """The request's model and voice (an uploaded voice only if `key` may use it). Waits only for a model's
+        info (fetched once per replica) and a voice lookup on disk (in a thread), bounded by the server's deadline."""
         async with asyncio.timeout(self._limits.request_timeout_s):
-            find_voice = await self._voices.finder(body)
+            find_voice = await self._voices.finder(body, key)
             return await self._router.route(body, find_voice)
 
     async def start(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, request_id: str,
@@ -162,7 +179,7 @@ class TTSIngress:
 
     # ------------------------------------------------------------------ batch jobs
     async def submit_batch(self, request: Request):
-        return await self._batches.submit(request)
+        return await self._batches.submit(request, caller(request))
 
     async def batch_status(self, batch_id: str):
         return await self._batches.status(batch_id)
@@ -173,10 +190,11 @@ class TTSIngress:
     async def cancel_batch(self, batch_id: str):
         return await self._batches.cancel(batch_id)
 
-    async def _check_batch_item(self, body: SpeechRequest) -> None:
-        """What `/v1/audio/speech` checks before it generates (raises its APIError), for one item of a job."""
+    async def _check_batch_item(self, body: SpeechRequest, key: ApiKey | None) -> None:
+        """What `/v1/audio/speech` checks before it generates (raises its APIError), for one item of a job; an
+        uploaded voice only if `key` may use it."""
         check_limits(body, self._limits)
-        info, voice_choice = await self.route(body)
+        info, voice_choice = await self.route(body, key)
         check_request(body, info, self._args)
         voice = await self._voices.prompt(body, info, voice_choice)
         build_request(body, info, voice_choice, voice, self._args, "batch-check")
@@ -197,7 +215,8 @@ class TTSIngress:
 
     # ------------------------------------------------------------------ live text (WebSocket)
     async def speech_stream(self, websocket: WebSocket):
-        await LiveSession(websocket, self, self._mailbox, self._outcomes, self._work, self._sockets).run()
+        await LiveSession(websocket, self, self._mailbox, self._outcomes, self._work, self._sockets,
+                          LiveAuth(self._auth, self._key_limits)).run()
 
     async def websocket_stats(self) -> dict:
         """This replica's open WebSockets (and client addresses holding some), through a deployment handle."""
@@ -208,16 +227,22 @@ class TTSIngress:
         return self._router.describe()
 
     async def model(self, model_id: str):
-        return self._router.describe_model(model_id)
+        return self._router.describe_one(model_id)
 
-    async def list_voices(self):
-        return await self._voices.listing()
+    async def list_voices(self, request: Request):
+        return await self._voices.listing(caller(request))
 
     async def upload_voice(self, request: Request):
-        return await self._voices.upload(request)
+        key = caller(request)
+        try:
+            admission = await self._key_limits.admit(key, stream=False)  # counts in the key's requests per minute
+        except APIError as exc:
+            return self._outcomes.error(exc).response()
+        admission.release()
+        return await self._voices.upload(request, key)
 
-    async def delete_voice(self, name: str):
-        return await self._voices.delete(name)
+    async def delete_voice(self, name: str, request: Request):
+        return await self._voices.delete(name, caller(request))
 
     async def health(self):
         return routing.health()
@@ -225,3 +250,13 @@ class TTSIngress:
     async def ready(self):
         """200 only when every Talker and Code2Wav has a warmed-up replica and every model info is loaded."""
         return await routing.readiness(self._router, self._code2wav)
+
+
+def _app_name() -> str:
+    """The Serve application this replica serves (the per-key counters are one actor per app)."""
+    from ray import serve
+
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:  # outside a replica (unit tests of the class)
+        return "default"

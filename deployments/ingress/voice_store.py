@@ -2,7 +2,7 @@
 
 Layout (one directory per voice, written to a temporary name and renamed, so readers never see half):
 
-    <voices_dir>/<name>/meta.json                  name, uid, created_at, ref_text, x_vector_only_mode, ...
+    <voices_dir>/<name>/meta.json                  name, uid, created_at, ref_text, owner, consent, ...
     <voices_dir>/<name>/audio                      the uploaded bytes, as received
     <voices_dir>/<name>/prompt-<fingerprint>.npz   VoiceClonePrompt for the weights with that fingerprint
 
@@ -19,6 +19,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,10 +39,12 @@ class VoiceRecord:
     x_vector_only_mode: bool
     file_size: int
     mime_type: str | None
+    owner: str | None = None  # the uploader's API key id (sha256), None when the server had no keys
+    consent: str | None = None  # the speaker's consent as the uploader gave it (OpenAI: a consent id)
 
     def public(self) -> dict:
         d = asdict(self)
-        del d["uid"]
+        del d["uid"], d["owner"]
         return d
 
 
@@ -65,29 +68,31 @@ class VoiceStore:
             return None
         return self._read(name)
 
-    def find(self, name: str) -> VoiceRecord | None:
-        """Case-insensitive lookup (request voices are case-insensitive, like preset speakers). Blocking: the
-        ingress calls it in a thread. A miss costs one directory listing (voice directories bear their names)."""
+    def find(self, name: str, usable: Callable[[VoiceRecord], bool] = lambda _r: True) -> VoiceRecord | None:
+        """Case-insensitive lookup (request voices are case-insensitive, like preset speakers) of a voice `usable`
+        says the caller may see (its exact name first). Blocking: the ingress calls it in a thread. A miss costs
+        one directory listing (voice directories bear their names)."""
         if not VOICE_NAME_PATTERN.match(name):
             return None
         record = self._read(name)
-        if record is not None:
+        if record is not None and usable(record):
             return record
         lowered = name.lower()
         with os.scandir(self.root) as entries:
             matches = sorted(e.name for e in entries if e.name.lower() == lowered and e.name != name)
-        return next((r for r in map(self._read, matches) if r is not None), None)
+        return next((r for r in map(self._read, matches) if r is not None and usable(r)), None)
 
     def audio(self, record: VoiceRecord) -> bytes:
         return (self.root / record.name / "audio").read_bytes()
 
     def save(
         self, name: str, audio: bytes, ref_text: str | None, x_vector_only_mode: bool, mime_type: str | None,
-        prompts: dict[str, VoiceClonePrompt],
+        prompts: dict[str, VoiceClonePrompt], owner: str | None = None, consent: str | None = None,
     ) -> VoiceRecord:
         """Write (or replace) a voice with the clone prompts already computed for `{fingerprint: prompt}`."""
         record = VoiceRecord(name=name, uid=uuid.uuid4().hex, created_at=int(time.time()), ref_text=ref_text,
-                             x_vector_only_mode=x_vector_only_mode, file_size=len(audio), mime_type=mime_type)
+                             x_vector_only_mode=x_vector_only_mode, file_size=len(audio), mime_type=mime_type,
+                             owner=owner, consent=consent)
         tmp = self.root / f".{name}.{record.uid}.tmp"
         tmp.mkdir(parents=True)
         (tmp / "audio").write_bytes(audio)

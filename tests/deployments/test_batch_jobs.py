@@ -41,7 +41,7 @@ class FakeSynth:
         self.closed: list[str] = []  # request ids whose chunk stream was closed before its end
         self.busy = 1
 
-    async def validate(self, body: SpeechRequest) -> None:
+    async def validate(self, body: SpeechRequest, key=None) -> None:
         check_limits(body, LIMITS)
         if body.voice == "nobody":
             raise bad_request("unknown voice 'nobody'", "voice", code="voice_not_found")
@@ -82,7 +82,7 @@ class Harness:
         self.settings = BatchSettings(store_dir=str(root), **{"lease_s": 30.0, **settings})
         self.store = BatchStore(root, lease_s=self.settings.lease_s, max_attempts=self.settings.max_attempts)
         self.worker = BatchWorker(self.store, self.settings, synth, request_timeout_s=60, owner=owner)
-        self.jobs = BatchJobs(self.store, self.settings, synth.validate, self.worker)
+        self.jobs = BatchJobs(self.store, self.settings, synth.validate, self.worker, "wav")
         app: FastAPI = make_fastapi_app(None)
         app.post("/b")(self._submit)
         app.get("/b/{batch_id}")(self.jobs.status)

@@ -78,9 +78,9 @@ def _counting_store(tmp_path) -> tuple[VoiceStore, list[tuple[str, bool]]]:
     store.save("Alice", b"RIFF", None, True, "audio/wav", {})
     looked_up = []
 
-    def find(name, _find=store.find):
+    def find(name, *usable, _find=store.find):
         looked_up.append((name, _on_event_loop()))
-        return _find(name)
+        return _find(name, *usable)
 
     store.find = find
     return store, looked_up

@@ -135,6 +135,8 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
             "max_ref_audio_seconds": 5.0, "request_timeout_s": 120, "max_request_bytes": 1_000_000,
             "ref_audio_url_allowlist": [allowed_prefix], "body_read_timeout_s": BODY_READ_TIMEOUT_S,
             "allow_suppress_eos": True,
+            "default_response_format": "wav",  # these tests read WAV unless they ask (the OpenAI default, mp3:
+                                               # tests/serve/test_openai_auth.py)
             "deployment_config": {**ZERO_CPU, "num_replicas": 1},  # one event loop on CPU
         },
     }

@@ -90,7 +90,7 @@ def test_openai_client_raises_typed_errors(openai_client):
 def test_deadline_ends_requests(http):
     """A stream of the fake engine paused after 4 frames: mid-way for sure when its deadline passes."""
     paused = speech(model="fake", seed=PAUSE_SEED, timeout_s=2, response_format="pcm")
-    _check_error(http.post("/v1/audio/speech", json=paused), 504, None, "deadline")
+    _check_error(http.post("/v1/audio/speech", json={**paused, "stream": False}), 504, None, "deadline")
     with http.stream("POST", "/v1/audio/speech", json={**paused, "stream_format": "sse"}) as r:
         assert r.status_code == 200  # the first audio came before the deadline
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
@@ -129,7 +129,8 @@ def test_full_model_answers_fast_429_with_retry_after(base_url):
                 if not event.is_set():
                     waiter.cancel()
                     raise AssertionError(f"a holding stream ended before its first audio: {holder.result()!r}")
-            burst = await asyncio.gather(*(client.post("/v1/audio/speech", json=body) for _ in range(4)))
+            burst = await asyncio.gather(*(client.post("/v1/audio/speech", json={**body, "stream": False})
+                                           for _ in range(4)))
             return burst, await asyncio.gather(*holders)
 
     responses, held = asyncio.run(run())

@@ -26,7 +26,7 @@ def test_health_ready_and_models(http):
     assert set(ready.json()["deployments"]) == {"cv", "base", "vd", "cv-scale", "fake", "Code2Wav"}
     models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
     assert set(models) == {"cv", "base", "vd", "cv-scale", "fake"}
-    assert models["cv"]["task_type"] == "CustomVoice" and models["cv"]["aliases"] == ["tts-1"]
+    assert models["cv"]["task_type"] == "CustomVoice" and models["cv"]["aliases"] == ["tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
     assert "vivian" in models["cv"]["speakers"] and models["base"]["task_type"] == "Base"
 
 
@@ -34,7 +34,7 @@ def test_health_ready_and_models(http):
 def test_every_format_decodes_to_the_right_rate_and_length(openai_client, fmt):
     response = openai_client.audio.speech.create(
         model="cv", voice="vivian", input="Every format.", response_format=fmt,
-        extra_body={"max_new_tokens": 6, "suppress_eos": True, "seed": 7},
+        extra_body={"max_new_tokens": 6, "suppress_eos": True, "seed": 7, "stream": False},  # one whole body
     )
     data = response.content
     if fmt == "pcm":
@@ -48,7 +48,7 @@ def test_every_format_decodes_to_the_right_rate_and_length(openai_client, fmt):
 
 def test_speed_stretches_the_clip(http):
     normal = http.post("/v1/audio/speech", json=speech(response_format="pcm", max_new_tokens=10))
-    fast = http.post("/v1/audio/speech", json=speech(response_format="pcm", max_new_tokens=10, speed=2.0))
+    fast = http.post("/v1/audio/speech", json=speech(response_format="pcm", max_new_tokens=10, speed=2.0, stream=False))
     assert len(pcm_of(fast.content)) == len(pcm_of(normal.content)) // 2
     assert fast.headers["x-usage-output-tokens"] == "10" and fast.headers["x-finish-reason"] == "length"
 

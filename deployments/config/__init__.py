@@ -6,106 +6,38 @@ knobs travel as `engine_kwargs` into the stages' frozen dataclasses; Serve optio
 
 The defaults are the fastest measured configuration on a GPU (docs/serving.md): a config that names only the
 model, device, dtype and GPU fraction gets it. CPU configs set the smaller sizes they need.
+
+Here: the stages' deployments and the whole app; `common.py`: the strict base model, Serve's options and `${VAR}`
+substitution; `ingress.py`: the ingress's settings.
 """
 
 from __future__ import annotations
 
-import inspect
-import os
 import re
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from deployments import constants as C
+from deployments.config.common import (
+    DEVICE_PATTERN,
+    DTYPES,
+    NAME_PATTERN,
+    BaseConfig,
+    ModelKind,
+    _DeploymentOptions,
+    _empty_is_none,
+    substitute_env,
+)
+from deployments.config.ingress import (  # noqa: F401
+    AuthConfig,
+    BackpressureSettings,
+    BatchSettings,
+    DecodeBatchSettings,
+    IngressConfig,
+)
 from stages.code2wav.engine_config import Code2WavEngineConfig
 from stages.talker.engine_config import TalkerEngineConfig
-
-ModelKind = Literal["custom_voice", "base", "voice_design"]
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$"
-DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
-DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")  # stages.checkpoint.parse_dtype's
-
-
-def _serve_deployment_options() -> frozenset[str]:
-    from ray import serve
-
-    return frozenset(inspect.signature(serve.deployment).parameters) - {"_func_or_class", "name", "version"}
-
-
-def _autoscaling_keys() -> frozenset[str]:
-    from ray.serve.config import AutoscalingConfig
-
-    return frozenset(AutoscalingConfig.model_fields)
-
-
-ENV_REFERENCE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}")
-
-
-def substitute_env(value: Any, environ: Mapping[str, str] | None = None, where: str = "args") -> Any:
-    """`value` (the YAML `args:` tree) with `${VAR}`, `${VAR:-default}` (unset or empty) and `${VAR-default}`
-    (unset) replaced in every string, as a POSIX shell does; `$$` is a literal `$`. An unset `${VAR}` without a
-    default is an error naming the variable and where it is used. Serve passes `args` as written (it expands
-    nothing), so the variables are read where the application is built: the Ray cluster's environment, or the
-    application's `runtime_env.env_vars`."""
-    environ = os.environ if environ is None else environ
-    if isinstance(value, dict):
-        return {k: substitute_env(v, environ, f"{where}.{k}") for k, v in value.items()}
-    if isinstance(value, list):
-        return [substitute_env(v, environ, f"{where}[{i}]") for i, v in enumerate(value)]
-    if not isinstance(value, str) or "$" not in value:
-        return value
-
-    def replace(match: re.Match) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        name, operator, default = match.groups()
-        current = environ.get(name)
-        if operator == ":-" and not current or operator == "-" and current is None:
-            return default
-        if current is None:
-            raise ValueError(f"{where}: environment variable {name} is not set (write ${{{name}:-default}} "
-                             "for a default)")
-        return current
-
-    return ENV_REFERENCE.sub(replace, value)
-
-
-def _empty_is_none(value: Any) -> Any:
-    """`model: ${QWEN3_TTS_MODEL:-}` with the variable unset: the embedded checkpoint, as `model: null`."""
-    return None if isinstance(value, str) and not value.strip() else value
-
-
-class BaseConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
-
-    @classmethod
-    def from_file(cls, path: str | Path):
-        with open(path, encoding="utf-8") as f:
-            return cls.model_validate(yaml.safe_load(f) or {})
-
-
-class _DeploymentOptions(BaseConfig):
-    deployment_config: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Keyword arguments of serve.deployment (ray_actor_options, autoscaling_config, "
-        "max_ongoing_requests, ...), merged over the builder's defaults.",
-    )
-
-    @field_validator("deployment_config")
-    @classmethod
-    def _known_serve_options(cls, value: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(value) - _serve_deployment_options()
-        if unknown:
-            raise ValueError(f"unknown Serve deployment options {sorted(unknown)}")
-        autoscaling = value.get("autoscaling_config")
-        if isinstance(autoscaling, dict) and (unknown := set(autoscaling) - _autoscaling_keys()):
-            raise ValueError(f"unknown autoscaling_config keys {sorted(unknown)}; Serve's AutoscalingConfig has "
-                             f"{sorted(_autoscaling_keys())}")
-        return value
 
 
 class CheckpointSource(BaseConfig):
@@ -279,115 +211,6 @@ class StreamingConfig(BaseConfig):
             fields["ramp"] = tuple(fields["ramp"])
         return ChunkSchedule(**fields)
 
-
-class BackpressureSettings(BaseConfig):
-    """The answer when a deployment's queue is full: the ingress's own (Serve's backpressure_config)
-    and the one the ingress gives when a Talker/Code2Wav handle refuses a request."""
-
-    status_code: Literal[429, 503] = 429
-    retry_after_s: float = Field(C.DEFAULT_RETRY_AFTER_S, ge=0)
-
-
-class DecodeBatchSettings(BaseConfig):
-    """How an ingress replica sends its streams' chunks to Code2Wav (deployments/ingress/decode_batcher.py)."""
-
-    max_chunks: int = Field(C.DEFAULT_DECODE_BATCH_MAX_CHUNKS, ge=1, description="chunks in one decode call at most")
-    max_calls_in_flight: int = Field(C.DEFAULT_DECODE_CALLS_IN_FLIGHT, ge=1,
-                                     description="decode calls of this replica in flight; more chunks wait and join")
-    stream_affinity: Literal["auto", "on", "off"] = Field("auto", description=(
-        "keep each stream's chunks on the Code2Wav replica holding its decoder state (deployments/ingress/placement.py);"
-        " only a stateful Code2Wav has one; auto: on where it may run several replicas; off: Serve's own routing"))
-
-    @field_validator("stream_affinity", mode="before")
-    @classmethod
-    def _yaml_switch(cls, value: Any) -> Any:
-        """YAML 1.1 (Serve's config files, `--set k=off`) reads an unquoted on/off as true/false."""
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-
-
-class BatchSettings(BaseConfig):
-    """Batch jobs (`/v1/audio/speech/batches`, deployments/ingress/batch_jobs.py): where their state lives and how
-    each ingress replica works through them."""
-
-    store_dir: str | None = Field(None, description=(
-        "the jobs' SQLite database and their items' audio; default <serve home>/batches/<Serve application name>. "
-        "The ingress replicas of one application share it (one host: any disk; several nodes: shared storage with "
-        "POSIX locks and `journal_mode: delete`); never two applications"))
-    journal_mode: Literal["wal", "delete"] = Field("wal", description=(
-        "SQLite's journal: wal needs every replica on one host (its index is shared memory); delete works on "
-        "shared storage across nodes"))
-    max_items: int = Field(C.DEFAULT_BATCH_MAX_ITEMS, ge=1, description="requests in one job at most")
-    items_in_flight: int = Field(C.DEFAULT_BATCH_ITEMS_IN_FLIGHT, ge=1, description=(
-        "items one ingress replica synthesizes at once (each is a low-priority Talker request)"))
-    lease_s: float = Field(C.DEFAULT_BATCH_LEASE_S, gt=0, description=(
-        "an item a replica claimed and stopped renewing (the replica died) is claimed again after this"))
-    max_attempts: int = Field(3, ge=1, description="claims of one item at most (a replica died with it each time)")
-    retention_s: float = Field(C.DEFAULT_BATCH_RETENTION_S, gt=0, description=(
-        "a finished or cancelled job, its items' audio included, is deleted this long after it ended"))
-
-    def store_path(self, app_name: str) -> Path:
-        """One store per application: another app's replicas would claim its items for their own models."""
-        return Path(self.store_dir).expanduser() if self.store_dir else C.DEFAULT_BATCH_STORE_DIR / app_name
-
-
-class IngressConfig(_DeploymentOptions):
-    stage_transport: Literal["grpc", "object_ref"] = Field("grpc", description=(
-        "how chunks travel Talker -> ingress -> Code2Wav: Serve's gRPC transport by value, or Ray actor calls "
-        "forwarding object refs (deployments/transport.py)"))
-    max_input_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1)
-    max_instructions_chars: int = Field(C.DEFAULT_MAX_INSTRUCTIONS_CHARS, ge=1)
-    voice_aliases: dict[str, str] = Field(default_factory=lambda: dict(C.OPENAI_VOICE_ALIASES), description=(
-        "voice names a request may use for a preset speaker (case-insensitive; default: OpenAI's voice names); "
-        "a served preset or an uploaded voice of the same name comes first; {} turns them off"))
-    max_ref_text_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1)
-    max_ref_audio_bytes: int = Field(C.DEFAULT_MAX_REF_AUDIO_BYTES, ge=1, description="decoded bytes of a reference clip")
-    max_ref_audio_seconds: float = Field(C.DEFAULT_MAX_REF_AUDIO_SECONDS, gt=0)
-    max_request_bytes: int = Field(C.DEFAULT_MAX_REQUEST_BYTES, ge=1, description="HTTP body limit (413 above)")
-    max_new_tokens_limit: int | None = Field(None, ge=1, description="cap on a request's max_new_tokens")
-    request_timeout_s: float = Field(C.DEFAULT_REQUEST_TIMEOUT_S, gt=0, description="per-request deadline")
-    body_read_timeout_s: float = Field(C.DEFAULT_BODY_READ_TIMEOUT_S, gt=0,
-                                       description="a request body must arrive whole within this (408 otherwise)")
-    max_open_requests: int = Field(C.DEFAULT_INGRESS_MAX_OPEN_REQUESTS, ge=1, description=(
-        "speech requests (open streams included) and voice uploads in progress per ingress replica; more are "
-        "answered with `backpressure` (429 + Retry-After) by the ingress itself"))
-    ref_audio_url_allowlist: list[str] = Field(
-        default_factory=list,
-        description="http(s) URL prefixes ref_audio may be fetched from (e.g. 'https://cdn.example.com/voices/'); "
-        "empty = no URLs. Local files are never read.",
-    )
-    voices_dir: str | None = Field(None, description="uploaded voices (shared storage when there are several nodes)")
-    max_uploaded_voices: int = Field(C.DEFAULT_MAX_UPLOADED_VOICES, ge=0)
-    max_contexts_per_connection: int = Field(C.DEFAULT_MAX_CONTEXTS_PER_CONNECTION, ge=1, description=(
-        "contexts (utterances) open at once on one `/v1/audio/speech/stream` WebSocket; each also counts in "
-        "max_open_requests"))
-    websocket_idle_timeout_s: float = Field(C.DEFAULT_WEBSOCKET_IDLE_TIMEOUT_S, gt=0, description=(
-        "a `/v1/audio/speech/stream` WebSocket with no open context this long is closed (1000); the time runs "
-        "from the connection, or from its last context's end"))
-    max_websockets_per_replica: int = Field(C.DEFAULT_MAX_WEBSOCKETS_PER_REPLICA, ge=1, description=(
-        "WebSockets one ingress replica holds; more are refused (an error message, then close 1013)"))
-    max_websockets_per_client: int = Field(C.DEFAULT_MAX_WEBSOCKETS_PER_CLIENT, ge=1, description=(
-        "WebSockets one client address holds on one ingress replica; more are refused as above"))
-    allow_suppress_eos: bool = Field(False, description=(
-        "accept `suppress_eos` (benchmarks, random-weight tests); off in production: it lets any client force "
-        "maximum-length generation"))
-    min_fitted_frames: int = Field(C.DEFAULT_MIN_FITTED_FRAMES, ge=1, description=(
-        "a request without max_new_tokens whose prompt leaves fewer frames than this within max_seq_len is a "
-        "400 (rather than a truncated clip of a few frames)"))
-    backpressure: BackpressureSettings = Field(default_factory=BackpressureSettings)
-    decode_batch: DecodeBatchSettings = Field(default_factory=DecodeBatchSettings)
-    batch: BatchSettings = Field(default_factory=BatchSettings)
-
-    @field_validator("ref_audio_url_allowlist")
-    @classmethod
-    def _http_prefixes(cls, value: list[str]) -> list[str]:
-        for prefix in value:
-            if not re.match(r"^https?://[^/]+/", prefix):
-                raise ValueError(f"allowlist entry {prefix!r} must be an http(s) URL prefix ending its host with '/'")
-        return value
-
-    @property
-    def voices_path(self) -> Path:
-        return Path(self.voices_dir).expanduser() if self.voices_dir else C.DEFAULT_VOICES_DIR
 
 
 class TTSServingArgs(BaseConfig):

@@ -1,0 +1,97 @@
+"""The config's building blocks: the strict base model, Serve's deployment options, `${VAR}` substitution."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ModelKind = Literal["custom_voice", "base", "voice_design"]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$"
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")  # stages.checkpoint.parse_dtype's
+
+
+def _serve_deployment_options() -> frozenset[str]:
+    from ray import serve
+
+    return frozenset(inspect.signature(serve.deployment).parameters) - {"_func_or_class", "name", "version"}
+
+
+def _autoscaling_keys() -> frozenset[str]:
+    from ray.serve.config import AutoscalingConfig
+
+    return frozenset(AutoscalingConfig.model_fields)
+
+
+ENV_REFERENCE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}")
+
+
+def substitute_env(value: Any, environ: Mapping[str, str] | None = None, where: str = "args") -> Any:
+    """`value` (the YAML `args:` tree) with `${VAR}`, `${VAR:-default}` (unset or empty) and `${VAR-default}`
+    (unset) replaced in every string, as a POSIX shell does; `$$` is a literal `$`. An unset `${VAR}` without a
+    default is an error naming the variable and where it is used. Serve passes `args` as written (it expands
+    nothing), so the variables are read where the application is built: the Ray cluster's environment, or the
+    application's `runtime_env.env_vars`."""
+    environ = os.environ if environ is None else environ
+    if isinstance(value, dict):
+        return {k: substitute_env(v, environ, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [substitute_env(v, environ, f"{where}[{i}]") for i, v in enumerate(value)]
+    if not isinstance(value, str) or "$" not in value:
+        return value
+
+    def replace(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name, operator, default = match.groups()
+        current = environ.get(name)
+        if operator == ":-" and not current or operator == "-" and current is None:
+            return default
+        if current is None:
+            raise ValueError(f"{where}: environment variable {name} is not set (write ${{{name}:-default}} "
+                             "for a default)")
+        return current
+
+    return ENV_REFERENCE.sub(replace, value)
+
+
+def _empty_is_none(value: Any) -> Any:
+    """`model: ${QWEN3_TTS_MODEL:-}` with the variable unset: the embedded checkpoint, as `model: null`."""
+    return None if isinstance(value, str) and not value.strip() else value
+
+
+class BaseConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    @classmethod
+    def from_file(cls, path: str | Path):
+        with open(path, encoding="utf-8") as f:
+            return cls.model_validate(yaml.safe_load(f) or {})
+
+
+class _DeploymentOptions(BaseConfig):
+    deployment_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of serve.deployment (ray_actor_options, autoscaling_config, "
+        "max_ongoing_requests, ...), merged over the builder's defaults.",
+    )
+
+    @field_validator("deployment_config")
+    @classmethod
+    def _known_serve_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(value) - _serve_deployment_options()
+        if unknown:
+            raise ValueError(f"unknown Serve deployment options {sorted(unknown)}")
+        autoscaling = value.get("autoscaling_config")
+        if isinstance(autoscaling, dict) and (unknown := set(autoscaling) - _autoscaling_keys()):
+            raise ValueError(f"unknown autoscaling_config keys {sorted(unknown)}; Serve's AutoscalingConfig has "
+                             f"{sorted(_autoscaling_keys())}")
+        return value
+
