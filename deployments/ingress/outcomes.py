@@ -32,8 +32,8 @@ _STATUS_TAGS = {400: "bad_request", 404: "not_found", 408: "timeout", 413: "bad_
 
 
 class RouterBackpressureLines(logging.Filter):
-    """Drops the WARNING Serve's router logs when a handle call is refused for a full queue: the ingress logs
-    each refused request once itself, as `429 overloaded: ... (limit: talker_queue)` (one line per 429)."""
+    """Drops the WARNING Serve's router logs when a handle call is refused for a full queue: a refused request
+    is one line, Serve's access line (the metric `tts_rejections` names the limit)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno == logging.WARNING
