@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-
 import re
 
 import httpx
