@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.loadgen.metrics import CONTINUITY_THRESHOLD_S, Stats, audio_seconds, continuity
 from bench.loadgen.sentences import load_sentences
-from deployments.ingress.live import parse_audio_frame
+from deployments.ingress.schemas import parse_audio_frame
 
 
 @dataclass

@@ -10,8 +10,7 @@ with an error message (`"final": true`); the socket and the other contexts go on
 aborted, its slot freed). A socket without an open context for `ingress.websocket_idle_timeout_s` is closed,
 and the replica's sockets are capped (deployments/ingress/socket_limits.py).
 
-Binary frame: one byte n, the context id (n ASCII bytes), then audio bytes of the context's
-`response_format` (a stream: concatenated, the frames of a context are one file).
+Binary frames: `audio_frame` (deployments/ingress/schemas.py).
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from deployments.ingress.request_builder import (
     utterance_fits,
 )
 from deployments.ingress.request_log import RequestRecord, key_hash
-from deployments.ingress.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen
+from deployments.ingress.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen, audio_frame
 from deployments.ingress.socket_limits import CLOSE_NORMAL, CLOSE_TRY_AGAIN_LATER, SocketLimits
 from deployments.ingress.text_mailbox import TextEvent
 from deployments.messages import DecodedChunk, LiveAdmitted, ModelInfo
@@ -71,18 +70,6 @@ _MESSAGES = TypeAdapter(LiveMessage)
 # a message that fails validation is searched for a context id (to tag the error) only this far: parsing an
 # arbitrary payload again costs time and, nested deep, recursion
 _CONTEXT_ID_SCAN_CHARS = 64 * 1024
-
-
-def audio_frame(context_id: str, audio: bytes) -> bytes:
-    """The binary WebSocket message of one piece of a context's audio."""
-    tag = context_id.encode("ascii")
-    return bytes([len(tag)]) + tag + audio
-
-
-def parse_audio_frame(frame: bytes) -> tuple[str, bytes]:
-    """-> (context id, audio bytes) of a binary message (clients; the tests and the benchmark use it)."""
-    n = frame[0]
-    return frame[1:1 + n].decode("ascii"), frame[1 + n:]
 
 
 @dataclass

@@ -212,3 +212,17 @@ class LiveCancel(_LiveControl):
 
 
 LiveMessage = Annotated[LiveOpen | LiveAppend | LiveFlush | LiveEnd | LiveCancel, Field(discriminator="type")]
+
+
+# The WebSocket's binary frame: one byte n, the context id (n ASCII bytes), then audio bytes of the context's
+# `response_format` (a stream: concatenated, the frames of a context are one file).
+def audio_frame(context_id: str, audio: bytes) -> bytes:
+    """The binary WebSocket message of one piece of a context's audio."""
+    tag = context_id.encode("ascii")
+    return bytes([len(tag)]) + tag + audio
+
+
+def parse_audio_frame(frame: bytes) -> tuple[str, bytes]:
+    """-> (context id, audio bytes) of a binary message (clients; the tests and the benchmark use it)."""
+    n = frame[0]
+    return frame[1:1 + n].decode("ascii"), frame[1 + n:]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from deployments.ingress.live import parse_audio_frame
+from deployments.ingress.schemas import parse_audio_frame
 from stages.contract import SAMPLES_PER_FRAME
 from tests.serve.conftest import engine_stats, wait_for, wav_bytes
 
