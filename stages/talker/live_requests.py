@@ -7,7 +7,9 @@ Two halves:
   no KV); once its first word is final it is queued and prefilled; when its next text position has not arrived
   it is parked off the rows (keeping slot and KV) and resumes at the end of the rows when the text comes; a
   flushed segment spoken to its end parks it between segments, and the next segment starts with a new prefill in
-  the same slot; without text for its idle timeout it ends with `TextTimeoutError`.
+  the same slot; without text for its idle timeout it ends with `TextTimeoutError`. Only text that completes a
+  token (or flushes, or ends) resets the idle timeout: a client trickling the letters of one word never gives the
+  engine a position to speak, so it cannot keep a slot that way.
 
 Parked requests keep a slot and KV while they wait, so a client sending a character now and then could hold
 every row. Two bounds: a waiting non-live request that cannot get a slot or KV ends the longest-parked live
@@ -109,9 +111,9 @@ class LiveTextDriver:
         if seq is None or seq.live is None or seq.aborted:
             return  # finished meanwhile (EOS, length, timeout): its text is not needed any more
         live = seq.live
-        live.last_text_at = time.monotonic()
         if piece is None:
-            return
+            return  # no token complete yet (a word still growing): no progress, the idle time runs on
+        live.last_text_at = time.monotonic()
         live.add(piece)
         if live.longest_trailing() > self.max_text_rows:
             self.finish(seq, InvalidRequestError(

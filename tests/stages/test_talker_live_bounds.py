@@ -8,12 +8,12 @@ import asyncio
 
 import pytest
 
-from stages.contract import LiveTextEvictedError, SynthesisRequest, TextTimeoutError
+from stages.contract import InvalidRequestError, LiveTextEvictedError, SynthesisRequest, TextTimeoutError
 from stages.prompts import build_prompt
 from tests.stages.test_talker_live_text import GREEDY, _codes, _engine, _prompts, _until, cv  # noqa: F401 (fixture)
 
 
-def test_waiting_work_evicts_the_longest_parked_live_request(cv):
+def test_waiting_work_evicts_the_longest_parked_live_request(cv):  # noqa: F811
     live, _ = _prompts(cv, "cv")
     other = build_prompt(cv.config, cv.tokenizer, "Hello.", speaker="ryan", language="english")
     with _engine(cv, max_num_seqs=2, text_idle_timeout_s=600.0, live_evict_parked_s=0.0) as engine:
@@ -37,7 +37,7 @@ def test_waiting_work_evicts_the_longest_parked_live_request(cv):
     assert stats.live_evictions == 1 and stats.parked == stats.running == 0 and stats.kv_reserved_tokens == 0
 
 
-def test_a_live_request_is_not_evicted_before_it_has_waited_its_grace(cv):
+def test_a_live_request_is_not_evicted_before_it_has_waited_its_grace(cv):  # noqa: F811
     live, _ = _prompts(cv, "cv")
     other = build_prompt(cv.config, cv.tokenizer, "Hello.", speaker="ryan", language="english")
     with _engine(cv, max_num_seqs=1, text_idle_timeout_s=600.0, live_evict_parked_s=600.0) as engine:
@@ -56,7 +56,7 @@ def test_a_live_request_is_not_evicted_before_it_has_waited_its_grace(cv):
     assert len(talk_codes) > 0 and len(plain_codes) == 6
 
 
-def test_a_live_request_waiting_past_its_lifetime_ends(cv):
+def test_a_live_request_waiting_past_its_lifetime_ends(cv):  # noqa: F811
     live, _ = _prompts(cv, "cv")
     with _engine(cv, max_num_seqs=2, text_idle_timeout_s=600.0, live_max_lifetime_s=0.5) as engine:
         async def main():
@@ -67,3 +67,25 @@ def test_a_live_request_waiting_past_its_lifetime_ends(cv):
         asyncio.run(main())
         stats = engine.stats()
     assert stats.live_evictions == 1 and stats.parked == stats.held == 0 and stats.kv_reserved_tokens == 0
+
+
+def test_letters_of_one_word_do_not_reset_the_idle_timeout(cv):  # noqa: F811
+    """A client trickling the letters of one word never completes a token the engine could speak: the idle time
+    runs on, and the request ends with `TextTimeoutError` although text keeps arriving."""
+    live, _ = _prompts(cv, "cv")
+    with _engine(cv, max_num_seqs=1, text_idle_timeout_s=3.0) as engine:
+        async def main():
+            stream = engine.open_request(SynthesisRequest("slow", live, GREEDY, 30), text="Hello ")
+            ended = asyncio.create_task(_codes(stream))
+            for _ in range(1500):  # a letter every 20 ms or more, for at least 10 times the timeout
+                if ended.done():
+                    break
+                try:
+                    engine.append_text("slow", "a")
+                except InvalidRequestError:  # it ended between the check and the append
+                    break
+                await asyncio.sleep(0.02)
+            assert ended.done(), "trickled letters kept the request alive"
+            with pytest.raises(TextTimeoutError, match="no text for 3 s"):
+                await ended
+        asyncio.run(main())
