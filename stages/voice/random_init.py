@@ -23,13 +23,15 @@ def build_random_reference_encoder(codec_config: dict[str, Any], generator: torc
     """The Mimi encoder half with non-degenerate codebooks.
 
     Codebook scale: random SEANet latents are far from N(0, 1) at every size, so the codewords are
-    drawn at the latents' own scale (measured once on a probe signal) to spread the codes.
+    drawn at the latents' own scale (measured once on a probe signal) to spread the codes. The scale is rounded
+    to two significant digits: the probe's float sums depend on the thread count (and the CPU's vector width),
+    and an unrounded scale carried those last bits into the bf16 codebooks, so one seed could write two files.
     """
     with torch.device(device):
         encoder = ReferenceAudioEncoder(ReferenceEncoderConfig.from_dict(codec_config))
     probe = torch.sin(torch.linspace(0, 400.0, 24000, device=device)) * 0.5
     with torch.no_grad():
         latents = encoder.encoder(probe[None, None])
-        scale = float(latents.float().std().clamp(min=1e-3))
+        scale = float(f"{float(latents.float().std().clamp(min=1e-3)):.2g}")
     randomize_codebooks_(encoder, generator, std=scale)
     return encoder

@@ -161,3 +161,27 @@ def test_tiny_checkpoints_cover_both_code_predictor_projections(tiny_custom_voic
     assert small.config.talker.hidden_size == small.config.talker.code_predictor.transformer.hidden_size
     assert isinstance(small.talker.code_predictor.small_to_mtp_projection, torch.nn.Identity)
     assert isinstance(large.talker.code_predictor.small_to_mtp_projection, torch.nn.Linear)
+
+
+@pytest.mark.parametrize("kind", ["base", "custom_voice"])
+def test_cli_writes_byte_identical_files_in_fresh_processes(kind, tmp_path):
+    """`python -m stages.checkpoint random DIR --seed 7` twice: every file byte-identical. Fresh processes with
+    different thread counts (a CI box and a workstation differ): the codec's codebook scale, measured on a probe
+    signal, once carried the thread count's float sums into the weights."""
+    import os
+    import subprocess
+    import sys
+
+    def write(name: str, threads: int) -> Path:
+        out = tmp_path / name
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        subprocess.run([sys.executable, "-m", "stages.checkpoint", "random", str(out), "--tiny", "--kind", kind,
+                        "--seed", "7"], check=True, env=env, capture_output=True, timeout=600)
+        return out
+
+    first, second = write("a", threads=1), write("b", threads=2)
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert {str(f) for f in files} >= {*WEIGHT_FILES, "config.json", "vocab.json"}
+    assert files == sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
+    for name in files:
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
