@@ -104,7 +104,7 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from stages.contract import EngineOverloadedError, InvalidRequestError, TextTimeoutError
+    from stages.contract import EngineOverloadedError, InvalidRequestError, LiveTextEvictedError, TextTimeoutError
 
     exc = unwrap(exc)
     if isinstance(exc, APIError):
@@ -121,6 +121,8 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
         return APIError(503, "the model is not available right now", code="unavailable", retry_after_s=retry_after_s)
     if isinstance(exc, TextTimeoutError):  # live text (WebSocket): the client's text stopped coming
         return APIError(408, str(exc), code="text_timeout")
+    if isinstance(exc, LiveTextEvictedError):  # live text: parked waiting for text while others needed its slot
+        return APIError(503, str(exc), code="live_text_evicted", retry_after_s=retry_after_s)
     if isinstance(exc, TimeoutError):
         return APIError(504, "the request did not finish before its deadline", code="timeout")
     if isinstance(exc, RayActorError):  # a replica died (killed, OOM, node lost): transient for the client

@@ -34,6 +34,11 @@ class TextTimeoutError(TimeoutError):
     """A live-text request waited longer than the engine's idle timeout for its next text; it has ended."""
 
 
+class LiveTextEvictedError(RuntimeError):
+    """A live-text request parked waiting for text was ended to make room for waiting requests (its slot and KV
+    went to them): parked requests may keep only a share of the engine while others wait."""
+
+
 class TaskType(str, enum.Enum):
     CUSTOM_VOICE = "CustomVoice"
     VOICE_DESIGN = "VoiceDesign"

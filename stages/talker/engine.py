@@ -280,7 +280,7 @@ class TalkerEngine:
         self._rows = Rows(self.scheduler, self.runner, self.num_slots)
         self._outputs = StepOutputs(self.num_slots, cfg.max_seq_len, self.runner.eos, logger)
         self._live = LiveTextDriver(model.config, cfg.max_text_rows, self.scheduler, self.runner, self._rows,
-                                    self._outputs, self.counters)
+                                    self._outputs, self.counters, cfg.live_parked_share)
         if cfg.cuda_graphs and cuda:
             log(f"[talker] capturing CUDA graphs for batch buckets {self._buckets} x "
                 f"length buckets {self.runner.length_buckets}")

@@ -70,6 +70,9 @@ class TalkerEngineConfig:
     # and a co-located Code2Wav's first chunks wait (docs/talker_engine.md, "Programmatic dependent launch")
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
     text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
+    live_parked_share: float = 0.5  # live text: while requests wait to be admitted, requests parked waiting for
+    # text keep at most this share of the slots (max_num_seqs) and of the KV pool; beyond it (or when nothing
+    # runs) the longest-parked one ends (LiveTextEvictedError) and its slot and KV go to the queue
     compile_cache_dir: str | None = None  # keep torch.compile's work here (stages/compile_cache.py); None: don't
     schedule: ChunkSchedule = ChunkSchedule()  # default chunking of a stream (a request may bring its own)
     kernels: KernelOptions = KernelOptions()  # developer switches (a dict from YAML: `engine_kwargs.kernels`)
@@ -81,6 +84,8 @@ class TalkerEngineConfig:
             raise ValueError("max_prefills_per_step and max_prefill_batch must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError("kv_cache_tokens must be >= 1 (or unset: sized from free memory)")
+        if not 0 <= self.live_parked_share <= 1:
+            raise ValueError("live_parked_share must be in [0, 1]")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError("kv_cache_memory_fraction must be in (0, 1]")
         if any(w < 1 for w in self.prefill_widths) or any(b < 1 for b in self.prefill_batches):

@@ -7,7 +7,10 @@ Two halves:
   no KV); once its first word is final it is queued and prefilled; when its next text position has not arrived
   it is parked off the rows (keeping slot and KV) and resumes at the end of the rows when the text comes; a
   flushed segment spoken to its end parks it between segments, and the next segment starts with a new prefill in
-  the same slot; without text for its idle timeout it ends with `TextTimeoutError`.
+  the same slot; without text for its idle timeout it ends with `TextTimeoutError`; parked while other requests
+  wait and parked requests hold more than their share of the engine, it ends with `LiveTextEvictedError`.
+Only text that completes a token (or flushes, or ends) resets the idle timeout: a client trickling the letters of
+one word never gives the engine a position to speak, so it cannot keep a slot that way.
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ from dataclasses import replace
 import numpy as np
 
 from stages.config import ModelConfig
-from stages.contract import FinishReason, InvalidRequestError, SynthesisRequest, TextTimeoutError
+from stages.contract import (
+    FinishReason,
+    InvalidRequestError,
+    LiveTextEvictedError,
+    SynthesisRequest,
+    TextTimeoutError,
+)
 from stages.talker.layout import prefill_length
 from stages.talker.live_text import LiveText
 from stages.talker.output import StepOutputs
@@ -87,8 +96,8 @@ class LiveTextDriver:
     """Live requests' states on the engine thread, over the scheduler, the rows and the runner."""
 
     def __init__(self, model_config: ModelConfig, max_text_rows: int, scheduler: Scheduler, runner, rows: Rows,
-                 outputs: StepOutputs, counters: EngineCounters):
-        self.model_config, self.max_text_rows = model_config, max_text_rows
+                 outputs: StepOutputs, counters: EngineCounters, parked_share: float = 0.5):
+        self.model_config, self.max_text_rows, self.parked_share = model_config, max_text_rows, parked_share
         self.scheduler, self.runner, self.rows = scheduler, runner, rows
         self.outputs, self.counters = outputs, counters
         self.expiry_at = float("inf")  # next time a request waiting for text may time out
@@ -101,9 +110,9 @@ class LiveTextDriver:
         if seq is None or seq.live is None or seq.aborted:
             return  # finished meanwhile (EOS, length, timeout): its text is not needed any more
         live = seq.live
-        live.last_text_at = time.monotonic()
         if piece is None:
-            return
+            return  # no token complete yet (a word still growing): no progress, the idle time runs on
+        live.last_text_at = time.monotonic()
         live.add(piece)
         if live.longest_trailing() > self.max_text_rows:
             self.finish(seq, InvalidRequestError(
@@ -217,7 +226,20 @@ class LiveTextDriver:
         self.expiry_at = min(self.expiry_at, now + seq.live.idle_timeout_s)
 
     def expire(self) -> None:
-        """Requests that waited for text longer than their idle timeout end with `TextTimeoutError`."""
+        """Live requests that must end before this iteration's admission: those that waited for text longer than
+        their idle timeout (`TextTimeoutError`), then, while the queue's head cannot be admitted, the longest-parked
+        beyond the parked share (`LiveTextEvictedError`)."""
+        self._expire_idle()
+        while (seq := self.scheduler.parked_over_share(self.parked_share)) is not None:
+            waited = time.monotonic() - seq.live.waiting_since
+            logger.info("live request %s evicted after %.1f s waiting for text: requests wait for its slot",
+                        seq.request_id, waited)
+            self.finish(seq, LiveTextEvictedError(
+                f"request {seq.request_id!r} ended: it waited {waited:.1f} s for text while other requests needed "
+                "its slot (send text at least as fast as it is spoken, or flush/end before pausing)"))
+            self.progress_at = time.monotonic()
+
+    def _expire_idle(self) -> None:
         now = time.monotonic()
         if now < self.expiry_at:
             return

@@ -19,6 +19,8 @@ Live text (stages/talker/live_text.py) adds two states off the dense rows, so wa
   running + parked) and its KV blocks, and leaves the rows (`park`: the same hole filling as `release`); it
   comes back at the end of the rows (`unpark`), or, between two segments of its text, through a new prefill
   (`requeue`: such restarts are admitted before the queue, since they hold their slot and KV already).
+  Parked requests cannot hold the engine hostage: while the queue's head waits for a slot or KV, those parked
+  keep at most a share of both, and the longest-parked makes room beyond it (`parked_over_share`).
 """
 
 from __future__ import annotations
@@ -282,6 +284,23 @@ class Scheduler:
         seq.row = len(self.running)
         self.running.append(seq)
         return seq.row
+
+    def parked_over_share(self, share: float) -> Sequence | None:
+        """The live request parked longest waiting for text, when it must make room: the queue's head cannot be
+        admitted (no slot or too few KV blocks) and either nothing runs (only parked requests could free
+        anything) or those parked hold more than `share` of the slots or of the KV blocks. None otherwise."""
+        if not self.waiting or not self.parked:
+            return None
+        need = self.blocks.blocks_for(self.waiting[0].max_positions)
+        if len(self.running) + len(self.parked) < self.max_num_seqs and need <= self.blocks.free:
+            return None
+        # between two segments with the next one ready (`restarts`), a request is about to run again
+        idle = [s for s in self.parked.values() if s.live is not None and s.live.waiting_since is not None]
+        if not idle:
+            return None
+        over = (not self.running or len(idle) > share * self.max_num_seqs
+                or sum(len(s.blocks) for s in idle) > share * self.blocks.num_blocks)
+        return min(idle, key=lambda s: s.live.waiting_since) if over else None
 
     def requeue(self, seq: Sequence) -> None:
         """A request parked between segments can prefill its next one: admitted before the queue."""

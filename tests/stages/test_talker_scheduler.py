@@ -150,3 +150,49 @@ def test_restarts_are_admitted_before_the_queue_in_their_own_slot():
     s.requeue(a)
     s.release([a])  # aborted while requeued: it leaves the restarts too
     assert not s.restarts and s.admit() == [q]
+
+
+def _parked_live(s: Scheduler, names: str, since: dict[str, float]) -> list[Sequence]:
+    """Live requests admitted, then parked waiting for text since `since[name]`."""
+    from stages.talker.live_text import LiveText
+
+    seqs = [seq(x) for x in names]
+    for x in seqs:
+        x.live = LiveText(PROMPT, 0, last_text_at=0.0, idle_timeout_s=30.0, waiting_since=since[x.request_id])
+        s.add(x)
+    s.admit()
+    s.park(seqs)
+    return seqs
+
+
+def test_parked_live_requests_keep_only_their_share_while_others_wait():
+    """Live text cannot hold the rows hostage: with the slots full and a request waiting, the longest-parked live
+    request is named to make room until those parked keep no more than their share; none while nothing waits."""
+    s = Scheduler(max_num_seqs=4, num_blocks=100, block_size=16, max_prefill_batch=4, max_waiting=100)
+    a, b, c = _parked_live(s, "abc", {"a": 5.0, "b": 1.0, "c": 3.0})
+    s.add(runner := seq("r"))
+    assert s.admit() == [runner]  # a free slot: nothing is evicted
+    assert s.parked_over_share(0.5) is None
+    s.add(seq("w"))  # now the slots are full (1 running + 3 parked) and w waits
+    assert s.parked_over_share(0.5) is b  # parked longest
+    s.release([b])
+    assert s.parked_over_share(0.5) is None  # a free slot again
+    s.admit()
+    s.add(seq("w2"))
+    assert s.parked_over_share(0.5) is None  # 2 of 4 slots parked: within the share, w2 waits for a runner
+    assert s.parked_over_share(0.25) is c
+    assert s.parked_over_share(1.0) is None
+
+
+def test_parked_live_requests_make_room_for_kv_and_when_nothing_runs():
+    s = Scheduler(max_num_seqs=8, num_blocks=6, block_size=16, max_prefill_batch=8, max_waiting=100)
+    a, b = _parked_live(s, "ab", {"a": 2.0, "b": 1.0})  # 2 blocks each: 4 of 6 blocks parked, no runner
+    s.add(seq("big", 14, 40))  # needs 4 blocks, 2 free
+    assert s.parked_over_share(1.0) is b  # nothing runs: only a parked request can free anything
+    s.add(runner := seq("r0"))
+    s.waiting.rotate(1)  # r0 first: it fits and runs
+    assert s.admit() == [runner]
+    assert s.parked_over_share(0.5) is b  # 4 of 6 blocks parked, over half, and big does not fit
+    assert s.parked_over_share(0.7) is None
+    b.live.waiting_since = None  # between segments with its next one ready: about to run, not idle
+    assert s.parked_over_share(0.1) is a
