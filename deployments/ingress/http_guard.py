@@ -21,6 +21,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ray.exceptions import TaskCancelledError
+
 from deployments.errors import INGRESS_OPEN_REQUESTS, APIError
 
 
@@ -77,7 +79,13 @@ class BodyGuard:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: disconnect detection of streaming responses
+            try:
+                return await receive()  # after the body: disconnect detection of streaming responses
+            except TaskCancelledError:
+                # Serve fetches these messages from its proxy with a Ray call, which the proxy cancels when the
+                # request ends (its client left, or the response is complete): a disconnect, not an error
+                # (Serve would log "Request failed" with a traceback at ERROR)
+                return {"type": "http.disconnect"}
 
         await self.app(scope, replay, send)
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from fastapi import WebSocket
 from pydantic import TypeAdapter, ValidationError
 from ray.actor import ActorHandle
+from ray.exceptions import TaskCancelledError
 from starlette.websockets import WebSocketDisconnect
 
 from deployments.audio.encoders import AsyncStreamEncoder
@@ -141,7 +142,7 @@ class LiveSession:
                     logger.exception("a WebSocket message failed")
                     await self._error(None, APIError(500, "the server failed to handle a message",
                                                      code="internal_error"))
-        except WebSocketDisconnect:
+        except (WebSocketDisconnect, TaskCancelledError):  # the client left (Serve's proxy cancelled the receive)
             pass
         finally:
             if receive is not None:

@@ -29,10 +29,21 @@ _STATUS_TAGS = {400: "bad_request", 404: "not_found", 408: "timeout", 413: "bad_
                 504: "timeout"}
 
 
+class RouterBackpressureLines(logging.Filter):
+    """Drops the WARNING Serve's router logs when a handle call is refused for a full queue: the ingress logs
+    each refused request once itself, as `429 overloaded: ... (limit: talker_queue)` (one line per 429)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING
+                    and str(record.msg).startswith("Request dropped due to backpressure"))
+
+
 class Outcomes:
     """Request outcomes of one ingress replica, by served model name ("-" before a model is known)."""
 
     def __init__(self, backpressure: BackpressureSettings, models: Iterable[str]):
+        if not any(isinstance(f, RouterBackpressureLines) for f in logger.filters):
+            logger.addFilter(RouterBackpressureLines())
         self.metrics = IngressMetrics()
         self._backpressure = backpressure
         self._open_streams = dict.fromkeys(models, 0)

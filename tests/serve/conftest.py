@@ -219,6 +219,21 @@ def replica_pids(deployment: str, app: str = APP) -> list[int]:
     return pids
 
 
+def replica_logs(prefix: str) -> dict[str, str]:
+    """This session's Serve replica logs of deployments whose name starts with `prefix`: path -> text."""
+    from pathlib import Path
+
+    import ray
+
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"  # no public accessor
+    return {str(p): p.read_text(errors="replace") for p in logs.glob(f"replica_tts_{prefix}*.log")}
+
+
+def logged_since(before: dict[str, str], prefix: str) -> str:
+    """What the replica logs of `prefix` gained since `before` (a `replica_logs` result)."""
+    return "".join(text[len(before.get(path, "")):] for path, text in replica_logs(prefix).items())
+
+
 def _descends_from(pid: int, ancestor: int) -> bool:
     while pid > 1:
         if pid == ancestor:

@@ -10,7 +10,15 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.conftest import PAUSE_SEED, engine_stats, speech, wait_for, wav_bytes
+from tests.serve.conftest import (
+    PAUSE_SEED,
+    engine_stats,
+    logged_since,
+    replica_logs,
+    speech,
+    wait_for,
+    wav_bytes,
+)
 
 pytestmark = pytest.mark.serve
 
@@ -105,8 +113,9 @@ def test_full_model_answers_fast_429_with_retry_after(base_url):
 
     The two streams are admitted first, one after the other (each one's first audio has arrived), so that the
     router knows the replica is full; of 4 more concurrent requests, one then waits in the handle's queue and 3
-    are refused, at once."""
+    are refused, at once. Each refusal is one line in the ingress's log (Serve's router line is dropped)."""
     body = speech(model="fake", seed=PAUSE_SEED, timeout_s=10, response_format="pcm")
+    logs_before = replica_logs("TTSIngress")
 
     async def hold(client: httpx.AsyncClient, admitted: asyncio.Event) -> str:
         async with client.stream("POST", "/v1/audio/speech", json={**body, "stream": True, "stream_format": "sse"}) as r:
@@ -141,6 +150,9 @@ def test_full_model_answers_fast_429_with_retry_after(base_url):
         assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
     # refused without waiting for a slot: sooner than the admitted requests' own deadline
     assert max(r.elapsed.total_seconds() for r in refused) < 10
+    logs = wait_for(lambda: (text := logged_since(logs_before, "TTSIngress")).count("429 overloaded") >= 3 and text,
+                    60, 0.2, "the ingress's lines of the 429s")
+    assert logs.count("429 overloaded") == 3 and "Request dropped due to backpressure" not in logs, logs[-3000:]
 
 
 def test_voice_upload_errors(http):

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from tests.serve.conftest import engine_stats, speech
+from tests.serve.conftest import engine_stats, replica_logs, speech
 
 pytestmark = pytest.mark.serve
 
@@ -95,25 +95,15 @@ def test_undecodable_audio_message_has_no_library_internals(http):
     assert error["param"] == "ref_audio" and "0x" not in error["message"] and "<" not in error["message"]
 
 
-def _replica_logs(prefix: str) -> dict[str, str]:
-    """This session's Serve replica logs of deployments whose name starts with `prefix`: path -> text."""
-    from pathlib import Path
-
-    import ray
-
-    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"  # no public accessor
-    return {str(p): p.read_text(errors="replace") for p in logs.glob(f"replica_tts_{prefix}*.log")}
-
-
 def test_client_errors_leave_no_traceback_in_the_server_logs(http):
-    before = {**_replica_logs("TTSIngress"), **_replica_logs("Talker_cv")}  # earlier tests' lines are not ours
+    before = {**replica_logs("TTSIngress"), **replica_logs("Talker_cv")}  # earlier tests' lines are not ours
     bodies = [speech(top_k=2**63), speech(max_new_tokens=511), speech(input="a\ud800b"), speech(voice="nobody"),
               speech(model="nothing"), speech(input="")]
     for body in bodies:
         r = http.post("/v1/audio/speech", content=json.dumps(body).encode(),
                       headers={"content-type": "application/json"})
         assert 400 <= r.status_code < 500, r.text[:300]
-    after = {**_replica_logs("TTSIngress"), **_replica_logs("Talker_cv")}
+    after = {**replica_logs("TTSIngress"), **replica_logs("Talker_cv")}
     logs = "".join(text[len(before.get(path, "")):] for path, text in after.items())
     assert "400 voice_not_found: unknown voice" in logs  # each client error is one line in the ingress's log
     assert "Traceback" not in logs, logs[logs.index("Traceback") - 2000:][:4000]
