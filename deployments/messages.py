@@ -32,6 +32,7 @@ class ModelInfo:
     generation: GenerationDefaults
     tokenizer: TextTokenizer
     max_seq_len: int  # prompt positions + frames of one request
+    max_text_rows: int  # text positions of one utterance (the engine's `max_text_rows`)
     fingerprint: str  # identifies the weights: cached voice-clone prompts are keyed by it
     default_max_new_tokens: int
 
@@ -61,6 +62,14 @@ class GenerateOptions:
 
     first_chunk_frames: int | None = None  # None: the configured schedule
     text_idle_timeout_s: float | None = None  # live text: the request's own idle timeout (<= the engine's)
+
+
+@dataclass(frozen=True)
+class LiveAdmitted:
+    """The first item of `Talker.generate_live`'s stream (and of the ingress's pipeline for it): the Talker took the
+    request (Serve admitted the call, the engine accepted it). The WebSocket answers `opened` on it."""
+
+    request_id: str
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from stages.contract import NUM_CODEBOOKS, CodecChunk, FinishReason, InvalidRequ
 class FakeTalkerEngineConfig:
     max_num_seqs: int = 4
     max_seq_len: int = 512
+    max_text_rows: int = 1024
     step_interval_s: float = 0.005
     stall_seed: int | None = None
     pause_seed: int | None = None

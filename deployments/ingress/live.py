@@ -36,11 +36,17 @@ from deployments.audio.encoders import AsyncStreamEncoder
 from deployments.errors import APIError, bad_request
 from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.outcomes import Outcomes, PlaybackClock
-from deployments.ingress.request_builder import check_limits, check_live_text, check_request
+from deployments.ingress.request_builder import (
+    check_limits,
+    check_live_text,
+    check_request,
+    text_positions_error,
+    utterance_fits,
+)
 from deployments.ingress.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen
 from deployments.ingress.socket_limits import CLOSE_NORMAL, CLOSE_TRY_AGAIN_LATER, SocketLimits
 from deployments.ingress.text_mailbox import TextEvent
-from deployments.messages import DecodedChunk
+from deployments.messages import DecodedChunk, LiveAdmitted, ModelInfo
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
 
 
@@ -80,9 +86,10 @@ class _Context:
     request_id: str
     model: str
     body: LiveOpen
-    tokenizer: object  # the model's TextTokenizer: usage counts the text's tokens at the end
+    info: ModelInfo  # its model: the tokenizer (usage counts the text's tokens at the end), the text positions
     text: list[str] = field(default_factory=list)
     chars: int = 0
+    utterance: str = ""  # its text since the last `flush` (one utterance: at most the model's text positions)
     ended: bool = False  # `end` received: no more text
     cancelled: bool = False  # `cancel` received
     first_text_at: float | None = None  # perf_counter of its first text: first audio is timed from here
@@ -188,24 +195,34 @@ class LiveSession:
             except APIError as error:
                 await self._error(ctx.id, error)  # the piece is dropped; the context goes on
                 return
+            ctx.utterance += text
+            if not utterance_fits(ctx.utterance, ctx.info):  # the Talker would end it: it ends here, as there
+                self._end_with(ctx, text_positions_error(ctx.info.max_text_rows))
+                return
             ctx.text.append(text)
             ctx.chars += len(text)
             ctx.first_text_at = ctx.first_text_at or time.perf_counter()
             events.append(TextEvent("append", text))
         if isinstance(message, LiveFlush):
+            ctx.utterance = ""
             events.append(TextEvent("flush"))
         elif isinstance(message, LiveEnd):
-            ctx.ended = True
             if not ctx.chars:  # the Talker would refuse it: end the context here, with its final error
-                ctx.failure = bad_request("the context ended without any text", "text", code="empty_input")
-                self._outcomes.error(ctx.failure)
-                ctx.task.cancel()
+                self._end_with(ctx, bad_request("the context ended without any text", "text", code="empty_input"))
                 return
+            ctx.ended = True
             events.append(TextEvent("end"))
         if events:
             # awaited: the next message's events are put after these (one caller's actor calls start in order,
             # but an async actor does not promise to run them in order)
             await self._mailbox.put.remote(ctx.request_id, events)
+
+    def _end_with(self, ctx: _Context, error: APIError) -> None:
+        """End a context from the ingress with its final error (logged at INFO, as the client's error)."""
+        ctx.ended = True
+        ctx.failure = error
+        self._outcomes.error(error)
+        ctx.task.cancel()
 
     async def _open(self, body: LiveOpen) -> None:
         cid = body.context_id
@@ -228,6 +245,8 @@ class LiveSession:
             info, voice_choice = await self._ingress.route(body)
             model = info.name
             check_request(body, info, self._ingress.args)
+            if body.input and not utterance_fits(body.input, info):
+                raise text_positions_error(info.max_text_rows)
             mailbox = self._mailbox
             await mailbox.open.remote(request_id)
             _, chunks = await self._ingress.start(body, info, voice_choice, request_id, mailbox, body.idle_timeout_s)
@@ -237,14 +256,15 @@ class LiveSession:
                 mailbox.close.remote(request_id)
             await self._error(cid, self._outcomes.failed(exc, model, True), final=True)
             return
-        ctx = _Context(cid, request_id, model, body, info.tokenizer)
+        ctx = _Context(cid, request_id, model, body, info)
         self._contexts[cid] = ctx
         self._outcomes.stream_opened(model)
-        await self._send_json({"type": "opened", "context_id": cid, "model": model, "request_id": request_id})
+        # `opened` once the Talker took the request (_speak): one beyond its queue gets only a final error. Text
+        # sent meanwhile waits in the mailbox.
         ctx.task = asyncio.get_running_loop().create_task(self._speak(ctx, chunks))
         if body.input:
             ctx.text.append(body.input)
-            ctx.chars, ctx.first_text_at = len(body.input), time.perf_counter()
+            ctx.chars, ctx.utterance, ctx.first_text_at = len(body.input), body.input, time.perf_counter()
             await mailbox.put.remote(request_id, [TextEvent("append", body.input)])
 
     # ------------------------------------------------------------------ a context's audio
@@ -252,6 +272,11 @@ class LiveSession:
         frames, finish, status, audio_sent = 0, None, "ok", False
         encoder = AsyncStreamEncoder(ctx.body.response_format, ctx.body.speed)
         try:
+            admitted = await anext(chunks)  # raises if the Talker refused the request (e.g. its queue is full)
+            if not isinstance(admitted, LiveAdmitted):
+                raise RuntimeError(f"a live request's first item is {type(admitted).__name__}, not LiveAdmitted")
+            await self._send_json({"type": "opened", "context_id": ctx.id, "model": ctx.model,
+                                   "request_id": ctx.request_id})
             async for chunk in chunks:
                 frames += chunk.pcm.size // SAMPLES_PER_FRAME
                 finish = chunk.finish_reason or finish
@@ -272,9 +297,9 @@ class LiveSession:
                 await self._error(ctx.id, ctx.failure, final=True)
             else:
                 await self._send_json(self._done(ctx, frames, "cancelled"))
-        except Exception as exc:  # this context failed; the socket and the others go on
+        except Exception as exc:  # this context failed (or was refused); the socket and the others go on
             error = self._outcomes.error(exc)
-            status = "timeout" if error.status in (408, 504) else "error"
+            status = "timeout" if error.status in (408, 504) else "rejected" if error.status == 429 else "error"
             await self._error(ctx.id, error, final=True)
         finally:
             await chunks.aclose()  # aborts the Talker's request when it has not ended
@@ -288,7 +313,7 @@ class LiveSession:
                 self._idle_since = time.monotonic()
 
     def _done(self, ctx: _Context, frames: int, finish_reason: str) -> dict:
-        input_tokens = len(ctx.tokenizer.encode("".join(ctx.text))) if ctx.text else 0
+        input_tokens = len(ctx.info.tokenizer.encode("".join(ctx.text))) if ctx.text else 0
         return {"type": "done", "context_id": ctx.id, "finish_reason": finish_reason,
                 "usage": {"input_tokens": input_tokens, "output_tokens": frames,
                           "total_tokens": input_tokens + frames},

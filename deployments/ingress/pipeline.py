@@ -17,7 +17,7 @@ from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.first_audio_timing import FirstAudioTiming
 from deployments.ingress.decode_batcher import DecodeBatcher
-from deployments.messages import DecodedChunk, GenerateOptions
+from deployments.messages import DecodedChunk, GenerateOptions, LiveAdmitted
 from deployments.transport import StageTransport, stage_handle, stream_items
 from stages.contract import SynthesisRequest
 
@@ -27,7 +27,7 @@ _END = object()
 async def stream_audio(
     talker: DeploymentHandle, decoder: DecodeBatcher, request: SynthesisRequest, options: GenerateOptions,
     depth: int, transport: StageTransport, mailbox=None, timing: FirstAudioTiming | None = None,
-) -> AsyncIterator[DecodedChunk]:
+) -> AsyncIterator[DecodedChunk | LiveAdmitted]:
     """Decoded chunks of one request, in stream order. Closing the iterator cancels the whole pipeline.
 
     With `mailbox` (a `TextMailbox`) the request is live: `Talker.generate_live` takes its text from there.
@@ -35,7 +35,8 @@ async def stream_audio(
     affinity never holds back the first `WAITED_FOR_CHUNKS` chunks (deployments/constants.py).
 
     Errors of either stage (e.g. the Talker rejecting the request) surface when the affected chunk is
-    awaited; the first chunk therefore tells whether the request was accepted.
+    awaited; the first chunk therefore tells whether the request was accepted. A live request's first item is the
+    Talker's `LiveAdmitted` (its text comes later, so its first audio cannot say it).
     """
     talker = stage_handle(talker, transport).options(stream=True)
     if timing is not None:
@@ -48,8 +49,12 @@ async def stream_audio(
 
     async def submit() -> None:
         try:
-            index = 0
+            index, admitting = 0, mailbox is not None
             async for chunk in stream_items(generator, transport):
+                if admitting:  # `LiveAdmitted` (an ObjectRef to it with object_ref: not read, it says nothing more)
+                    admitting = False
+                    await pending.put(LiveAdmitted(request.request_id))
+                    continue
                 if timing is not None and timing.chunk_received is None:
                     timing.chunk_received = first_audio_timing.now()
                     timing.talker = getattr(chunk, "stamps", ())  # an ObjectRef (object_ref transport) has none
@@ -64,6 +69,9 @@ async def stream_audio(
         while (item := await pending.get()) is not _END:
             if isinstance(item, BaseException):
                 raise item
+            if isinstance(item, LiveAdmitted):
+                yield item
+                continue
             decoded = await item
             if timing is not None and timing.decoded_received is None:
                 timing.decoded_received, timing.code2wav = first_audio_timing.now(), decoded.stamps

@@ -17,7 +17,7 @@ from deployments.ingress.voice_store import VoiceRecord
 from deployments.messages import GenerateOptions, ModelInfo
 from stages.contract import InvalidRequestError, SamplingParams, SynthesisRequest, TaskType, VoiceClonePrompt
 from stages.prompts import build_live_prompt, build_prompt
-from stages.talker.layout import max_frames_that_fit, prefill_length
+from stages.talker.layout import max_frames_that_fit, prefill_length, trailing_length
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,19 @@ def check_live_text(total_chars: int, limits: IngressConfig) -> None:
                           f"{limits.max_input_chars}", "text", code="input_too_long")
 
 
+def text_positions_error(max_text_rows: int) -> APIError:
+    return bad_request(f"input text too long: more than {max_text_rows} text positions (tokens) in one utterance "
+                       "for this model; split it (on the WebSocket: `flush` between utterances)", "input",
+                       code="input_too_long")
+
+
+def utterance_fits(text: str, info: ModelInfo) -> bool:
+    """A live context's utterance (its text since the last `flush`) within the model's text positions: the
+    tokenizer is byte-level, so a text of at most `max_text_rows` UTF-8 bytes fits without tokenizing it."""
+    limit = info.max_text_rows
+    return len(text.encode("utf-8", "surrogatepass")) <= limit or len(info.tokenizer.encode(text)) <= limit
+
+
 def check_request(body: SpeechRequest, info: ModelInfo, args: TTSServingArgs) -> SamplingParams:
     """Everything about a request that needs the model but not its voice: lengths, chunking, sampling.
 
@@ -190,6 +203,8 @@ def build_request(
             prompt = build_prompt(info.config, info.tokenizer, body.input, **kw)
     except InvalidRequestError as e:
         raise bad_request(str(e)) from None
+    if not live and trailing_length(prompt) > info.max_text_rows:  # the engine's rule, answered here
+        raise text_positions_error(info.max_text_rows)
 
     # a live prompt's length is that of any text in its layout: one placeholder id sizes it
     prompt_len = prefill_length(dataclasses.replace(prompt, text_ids=(0,)) if live else prompt)

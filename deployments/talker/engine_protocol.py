@@ -20,6 +20,7 @@ class TalkerEngineSettings(Protocol):
     """The engine config fields the server reads."""
 
     max_seq_len: int  # prompt positions + frames of one request (what the ingress fits requests to)
+    max_text_rows: int  # text positions of one utterance (the ingress refuses longer text itself)
     compile: bool  # the engine compiles on CUDA: the first-chunk decoder then compiles too
 
 

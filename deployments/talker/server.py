@@ -24,7 +24,7 @@ from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
 from deployments.loading import build_engine, load_model, replica_log, this_replica
-from deployments.messages import GenerateOptions, ModelInfo
+from deployments.messages import GenerateOptions, LiveAdmitted, ModelInfo
 from deployments.metrics import TalkerMetrics
 from deployments.talker.engine_protocol import TalkerEngineProtocol
 from deployments.talker.first_chunk_decoder import FirstChunkDecoder
@@ -91,6 +91,7 @@ class TalkerServer:
         self._info = ModelInfo(
             name=cfg.name, aliases=tuple(cfg.aliases), config=model.config, generation=model.generation,
             tokenizer=model.tokenizer, max_seq_len=int(self._engine.config.max_seq_len),
+            max_text_rows=int(self._engine.config.max_text_rows),
             fingerprint=_fingerprint(model.path), default_max_new_tokens=cfg.default_max_new_tokens,
         )
         if cfg.warmup:
@@ -127,19 +128,21 @@ class TalkerServer:
 
     async def generate_live(
         self, request: SynthesisRequest, options: GenerateOptions, mailbox
-    ) -> AsyncGenerator[CodecChunk, None]:
+    ) -> AsyncGenerator[CodecChunk | LiveAdmitted, None]:
         """`generate` for a request whose text arrives while it runs (a WebSocket context).
 
         `request.prompt` has no text (`stages.prompts.build_live_prompt`); the text comes from `mailbox` (the
         calling ingress replica's `TextMailbox`, deployments/ingress/text_mailbox.py), where the ingress puts the
         context's append/flush/end events; a task here takes them as they arrive and hands them to the engine,
-        which waits for text without stepping the request. Cancelling ends it as for `generate`.
+        which waits for text without stepping the request. Cancelling ends it as for `generate`. The first item is
+        `LiveAdmitted` (the engine took the request), then its chunks.
         """
         started = first_audio_timing.now()
         stream = self._engine.open_request(request, self._schedule_for(options),
                                            idle_timeout_s=options.text_idle_timeout_s)
         pump = asyncio.get_running_loop().create_task(self._pump_text(request.request_id, mailbox))
         try:
+            yield LiveAdmitted(request.request_id)
             async for chunk in self._leaving(stream, started):
                 yield chunk
         finally:

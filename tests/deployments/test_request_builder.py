@@ -194,3 +194,25 @@ def test_error_messages_never_echo_unbounded_client_values(infos):
     assert status == 400 and param == "voice" and len(message) < 400 and "v" * 70 not in message
     status, _, message = _status(resolve_model_name, "m" * 200, {"cv": "cv"})
     assert status == 404 and "m" * 70 not in message
+
+
+def test_text_beyond_the_models_text_positions_is_refused_in_the_ingress(infos, args):
+    """The engine ends a request whose utterance has more text positions than its `max_text_rows` (an error, and a
+    traceback in the Talker's log): the ingress answers it first, a 400 naming `input` (code input_too_long). Base
+    speaks in the streaming-text layout (one text position per token); the test tokenizer is byte-level: 4-byte
+    characters pass `max_input_chars` with 4 positions each."""
+    import dataclasses
+
+    from deployments.ingress.request_builder import utterance_fits
+
+    info = dataclasses.replace(infos["base"], max_text_rows=40)
+    voice = VoiceClonePrompt(np.zeros(info.config.talker.hidden_size, np.float32))  # x-vector only
+    body = _req(input="\U0001F600" * 11, voice="myvoice")  # 11 characters, 44 positions
+    choice = choose_voice(body, info, _find)
+    with pytest.raises(APIError) as e:
+        build_request(body, info, choice, voice, args, "r")
+    assert (e.value.status, e.value.param, e.value.code) == (400, "input", "input_too_long")
+    assert "more than 40 text positions" in e.value.message
+    assert build_request(_req(input="\U0001F600" * 10, voice="myvoice"), info, choice, voice, args, "r")
+    assert utterance_fits("a" * 40, info) and not utterance_fits("a" * 41, info)
+    assert utterance_fits("\U0001F600" * 10, info) and not utterance_fits("\U0001F600" * 10 + "a", info)
