@@ -191,9 +191,11 @@ def test_an_upload_never_silently_replaces_a_voice(http):
         assert names.count("keepme") == 1
         again = http.post("/v1/audio/voices", files=other,
                           data={"name": "KeepMe", "x_vector_only_mode": "true", "replace": "true"})
-        assert again.status_code == 200 and again.json()["voice"]["name"] == "keepme", again.text
+        assert again.status_code == 200 and again.json()["voice"]["name"] == "KeepMe", again.text
+        names = [v["name"] for v in http.get("/v1/audio/voices").json()["uploaded_voices"]]
+        assert [n for n in names if n.lower() == "keepme"] == ["KeepMe"]  # replaced, not added
     finally:
-        http.delete("/v1/audio/voices/keepme")
+        http.delete("/v1/audio/voices/KeepMe")
 
 
 def test_health_answers_head_and_responses_carry_one_request_id(http):

@@ -10,6 +10,7 @@ import pytest
 import soundfile as sf
 
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
+from tests.audio_decode import decode
 from tests.procs import serve_run
 from tests.serve.conftest import wav_bytes
 
@@ -28,8 +29,14 @@ def test_serve_run_local_yaml_serves_the_embedded_checkpoint(tmp_path):
     with serve_run("local.yaml", tmp_path) as (url, home, log_path):
         response = httpx.post(f"{url}/v1/audio/speech", timeout=120, json={
             "model": "tts-1", "voice": "vivian", "input": "Hello from serve run.", "max_new_tokens": 5,
-            "suppress_eos": True})
+            "suppress_eos": True, "response_format": "wav", "stream": False})
         assert _wav_frames(response) == 5
+        # OpenAI's defaults: mp3, streamed
+        default = httpx.post(f"{url}/v1/audio/speech", timeout=120, json={
+            "model": "tts-1", "voice": "alloy", "input": "Hello.", "max_new_tokens": 5, "suppress_eos": True})
+        assert default.status_code == 200 and default.headers["content-type"] == "audio/mpeg", default.text[:300]
+        audio, rate = decode(default.content, "mp3")
+        assert default.headers.get("transfer-encoding") == "chunked" and rate == SAMPLE_RATE and audio.size > 0
         assert (home / "embedded" / "custom_voice-17b-tiny" / "config.json").exists()
         assert b"[embedded]" in log_path.read_bytes()  # progress was printed
 
@@ -37,7 +44,8 @@ def test_serve_run_local_yaml_serves_the_embedded_checkpoint(tmp_path):
 def test_serve_run_local_all_yaml_serves_every_task_type(tmp_path):
     """configs/local_all.yaml, as a newcomer runs it: CustomVoice, Base cloning (an uploaded voice and an inline
     `ref_audio`) and VoiceDesign, each answering audio over HTTP on CPU (short: `max_new_tokens` 4)."""
-    short = {"input": "Hello from every task type.", "max_new_tokens": 4, "suppress_eos": True}
+    short = {"input": "Hello from every task type.", "max_new_tokens": 4, "suppress_eos": True,
+             "response_format": "wav", "stream": False}
     with serve_run("local_all.yaml", tmp_path, ready_timeout_s=420) as (url, home, _log):
         with httpx.Client(base_url=url, timeout=120) as http:
             models = {m["id"]: m["task_type"] for m in http.get("/v1/models").json()["data"]}

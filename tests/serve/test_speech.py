@@ -234,9 +234,9 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "m
 
 def test_openai_voice_names_speak_with_their_presets(openai_client):
     """Every OpenAI voice name works unchanged, as OpenAI's own examples send it (model tts-1)."""
-    from deployments.constants import OPENAI_VOICE_ALIASES
+    from deployments.ingress.voice_aliases import DEFAULT_VOICE_ALIASES
 
-    assert set(OPENAI_VOICE_ALIASES) == set(OPENAI_VOICES)
+    assert set(DEFAULT_VOICE_ALIASES) == set(OPENAI_VOICES)
     for voice in OPENAI_VOICES:
         response = openai_client.audio.speech.create(
             model="tts-1", voice=voice, input="An OpenAI voice.", response_format="pcm",

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# A soak on a GPU host: the fastest one-GPU recipe (configs/high_concurrency.yaml, MPS, throughput-optimized Serve,
+# HAProxy; on several GPUs configs/replicas.yaml), then bench/soak.py's mixed traffic (every format, SSE, WebSocket,
+# drops) for $MINUTES at $CONCURRENCY. From the repo root with .gpubundle carried:
+#   source .gpubundle/install_bundle.sh .gpubundle && MINUTES=20 CONCURRENCY=256 bash bench/gpu_soak.sh
+# Results in $OUT: soak.json, env.txt (Python, torch, PyAV), serve_errors.log (every ERROR line and traceback of
+# the Serve logs, first 400 lines) and serve_tail.log. The server stays up while the machine is warm (a later call
+# runs another soak against it).
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$REPO"
+OUT=${OUT:-bench/out/soak}; MINUTES=${MINUTES:-3}; CONCURRENCY=${CONCURRENCY:-256}; FRAMES=${FRAMES:-75}
+mkdir -p "$OUT"
+{ python3 --version; python3 -c "import torch; print('torch', torch.__version__)";
+  python3 -c "import av; print('av', av.__version__)" 2>&1 | tail -1; nvidia-smi -L; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+n=$(nvidia-smi -L | grep -c '^GPU')
+config=configs/high_concurrency.yaml; set_args=""
+if [ "$n" -gt 1 ]; then
+  config=configs/replicas.yaml
+  set_args="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))"
+fi
+curl -sf -m 5 http://127.0.0.1:8000/ready > /dev/null || {
+  nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS control daemon started"
+  RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 OUT="$OUT/setup" CONFIG=$config SET="$set_args" \
+    bash bench/gpu_serve_runbook.sh setup || exit 1
+}
+echo "=== soak $(date -u +%FT%TZ) $MINUTES min at $CONCURRENCY"
+PYTHONPATH="$REPO:${PYTHONPATH:-}" python3 -m bench.soak --minutes "$MINUTES" --concurrency "$CONCURRENCY" \
+  --frames "$FRAMES" --warmup-s "${WARMUP_S:-60}" --sample-s 30 --out "$OUT/soak.json" 2>&1 | tail -30
+logs=/tmp/ray/session_latest/logs/serve
+grep -h -A12 -E ' ERROR |Traceback' "$logs"/*.log 2>/dev/null | cut -c1-400 | head -400 > "$OUT/serve_errors.log"
+echo "error lines: $(grep -h -c -E ' ERROR ' "$logs"/*.log 2>/dev/null | paste -sd+ | bc)"
+W=${W:-/tmp/qwen3-serve-bench}; [ -f "$W/serve.log" ] && tail -n 400 "$W/serve.log" | cut -c1-600 > "$OUT/serve_tail.log"
