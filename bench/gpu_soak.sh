@@ -25,9 +25,11 @@ curl -sf -m 5 http://127.0.0.1:8000/ready > /dev/null || {
     bash bench/gpu_serve_runbook.sh setup || exit 1
 }
 echo "=== soak $(date -u +%FT%TZ) $MINUTES min at $CONCURRENCY"
-PYTHONPATH="$REPO:${PYTHONPATH:-}" python3 -m bench.soak --minutes "$MINUTES" --concurrency "$CONCURRENCY" \
+PYTHONPATH="$REPO:${PYTHONPATH:-}" timeout $(( ${MINUTES%.*} * 60 + 150 )) python3 -m bench.soak --minutes "$MINUTES" --concurrency "$CONCURRENCY" \
   --frames "$FRAMES" --warmup-s "${WARMUP_S:-60}" --sample-s 30 --out "$OUT/soak.json" 2>&1 | tail -30
 logs=/tmp/ray/session_latest/logs/serve
 grep -h -A12 -E ' ERROR |Traceback' "$logs"/*.log 2>/dev/null | cut -c1-400 | head -400 > "$OUT/serve_errors.log"
 echo "error lines: $(grep -h -c -E ' ERROR ' "$logs"/*.log 2>/dev/null | paste -sd+ | bc)"
+PYTHONPATH="$REPO:${PYTHONPATH:-}" timeout 60 python3 -m bench.replica_stats --out "$OUT/replica_stats.json" > /dev/null 2>&1 \
+  || echo "no replica stats"
 W=${W:-/tmp/qwen3-serve-bench}; [ -f "$W/serve.log" ] && tail -n 400 "$W/serve.log" | cut -c1-600 > "$OUT/serve_tail.log"

@@ -194,3 +194,24 @@ def _open(fmt: str, sample_rate: int, speed: float, seekable: bool) -> StreamEnc
     if spec.muxer is None:
         return RawEncoder(sample_rate, speed, wav=fmt == "wav")
     return FFmpegEncoder(spec, sample_rate, speed, seekable=seekable)
+
+
+def check_codecs() -> None:
+    """Fail now, naming what is missing, when PyAV or one of FORMATS' FFmpeg encoders is absent: a replica started
+    without them would answer every mp3/opus/aac/flac/G.711 request (OpenAI's default format included) with a
+    500 or a cut stream."""
+    try:
+        import av
+    except ImportError as exc:
+        raise RuntimeError("PyAV (`pip install av`) is required: it encodes every response_format but pcm and "
+                           f"wav ({exc})") from None
+    missing = []
+    for name, spec in FORMATS.items():
+        if spec.codec is None:
+            continue
+        try:
+            av.codec.Codec(spec.codec, "w")
+        except Exception:
+            missing.append(f"{name} ({spec.codec})")
+    if missing:
+        raise RuntimeError(f"this FFmpeg (PyAV {av.__version__}) lacks the encoders of {', '.join(missing)}")

@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments import first_audio_timing
+from deployments.audio.encoders import check_codecs
 from deployments.config import TTSServingArgs
 from deployments.errors import APIError
 from deployments.first_audio_timing import FirstAudioTiming
@@ -58,6 +59,7 @@ class TTSIngress:
     async def __init__(self, talkers: dict[str, DeploymentHandle], code2wav: DeploymentHandle, args: TTSServingArgs):
         limits = args.ingress
         self._args, self._limits, self._code2wav = args, limits, code2wav
+        check_codecs()  # a replica that cannot encode OpenAI's default format must not start
         self._router = ModelRouter(talkers, args.models, limits.voice_aliases)
         self._auth = Auth(limits.auth)  # the WebSocket's checks; HTTP requests are checked by AuthGuard (app.py)
         self._key_limits = KeyLimits(_app_name(), limits.request_timeout_s)
