@@ -251,7 +251,7 @@ class LiveSession:
         request_id = f"live-{uuid.uuid4().hex}"
         record = RequestRecord(request_id, "live", len(body.input), True, voice=body.voice, request_id=request_id,
                                key_hash=key_hash(self._ws.headers.get("authorization"),
-                                                 self._ws.query_params.get("token")))
+                                                 self._ws.query_params.get("api_key")))
         # the context's calls to the Talker and Code2Wav (its task inherits this) carry its span
         with trace.use_span(record.span, end_on_exit=False):
             await self._open_context(body, request_id, record)

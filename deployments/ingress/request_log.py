@@ -10,8 +10,8 @@ Each speech request (and each WebSocket context) ends in exactly one INFO line w
 Talker's and Code2Wav's logs. `outcome` is the `status` tag of `tts_requests` (ok, bad_request, not_found,
 rejected, cancelled, timeout, error); `first_audio_ms` runs from arrival (a WebSocket context: from its first
 text, as `tts_time_to_first_audio_ms`); `status` the HTTP status the client got (a stream that fails after its
-first byte was already a 200; a client that left: 499). `key_hash` is the first 16 hex digits of the SHA-256 of the
-API key the request carried (never the key), or null. `rtf` = duration / audio_s.
+first byte was already a 200; a client that left: 499). `key_hash` is the first 8 hex digits of the SHA-256 of the
+API key the request carried (never the key; the `key` label of the metrics), or null. `rtf` = duration / audio_s.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def key_hash(authorization: str | None = None, token: str | None = None) -> str 
         key = value.strip() if scheme.lower() == "bearer" else authorization.strip()
     if not key:
         return None
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:8]  # ApiKey.label
 
 
 def serve_request_id() -> str | None:

@@ -104,7 +104,7 @@ class TTSIngress:
         body = body.with_default_format(self._limits.default_response_format)
         record = RequestRecord(f"speech-{uuid.uuid4().hex}", "speech", len(body.input), body.streaming,
                                voice=body.voice, key_hash=key_hash(request.headers.get("authorization"),
-                                                                   request.query_params.get("token")))
+                                                                   request.query_params.get("api_key")))
         try:
             admission = await self._key_limits.admit(key, stream=True)  # the key's limits (rate_limits.py)
         except APIError as exc:

@@ -1,7 +1,7 @@
 // The playground at `/`: plain browser JavaScript, no build step. Speech streams as raw PCM (s16le, 24 kHz mono)
 // and is scheduled buffer by buffer on a Web Audio graph as it arrives; the live tab sends typed text over the
 // WebSocket (docs/websocket.md). The API key lives in this page's memory only: it is sent as
-// `Authorization: Bearer` on HTTP and as `?token=` on the WebSocket, and never stored.
+// `Authorization: Bearer` on HTTP and as `?api_key=` on the WebSocket, and never stored.
 "use strict";
 
 const SAMPLE_RATE = 24000;
@@ -203,7 +203,7 @@ function liveConnect() {
   live.ws?.close();
   player.start();
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-  const query = apiKey ? `?token=${encodeURIComponent(apiKey)}` : "";
+  const query = apiKey ? `?api_key=${encodeURIComponent(apiKey)}` : "";
   const ws = (live.ws = new WebSocket(`${scheme}//${location.host}/v1/audio/speech/stream${query}`));
   ws.binaryType = "arraybuffer";
   live.contextId = `ctx${++live.serial}`;
