@@ -177,3 +177,47 @@ class TestSlowSender:
             ws.close()
         assert finals[0]["type"] == "error" and finals[0]["error"]["code"] == "text_evicted", finals[0]
         assert finals[0]["status"] == 408
+
+
+def _raw_websocket(base_url: str) -> socket.socket:
+    """A WebSocket handshake by hand on a plain socket: a peer that will never read again (so never answers a
+    ping) once the handshake's answer is in."""
+    import base64
+    import os
+
+    url = urlsplit(base_url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=RECV_TIMEOUT_S)
+    key = base64.b64encode(os.urandom(16)).decode()
+    sock.sendall((f"GET {url.path}/v1/audio/speech/stream HTTP/1.1\r\nHost: {url.netloc}\r\nUpgrade: websocket\r\n"
+                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += sock.recv(1)  # byte by byte: nothing past the handshake is read
+    assert answer.startswith(b"HTTP/1.1 101"), answer
+    return sock
+
+
+def _masked_text_frame(text: str) -> bytes:
+    """One client text frame (RFC 6455: FIN, opcode 1, masked)."""
+    import os
+    import struct
+
+    data, mask = text.encode(), os.urandom(4)
+    n = len(data)
+    header = bytes([0x81]) + (bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + struct.pack("!H", n))
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+class TestDeadPeers:
+    INGRESS = {}
+
+    def test_a_peer_that_never_answers_pings_is_closed_and_its_context_ended(self, app):
+        """A context open and waiting for text (its own idle timeout 10 minutes), the socket's peer gone silent: the
+        proxy's keepalive (a ping every 20 s, 20 s for the pong) closes it, and the session ends the context."""
+        sock = _raw_websocket(app)
+        sock.sendall(_masked_text_frame(json.dumps({
+            "type": "open", "context_id": "d", "model": "cv", "voice": "vivian", "response_format": "pcm",
+            "suppress_eos": True, "max_new_tokens": 40, "idle_timeout_s": 600, "input": "Some words and"})))
+        wait_for(lambda: _stats()["open_websockets"] == 1, 60, message="the socket opened")
+        wait_for(lambda: _stats()["open_websockets"] == 0, 150, 1.0, "the dead peer's socket closed by keepalive")
+        sock.close()
