@@ -8,7 +8,7 @@ at a time; the next one's audio waits in its pipeline (bounded by one piece).
 
 Finish: the chunks carry no piece's finish reason but the last chunk, which carries the whole input's: `length`
 when any piece stopped at its frame cap, else the last piece's. A piece that reached its cap without EOS when the
-client set no cap of its own (`max_new_tokens`, `suppress_eos`) was cut: `on_cut` counts and logs it.
+cap was not the client's (long_text.client_capped) was cut: `on_cut` is told (the ingress counts and logs it).
 Closing the iterator (the client left, a deadline, a failure) aborts every piece that runs: the current one and
 the one started ahead.
 """
@@ -46,7 +46,7 @@ class _Running:
 
 
 async def long_form_chunks(pieces: list[PlannedPiece], start: StartPiece, piece_timeout_s: float,
-                           client_capped: bool, on_cut: Callable[[PlannedPiece, int], None]) -> AsyncIterator[DecodedChunk]:
+                           on_cut: Callable[[PlannedPiece, int], None]) -> AsyncIterator[DecodedChunk]:
     """The decoded chunks of `pieces`, in order, with a silent chunk of each piece's `pause_s` after it.
 
     `start(piece)` makes a piece's pipeline (nothing runs until its first chunk is awaited). Each piece must
@@ -74,7 +74,7 @@ async def long_form_chunks(pieces: list[PlannedPiece], start: StartPiece, piece_
                 yield dataclasses.replace(chunk, final=last, finish_reason=(finish or piece_finish) if last else None)
                 async with asyncio.timeout_at(deadline):
                     chunk = await anext(current.chunks, None)
-            if piece_finish is FinishReason.LENGTH and not client_capped:
+            if piece_finish is FinishReason.LENGTH and not piece.client_capped:
                 on_cut(piece, frames)
             if piece.pause_s > 0:
                 yield DecodedChunk(piece.request.request_id, -1, silence(piece.pause_s), False, None, pause=True)

@@ -38,11 +38,19 @@ class PlannedPiece:
     request: SynthesisRequest
     options: GenerateOptions
     pause_s: float  # 0 after the last piece
+    client_capped: bool  # its frame cap is the client's (see `client_capped`): stopping there is no cut
 
 
 def estimated_frames(text: str) -> float:
     slow = len(_SLOW.findall(text))
     return FRAMES_PER_SLOW_CHAR * slow + FRAMES_PER_CHAR * (len(text) - slow)
+
+
+def client_capped(body: SpeechRequest, request: SynthesisRequest, info: ModelInfo) -> bool:
+    """Whether a request's frame cap is the client's: its `max_new_tokens` (or that field's default,
+    `default_max_new_tokens`) or `suppress_eos`; not when the cap is what fits `max_seq_len` (or the server's
+    `max_new_tokens_limit`). A request stopped at a cap that is not the client's was cut."""
+    return body.suppress_eos or body.max_new_tokens is not None or request.max_frames >= info.default_max_new_tokens
 
 
 def piece_seed(seed: int | None, index: int) -> int | None:
@@ -55,10 +63,10 @@ def piece_seed(seed: int | None, index: int) -> int | None:
 
 
 def piece_cost(info: ModelInfo, sample: SynthesisRequest, fill: float, tokens_per_byte: float,
-               ) -> Callable[[str], Cost]:
-    """A piece's share of one Talker request, from the request built for a one-token text without a client's
-    frame cap (`sample`): (positions of `max_seq_len` its text and its speech / `fill` take, its speech / `fill`
-    over the request's frame cap, text positions of `max_text_rows` it takes)."""
+               frame_cap: int | None = None) -> Callable[[str], Cost]:
+    """A piece's share of one Talker request, from the request built for a one-token text (`sample`): (positions
+    of `max_seq_len` its text and its speech / `fill` take, its speech / `fill` over the server's `frame_cap`
+    (`max_new_tokens_limit`), text positions of `max_text_rows` it takes)."""
     prompt = sample.prompt
     one_token = dataclasses.replace(prompt, text_ids=prompt.text_ids[:1])
     base = prefill_length(one_token)
@@ -72,7 +80,8 @@ def piece_cost(info: ModelInfo, sample: SynthesisRequest, fill: float, tokens_pe
         tokens = len(text.encode("utf-8", "surrogatepass")) * tokens_per_byte
         frames = estimated_frames(text)
         speech = frames / fill + (tokens if text_in_prefill else 0.0)
-        return speech / positions, frames / fill / sample.max_frames, (tokens / text_rows if text_in_trailing else 0.0)
+        capped = frames / fill / frame_cap if frame_cap else 0.0
+        return speech / positions, capped, (tokens / text_rows if text_in_trailing else 0.0)
 
     return cost
 
@@ -93,7 +102,7 @@ class PiecePlanner:
 
     def fits_one(self) -> bool:
         """True when the input fits one piece even counting a token per byte (the most a byte-level BPE makes)."""
-        cost = piece_cost(self.info, self._sample, self.settings.piece_fill, 1.0)
+        cost = piece_cost(self.info, self._sample, self.settings.piece_fill, 1.0, self.args.ingress.max_new_tokens_limit)
         return all(c <= 1.0 for c in cost(self.body.input))
 
     def pieces(self) -> list[PlannedPiece] | None:
@@ -101,7 +110,8 @@ class PiecePlanner:
         body = self.body
         text_bytes = max(len(body.input.encode("utf-8", "surrogatepass")), 1)
         tokens_per_byte = min(len(self.info.tokenizer.encode(body.input)) / text_bytes, 1.0)
-        cost = piece_cost(self.info, self._sample, self.settings.piece_fill, tokens_per_byte)
+        cost = piece_cost(self.info, self._sample, self.settings.piece_fill, tokens_per_byte,
+                          self.args.ingress.max_new_tokens_limit)
         texts = split_text(body.input, cost) if not all(c <= 1.0 for c in cost(body.input)) else []
         if len(texts) < 2:
             return None
@@ -111,7 +121,8 @@ class PiecePlanner:
             request, options = build_request(piece_body, self.info, self.choice, self.voice, self.args,
                                              f"{self.request_id}.{k}", priority=self.priority)
             last = k == len(texts) - 1
-            pieces.append(PlannedPiece(k, request, options, 0.0 if last else pause_after(text, self.settings)))
+            pieces.append(PlannedPiece(k, request, options, 0.0 if last else pause_after(text, self.settings),
+                                       client_capped(piece_body, request, self.info)))
         return pieces
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
 
 from fastapi import Request, WebSocket
@@ -34,7 +35,7 @@ from deployments.ingress.decode_batcher import DecodeBatcher
 from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.live import LiveAuth, LiveSession
 from deployments.ingress.long_form import long_form_chunks
-from deployments.ingress.long_text import PiecePlanner, PlannedPiece
+from deployments.ingress.long_text import PiecePlanner, PlannedPiece, client_capped
 from deployments.ingress.outcomes import Outcomes
 from deployments.ingress.pipeline import stream_audio
 from deployments.ingress.placement import StreamPlacement
@@ -140,8 +141,9 @@ class TTSIngress:
             model = record.model = info.name
             check_request(body, info, self._args)
             async with asyncio.timeout_at(deadline):
-                usage_in, chunks, pieces = await self._start_speech(body, info, voice_choice, request_id, timing,
-                                                                    deadline - loop.time())
+                started_speech = await self._start_speech(body, info, voice_choice, request_id, timing,
+                                                          deadline - loop.time())
+                chunks = started_speech.chunks
                 first = await anext(chunks, None)
         except BaseException as exc:  # every failure before the first audio is one JSON error
             if chunks is not None:
@@ -150,10 +152,11 @@ class TTSIngress:
                 self._outcomes.count(model, "cancelled", body.streaming, record)
                 raise
             return self._outcomes.fail(exc, model, body.streaming, record)
+        pieces = started_speech.pieces
         if pieces > 1:  # each piece has the request's time from when it is sent (deployments/ingress/long_form.py)
             deadline += (pieces - 1) * (deadline - started_loop)
-        job = SpeechJob(body, model, chunks, first, deadline, started, usage_in=usage_in, record=record,
-                        client_capped=body.max_new_tokens is not None or body.suppress_eos, pieces=pieces)
+        job = SpeechJob(body, model, chunks, first, deadline, started, usage_in=started_speech.usage_in, record=record,
+                        client_capped=started_speech.client_capped, pieces=pieces, cut_pieces=started_speech.cut_pieces)
         timing.responded = first_audio_timing.now()
         self._outcomes.first_audio_stages(model, timing)
         # Serve's proxy adds X-Request-Id (the client's own, or a new one); Server-Timing: where first audio went
@@ -186,28 +189,31 @@ class TTSIngress:
                             self._args.streaming.max_pending_decodes, self._limits.stage_transport, mailbox, timing)
 
     async def _start_speech(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, request_id: str,
-                            timing: FirstAudioTiming | None, piece_timeout_s: float, priority: Priority = Priority.REALTIME,
-                            ) -> tuple[int, AsyncIterator[DecodedChunk], int]:
-        """-> (input tokens, decoded chunks, pieces). An input longer than one Talker request runs as several, one
-        voice prompt for all (deployments/ingress/long_form.py)."""
+                            timing: FirstAudioTiming | None, piece_timeout_s: float,
+                            priority: Priority = Priority.REALTIME) -> StartedSpeech:
+        """A speech request started (nothing runs until its first chunk is awaited). An input longer than one Talker
+        request runs as several, one voice prompt for all (deployments/ingress/long_form.py)."""
         voice = await self._voices.prompt(body, info, voice_choice)
         planner = PiecePlanner(body, info, voice_choice, voice, self._args, request_id, priority)
         pieces = None if planner.fits_one() else await asyncio.to_thread(planner.pieces)
         if pieces is None:
             synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id,
                                                priority=priority)
-            return input_tokens(synthesis), self._pipeline(info, synthesis, options, timing=timing), 1
+            return StartedSpeech(input_tokens(synthesis), self._pipeline(info, synthesis, options, timing=timing),
+                                 client_capped=client_capped(body, synthesis, info))
+        cut_pieces: list[int] = []
 
         def start_piece(piece: PlannedPiece) -> AsyncIterator[DecodedChunk]:
             return self._pipeline(info, piece.request, piece.options, timing=timing if piece.index == 0 else None)
 
         def on_cut(piece: PlannedPiece, frames: int) -> None:
+            cut_pieces.append(piece.index)
             self._outcomes.frame_cap_cut(info.name, f"piece {piece.index + 1} of {len(pieces)} ({request_id})",
                                          frames)
 
-        chunks = long_form_chunks(pieces, start_piece, piece_timeout_s,
-                                  client_capped=body.max_new_tokens is not None or body.suppress_eos, on_cut=on_cut)
-        return sum(input_tokens(p.request) for p in pieces), chunks, len(pieces)
+        return StartedSpeech(sum(input_tokens(p.request) for p in pieces),
+                             long_form_chunks(pieces, start_piece, piece_timeout_s, on_cut), pieces=len(pieces),
+                             cut_pieces=cut_pieces)
 
     # ------------------------------------------------------------------ batch jobs
     async def submit_batch(self, request: Request):
@@ -238,9 +244,9 @@ class TTSIngress:
         check_limits(body, self._limits)
         info, voice_choice = await self.route(body)
         check_request(body, info, self._args)
-        _, chunks, _ = await self._start_speech(body, info, voice_choice, request_id, None,
-                                                self._limits.request_timeout_s, Priority.BATCH)
-        return chunks
+        started = await self._start_speech(body, info, voice_choice, request_id, None, self._limits.request_timeout_s,
+                                           Priority.BATCH)
+        return started.chunks
 
     def __del__(self):
         """Serve's graceful stop: this replica's batch items go back to the queue for the others."""
@@ -285,6 +291,17 @@ class TTSIngress:
     async def ready(self):
         """200 only when every Talker and Code2Wav has a warmed-up replica and every model info is loaded."""
         return await routing.readiness(self._router, self._code2wav)
+
+
+@dataclass
+class StartedSpeech:
+    """A started speech request: its usage of input, its decoded chunks, and how it may end (speech.SpeechJob)."""
+
+    usage_in: int
+    chunks: AsyncIterator[DecodedChunk]
+    client_capped: bool = True
+    pieces: int = 1
+    cut_pieces: list[int] = field(default_factory=list)
 
 
 def input_tokens(synthesis: SynthesisRequest) -> int:

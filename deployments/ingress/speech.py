@@ -21,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from fastapi.responses import Response, StreamingResponse
@@ -51,11 +51,14 @@ class SpeechJob:
     started: float  # perf_counter at arrival
     usage_in: int  # prompt text (+ instruction) tokens
     record: RequestRecord | None = None  # its log line (deployments/ingress/request_log.py)
-    client_capped: bool = False  # the client set a frame cap of its own (`max_new_tokens`, `suppress_eos`)
-    pieces: int = 1  # Talker requests of a long input (deployments/ingress/long_form.py counts their cuts itself)
+    client_capped: bool = True  # its frame cap is the client's (deployments/ingress/long_text.client_capped)
+    pieces: int = 1  # Talker requests of a long input (deployments/ingress/long_form.py)
+    cut_pieces: list[int] = field(default_factory=list)  # of those, the ones cut at their frame cap (counted there)
 
     def cut(self, finish: FinishReason | None) -> bool:
         """The speech stopped at a frame cap the client did not ask for: the audio is not all the text."""
+        if self.pieces > 1:
+            return bool(self.cut_pieces)
         return finish is FinishReason.LENGTH and not self.client_capped
 
     def note_cut(self, outcomes: Outcomes, frames: int) -> None:

@@ -41,6 +41,7 @@ def pieces(tiny_custom_voice) -> list[PlannedPiece]:
     body = SpeechRequest(model="cv", input=TEXT, voice="ryan", seed=11)
     planned = PiecePlanner(body, info, VoiceChoice(speaker="ryan"), None, args, "long").pieces()
     assert planned is not None and len(planned) >= 4
+    assert not any(p.client_capped for p in planned)  # capped at what fits max_seq_len: stopping there is a cut
     return [dataclasses.replace(p, request=dataclasses.replace(p.request, max_frames=FRAMES)) for p in planned]
 
 
@@ -66,8 +67,8 @@ class Run:
             self.events.append(("closed", piece.index))
             await stream.aclose()
 
-    def chunks(self, pieces, client_capped: bool = False, cuts: list | None = None):
-        return long_form_chunks(pieces, self.start_piece, 60.0, client_capped,
+    def chunks(self, pieces, cuts: list | None = None):
+        return long_form_chunks(pieces, self.start_piece, 60.0,
                                 lambda piece, frames: (cuts if cuts is not None else []).append((piece.index, frames)))
 
 
@@ -122,7 +123,8 @@ def test_a_pause_follows_each_piece_but_the_last_longer_after_a_paragraph(pieces
 def test_a_piece_cut_at_its_frame_cap_is_reported_unless_the_client_capped_it(pieces, engine):
     async def main(client_capped):
         cuts = []
-        seen = [c async for c in Run(engine, cut=frozenset({1})).chunks(pieces, client_capped, cuts)]
+        capped = [dataclasses.replace(p, client_capped=client_capped) for p in pieces]
+        seen = [c async for c in Run(engine, cut=frozenset({1})).chunks(capped, cuts)]
         return seen[-1].finish_reason, cuts
 
     assert asyncio.run(main(False)) == (FinishReason.LENGTH, [(1, FRAMES)])
@@ -159,9 +161,13 @@ def test_closing_the_response_aborts_the_current_piece_and_the_one_started_ahead
 
 
 def _job(pieces, run: Run, fmt: str, stream_format: str = "audio", capped: bool = False) -> SpeechJob:
+    """A long input's response as the ingress makes it (server.TTSIngress._start_speech)."""
     body = SpeechRequest(model="cv", input=TEXT, response_format=fmt, stream_format=stream_format)
-    return SpeechJob(body, "cv", run.chunks(pieces, capped), None, asyncio.get_running_loop().time() + 60, 0.0,
-                     usage_in=123, client_capped=capped, pieces=len(pieces))
+    cut: list[int] = []
+    pieces = [dataclasses.replace(p, client_capped=capped) for p in pieces]
+    chunks = long_form_chunks(pieces, run.start_piece, 60.0, lambda piece, frames: cut.append(piece.index))
+    return SpeechJob(body, "cv", chunks, None, asyncio.get_running_loop().time() + 60, 0.0, usage_in=123,
+                     pieces=len(pieces), cut_pieces=cut)
 
 
 async def _sent(job: SpeechJob) -> bytes:

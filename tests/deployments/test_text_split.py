@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -116,6 +117,7 @@ def _args(**long_form) -> TTSServingArgs:
 
 def test_a_long_input_is_planned_as_pieces_that_each_fit_with_the_same_voice_and_sampling(cv):
     args = _args(sentence_pause_s=0.2, paragraph_pause_s=0.9)
+    cv = dataclasses.replace(cv, default_max_new_tokens=2048)  # the serving default: above what fits max_seq_len
     body = SpeechRequest(model="cv", input=ENGLISH * 3, voice="ryan", seed=7, temperature=0.8, instructions="Calm.")
     planner = PiecePlanner(body, cv, VoiceChoice(speaker="ryan"), None, args, "req")
     assert not planner.fits_one()
@@ -128,6 +130,15 @@ def test_a_long_input_is_planned_as_pieces_that_each_fit_with_the_same_voice_and
         assert 2 * len(p.request.prompt.text_ids) <= p.request.max_frames
     assert pieces[-1].pause_s == 0 and {p.pause_s for p in pieces[:-1]} <= {0.0, 0.2, 0.9}
     assert 0.9 in {p.pause_s for p in pieces}  # the paragraph break is a boundary
+    assert not any(p.client_capped for p in pieces)  # capped at what fits max_seq_len: stopping there is a cut
+
+
+def test_a_cap_from_the_client_or_its_default_is_the_clients(cv):
+    """max_new_tokens, its configured default (default_max_new_tokens, here 300 < what fits), suppress_eos."""
+    for fields in ({"max_new_tokens": 50}, {}, {"suppress_eos": True}):
+        body = SpeechRequest(model="cv", input=ENGLISH * 3, voice="ryan", **fields)
+        pieces = PiecePlanner(body, cv, VoiceChoice(speaker="ryan"), None, _args(), "req").pieces()
+        assert pieces and all(p.client_capped for p in pieces), fields
 
 
 def test_a_short_input_is_one_request(cv):
