@@ -76,3 +76,21 @@ def test_the_long_form_bench_streams_a_chapter_and_reports_its_gaps(base_url, tm
 def test_an_input_over_the_limit_names_it(http):
     r = http.post("/v1/audio/speech", json={"model": "cv", "voice": "vivian", "input": "x " * 200})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input" and "limit is 300" in r.text
+
+
+def test_pieces_are_compared_with_the_models_speaker_encoder(base_url, tiny_base, tmp_path):
+    """bench/voice_consistency.py: the long input's audio cut back into its pieces at the pauses, each embedded with
+    a Base checkpoint's speaker encoder (random weights here: the mechanism, not a quality number)."""
+    from bench.voice_consistency import similarities, speaker_encoder, split_at_pauses
+
+    out = tmp_path / "consistency.json"
+    subprocess.run([sys.executable, "-m", "bench.voice_consistency", "--url", base_url, "--encoder", str(tiny_base),
+                    "--chars", "290", "--model", "cv", "--max-new-tokens", str(FRAMES), "--suppress-eos",
+                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert report["pieces"] == PIECES and -1 <= report["similarity_min"] <= report["similarity_mean"] <= 1
+    clip = (np.random.default_rng(0).standard_normal(SAMPLE_RATE) * 3000).astype(np.int16)
+    pause = np.zeros(round(PAUSE * SAMPLE_RATE), np.int16)
+    pieces = split_at_pauses(np.concatenate([clip, pause, clip]), min_pause_s=0.2)
+    assert [p.size for p in pieces] == [clip.size, clip.size]
+    assert similarities(pieces, speaker_encoder(str(tiny_base)))["similarity_min"] == pytest.approx(1.0, abs=1e-4)
