@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stages.contract import CodecChunk, FinishReason, TaskType
+from stages.contract import SAMPLES_PER_FRAME, CodecChunk, FinishReason, TaskType
 
 if TYPE_CHECKING:
     from stages.config import GenerationDefaults, ModelConfig
@@ -83,6 +83,12 @@ class DecodedChunk:
     finish_reason: FinishReason | None
     stamps: tuple[float, ...] = ()  # first chunk: Code2Wav's wall times (deployments/first_audio_timing.py)
     replica: str | None = None  # the stateful Code2Wav replica now holding the stream's state (stream affinity)
+    pause: bool = False  # silence the ingress put between two pieces of a long input (no codec frames)
+
+    @property
+    def codec_frames(self) -> int:
+        """Codec frames this chunk's audio came from (the usage a client is told)."""
+        return 0 if self.pause else self.pcm.size // SAMPLES_PER_FRAME
 
 
 def talker_decoded(chunk: CodecChunk) -> DecodedChunk | None:

@@ -60,6 +60,10 @@ class IngressMetrics:
         self.client_underrun_seconds = metrics.Counter(
             "tts_client_underrun_seconds", description="Seconds of such gaps.", tag_keys=("model",),
         )
+        self.frame_cap_cuts = metrics.Counter(
+            "tts_frame_cap_cuts", description="Talker requests (a long input's pieces included) that reached their "
+            "frame cap without EOS when the client set no cap of its own: their speech was cut.", tag_keys=("model",),
+        )
         self.open_streams = metrics.Gauge(
             "tts_open_streams", description="Requests being generated right now in this ingress replica.",
             tag_keys=("model",),

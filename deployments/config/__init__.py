@@ -35,6 +35,7 @@ from deployments.config.ingress import (  # noqa: F401
     BatchSettings,
     DecodeBatchSettings,
     IngressConfig,
+    LongFormSettings,
 )
 from stages.code2wav.engine_config import Code2WavEngineConfig
 from stages.talker.engine_config import TalkerEngineConfig

@@ -1,5 +1,5 @@
 """The ingress's settings (`args.ingress`): limits, OpenAI names and defaults, API keys, backpressure, decode
-batching and batch jobs."""
+batching, batch jobs and long inputs."""
 
 from __future__ import annotations
 
@@ -64,6 +64,18 @@ class BatchSettings(BaseConfig):
         return Path(self.store_dir).expanduser() if self.store_dir else C.DEFAULT_BATCH_STORE_DIR / app_name
 
 
+class LongFormSettings(BaseConfig):
+    """An input longer than one Talker request: split into pieces run one after another into one response
+    (deployments/ingress/long_text.py, long_form.py)."""
+
+    sentence_pause_s: float = Field(0.3, ge=0, le=10, description=(
+        "silence between two pieces where a sentence ends (after the model's own trailing breath)"))
+    paragraph_pause_s: float = Field(0.7, ge=0, le=10, description="silence between two pieces where a paragraph ends")
+    piece_fill: float = Field(0.5, gt=0, le=1, description=(
+        "share of one Talker request (max_seq_len) a piece's estimated speech may fill; the rest is margin for "
+        "slower speech, so a piece ends by EOS before its frame cap"))
+
+
 def _default_voice_aliases() -> dict[str, str]:
     from deployments.ingress.voice_aliases import DEFAULT_VOICE_ALIASES  # imported late: the ingress imports this
 
@@ -96,9 +108,11 @@ class IngressConfig(_DeploymentOptions):
     stage_transport: Literal["grpc", "object_ref"] = Field("grpc", description=(
         "how chunks travel Talker -> ingress -> Code2Wav: Serve's gRPC transport by value, or Ray actor calls "
         "forwarding object refs (deployments/transport.py)"))
-    max_input_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1)
+    max_input_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1, description=(
+        "characters of one speech request's `input` (a longer input runs as several Talker requests: `long_form`); "
+        "also of a WebSocket context's text"))
     max_instructions_chars: int = Field(C.DEFAULT_MAX_INSTRUCTIONS_CHARS, ge=1)
-    max_ref_text_chars: int = Field(C.DEFAULT_MAX_INPUT_CHARS, ge=1)
+    max_ref_text_chars: int = Field(C.DEFAULT_MAX_REF_TEXT_CHARS, ge=1)
     max_ref_audio_bytes: int = Field(C.DEFAULT_MAX_REF_AUDIO_BYTES, ge=1, description="decoded bytes of a reference clip")
     max_ref_audio_seconds: float = Field(C.DEFAULT_MAX_REF_AUDIO_SECONDS, gt=0)
     max_request_bytes: int = Field(C.DEFAULT_MAX_REQUEST_BYTES, ge=1, description="HTTP body limit (413 above)")
@@ -140,6 +154,7 @@ class IngressConfig(_DeploymentOptions):
     backpressure: BackpressureSettings = Field(default_factory=BackpressureSettings)
     decode_batch: DecodeBatchSettings = Field(default_factory=DecodeBatchSettings)
     batch: BatchSettings = Field(default_factory=BatchSettings)
+    long_form: LongFormSettings = Field(default_factory=LongFormSettings)
 
     @field_validator("ref_audio_url_allowlist")
     @classmethod

@@ -98,6 +98,12 @@ class Outcomes:
         if time_to_first is not None:
             self.metrics.time_to_first_audio_ms.observe(time_to_first * 1000, tags={"model": model, "stream": "false"})
 
+    def frame_cap_cut(self, model: str, what: str, frames: int) -> None:
+        """A Talker request (`what`: a request, or a piece of a long input) that reached its frame cap without EOS,
+        with no cap of its client's: its speech was cut there."""
+        self.metrics.frame_cap_cuts.inc(tags={"model": model})
+        logger.warning(f"{model}: {what} reached its frame cap ({frames} frames) without EOS: its speech is cut")
+
     def first_stream_audio(self, model: str, started: float) -> None:
         self.metrics.time_to_first_audio_ms.observe((time.perf_counter() - started) * 1000,
                                                     tags={"model": model, "stream": "true"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
 
 from fastapi import Request, WebSocket
@@ -34,6 +35,8 @@ from deployments.ingress.batch_worker import BatchWorker
 from deployments.ingress.decode_batcher import DecodeBatcher
 from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.live import LiveAuth, LiveSession
+from deployments.ingress.long_form import long_form_chunks
+from deployments.ingress.long_text import PiecePlanner, PlannedPiece, client_capped
 from deployments.ingress.outcomes import Outcomes
 from deployments.ingress.pipeline import stream_audio
 from deployments.ingress.placement import StreamPlacement
@@ -47,7 +50,7 @@ from deployments.ingress.speech import SpeechJob, stream_response, whole_respons
 from deployments.ingress.text_mailbox import new_mailbox
 from deployments.ingress.voice_store import VoiceStore
 from deployments.ingress.voices import Voices
-from deployments.messages import DecodedChunk, ModelInfo
+from deployments.messages import DecodedChunk, GenerateOptions, ModelInfo
 from deployments.metrics import BatchMetrics
 from deployments.transport import max_answer_bytes, stage_handle
 from stages.contract import Priority, SynthesisRequest
@@ -128,7 +131,8 @@ class TTSIngress:
     async def _speech(self, body: SpeechRequest, record: RequestRecord, key: ApiKey | None = None) -> Response:
         started, timing = record.started, FirstAudioTiming(arrived=first_audio_timing.now())
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(body.timeout_s or self._limits.request_timeout_s, self._limits.request_timeout_s)
+        started_loop = loop.time()
+        deadline = started_loop + min(body.timeout_s or self._limits.request_timeout_s, self._limits.request_timeout_s)
         request_id = record.engine_request_id
         model = "-"  # metric tag: a served name only (never a client-chosen string)
         chunks: AsyncIterator[DecodedChunk] | None = None
@@ -139,7 +143,9 @@ class TTSIngress:
             model = record.model = info.name
             check_request(body, info, self._args)
             async with asyncio.timeout_at(deadline):
-                synthesis, chunks = await self.start(body, info, voice_choice, request_id, timing=timing)
+                started_speech = await self._start_speech(body, info, voice_choice, request_id, timing,
+                                                          deadline - loop.time())
+                chunks = started_speech.chunks
                 first = await anext(chunks, None)
         except BaseException as exc:  # every failure before the first audio is one JSON error
             if chunks is not None:
@@ -148,8 +154,11 @@ class TTSIngress:
                 self._outcomes.count(model, "cancelled", body.streaming, record)
                 raise
             return self._outcomes.fail(exc, model, body.streaming, record)
-        job = SpeechJob(body, model, chunks, first, deadline, started,
-                        usage_in=len(synthesis.prompt.text_ids) + len(synthesis.prompt.instruct_ids or ()), record=record)
+        pieces = started_speech.pieces
+        if pieces > 1:  # each piece has the request's time from when it is sent (deployments/ingress/long_form.py)
+            deadline += (pieces - 1) * (deadline - started_loop)
+        job = SpeechJob(body, model, chunks, first, deadline, started, usage_in=started_speech.usage_in, record=record,
+                        client_capped=started_speech.client_capped, pieces=pieces, cut_pieces=started_speech.cut_pieces)
         timing.responded = first_audio_timing.now()
         self._outcomes.first_audio_stages(model, timing)
         # Serve's proxy adds X-Request-Id (the client's own, or a new one); Server-Timing: where first audio went
@@ -174,10 +183,39 @@ class TTSIngress:
         voice = await self._voices.prompt(body, info, voice_choice)
         synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id,
                                            live=mailbox is not None, idle_timeout_s=idle_timeout_s, priority=priority)
-        chunks = stream_audio(self._router.handle(info.name), self._decoder, synthesis, options,
-                              self._args.streaming.max_pending_decodes, self._limits.stage_transport, mailbox,
-                              timing)
-        return synthesis, chunks
+        return synthesis, self._pipeline(info, synthesis, options, mailbox, timing)
+
+    def _pipeline(self, info: ModelInfo, synthesis: SynthesisRequest, options: GenerateOptions, mailbox=None,
+                  timing: FirstAudioTiming | None = None) -> AsyncIterator[DecodedChunk]:
+        return stream_audio(self._router.handle(info.name), self._decoder, synthesis, options,
+                            self._args.streaming.max_pending_decodes, self._limits.stage_transport, mailbox, timing)
+
+    async def _start_speech(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, request_id: str,
+                            timing: FirstAudioTiming | None, piece_timeout_s: float,
+                            priority: Priority = Priority.REALTIME) -> StartedSpeech:
+        """A speech request started (nothing runs until its first chunk is awaited). An input longer than one Talker
+        request runs as several, one voice prompt for all (deployments/ingress/long_form.py)."""
+        voice = await self._voices.prompt(body, info, voice_choice)
+        planner = PiecePlanner(body, info, voice_choice, voice, self._args, request_id, priority)
+        pieces = None if planner.fits_one() else await asyncio.to_thread(planner.pieces)
+        if pieces is None:
+            synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id,
+                                               priority=priority)
+            return StartedSpeech(input_tokens(synthesis), self._pipeline(info, synthesis, options, timing=timing),
+                                 client_capped=client_capped(body, synthesis, info))
+        cut_pieces: list[int] = []
+
+        def start_piece(piece: PlannedPiece) -> AsyncIterator[DecodedChunk]:
+            return self._pipeline(info, piece.request, piece.options, timing=timing if piece.index == 0 else None)
+
+        def on_cut(piece: PlannedPiece, frames: int) -> None:
+            cut_pieces.append(piece.index)
+            self._outcomes.frame_cap_cut(info.name, f"piece {piece.index + 1} of {len(pieces)} ({request_id})",
+                                         frames)
+
+        return StartedSpeech(sum(input_tokens(p.request) for p in pieces),
+                             long_form_chunks(pieces, start_piece, piece_timeout_s, on_cut), pieces=len(pieces),
+                             cut_pieces=cut_pieces)
 
     # ------------------------------------------------------------------ batch jobs
     async def submit_batch(self, request: Request):
@@ -199,15 +237,18 @@ class TTSIngress:
         info, voice_choice = await self.route(body, key)
         check_request(body, info, self._args)
         voice = await self._voices.prompt(body, info, voice_choice)
-        build_request(body, info, voice_choice, voice, self._args, "batch-check")
+        planner = PiecePlanner(body, info, voice_choice, voice, self._args, "batch-check", Priority.BATCH)
+        if planner.fits_one() or await asyncio.to_thread(planner.pieces) is None:  # a long input: every piece built
+            build_request(body, info, voice_choice, voice, self._args, "batch-check")
 
     async def _batch_item_chunks(self, body: SpeechRequest, request_id: str) -> AsyncIterator[DecodedChunk]:
         """A batch item started as a low-priority Talker request (stages/talker/scheduler.py)."""
         check_limits(body, self._limits)
         info, voice_choice = await self.route(body)
         check_request(body, info, self._args)
-        _, chunks = await self.start(body, info, voice_choice, request_id, priority=Priority.BATCH)
-        return chunks
+        started = await self._start_speech(body, info, voice_choice, request_id, None, self._limits.request_timeout_s,
+                                           Priority.BATCH)
+        return started.chunks
 
     def __del__(self):
         """Serve's graceful stop: this replica's batch items go back to the queue for the others."""
@@ -252,6 +293,22 @@ class TTSIngress:
     async def ready(self):
         """200 only when every Talker and Code2Wav has a warmed-up replica and every model info is loaded."""
         return await routing.readiness(self._router, self._code2wav)
+
+
+@dataclass
+class StartedSpeech:
+    """A started speech request: its usage of input, its decoded chunks, and how it may end (speech.SpeechJob)."""
+
+    usage_in: int
+    chunks: AsyncIterator[DecodedChunk]
+    client_capped: bool = True
+    pieces: int = 1
+    cut_pieces: list[int] = field(default_factory=list)
+
+
+def input_tokens(synthesis: SynthesisRequest) -> int:
+    """A request's usage of input: its text and instruction tokens."""
+    return len(synthesis.prompt.text_ids) + len(synthesis.prompt.instruct_ids or ())
 
 
 def _app_name() -> str:

@@ -3,6 +3,9 @@
 Both writers take a `SpeechJob` whose decoded-chunk pipeline already produced its first chunk (so every
 failure before audio was a JSON error), run within the request's deadline, and record the outcome.
 
+A raw stream ends without its terminating chunk when the speech was cut (the client set no frame cap and a
+Talker request reached its own without EOS) or failed: only a whole speech ends as a whole file.
+
 The SSE events of a stream (`stream_format: sse`) are OpenAI's `speech.audio.*` events:
 
     data: {"type": "speech.audio.delta", "audio": <base64 of the encoded chunk>}      one per chunk
@@ -18,7 +21,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from fastapi.responses import Response, StreamingResponse
@@ -31,7 +34,7 @@ from deployments.ingress.outcomes import Outcomes, PlaybackClock
 from deployments.ingress.request_log import RequestRecord
 from deployments.ingress.schemas import SpeechRequest
 from deployments.messages import DecodedChunk
-from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME, FinishReason
+from stages.contract import SAMPLE_RATE, FinishReason
 
 logger = logging.getLogger("ray.serve")
 
@@ -48,6 +51,20 @@ class SpeechJob:
     started: float  # perf_counter at arrival
     usage_in: int  # prompt text (+ instruction) tokens
     record: RequestRecord | None = None  # its log line (deployments/ingress/request_log.py)
+    client_capped: bool = True  # its frame cap is the client's (deployments/ingress/long_text.client_capped)
+    pieces: int = 1  # Talker requests of a long input (deployments/ingress/long_form.py)
+    cut_pieces: list[int] = field(default_factory=list)  # of those, the ones cut at their frame cap (counted there)
+
+    def cut(self, finish: FinishReason | None) -> bool:
+        """The speech stopped at a frame cap the client did not ask for: the audio is not all the text."""
+        if self.pieces > 1:
+            return bool(self.cut_pieces)
+        return finish is FinishReason.LENGTH and not self.client_capped
+
+    def note_cut(self, outcomes: Outcomes, frames: int) -> None:
+        if self.pieces == 1:
+            outcomes.frame_cap_cut(self.model, f"request {self.record.engine_request_id if self.record else ''}",
+                                   frames)
 
 
 async def whole_response(job: SpeechJob, outcomes: Outcomes, headers: dict[str, str]) -> Response:
@@ -57,7 +74,7 @@ async def whole_response(job: SpeechJob, outcomes: Outcomes, headers: dict[str, 
         async with asyncio.timeout_at(job.deadline):
             chunk = job.first
             while chunk is not None:
-                pieces.append(chunk.pcm)
+                pieces.append(chunk)
                 finish = chunk.finish_reason or finish
                 chunk = await anext(job.chunks, None)
     except BaseException as exc:
@@ -66,8 +83,10 @@ async def whole_response(job: SpeechJob, outcomes: Outcomes, headers: dict[str, 
             outcomes.count(job.model, "cancelled", False, job.record)
             raise
         return outcomes.fail(exc, job.model, False, job.record)
-    pcm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int16)
-    frames = pcm.size // SAMPLES_PER_FRAME
+    pcm = np.concatenate([c.pcm for c in pieces]) if pieces else np.zeros(0, dtype=np.int16)
+    frames = sum(c.codec_frames for c in pieces)
+    if job.cut(finish):
+        job.note_cut(outcomes, frames)
     data = await asyncio.to_thread(encode, pcm, job.body.response_format, speed=job.body.speed)
     if job.record is not None:
         job.record.first_audio()  # the whole body is its first audio
@@ -94,7 +113,7 @@ def stream_response(job: SpeechJob, outcomes: Outcomes, work: OpenWork, headers:
 
 async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIterator[bytes]:
     as_sse, model = job.body.stream_format == "sse", job.model
-    frames, status, finish, audio_sent = 0, "ok", None, False
+    frames, status, finish, audio_sent, truncated = 0, "ok", None, False, False
     playback = PlaybackClock()
     work.acquire(check=False)  # the stream holds its own count while it is sent (deployments/ingress/http_guard.py)
     outcomes.stream_opened(model)
@@ -103,7 +122,7 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
         chunk, unsent_s = job.first, 0.0
         while True:
             if chunk is not None:
-                frames += chunk.pcm.size // SAMPLES_PER_FRAME
+                frames += chunk.codec_frames
                 finish = chunk.finish_reason or finish
                 unsent_s += chunk.pcm.size / SAMPLE_RATE / job.body.speed
                 data = await encoder.push(chunk.pcm)
@@ -122,8 +141,12 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
                 break
             async with asyncio.timeout_at(job.deadline):
                 chunk = await anext(job.chunks, None)
+        if job.cut(finish):
+            job.note_cut(outcomes, frames)
         if as_sse:
             yield sse_done(job.usage_in, frames, finish)
+        else:
+            truncated = job.cut(finish)
     except asyncio.CancelledError:
         status = "cancelled"  # the client went away: closing `chunks` below aborts the Talker
         raise
@@ -141,6 +164,8 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
         await job.chunks.aclose()
         work.release()
         outcomes.stream_ended(model, status, job.started, frames, playback, job.record)
+    if truncated:  # raw bytes cannot carry a finish reason: a cut speech must not look like a whole one
+        raise StreamAborted("the speech reached its frame cap without EOS; the audio sent stops there")
 
 
 SSE_MEDIA_TYPE = "text/event-stream"
