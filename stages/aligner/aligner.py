@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from stages.aligner.audio_encoder import conv_output_frames
 from stages.aligner.config import (
     AUDIO_END_TOKEN,
     AUDIO_PAD_TOKEN,
@@ -22,7 +23,6 @@ from stages.aligner.config import (
     PAD_TOKEN,
     TIMESTAMP_TOKEN,
 )
-from stages.aligner.audio_encoder import conv_output_frames
 from stages.aligner.features import SAMPLE_RATE, log_mel_batch, normalize_waveform
 from stages.aligner.loader import load_forced_aligner, prompt_token_ids
 from stages.aligner.model import ForcedAligner
@@ -78,7 +78,7 @@ class Aligner:
         waveforms = [self._waveform(a, sample_rate) for a in audios]
         words = [split_words(t, (languages or [""] * len(texts))[i]) for i, t in enumerate(texts)]
         features, frames = log_mel_batch(waveforms, self.config.audio.num_mel_bins, self.device)
-        rows = [self._prompt(w, conv_output_frames(n)) for w, n in zip(words, frames)]
+        rows = [self._prompt(w, conv_output_frames(n)) for w, n in zip(words, frames, strict=True)]
         longest = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), longest), self.ids[PAD_TOKEN], dtype=torch.long)
         attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)

@@ -122,7 +122,9 @@ def write_random_aligner(out: str | Path, *, tiny: bool = False, dtype: str = "b
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
         model = ForcedAligner(AlignerConfig.from_dict(cfg))
-    randomize_(model, generator)
+    # tiny: wider weights than the real init, so that the few tiny layers move the prediction at each timestamp slot
+    # away from what the slot's embedding alone gives (else every word gets the same time)
+    randomize_(model, generator, std=0.3 if tiny else 0.02)
     torch_dtype = parse_dtype(dtype)
     tensors = {f"thinker.{k}": v.to(torch_dtype).contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
