@@ -5,6 +5,10 @@ runs 3 stride-2 convolutions over each window, adds sinusoidal positions that re
 transformer whose attention stays inside blocks of `n_window_infer` mel frames' worth of tokens. The official code
 does this one waveform at a time; here all windows of all waveforms share one convolution batch and all blocks one
 attention batch, with the official padding semantics kept exactly (see `_conv_windows`).
+
+The attention blocks are those of the official flash-attention and vLLM paths. The official eager/SDPA path (its
+default) builds the same `cu_seqlens` but passes no mask, so there a waveform longer than one block (8 s in the
+release) attends across blocks; within one block all paths agree.
 """
 
 from __future__ import annotations
