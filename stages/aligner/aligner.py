@@ -1,0 +1,122 @@
+"""The forced aligner's entry point: waveforms + their texts -> words with start/end times, batched.
+
+    aligner = Aligner.load(checkpoint_dir, device="cuda", dtype="bfloat16")
+    words = aligner.align([wav_a, wav_b], ["Hello world.", "你好，世界"], sample_rate=24000)
+
+Same results as the official `Qwen3ForcedAligner.align` on the same batch (tests/stages/test_aligner_parity.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from stages.aligner.audio_encoder import conv_output_frames
+from stages.aligner.config import (
+    AUDIO_END_TOKEN,
+    AUDIO_PAD_TOKEN,
+    AUDIO_START_TOKEN,
+    PAD_TOKEN,
+    TIMESTAMP_TOKEN,
+)
+from stages.aligner.features import SAMPLE_RATE, log_mel_batch, normalize_waveform
+from stages.aligner.loader import load_forced_aligner, prompt_token_ids
+from stages.aligner.model import ForcedAligner
+from stages.aligner.timestamps import Word, words_from_classes
+from stages.aligner.words import split_words
+from stages.checkpoint import parse_dtype
+from stages.voice.audio import resample
+
+MIN_SAMPLES = 400  # one STFT window: the Whisper front end needs at least n_fft samples
+
+
+@dataclass
+class AlignerBatch:
+    """One forward's inputs: left-padded prompts and their audio features."""
+
+    words: list[list[str]]
+    input_ids: torch.Tensor  # [B, S]
+    attention_mask: torch.Tensor  # [B, S]
+    features: torch.Tensor  # [B, mel, T]
+    frames: list[int]
+
+
+class Aligner:
+    def __init__(self, model: ForcedAligner, tokenizer: Tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.device = model.lm_head.weight.device
+        self.ids = prompt_token_ids(tokenizer, self.config)
+        # the head's classes cover this much audio; a longer waveform could not be timed past it
+        self.max_seconds = self.config.classify_num * self.config.timestamp_segment_time / 1000.0
+
+    @classmethod
+    def load(cls, checkpoint: str | Path, device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32"
+             ) -> Aligner:
+        return cls(*load_forced_aligner(checkpoint, device, parse_dtype(dtype)))
+
+    def align(self, audios: list[np.ndarray], texts: list[str], sample_rate: int = SAMPLE_RATE,
+              languages: list[str] | None = None) -> list[list[Word]]:
+        """Mono float waveforms at `sample_rate` and their transcripts -> per pair the transcript's words (as
+        `stages.aligner.words.split_words` cuts them) with times in seconds from the waveform's start."""
+        batch = self.prepare(audios, texts, sample_rate, languages)
+        logits = self.logits(batch)
+        return self.words(batch, logits.argmax(dim=-1))
+
+    def prepare(self, audios: list[np.ndarray], texts: list[str], sample_rate: int = SAMPLE_RATE,
+                languages: list[str] | None = None) -> AlignerBatch:
+        if len(audios) != len(texts) or (languages is not None and len(languages) != len(texts)):
+            raise ValueError(f"batch size mismatch: {len(audios)} waveforms, {len(texts)} texts"
+                             + (f", {len(languages)} languages" if languages is not None else ""))
+        if not audios:
+            raise ValueError("nothing to align: the batch is empty")
+        waveforms = [self._waveform(a, sample_rate) for a in audios]
+        words = [split_words(t, (languages or [""] * len(texts))[i]) for i, t in enumerate(texts)]
+        features, frames = log_mel_batch(waveforms, self.config.audio.num_mel_bins, self.device)
+        rows = [self._prompt(w, conv_output_frames(n)) for w, n in zip(words, frames, strict=True)]
+        longest = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), longest), self.ids[PAD_TOKEN], dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, row in enumerate(rows):  # left padding, as the official processor pads
+            input_ids[i, longest - len(row):] = torch.tensor(row)
+            attention_mask[i, longest - len(row):] = 1
+        return AlignerBatch(words, input_ids.to(self.device), attention_mask.to(self.device), features, frames)
+
+    def logits(self, batch: AlignerBatch) -> torch.Tensor:
+        return self.model(batch.input_ids, batch.attention_mask, batch.features, batch.frames)
+
+    def words(self, batch: AlignerBatch, classes: torch.Tensor) -> list[list[Word]]:
+        slots = batch.input_ids == self.ids[TIMESTAMP_TOKEN]
+        classes, slots = classes.cpu(), slots.cpu()
+        return [words_from_classes(w, classes[i][slots[i]].tolist(), self.config.timestamp_segment_time)
+                for i, w in enumerate(batch.words)]
+
+    def _waveform(self, audio: np.ndarray, sample_rate: int) -> np.ndarray:
+        audio = np.asarray(audio)
+        if audio.ndim != 1 or audio.dtype.kind != "f":
+            raise ValueError(f"a waveform must be 1-D floats, got shape {audio.shape} of {audio.dtype}")
+        if not np.isfinite(audio).all():
+            raise ValueError("a waveform contains NaN or infinite samples")
+        seconds = audio.shape[0] / sample_rate
+        if seconds > self.max_seconds:
+            raise ValueError(f"a waveform is {seconds:.1f} s long; the aligner times at most {self.max_seconds:g} s")
+        wav = normalize_waveform(resample(audio.astype(np.float32), sample_rate, SAMPLE_RATE))
+        if wav.shape[0] < MIN_SAMPLES:
+            raise ValueError(f"a waveform is too short to align: {wav.shape[0]} samples at 16 kHz < {MIN_SAMPLES}")
+        return wav
+
+    def _prompt(self, words: list[str], audio_tokens: int) -> list[int]:
+        """The official prompt's ids: `<|audio_start|><|audio_pad|>*n<|audio_end|>w1<timestamp><timestamp>w2...`.
+        Special tokens split the text, so each word is tokenized on its own exactly as in the whole string."""
+        ts = self.ids[TIMESTAMP_TOKEN]
+        ids = [self.ids[AUDIO_START_TOKEN], *[self.ids[AUDIO_PAD_TOKEN]] * audio_tokens, self.ids[AUDIO_END_TOKEN]]
+        for encoding in self.tokenizer.encode_batch(words, add_special_tokens=False) if words else []:
+            ids += [*encoding.ids, ts, ts]
+        if not words:
+            ids += [ts, ts]
+        return ids

@@ -1,0 +1,75 @@
+"""stages/aligner without the oracle: input checks, the timestamp repair, 24 kHz input, the checkpoint checks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from stages.aligner import Aligner
+from stages.aligner.random_checkpoint import write_random_aligner
+from stages.aligner.timestamps import Word, repair_monotonic, words_from_classes
+from stages.aligner.words import split_words
+from stages.checkpoint import CheckpointError
+
+
+@pytest.fixture(scope="module")
+def aligner(tmp_path_factory) -> Aligner:
+    path = write_random_aligner(tmp_path_factory.mktemp("aligner"), tiny=True, dtype="float32", log=lambda *_: None)
+    return Aligner.load(path)
+
+
+def test_repair_keeps_the_longest_rising_run_and_fills_the_rest():
+    assert repair_monotonic([80, 160, 240]) == [80, 160, 240]
+    assert repair_monotonic([80, 4000, 160, 240]) == [80, 80, 160, 240]  # one outlier: the nearer neighbour
+    assert repair_monotonic([80, 160, 240, 320, 0, 0, 0, 800]) == [80, 160, 240, 320, 440, 560, 680, 800]
+    assert repair_monotonic([]) == []
+    assert words_from_classes(["a", "b"], [1, 2, 3, 4], 80.0) == [Word("a", 0.08, 0.16), Word("b", 0.24, 0.32)]
+    # a tie between rising runs goes to the one that ends first (the official first maximum): 30 stays, 4 follows it
+    assert words_from_classes(["a", "b"], [1, 2, 30, 4], 80.0) == [Word("a", 0.08, 0.16), Word("b", 2.4, 2.4)]
+
+
+def test_words_drop_punctuation_and_split_ideographs():
+    assert split_words("Don't stop -- 3.5 km!") == ["Don't", "stop", "35", "km"]
+    assert split_words("你好，Qwen3模型") == ["你", "好", "Qwen3", "模", "型"]
+    assert split_words("... !!!") == []
+    with pytest.raises(ValueError, match="Japanese"):
+        split_words("こんにちは", "Japanese")
+
+
+def test_align_takes_24khz_audio_and_times_every_word(aligner):
+    rng = np.random.default_rng(0)
+    audio = [0.1 * rng.standard_normal(36_000).astype(np.float32), 0.1 * rng.standard_normal(9_000).astype(np.float32)]
+    result = aligner.align(audio, ["One two, three.", "!!!"], sample_rate=24000)
+    assert [w.word for w in result[0]] == ["One", "two", "three"]
+    assert all(w.start <= w.end for w in result[0])
+    assert result[1] == []  # nothing to time: no word survives the split
+
+
+@pytest.mark.parametrize("audio, error", [
+    (np.zeros(100, np.float32), "too short"),
+    (np.full(4000, np.nan, np.float32), "NaN"),
+    (np.zeros((2, 4000), np.float32), "1-D"),
+    (np.zeros(16000 * 401, np.float32), "at most 400 s"),
+])
+def test_bad_waveforms_are_refused_by_name(aligner, audio, error):
+    with pytest.raises(ValueError, match=error):
+        aligner.align([audio], ["hello"])
+
+
+def test_mismatched_batch_is_refused(aligner):
+    with pytest.raises(ValueError, match="batch size mismatch"):
+        aligner.align([np.zeros(4000, np.float32)], ["a", "b"])
+
+
+def test_a_tts_checkpoint_is_not_an_aligner(tmp_path):
+    path = write_random_aligner(tmp_path / "a", tiny=True, dtype="float32", log=lambda *_: None)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["thinker_config"]["model_type"] = "qwen3_asr_thinker"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="forced_aligner"):
+        Aligner.load(path)
+    (path / "vocab.json").unlink()
+    with pytest.raises(CheckpointError, match="vocab.json"):
+        Aligner.load(path)
