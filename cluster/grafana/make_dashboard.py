@@ -103,6 +103,11 @@ panel("Rejections by limit",
       "max_queued_requests (Talker or Code2Wav), engine_queue = a Talker engine's max_waiting.",
       [(f"sum by (limit) (rate(ray_tts_rejections_total{{{APP}, {MODEL}}}{RI}))", "{{limit}}")],
       unit="reqps", stack=True)
+panel("Speech cut at the frame cap",
+      "Talker requests (long inputs' pieces included) that reached their frame cap without EOS when the client set "
+      "no cap of its own, per second (ray_tts_frame_cap_cuts_total): their speech was cut; should stay at 0.",
+      [(f"sum by (model) (rate(ray_tts_frame_cap_cuts_total{{{APP}, {MODEL}}}{RI}))", "{{model}}")],
+      unit="reqps")
 panel("Open streams",
       "Requests being generated right now, per model (ray_tts_open_streams, summed over ingress replicas).",
       [(f"sum by (model) (ray_tts_open_streams{{{APP}, {MODEL}}})", "{{model}}")])
