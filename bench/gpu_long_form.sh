@@ -2,7 +2,7 @@
 # Long-form and batch priority on one GPU (docs/results/long_form_h200.json): the fastest one-GPU recipe
 # (configs/high_concurrency.yaml, MPS, throughput-optimized Serve, HAProxy, 4 ingress replicas), then
 #   1. a ~10,000-character chapter streamed in one request (bench/long_form.py): first audio, wall time, the
-#      longest stall at a piece boundary;
+#      longest stall at a piece boundary (random weights: each piece $PIECE_FRAMES frames, EOS suppressed);
 #   2. bench/priority.py: a $ITEMS-item batch job alone, real-time Poisson arrivals at $RATE/s alone, then both.
 # From the repo root with .gpubundle carried:
 #   source .gpubundle/install_bundle.sh .gpubundle && RATE=90 ITEMS=1000 bash bench/gpu_long_form.sh
@@ -21,7 +21,7 @@ curl -sf -m 5 http://127.0.0.1:8000/ready > /dev/null || {
 export PYTHONPATH="$REPO:${PYTHONPATH:-}"
 if [ -z "${SKIP_CHAPTER:-}" ]; then
   echo "=== chapter $(date -u +%FT%TZ)"
-  timeout 240 python3 -m bench.long_form --url http://127.0.0.1:8000 --out "$OUT/chapter.json" 2>&1 | tail -15
+  timeout 240 python3 -m bench.long_form --url http://127.0.0.1:8000 --suppress-eos --max-new-tokens "${PIECE_FRAMES:-200}" --out "$OUT/chapter.json" 2>&1 | tail -15
 fi
 echo "=== priority $(date -u +%FT%TZ) rate $RATE items $ITEMS"
 timeout 300 python3 -m bench.priority --url http://127.0.0.1:8000 --rate "$RATE" --seconds "$SECONDS_RT" \
