@@ -7,15 +7,9 @@ environment. Created on first use (a few minutes, needs PyPI), cached under `$QW
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
 from pathlib import Path
 
-import torch
-
-from tests.cached_venv import cached_venv
-from tests.oracle.venv import _torch_requirement
+from tests.oracle.venv import run_in, venv_dir, venv_python
 
 # The official requirements the aligner path imports (nagisa and soynlp segment Japanese and Korean);
 # gradio, flask and qwen-omni-utils serve only the package's demos and are left out.
@@ -32,28 +26,14 @@ HERE = Path(__file__).resolve().parent
 
 
 def asr_oracle_venv_dir() -> Path:
-    key = hashlib.sha256("\n".join((*ASR_ORACLE_PINS, ASR_ORACLE_PACKAGE, torch.__version__)).encode()).hexdigest()
-    default = Path.home() / ".cache" / "qwen3-tts-serve" / f"asr-oracle-{key[:12]}"
-    return Path(os.environ.get("QWEN3_ASR_ORACLE_VENV", default))
+    return venv_dir("QWEN3_ASR_ORACLE_VENV", "asr-oracle", ASR_ORACLE_PINS, ASR_ORACLE_PACKAGE)
 
 
 def asr_oracle_python() -> Path:
     """Path to the aligner oracle venv's python, creating the venv once (a few minutes)."""
-
-    def install(pip: list[str]) -> None:
-        subprocess.run([*pip, _torch_requirement(), *ASR_ORACLE_PINS], check=True)
-        subprocess.run([*pip, "--no-deps", ASR_ORACLE_PACKAGE], check=True)
-
-    return cached_venv(asr_oracle_venv_dir(), "asr-oracle", install)
+    return venv_python(asr_oracle_venv_dir(), "asr-oracle", ASR_ORACLE_PINS, ASR_ORACLE_PACKAGE)
 
 
 def run_asr_oracle(script: str, *args: str, timeout: float = 1200) -> str:
     """Run `tests/oracle/<script>` inside the aligner oracle venv; returns its stdout, raises with its stderr."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(HERE))
-    proc = subprocess.run(
-        [str(asr_oracle_python()), str(HERE / script), *args],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"oracle script {script} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return proc.stdout
+    return run_in(asr_oracle_python(), script, *args, timeout=timeout)

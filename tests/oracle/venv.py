@@ -40,29 +40,41 @@ def _torch_requirement() -> str:
     return f"torch=={version}"
 
 
+def venv_dir(env_var: str, prefix: str, pins: tuple[str, ...], package: str) -> Path:
+    """`$env_var`, else `~/.cache/qwen3-tts-serve/<prefix>-<hash of the pins, the package and our torch>`."""
+    key = hashlib.sha256("\n".join((*pins, package, torch.__version__)).encode()).hexdigest()[:12]
+    return Path(os.environ.get(env_var, Path.home() / ".cache" / "qwen3-tts-serve" / f"{prefix}-{key}"))
+
+
+def venv_python(venv: Path, label: str, pins: tuple[str, ...], package: str) -> Path:
+    """Path to `venv`'s python, creating it once (a few minutes): our torch, `pins`, then `package` --no-deps."""
+
+    def install(pip: list[str]) -> None:
+        subprocess.run([*pip, _torch_requirement(), *pins], check=True)
+        subprocess.run([*pip, "--no-deps", package], check=True)
+
+    return cached_venv(venv, label, install)
+
+
+def run_in(python: Path, script: str, *args: str, timeout: float = 1200) -> str:
+    """Run `tests/oracle/<script>` with `python` (an oracle venv's); returns its stdout, raises with its stderr."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(HERE))
+    proc = subprocess.run([str(python), str(HERE / script), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"oracle script {script} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return proc.stdout
+
+
 def oracle_venv_dir() -> Path:
-    key = hashlib.sha256("\n".join((*ORACLE_PINS, ORACLE_PACKAGE, torch.__version__)).encode()).hexdigest()[:12]
-    default = Path.home() / ".cache" / "qwen3-tts-serve" / f"oracle-{key}"
-    return Path(os.environ.get("QWEN3_TTS_ORACLE_VENV", default))
+    return venv_dir("QWEN3_TTS_ORACLE_VENV", "oracle", ORACLE_PINS, ORACLE_PACKAGE)
 
 
 def oracle_python() -> Path:
     """Path to the oracle venv's python, creating the venv once (a few minutes)."""
-
-    def install(pip: list[str]) -> None:
-        subprocess.run([*pip, _torch_requirement(), *ORACLE_PINS], check=True)
-        subprocess.run([*pip, "--no-deps", ORACLE_PACKAGE], check=True)
-
-    return cached_venv(oracle_venv_dir(), "oracle", install)
+    return venv_python(oracle_venv_dir(), "oracle", ORACLE_PINS, ORACLE_PACKAGE)
 
 
 def run_oracle(script: str, *args: str, timeout: float = 1200) -> str:
     """Run `tests/oracle/<script>` inside the oracle venv; returns its stdout, raises with its stderr."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(HERE))
-    proc = subprocess.run(
-        [str(oracle_python()), str(HERE / script), *args],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"oracle script {script} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return proc.stdout
+    return run_in(oracle_python(), script, *args, timeout=timeout)
