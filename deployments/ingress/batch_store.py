@@ -93,14 +93,28 @@ class BatchStore:
             db = sqlite3.connect(self.root / "jobs.sqlite3", timeout=self._busy_timeout_s, isolation_level=None,
                                  check_same_thread=False)
             try:
-                db.execute(f"PRAGMA journal_mode={self.journal_mode}")
-                db.execute("PRAGMA synchronous=FULL")  # a committed claim or result survives a power loss
-                db.executescript(_SCHEMA)
+                self._set_up(db)
             except BaseException:
                 db.close()
                 raise
             self._db = db
         return self._db
+
+    def _set_up(self, db: sqlite3.Connection) -> None:
+        """Journal mode and schema. SQLite answers "locked" at once, without its busy handler, when two replicas
+        switch a new store to WAL together: retried here up to the busy timeout, as any other lock wait is."""
+        deadline, pause = time.monotonic() + self._busy_timeout_s, 0.005
+        while True:
+            try:
+                db.execute(f"PRAGMA journal_mode={self.journal_mode}")
+                db.execute("PRAGMA synchronous=FULL")  # a committed claim or result survives a power loss
+                db.executescript(_SCHEMA)
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.2)
 
     def _run(self, fn: Callable[[sqlite3.Connection], T], write: bool = False) -> T:
         with self._lock:

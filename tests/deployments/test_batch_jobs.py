@@ -8,6 +8,7 @@ import errno
 import io
 import json
 import sqlite3
+import threading
 from collections.abc import AsyncIterator
 
 import httpx
@@ -228,6 +229,7 @@ def test_cancel_stops_running_items_and_drops_queued_ones(tmp_path):
         api = Harness(tmp_path, FakeSynth(), owner="api")
         with Harness(tmp_path, synth, lease_s=0.3, items_in_flight=2) as h:
             r = await api.client.post("/b", json={"requests": [item(input="hold") for _ in range(4)]})
+            assert r.status_code == 202, r.text
             h.worker.wake()
             job_id = r.json()["id"]
             await h.until(job_id, lambda j: j["running"] == 2)
@@ -406,3 +408,29 @@ def test_jobs_past_their_retention_are_deleted_with_their_audio(tmp_path):
 
 def test_store_errors_name_a_full_disk():
     assert "disk is full" in str(StoreUnavailable(batch_store._describe(OSError(errno.ENOSPC, "x"))))
+
+
+def test_replicas_opening_a_new_store_together_all_get_in(tmp_path):
+    """Two replicas' first calls on a new store race to switch it to WAL; SQLite answers the loser "locked" at once,
+    without its busy handler. Neither call may fail."""
+    for attempt in range(40):
+        root = tmp_path / str(attempt)
+        stores = [BatchStore(root), BatchStore(root, lease_s=0.3)]
+        start, errors = threading.Barrier(2), []
+
+        def first_call(store: BatchStore, create: bool):
+            start.wait()
+            try:
+                store.create_job([json.dumps(item())]) if create else store.counts()
+            except StoreUnavailable as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=first_call, args=(s, i == 0)) for i, s in enumerate(stores)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert stores[1].counts()["queued"] == 1
+        for s in stores:
+            s.close()
