@@ -97,3 +97,13 @@ def talker_decoded(chunk: CodecChunk) -> DecodedChunk | None:
     if chunk.pcm is None:
         return None
     return DecodedChunk(chunk.request_id, chunk.seq, chunk.pcm, chunk.final, chunk.finish_reason)
+
+
+@dataclass(frozen=True)
+class AlignRequest:
+    """One span of speech to time: the audio of one Talker request and the text it speaks (`Aligner.align`)."""
+
+    request_id: str
+    pcm: np.ndarray  # int16 mono at stages.contract.SAMPLE_RATE
+    text: str
+    language: str | None  # None or "auto": no language hint

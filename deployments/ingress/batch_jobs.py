@@ -158,6 +158,9 @@ def _parse(index: int, item: Any) -> SpeechRequest:
     if body.stream or body.stream_format is not None:
         where = f"requests[{index}].{'stream' if body.stream else 'stream_format'}"
         raise bad_request(f"{where}: a batch item is a file, it does not stream", where)
+    if body.timestamps is not None:
+        where = f"requests[{index}].timestamps"
+        raise bad_request(f"{where}: a batch item's result is an audio file, without timestamps", where)
     return body
 
 

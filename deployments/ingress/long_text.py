@@ -39,6 +39,7 @@ class PlannedPiece:
     options: GenerateOptions
     pause_s: float  # 0 after the last piece
     client_capped: bool  # its frame cap is the client's (see `client_capped`): stopping there is no cut
+    text: str = ""  # what it speaks (word timestamps align it with its audio)
 
 
 def estimated_frames(text: str) -> float:
@@ -92,9 +93,14 @@ class PiecePlanner:
     second). Every piece is a built engine request, so every 4xx is raised before the first piece runs."""
 
     def __init__(self, body: SpeechRequest, info: ModelInfo, choice: VoiceChoice, voice: VoiceClonePrompt | None,
-                 args: TTSServingArgs, request_id: str, priority: Priority = Priority.REALTIME):
+                 args: TTSServingArgs, request_id: str, priority: Priority = Priority.REALTIME,
+                 max_piece_frames: int | None = None):
+        """`max_piece_frames`: a bound of a piece's speech besides the server's `max_new_tokens_limit` (the longest
+        audio the aligner times, for a request with timestamps)."""
         self.body, self.info, self.choice, self.voice, self.args = body, info, choice, voice, args
         self.request_id, self.priority = request_id, priority
+        limit = args.ingress.max_new_tokens_limit
+        self._frame_cap = min(f for f in (limit, max_piece_frames) if f) if (limit or max_piece_frames) else None
         self.settings = args.ingress.long_form
         # the request built for a one-token text: its prompt's layout sizes the pieces
         self._sample, _ = build_request(body.model_copy(update={"input": "x", "max_new_tokens": None}), info, choice,
@@ -102,7 +108,7 @@ class PiecePlanner:
 
     def fits_one(self) -> bool:
         """True when the input fits one piece even counting a token per byte (the most a byte-level BPE makes)."""
-        cost = piece_cost(self.info, self._sample, self.settings.piece_fill, 1.0, self.args.ingress.max_new_tokens_limit)
+        cost = piece_cost(self.info, self._sample, self.settings.piece_fill, 1.0, self._frame_cap)
         return all(c <= 1.0 for c in cost(self.body.input))
 
     def pieces(self) -> list[PlannedPiece] | None:
@@ -110,8 +116,7 @@ class PiecePlanner:
         body = self.body
         text_bytes = max(len(body.input.encode("utf-8", "surrogatepass")), 1)
         tokens_per_byte = min(len(self.info.tokenizer.encode(body.input)) / text_bytes, 1.0)
-        cost = piece_cost(self.info, self._sample, self.settings.piece_fill, tokens_per_byte,
-                          self.args.ingress.max_new_tokens_limit)
+        cost = piece_cost(self.info, self._sample, self.settings.piece_fill, tokens_per_byte, self._frame_cap)
         texts = split_text(body.input, cost) if not all(c <= 1.0 for c in cost(body.input)) else []
         if len(texts) < 2:
             return None
@@ -122,7 +127,7 @@ class PiecePlanner:
                                              f"{self.request_id}.{k}", priority=self.priority)
             last = k == len(texts) - 1
             pieces.append(PlannedPiece(k, request, options, 0.0 if last else pause_after(text, self.settings),
-                                       client_capped(piece_body, request, self.info)))
+                                       client_capped(piece_body, request, self.info), text.text))
         return pieces
 
 

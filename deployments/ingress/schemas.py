@@ -63,6 +63,9 @@ class SpeechRequest(BaseModel):
                                                    description="frames of the first streamed chunk")
     timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S,
                                     description="deadline of this request (capped by the server's)")
+    timestamps: Literal["word", "char"] | None = Field(None, description=(
+        "word (or character) times with the audio: SSE `speech.audio.timestamps` events (a stream with timestamps is "
+        "SSE), or a JSON body with `stream: false`; needs the server's aligner (docs/aligner.md)"))
     # sampling (defaults: the checkpoint's generation_config.json)
     do_sample: bool | None = None
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE)
@@ -100,7 +103,16 @@ class SpeechRequest(BaseModel):
     def _streaming_mode(self) -> SpeechRequest:
         if self.stream is False and self.stream_format == "sse":
             raise ValueError("stream_format 'sse' streams; it cannot be combined with stream: false")
+        if self.timestamps is not None and self.stream_format == "audio":
+            raise ValueError("timestamps cannot travel in a raw audio stream: use stream_format 'sse' (the default "
+                             "with timestamps) or stream: false (a JSON body)")
         return self
+
+    @property
+    def sse(self) -> bool:
+        """Streamed as SSE events: asked for, or implied by `timestamps` (a raw stream has no place for them)."""
+        return self.streaming and (self.stream_format == "sse"
+                                   or (self.stream_format is None and self.timestamps is not None))
 
     @property
     def streaming(self) -> bool:

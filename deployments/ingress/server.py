@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request, WebSocket
 from fastapi.responses import Response
@@ -50,17 +50,23 @@ from deployments.ingress.speech import SpeechJob, stream_response, whole_respons
 from deployments.ingress.text_mailbox import new_mailbox
 from deployments.ingress.voice_store import VoiceStore
 from deployments.ingress.voices import Voices
-from deployments.messages import DecodedChunk, GenerateOptions, ModelInfo
+from deployments.ingress.timestamps import ResponseTimestamps, check_timestamps
+from deployments.messages import AlignRequest, DecodedChunk, GenerateOptions, ModelInfo
 from deployments.metrics import BatchMetrics
 from deployments.transport import max_answer_bytes, stage_handle
-from stages.contract import Priority, SynthesisRequest
+from stages.aligner import Word
+from stages.contract import FRAME_SECONDS, Priority, SynthesisRequest
 
 
 class TTSIngress:
     # The endpoint methods' docstrings are the OpenAPI document's operation descriptions: only `ready` has one.
 
-    async def __init__(self, talkers: dict[str, DeploymentHandle], code2wav: DeploymentHandle, args: TTSServingArgs):
+    async def __init__(self, talkers: dict[str, DeploymentHandle], code2wav: DeploymentHandle, args: TTSServingArgs,
+                       aligner: DeploymentHandle | None = None):
+        """`aligner`: the Aligner deployment (word timestamps), when the config has one."""
         limits = args.ingress
+        self.aligner = aligner
+        self._aligner_max_s: float | None = None  # the longest audio it times (asked once)
         self._args, self._limits, self._code2wav = args, limits, code2wav
         check_codecs()  # a replica that cannot encode OpenAI's default format must not start
         self._router = ModelRouter(talkers, args.models, limits.voice_aliases)
@@ -138,13 +144,14 @@ class TTSIngress:
         chunks: AsyncIterator[DecodedChunk] | None = None
         try:
             check_limits(body, self._limits)
+            check_timestamps(body.timestamps, self.aligner is not None, body.language)
             # validation first, then the client's deadline: a tiny `timeout_s` must not hide a 400
             info, voice_choice = await self.route(body, key)
             model = record.model = info.name
             check_request(body, info, self._args)
             async with asyncio.timeout_at(deadline):
                 started_speech = await self._start_speech(body, info, voice_choice, request_id, timing,
-                                                          deadline - loop.time())
+                                                          deadline - loop.time(), timed=body.timestamps is not None)
                 chunks = started_speech.chunks
                 first = await anext(chunks, None)
         except BaseException as exc:  # every failure before the first audio is one JSON error
@@ -159,6 +166,9 @@ class TTSIngress:
             deadline += (pieces - 1) * (deadline - started_loop)
         job = SpeechJob(body, model, chunks, first, deadline, started, usage_in=started_speech.usage_in, record=record,
                         client_capped=started_speech.client_capped, pieces=pieces, cut_pieces=started_speech.cut_pieces)
+        if body.timestamps is not None:
+            job.timestamps = ResponseTimestamps(self._align, started_speech.texts, body.timestamps, body.language,
+                                                body.speed)
         timing.responded = first_audio_timing.now()
         self._outcomes.first_audio_stages(model, timing)
         # Serve's proxy adds X-Request-Id (the client's own, or a new one); Server-Timing: where first audio went
@@ -192,17 +202,19 @@ class TTSIngress:
 
     async def _start_speech(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, request_id: str,
                             timing: FirstAudioTiming | None, piece_timeout_s: float,
-                            priority: Priority = Priority.REALTIME) -> StartedSpeech:
+                            priority: Priority = Priority.REALTIME, timed: bool = False) -> StartedSpeech:
         """A speech request started (nothing runs until its first chunk is awaited). An input longer than one Talker
-        request runs as several, one voice prompt for all (deployments/ingress/long_form.py)."""
+        request runs as several, one voice prompt for all (deployments/ingress/long_form.py); `timed` (timestamps):
+        none longer than the aligner times."""
         voice = await self._voices.prompt(body, info, voice_choice)
-        planner = PiecePlanner(body, info, voice_choice, voice, self._args, request_id, priority)
+        max_frames = await self._aligner_max_frames() if timed else None
+        planner = PiecePlanner(body, info, voice_choice, voice, self._args, request_id, priority, max_frames)
         pieces = None if planner.fits_one() else await asyncio.to_thread(planner.pieces)
         if pieces is None:
             synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id,
                                                priority=priority)
             return StartedSpeech(input_tokens(synthesis), self._pipeline(info, synthesis, options, timing=timing),
-                                 client_capped=client_capped(body, synthesis, info))
+                                 client_capped=client_capped(body, synthesis, info), texts={request_id: body.input})
         cut_pieces: list[int] = []
 
         def start_piece(piece: PlannedPiece) -> AsyncIterator[DecodedChunk]:
@@ -215,7 +227,18 @@ class TTSIngress:
 
         return StartedSpeech(sum(input_tokens(p.request) for p in pieces),
                              long_form_chunks(pieces, start_piece, piece_timeout_s, on_cut), pieces=len(pieces),
-                             cut_pieces=cut_pieces)
+                             cut_pieces=cut_pieces, texts={p.request.request_id: p.text for p in pieces})
+
+    # ------------------------------------------------------------------ timestamps
+    def _align(self, request: AlignRequest) -> Awaitable[list[Word]]:
+        return self.aligner.align.remote(request)
+
+    async def _aligner_max_frames(self) -> int:
+        """Frames of the longest audio the aligner times (a request with timestamps is split to fit it)."""
+        if self._aligner_max_s is None:
+            async with asyncio.timeout(self._limits.request_timeout_s):
+                self._aligner_max_s = (await self.aligner.info.remote()).max_seconds
+        return max(1, int(self._aligner_max_s / FRAME_SECONDS))
 
     # ------------------------------------------------------------------ batch jobs
     async def submit_batch(self, request: Request):
@@ -304,6 +327,7 @@ class StartedSpeech:
     client_capped: bool = True
     pieces: int = 1
     cut_pieces: list[int] = field(default_factory=list)
+    texts: dict[str, str] = field(default_factory=dict)  # each Talker request's text, by its request id
 
 
 def input_tokens(synthesis: SynthesisRequest) -> int:

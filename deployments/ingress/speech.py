@@ -9,6 +9,8 @@ Talker request reached its own without EOS) or failed: only a whole speech ends 
 The SSE events of a stream (`stream_format: sse`) are OpenAI's `speech.audio.*` events:
 
     data: {"type": "speech.audio.delta", "audio": <base64 of the encoded chunk>}      one per chunk
+    data: {"type": "speech.audio.timestamps", "words": [...]}                        with `timestamps`, after
+                                                                                     the audio they time
     data: {"type": "speech.audio.done", "usage": {...}, "finish_reason": ...}         at the end
     data: {"type": "speech.audio.error", "error": {"message": ..., ...}}             instead, on a failure
 """
@@ -24,7 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deployments.audio.encoders import AsyncStreamEncoder, encode
 from deployments.audio.formats import MEDIA_TYPES
@@ -33,6 +35,7 @@ from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.outcomes import Outcomes, PlaybackClock
 from deployments.ingress.request_log import RequestRecord
 from deployments.ingress.schemas import SpeechRequest
+from deployments.ingress.timestamps import ResponseTimestamps
 from deployments.messages import DecodedChunk
 from stages.contract import SAMPLE_RATE, FinishReason
 
@@ -54,6 +57,7 @@ class SpeechJob:
     client_capped: bool = True  # its frame cap is the client's (deployments/ingress/long_text.client_capped)
     pieces: int = 1  # Talker requests of a long input (deployments/ingress/long_form.py)
     cut_pieces: list[int] = field(default_factory=list)  # of those, the ones cut at their frame cap (counted there)
+    timestamps: ResponseTimestamps | None = None  # the client asked for `timestamps` (deployments/ingress/timestamps.py)
 
     def cut(self, finish: FinishReason | None) -> bool:
         """The speech stopped at a frame cap the client did not ask for: the audio is not all the text."""
@@ -68,17 +72,25 @@ class SpeechJob:
 
 
 async def whole_response(job: SpeechJob, outcomes: Outcomes, headers: dict[str, str]) -> Response:
-    """All the audio in one body of `response_format`, usage in X-* headers; a failure is a JSON error."""
-    pieces, finish = [], None
+    """All the audio in one body of `response_format`, usage in X-* headers; a failure is a JSON error. With
+    `timestamps`, a JSON body instead: the audio file as base64 and its words (`timed_body`)."""
+    pieces, finish, events, ts = [], None, [], job.timestamps
     try:
         async with asyncio.timeout_at(job.deadline):
             chunk = job.first
             while chunk is not None:
                 pieces.append(chunk)
+                if ts is not None:
+                    ts.observe(chunk)
                 finish = chunk.finish_reason or finish
                 chunk = await anext(job.chunks, None)
+            if ts is not None:
+                ts.end()
+                events = await ts.rest()
     except BaseException as exc:
         await job.chunks.aclose()
+        if ts is not None:
+            await ts.aclose()
         if isinstance(exc, asyncio.CancelledError):
             outcomes.count(job.model, "cancelled", False, job.record)
             raise
@@ -92,10 +104,26 @@ async def whole_response(job: SpeechJob, outcomes: Outcomes, headers: dict[str, 
         job.record.first_audio()  # the whole body is its first audio
     outcomes.finish(job.model, job.started, False, frames, time_to_first=time.perf_counter() - job.started,
                     record=job.record)
+    audio_s = round(pcm.size / job.body.speed) / SAMPLE_RATE
     headers.update({"X-Usage-Input-Tokens": str(job.usage_in), "X-Usage-Output-Tokens": str(frames),
-                    "X-Audio-Duration-S": f"{round(pcm.size / job.body.speed) / SAMPLE_RATE:.3f}",
-                    "X-Finish-Reason": finish.value if finish else "unknown"})
+                    "X-Audio-Duration-S": f"{audio_s:.3f}", "X-Finish-Reason": finish.value if finish else "unknown"})
+    if ts is not None:
+        return JSONResponse(timed_body(data, job, audio_s, frames, finish, events), headers=headers)
     return Response(content=data, media_type=MEDIA_TYPES[job.body.response_format], headers=headers)
+
+
+def timed_body(audio: bytes, job: SpeechJob, audio_s: float, frames: int, finish: FinishReason | None,
+               events: list[dict]) -> dict:
+    """`stream: false` with `timestamps`: the audio file (base64) with every span's words (and characters) in one
+    list each; spans the aligner could not time are listed in `timestamp_errors`."""
+    body = {"audio": base64.b64encode(audio).decode(), "response_format": job.body.response_format,
+            "audio_seconds": round(audio_s, 3), "words": [w for e in events for w in e["words"]]}
+    if job.body.timestamps == "char":
+        body["chars"] = [c for e in events for c in e["chars"]]
+    errors = [e["error"] for e in events if "error" in e]
+    if errors:
+        body["timestamp_errors"] = errors
+    return {**body, "usage": usage(job.usage_in, frames), "finish_reason": finish.value if finish else "unknown"}
 
 
 # a stream is read as it comes: no cache may keep it, no proxy (nginx's X-Accel-Buffering) may hold it back
@@ -104,7 +132,7 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def stream_response(job: SpeechJob, outcomes: Outcomes, work: OpenWork, headers: dict[str, str]) -> StreamingResponse:
     """The audio as it comes: raw encoded bytes, or SSE events (`stream_format: sse`)."""
-    sse_events = job.body.stream_format == "sse"
+    sse_events = job.body.sse
     headers = {**headers, **STREAM_HEADERS}
     return StreamingResponse(_stream(job, outcomes, work),
                              media_type=SSE_MEDIA_TYPE if sse_events else MEDIA_TYPES[job.body.response_format],
@@ -112,7 +140,7 @@ def stream_response(job: SpeechJob, outcomes: Outcomes, work: OpenWork, headers:
 
 
 async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIterator[bytes]:
-    as_sse, model = job.body.stream_format == "sse", job.model
+    as_sse, model, ts = job.body.sse, job.model, job.timestamps
     frames, status, finish, audio_sent, truncated = 0, "ok", None, False, False
     playback = PlaybackClock()
     work.acquire(check=False)  # the stream holds its own count while it is sent (deployments/ingress/http_guard.py)
@@ -125,8 +153,12 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
                 frames += chunk.codec_frames
                 finish = chunk.finish_reason or finish
                 unsent_s += chunk.pcm.size / SAMPLE_RATE / job.body.speed
+                if ts is not None:
+                    ts.observe(chunk)
                 data = await encoder.push(chunk.pcm)
             else:
+                if ts is not None:
+                    ts.end()
                 data = await encoder.finish()
             if data:  # a stream may end with an empty final chunk; a codec may hold a short chunk back
                 playback.sent(unsent_s)
@@ -137,12 +169,19 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
                     outcomes.first_stream_audio(model, job.started)
                     if job.record is not None:
                         job.record.first_audio()
+            if ts is not None:  # spans aligned by now, each after its audio
+                for event in ts.ready():
+                    yield sse_event("timestamps", **event)
             if chunk is None:
                 break
             async with asyncio.timeout_at(job.deadline):
                 chunk = await anext(job.chunks, None)
         if job.cut(finish):
             job.note_cut(outcomes, frames)
+        if ts is not None:
+            async with asyncio.timeout_at(job.deadline):
+                for event in await ts.rest():
+                    yield sse_event("timestamps", **event)
         if as_sse:
             yield sse_done(job.usage_in, frames, finish)
         else:
@@ -162,6 +201,8 @@ async def _stream(job: SpeechJob, outcomes: Outcomes, work: OpenWork) -> AsyncIt
             raise StreamAborted(error.message) from None
     finally:
         await job.chunks.aclose()
+        if ts is not None:
+            await ts.aclose()
         work.release()
         outcomes.stream_ended(model, status, job.started, frames, playback, job.record)
     if truncated:  # raw bytes cannot carry a finish reason: a cut speech must not look like a whole one
@@ -179,9 +220,12 @@ def sse_delta(audio: bytes) -> bytes:
     return sse_event("delta", audio=base64.b64encode(audio).decode())
 
 
+def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
+
+
 def sse_done(input_tokens: int, output_tokens: int, finish: FinishReason | None) -> bytes:
-    usage = {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
-    return sse_event("done", usage=usage, finish_reason=finish.value if finish else "unknown")
+    return sse_event("done", usage=usage(input_tokens, output_tokens), finish_reason=finish.value if finish else "unknown")
 
 
 def sse_error(error: APIError) -> bytes:

@@ -178,6 +178,7 @@ def test_jsonl_bodies_and_uploads_are_accepted(tmp_path):
     ({"requests": [item(), item(), item(voice="nobody")]}, "requests[2].voice"),
     ({"requests": [item(input="x" * 101)]}, "requests[0].input"),
     ({"requests": [item(stream=True)]}, "requests[0].stream"),
+    ({"requests": [item(), item(timestamps="word")]}, "requests[1].timestamps"),
     ({"requests": [item(), "text"]}, "requests[1]"),
     ({"requests": []}, "requests"),
     ({"items": [item()]}, "requests"),
