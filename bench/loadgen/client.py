@@ -200,6 +200,10 @@ class _SSEReader:
                 n = len(base64.b64decode(event.get("audio", "")))
                 if n:
                     _arrive(self.r, t, n)
+            elif kind == "speech.audio.timestamps":
+                if self.r.arrival_s:
+                    self.r.timestamps_lag_s.append(t - self.r.arrival_s[-1])
+                self.r.timestamps_failed += "error" in event
             elif kind == "speech.audio.done":
                 self.ended, self.r.finish_reason = True, event.get("finish_reason")
             elif kind == "speech.audio.error":

@@ -32,6 +32,9 @@ class RequestResult:
     connect_s: float | None = None      # that connection's setup (TCP connect), part of every latency
     arrival_s: list[float] = field(default_factory=list)  # audible pieces: arrival times ...
     arrival_bytes: list[int] = field(default_factory=list)  # ... and their PCM bytes
+    # SSE with `timestamps`: each timestamps event's delay after the last audio before it (the span it times ended)
+    timestamps_lag_s: list[float] = field(default_factory=list)
+    timestamps_failed: int = 0  # timestamps events that carry an error instead of words
     done: bool = False
 
     @property

@@ -35,6 +35,8 @@ class RequestMetrics:
     server_timing_ms: dict[str, float] | None = None  # the server's first-audio stages + `client_side`
     new_connection: bool | None = None  # sent on a connection opened for it (False: kept alive; None: unknown)
     connect_ms: float | None = None     # that connection's setup
+    timestamps_lag_ms: list[float] = field(default_factory=list)  # SSE timestamps events after their span's audio
+    timestamps_failed: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class PointSummary:
     connect_ms: Stats = field(default_factory=lambda: Stats(n=0))
     client_side_new_ms: Stats = field(default_factory=lambda: Stats(n=0))
     client_side_kept_ms: Stats = field(default_factory=lambda: Stats(n=0))
+    # `timestamps` runs: how long after its span's last audio each timestamps event came, and events without words
+    timestamps_lag_ms: Stats = field(default_factory=lambda: Stats(n=0))
+    timestamps_failed: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,6 +112,7 @@ def request_metrics(r: RequestResult, resume_s: float = 0.0) -> RequestMetrics:
         stalls=reb.stalls if reb else None, stall_s=reb.stall_s if reb else None,
         error=r.error, server_timing_ms=timing, new_connection=r.new_connection,
         connect_ms=None if r.connect_s is None else r.connect_s * 1000,
+        timestamps_lag_ms=[x * 1000 for x in r.timestamps_lag_s], timestamps_failed=r.timestamps_failed,
     )
 
 
@@ -153,6 +159,8 @@ def summarize(run: PointRun, threshold_s: float = CONTINUITY_THRESHOLD_S, resume
         connect_ms=Stats.of(m.connect_ms for m in ok),
         client_side_new_ms=Stats.of(_client_side(m) for m in ok if m.new_connection),
         client_side_kept_ms=Stats.of(_client_side(m) for m in ok if m.new_connection is False),
+        timestamps_lag_ms=Stats.of(x for m in ok for x in m.timestamps_lag_ms),
+        timestamps_failed=sum(m.timestamps_failed for m in ok),
     )
 
 

@@ -225,6 +225,19 @@ def test_sse_events_are_arrivals_when_complete():
     cut = _SSEReader(RequestResult(index=2, text="", language="en"), lambda: 0.0)
     assert cut.finish() == "truncated"  # no done event: the stream was cut
 
+    timed = RequestResult(index=3, text="", language="en", sent_s=0.0)
+    clock = iter([1.0, 1.25, 1.5, 1.5])
+    reader = _SSEReader(timed, lambda: next(clock))
+    reader.feed(event("delta", audio=base64.b64encode(b"\x00" * 64).decode()))
+    reader.feed(event("timestamps", words=[{"word": "hi", "start": 0.0, "end": 0.1}]))  # 250 ms after its audio
+    reader.feed(event("timestamps", words=[], error={"message": "refused"}))
+    reader.feed(event("done", finish_reason="eos"))
+    assert timed.timestamps_lag_s == [0.25, 0.5] and timed.timestamps_failed == 1
+    timed.done, timed.end_s = True, 2.0
+    point = summarize(PointRun(LoadPoint("closed", 1, 1), [timed], wall_s=2.0))
+    assert point.timestamps_lag_ms.n == 2 and point.timestamps_lag_ms.max == pytest.approx(500)
+    assert point.timestamps_failed == 1
+
 
 # ------------------------------------------------------------------------------------------- load shapes
 
