@@ -6,7 +6,9 @@ next span's audio (or a pause, or the end) comes, and then its audio and text go
 later audio keeps streaming. `ready()` hands back the timestamps of spans that are aligned, in span order, so a
 writer sends each span's words after its audio; `rest()` waits for the others (before `done`).
 
-Times are seconds from the start of the whole response, on the played timeline (`speed` applied), rounded to ms.
+Times are seconds from the start of the whole response, on the played timeline (`speed` applied), rounded to ms,
+and inside the audio of their span (the aligner's head can place a word past the audio it was given; such a time
+is clamped to the span's end).
 `"char"` timestamps are derived from the words: a word's characters share its time evenly, and every other
 character of the text (spaces, punctuation) is a point at the end of the word before it (or the start of the next).
 A span the aligner could not time (a failure of its replica, an audio it refuses) gets an event with no words and
@@ -77,11 +79,8 @@ class _Span:
     text: str
     offset: int  # samples of the response before it (24 kHz, before `speed`)
     pcm: list[np.ndarray] = field(default_factory=list)
+    seconds: float = 0.0  # its audio's, once complete
     task: asyncio.Task | None = None
-
-    @property
-    def samples(self) -> int:
-        return sum(p.size for p in self.pcm)
 
 
 class ResponseTimestamps:
@@ -136,7 +135,7 @@ class ResponseTimestamps:
         if span is None:
             return
         pcm = np.concatenate(span.pcm)
-        span.pcm = [pcm]
+        span.pcm, span.seconds = [pcm], pcm.size / SAMPLE_RATE
         request = AlignRequest(span.request_id, pcm, span.text, self._language)
         span.task = asyncio.get_running_loop().create_task(self._aligned(request))
         self._pending.append(span)
@@ -155,8 +154,10 @@ class ResponseTimestamps:
             error = to_api_error(exc)
             logger.warning(f"timestamps of {span.request_id} failed: {error.message}")
             return {"words": [], **({"chars": []} if self.mode == "char" else {}), "error": error.body()["error"]}
-        timed = [{"word": w.word, "start": round((start_s + w.start) / self._speed, 3),
-                  "end": round((start_s + w.end) / self._speed, 3)} for w in words]
+        def at(t: float) -> float:  # inside the span's audio, whatever the aligner's head says
+            return round((start_s + min(max(t, 0.0), span.seconds)) / self._speed, 3)
+
+        timed = [{"word": w.word, "start": at(w.start), "end": at(w.end)} for w in words]
         event: dict[str, Any] = {"words": timed}
         if self.mode == "char":
             event["chars"] = char_times(span.text, timed)
