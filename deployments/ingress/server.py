@@ -59,9 +59,11 @@ from stages.contract import Priority, SynthesisRequest
 class TTSIngress:
     # The endpoint methods' docstrings are the OpenAPI document's operation descriptions: only `ready` has one.
 
-    async def __init__(self, talkers: dict[str, DeploymentHandle], code2wav: DeploymentHandle, args: TTSServingArgs):
+    async def __init__(self, talkers: dict[str, DeploymentHandle], code2wav: DeploymentHandle, args: TTSServingArgs,
+                       aligner: DeploymentHandle | None = None):
         limits = args.ingress
         self._args, self._limits, self._code2wav = args, limits, code2wav
+        self.aligner = aligner  # the Aligner deployment (word timestamps); None where `aligner:` is not configured
         check_codecs()  # a replica that cannot encode OpenAI's default format must not start
         self._router = ModelRouter(talkers, args.models, limits.voice_aliases)
         self._auth = Auth(limits.auth)  # the WebSocket's checks; HTTP requests are checked by AuthGuard (app.py)

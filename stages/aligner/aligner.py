@@ -60,8 +60,7 @@ class Aligner:
              ) -> Aligner:
         return cls(*load_forced_aligner(checkpoint, device, parse_dtype(dtype)))
 
-    @staticmethod
-    def min_samples(sample_rate: int = SAMPLE_RATE) -> int:
+    def min_samples(self, sample_rate: int = SAMPLE_RATE) -> int:
         """The fewest samples at `sample_rate` that `align` takes: MIN_SAMPLES once resampled to 16 kHz (resampling
         makes ceil(n * 16000 / sample_rate) samples)."""
         return (MIN_SAMPLES - 1) * sample_rate // SAMPLE_RATE + 1
