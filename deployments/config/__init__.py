@@ -193,7 +193,7 @@ class StreamingConfig(BaseConfig):
 
 
 class TTSServingArgs(BaseConfig):
-    """Everything `build_app` needs: the served models, the shared codec, streaming and ingress settings."""
+    """Everything `build_app` needs: the served models, the shared codec, streaming and ingress settings, the aligner."""
 
     models: list[TalkerDeploymentConfig] = Field(min_length=1)
     code2wav: Code2WavDeploymentConfig = Field(default_factory=Code2WavDeploymentConfig)

@@ -123,6 +123,21 @@ def test_aligner_options_are_the_defaults_merged_with_its_deployment_config():
         TTSServingArgs.model_validate({"models": [{"name": "a"}], "aligner": {"max_batch_size": 0}})
 
 
+def test_the_documented_gpu_aligner_fits_beside_code2wav_on_one_gpu():
+    """docs/aligner.md, "Configs": its `aligner:` block added to high_concurrency.yaml (Code2Wav at 0.45 of the GPU)
+    builds, and the GPU fractions and memory caps of the three fit one GPU."""
+    text = (CONFIGS.parent / "docs" / "aligner.md").read_text(encoding="utf-8").split("### Configs", 1)[1]
+    block = yaml.safe_load(text.split("```yaml", 1)[1].split("```", 1)[0])
+    args = _app_args("high_concurrency.yaml")
+    args["code2wav"]["deployment_config"]["ray_actor_options"]["num_gpus"] = 0.45
+    deployments = _deployments(build_app({**args, **block}))
+    aligner = deployments[C.ALIGNER_DEPLOYMENT_NAME]
+    assert aligner.init_args[0].model == "Qwen/Qwen3-ForcedAligner-0.6B"
+    assert sum(d.ray_actor_options.get("num_gpus", 0) for d in deployments.values()) <= 1.0
+    assert sum(d.init_args[0].gpu_memory_fraction for name, d in deployments.items()
+               if name != C.INGRESS_DEPLOYMENT_NAME) <= 1.0
+
+
 def test_replicas_config_is_high_concurrency_with_one_pair_per_gpu_raylet():
     """configs/replicas.yaml scales the co-located pair out: the same engines, N replicas of each stage, at most
     one of each per Ray node (one raylet per GPU), so each GPU holds exactly one Talker and one Code2Wav."""
