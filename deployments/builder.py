@@ -2,7 +2,8 @@
 
     import_path: deployments.builder:build_app        # args: validated into TTSServingArgs
 
-One `Talker:<model>` deployment per served checkpoint, one shared `Code2Wav`, one `TTSIngress`.
+One `Talker:<model>` deployment per served checkpoint, one shared `Code2Wav`, one `TTSIngress`, and with `aligner:`
+one `Aligner` (word timestamps).
 Every Serve option is the builder's default deep-merged with the config's `deployment_config`
 (YAML `deployments:` overrides still apply on top, by these names). The final options are logged.
 """
@@ -17,9 +18,11 @@ from ray import serve
 from ray.serve import Application
 
 from deployments import constants as C
+from deployments.aligner.server import AlignerServer
 from deployments.code2wav.server import DEFAULT_ENGINE_CLS as CODE2WAV_ENGINE
 from deployments.code2wav.server import Code2WavServer
 from deployments.config import (
+    AlignerDeploymentConfig,
     CheckpointSource,
     Code2WavDeploymentConfig,
     StreamingConfig,
@@ -86,6 +89,18 @@ def code2wav_deployment_options(config: Code2WavDeploymentConfig, stream_affinit
     return _with_policy(deep_merge(defaults, config.deployment_config), CODE2WAV_POLICY, float(config.max_batch_size))
 
 
+def aligner_deployment_options(config: AlignerDeploymentConfig) -> dict[str, Any]:
+    """Each call is one piece; a replica takes a few batches' worth (the rest queue at the caller, then 503)."""
+    defaults = {
+        "name": C.ALIGNER_DEPLOYMENT_NAME,
+        "max_ongoing_requests": config.max_batch_size * C.ALIGNER_ONGOING_PER_BATCH_SLOT,
+        "max_queued_requests": C.DEFAULT_ALIGNER_MAX_QUEUED_REQUESTS,
+        "health_check_period_s": 10,
+        "ray_actor_options": {"num_cpus": 1},
+    }
+    return deep_merge(defaults, config.deployment_config)
+
+
 def ingress_deployment_options(args: TTSServingArgs) -> dict[str, Any]:
     """The ingress drains longer than any Talker (Serve's default, 20 s, is far shorter than a Talker's): when
     the app is deleted or redeployed, every deployment stops at once, and an ingress killed first would cut its
@@ -127,8 +142,14 @@ def build_code2wav_deployment(config: Code2WavDeploymentConfig, source: Checkpoi
     return serve.deployment(Code2WavServer, **options).bind(config, source, streaming)
 
 
+def build_aligner_deployment(config: AlignerDeploymentConfig) -> Application:
+    options = aligner_deployment_options(config)
+    logger.info(f"{options['name']} deployment options: {options}")
+    return serve.deployment(AlignerServer, **options).bind(config)
+
+
 def build_app(args: TTSServingArgs) -> Application:
-    """The application: ingress -> {Talker:<model>} and the shared Code2Wav."""
+    """The application: ingress -> {Talker:<model>}, the shared Code2Wav and the Aligner where configured."""
     if not isinstance(args, TTSServingArgs):
         args = TTSServingArgs.model_validate(args)
     # inconsistent schedules and unknown engine options fail here, not in crash-looping replicas
@@ -139,13 +160,17 @@ def build_app(args: TTSServingArgs) -> Application:
                   {"max_batch_size": args.code2wav.max_batch_size, **args.code2wav.engine_kwargs})
     talkers = {m.name: build_talker_deployment(m, args.streaming) for m in args.models}
     code2wav = build_code2wav_deployment(args.code2wav, args.codec_source, args.streaming, args.stream_affinity)
-    return build_ingress_deployment(args, talkers, code2wav)
+    aligner = build_aligner_deployment(args.aligner) if args.aligner is not None else None
+    return build_ingress_deployment(args, talkers, code2wav, aligner)
 
 
-def build_ingress_deployment(args: TTSServingArgs, talkers: dict[str, Application], code2wav: Application) -> Application:
+def build_ingress_deployment(args: TTSServingArgs, talkers: dict[str, Application], code2wav: Application,
+                             aligner: Application | None = None) -> Application:
     """`TTSIngress` behind a FastAPI app made now, for this application (deployments/ingress/app.py)."""
     options = ingress_deployment_options(args)
     logger.info(f"{options['name']} deployment options: {options}")
     app = make_fastapi_app(BodyLimits(args.ingress.max_request_bytes, args.ingress.body_read_timeout_s),
                            args.ingress.auth)
-    return serve.deployment(make_fastapi_ingress(TTSIngress, app=app), **options).bind(talkers, code2wav, args)
+    extra = {"aligner": aligner} if aligner is not None else {}
+    return serve.deployment(make_fastapi_ingress(TTSIngress, app=app), **options).bind(talkers, code2wav, args,
+                                                                                       **extra)

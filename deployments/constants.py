@@ -51,6 +51,7 @@ INGRESS_DEPLOYMENT_NAME = "TTSIngress"
 TALKER_DEPLOYMENT_PREFIX = "Talker:"
 CODE2WAV_DEPLOYMENT_NAME = "Code2Wav"
 CODE2WAV_REQUEST_ROUTER = "deployments.code2wav.router:StreamAffinityRouter"  # Code2Wav's (stream affinity)
+ALIGNER_DEPLOYMENT_NAME = "Aligner"
 
 # Talker: Serve admission (its engine rows, `engine_kwargs.max_num_seqs`, default to the engine config's)
 # open streams a replica accepts per engine slot (the excess waits inside the engine, ready to be admitted
@@ -71,6 +72,15 @@ DEFAULT_CODE2WAV_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_CODE2WAV_MAX_QUEUED_R
 CODE2WAV_STALL_TIMEOUT_S = _env_float("QWEN3_TTS_CODE2WAV_STALL_TIMEOUT_S", 60.0)
 # an ingress's decode call unanswered this long checks (every as long) that Code2Wav was not deleted
 CODE2WAV_CALL_PROBE_INTERVAL_S = _env_float("QWEN3_TTS_CODE2WAV_CALL_PROBE_INTERVAL_S", 2.0)
+
+# Aligner: align() calls (one piece each) a replica takes per batch slot, and calls queued at the caller before a
+# fast 503; a forward of a full batch takes well under a second on a GPU and seconds on CPU: minutes mean stuck
+ALIGNER_ONGOING_PER_BATCH_SLOT = _env_int("QWEN3_TTS_ALIGNER_ONGOING_PER_BATCH_SLOT", 4)
+DEFAULT_ALIGNER_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_ALIGNER_MAX_QUEUED_REQUESTS", 1024)
+ALIGNER_STALL_TIMEOUT_S = _env_float("QWEN3_TTS_ALIGNER_STALL_TIMEOUT_S", 300.0)
+# words of one piece: its prompt holds each word's tokens and two timestamp slots (bounds a forward's length); a
+# piece of the aligner's longest audio (400 s) holds some 1,200 spoken words, 2,400 CJK characters
+ALIGNER_MAX_WORDS = _env_int("QWEN3_TTS_ALIGNER_MAX_WORDS", 4096)
 
 # Ingress: Serve admits many connections (each a cheap coroutine: half-sent bodies, probes, open streams),
 # so that /health and /ready never wait behind speech; the ingress admits the costly work itself

@@ -52,6 +52,11 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.retry_after_s, self.limit = retry_after_s, limit
 
+    def __reduce__(self):
+        """Pickled whole: a deployment's APIError (the Aligner's 400s) reaches the ingress through Ray as raised
+        (Exception's default pickling would call __init__ with the message alone)."""
+        return self.__class__, (self.status, self.message), self.__dict__
+
     @property
     def type(self) -> str:
         return _TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")

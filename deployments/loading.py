@@ -3,7 +3,7 @@
 The embedded default (`model: null`) writes a tiny random checkpoint once into
 `~/.cache/qwen3-tts-serve/embedded/<kind>-<size>-tiny` (under a file lock, so the Talker and Code2Wav
 replicas starting together write it once) and serves it: `serve run configs/local.yaml` works on a
-fresh machine with nothing downloaded.
+fresh machine with nothing downloaded. The Aligner's embedded default is `embedded/aligner-tiny`, likewise.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from deployments import constants as C
 from deployments.config import CheckpointSource, _RuntimeOptions
+from deployments.config.common import _DeviceOptions
 
 Log = Callable[[str], None]
 logger = logging.getLogger("ray.serve")
@@ -79,29 +80,56 @@ def checkpoint_location(source: CheckpointSource, log: Log = print) -> str:
 
 
 def ensure_embedded_checkpoint(kind: str, size: str = "1.7b", root: Path | None = None, log: Log = print) -> Path:
+    def write(tmp: Path) -> None:
+        from stages.random_checkpoint import write_random_checkpoint
+
+        log(f"[embedded] no checkpoint configured: writing a tiny random {kind} checkpoint into {tmp.parent} "
+            "(random weights: the audio is noise; set `model:` to serve a real checkpoint)")
+        write_random_checkpoint(tmp, size, kind, tiny=True, dtype="float32", seed=0, log=log)
+
+    return _written_once(root, f"{kind}-{size.replace('.', '')}-tiny", write, log)
+
+
+def ensure_embedded_aligner(root: Path | None = None, log: Log = print) -> Path:
+    """The embedded tiny random aligner (`aligner.model: null`): the timestamps API works end to end, the times
+    mean nothing."""
+    def write(tmp: Path) -> None:
+        from stages.aligner.random_checkpoint import write_random_aligner
+
+        log(f"[embedded] no aligner configured: writing a tiny random aligner checkpoint into {tmp.parent} "
+            "(random weights: the times are meaningless; set `aligner.model:` to serve a real one)")
+        write_random_aligner(tmp, tiny=True, dtype="float32", seed=0, log=log)
+
+    return _written_once(root, "aligner-tiny", write, log)
+
+
+def aligner_location(model: str | None, log: Log = print) -> str:
+    """A path or Hugging Face id that `stages.aligner.Aligner.load` accepts; writes the embedded one if needed."""
+    return os.path.expanduser(model) if model else str(ensure_embedded_aligner(log=log))
+
+
+def _written_once(root: Path | None, name: str, write: Callable[[Path], None], log: Log) -> Path:
+    """`root/name`, written by `write(tmp)` unless it exists: under a file lock, so the replicas starting together
+    write it once, and renamed into place whole (config.json appears only with a complete checkpoint)."""
     root = Path(root) if root is not None else C.EMBEDDED_CHECKPOINT_DIR
-    out = root / f"{kind}-{size.replace('.', '')}-tiny"
+    out = root / name
     if (out / "config.json").exists():
         return out
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{out.name}.lock", "w") as lock:
+    with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another replica may be writing it right now
         if (out / "config.json").exists():
             return out
-        from stages.random_checkpoint import write_random_checkpoint
-
-        log(f"[embedded] no checkpoint configured: writing a tiny random {kind} checkpoint to {out} "
-            "(random weights: the audio is noise; set `model:` to serve a real checkpoint)")
         t0 = time.perf_counter()
-        tmp = root / f".{out.name}.tmp-{os.getpid()}"
+        tmp = root / f".{name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        write_random_checkpoint(tmp, size, kind, tiny=True, dtype="float32", seed=0, log=log)
-        os.replace(tmp, out)  # config.json appears only with a complete checkpoint
+        write(tmp)
+        os.replace(tmp, out)
         log(f"[embedded] checkpoint ready in {time.perf_counter() - t0:.1f} s")
     return out
 
 
-def resolve_device_dtype(options: _RuntimeOptions) -> tuple[str, str]:
+def resolve_device_dtype(options: _DeviceOptions) -> tuple[str, str]:
     import torch
 
     device = options.device
@@ -144,7 +172,7 @@ def keep_bytecode(probe: str = "torch", pycache_dir: str = C.PYCACHE_DIR) -> str
     return pycache_dir
 
 
-def configure_torch(options: _RuntimeOptions, device: str) -> None:
+def configure_torch(options: _DeviceOptions, device: str) -> None:
     """Per-process settings: CPU threads, a GPU memory cap (fractional GPUs share memory) and Triton's cache."""
     import torch
 

@@ -101,9 +101,18 @@ def talker_decoded(chunk: CodecChunk) -> DecodedChunk | None:
 
 @dataclass(frozen=True)
 class AlignRequest:
-    """One span of speech to time: the audio of one Talker request and the text it speaks (`Aligner.align`)."""
+    """One piece of audio to time against its text (`Aligner.align`, deployments/aligner/server.py); the answer is
+    `list[stages.aligner.timestamps.Word]`, times in seconds from the start of `pcm`."""
 
     request_id: str
-    pcm: np.ndarray  # int16 mono at stages.contract.SAMPLE_RATE
+    pcm: np.ndarray  # [n] int16 mono at stages.contract.SAMPLE_RATE (24 kHz)
     text: str
-    language: str | None  # None or "auto": no language hint
+    language: str | None = None  # None or "auto": no language hint
+
+
+@dataclass(frozen=True)
+class AlignerInfo:
+    """What the ingress needs to know of the Aligner deployment before it sends work (`Aligner.info`)."""
+
+    max_seconds: float  # the longest audio one `align` call times (longer: a 400 "audio_too_long")
+    languages: tuple[str, ...]  # the language hints it takes besides None/"auto" (case-insensitive); others: a 400

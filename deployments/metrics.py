@@ -13,6 +13,7 @@ LATENCY_MS_BUCKETS = [5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800
 FIRST_AUDIO_MS_BUCKETS = [5, 10, 15, 20, 30, 40, 50, 75, 100, 150, 200, 400, 800, 1600, 3200, 6400, 12800]
 RTF_BUCKETS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+ALIGNER_COST_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0]
 
 
 class IngressMetrics:
@@ -145,3 +146,19 @@ class Code2WavMetrics:
             if total > self._state_counts[path]:
                 self.state_chunks.inc(total - self._state_counts[path], tags={"path": path})
                 self._state_counts[path] = total
+
+
+class AlignerMetrics:
+    def __init__(self) -> None:
+        self.batch_size = metrics.Histogram(
+            "tts_aligner_batch_size", description="Pieces of audio timed in one aligner forward.",
+            boundaries=BATCH_BUCKETS,
+        )
+        self.seconds_per_audio_second = metrics.Histogram(
+            "tts_aligner_seconds_per_audio_second", description="Wall seconds of one aligner forward per second of "
+            "audio it timed (its cost beside the speech it times).", boundaries=ALIGNER_COST_BUCKETS,
+        )
+        self.call_latency_ms = metrics.Histogram(
+            "tts_aligner_call_latency_ms", description="Arrival of an align call to its answer: wait for the "
+            "aligner + forward.", boundaries=LATENCY_MS_BUCKETS,
+        )

@@ -26,6 +26,10 @@ DEPLOYMENTS_MAY_IMPORT = frozenset({
     "stages.random_checkpoint",  # writing the embedded default
     "stages.talker.engine",  # DEFAULT_ENGINE_CLS
     "stages.code2wav.engine",  # DEFAULT_ENGINE_CLS
+    "stages.aligner.aligner",  # the Aligner deployment's DEFAULT_ENGINE_CLS
+    "stages.aligner.timestamps",  # Word: the Aligner's answers, torch-free
+    "stages.aligner.words",  # the word split and its languages: checking a piece before a forward, torch-free
+    "stages.aligner.random_checkpoint",  # writing the embedded aligner
 })
 
 

@@ -7,8 +7,8 @@ knobs travel as `engine_kwargs` into the stages' frozen dataclasses; Serve optio
 The defaults are the fastest measured configuration on a GPU (docs/serving.md): a config that names only the
 model, device, dtype and GPU fraction gets it. CPU configs set the smaller sizes they need.
 
-Here: the stages' deployments and the whole app; `common.py`: the strict base model, Serve's options and `${VAR}`
-substitution; `ingress.py`: the ingress's settings.
+Here: the stages' deployments and the whole app; `common.py`: the strict base model, Serve's and a replica's device
+options and `${VAR}` substitution; `ingress.py`: the ingress's settings; `aligner.py`: the Aligner's.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from deployments import constants as C
+from deployments.config.aligner import AlignerDeploymentConfig
 from deployments.config.common import (
-    DEVICE_PATTERN,
-    DTYPES,
     NAME_PATTERN,
     BaseConfig,
     ModelKind,
-    _DeploymentOptions,
+    _DeviceOptions,
     _empty_is_none,
     substitute_env,
 )
@@ -53,30 +52,9 @@ class CheckpointSource(BaseConfig):
         return self.model is None
 
 
-class _RuntimeOptions(_DeploymentOptions):
-    device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
-    dtype: str = Field("auto", description=f"'auto' (bfloat16 on cuda, float32 on cpu) or one of {DTYPES[1:]}")
+class _RuntimeOptions(_DeviceOptions):
     engine_cls: str | None = Field(None, description="import path 'module:Class' of the engine (tests inject fakes)")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="fields of the engine's config dataclass")
-    cpu_threads: int | None = Field(None, ge=1, description="torch.set_num_threads in the replica")
-    gpu_memory_fraction: float | None = Field(
-        None, gt=0, le=1, description="torch.cuda.set_per_process_memory_fraction: Ray does not isolate GPU memory"
-    )
-    warmup: bool = Field(True, description="run one real request before reporting ready")
-
-    @field_validator("device")
-    @classmethod
-    def _known_device(cls, value: str) -> str:
-        if not re.match(DEVICE_PATTERN, value):
-            raise ValueError(f"device {value!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
-        return value
-
-    @field_validator("dtype")
-    @classmethod
-    def _known_dtype(cls, value: str) -> str:
-        if value not in DTYPES:
-            raise ValueError(f"dtype {value!r} is not one of {list(DTYPES)}")
-        return value
 
     def engine_config_kwargs(self) -> dict[str, Any]:
         """`engine_kwargs` with the compile cache under the serve home for the project's own engine (its config has
@@ -215,12 +193,15 @@ class StreamingConfig(BaseConfig):
 
 
 class TTSServingArgs(BaseConfig):
-    """Everything `build_app` needs: the served models, the shared codec, streaming and ingress settings."""
+    """Everything `build_app` needs: the served models, the shared codec, streaming and ingress settings, the aligner."""
 
     models: list[TalkerDeploymentConfig] = Field(min_length=1)
     code2wav: Code2WavDeploymentConfig = Field(default_factory=Code2WavDeploymentConfig)
     streaming: StreamingConfig = Field(default_factory=StreamingConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    aligner: AlignerDeploymentConfig | None = Field(None, description=(
+        "word timestamps (the API's `timestamps`): the `Aligner` deployment; absent = none, and a request asking for "
+        "timestamps gets a 400"))
 
     @model_validator(mode="before")
     @classmethod

@@ -1,4 +1,5 @@
-"""The config's building blocks: the strict base model, Serve's deployment options, `${VAR}` substitution."""
+"""The config's building blocks: the strict base model, Serve's deployment options, a replica's device options,
+`${VAR}` substitution."""
 
 from __future__ import annotations
 
@@ -95,3 +96,29 @@ class _DeploymentOptions(BaseConfig):
                              f"{sorted(_autoscaling_keys())}")
         return value
 
+
+
+class _DeviceOptions(_DeploymentOptions):
+    """Where and how a replica runs its model (deployments/loading.configure_torch)."""
+
+    device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
+    dtype: str = Field("auto", description=f"'auto' (bfloat16 on cuda, float32 on cpu) or one of {DTYPES[1:]}")
+    cpu_threads: int | None = Field(None, ge=1, description="torch.set_num_threads in the replica")
+    gpu_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="torch.cuda.set_per_process_memory_fraction: Ray does not isolate GPU memory"
+    )
+    warmup: bool = Field(True, description="run one real request before reporting ready")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if not re.match(DEVICE_PATTERN, value):
+            raise ValueError(f"device {value!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"dtype {value!r} is not one of {list(DTYPES)}")
+        return value

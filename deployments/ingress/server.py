@@ -50,11 +50,11 @@ from deployments.ingress.speech import SpeechJob, stream_response, whole_respons
 from deployments.ingress.text_mailbox import new_mailbox
 from deployments.ingress.voice_store import VoiceStore
 from deployments.ingress.voices import Voices
-from deployments.ingress.timestamps import ResponseTimestamps, check_timestamps
-from deployments.messages import AlignRequest, DecodedChunk, GenerateOptions, ModelInfo
+from deployments.ingress.timestamps import ResponseTimestamps, check_language, no_aligner
+from deployments.messages import AlignerInfo, AlignRequest, DecodedChunk, GenerateOptions, ModelInfo
 from deployments.metrics import BatchMetrics
 from deployments.transport import max_answer_bytes, stage_handle
-from stages.aligner import Word
+from stages.aligner.timestamps import Word
 from stages.contract import FRAME_SECONDS, Priority, SynthesisRequest
 
 
@@ -63,11 +63,10 @@ class TTSIngress:
 
     async def __init__(self, talkers: dict[str, DeploymentHandle], code2wav: DeploymentHandle, args: TTSServingArgs,
                        aligner: DeploymentHandle | None = None):
-        """`aligner`: the Aligner deployment (word timestamps), when the config has one."""
         limits = args.ingress
-        self.aligner = aligner
-        self._aligner_max_s: float | None = None  # the longest audio it times (asked once)
         self._args, self._limits, self._code2wav = args, limits, code2wav
+        self.aligner = aligner  # the Aligner deployment (word timestamps); None where `aligner:` is not configured
+        self._aligner: AlignerInfo | None = None  # what it times (asked once)
         check_codecs()  # a replica that cannot encode OpenAI's default format must not start
         self._router = ModelRouter(talkers, args.models, limits.voice_aliases)
         self._auth = Auth(limits.auth)  # the WebSocket's checks; HTTP requests are checked by AuthGuard (app.py)
@@ -144,7 +143,8 @@ class TTSIngress:
         chunks: AsyncIterator[DecodedChunk] | None = None
         try:
             check_limits(body, self._limits)
-            check_timestamps(body.timestamps, self.aligner is not None, body.language)
+            if body.timestamps is not None:
+                check_language(body.language, (await self._aligner_info()).languages)
             # validation first, then the client's deadline: a tiny `timeout_s` must not hide a 400
             info, voice_choice = await self.route(body, key)
             model = record.model = info.name
@@ -233,12 +233,18 @@ class TTSIngress:
     def _align(self, request: AlignRequest) -> Awaitable[list[Word]]:
         return self.aligner.align.remote(request)
 
+    async def _aligner_info(self) -> AlignerInfo:
+        """The Aligner's limits (asked once; a 400 naming `timestamps` when the config has no aligner)."""
+        if self.aligner is None:
+            raise no_aligner()
+        if self._aligner is None:
+            async with asyncio.timeout(self._limits.request_timeout_s):
+                self._aligner = await self.aligner.info.remote()
+        return self._aligner
+
     async def _aligner_max_frames(self) -> int:
         """Frames of the longest audio the aligner times (a request with timestamps is split to fit it)."""
-        if self._aligner_max_s is None:
-            async with asyncio.timeout(self._limits.request_timeout_s):
-                self._aligner_max_s = (await self.aligner.info.remote()).max_seconds
-        return max(1, int(self._aligner_max_s / FRAME_SECONDS))
+        return max(1, int((await self._aligner_info()).max_seconds / FRAME_SECONDS))
 
     # ------------------------------------------------------------------ batch jobs
     async def submit_batch(self, request: Request):

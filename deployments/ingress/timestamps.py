@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from deployments.errors import bad_request, to_api_error
+from deployments.errors import APIError, bad_request, to_api_error
 from deployments.messages import AlignRequest, DecodedChunk
 from stages.aligner.timestamps import Word
 from stages.aligner.words import UNSEGMENTED_LANGUAGES, is_kept_char
@@ -38,16 +38,21 @@ TimestampMode = Literal["word", "char"]
 Align = Callable[[AlignRequest], Awaitable[list[Word]]]
 
 
-def check_timestamps(mode: TimestampMode | None, has_aligner: bool, language: str | None) -> None:
-    """A 400 naming `timestamps` for a request the server cannot time (before anything runs)."""
-    if mode is None:
+def no_aligner() -> APIError:
+    return bad_request("this server has no aligner: `timestamps` needs one (the `aligner` section of the serve config; "
+                       "docs/aligner.md)", "timestamps", code="timestamps_unavailable")
+
+
+def check_language(language: str | None, languages: tuple[str, ...]) -> None:
+    """A 400 naming `timestamps` for a language the aligner does not time (`languages`: `AlignerInfo.languages`),
+    before anything runs; None and "auto" are no hint."""
+    if language is None or language.strip().lower() in ("", "auto"):
         return
-    if not has_aligner:
-        raise bad_request("this server has no aligner: `timestamps` needs one (the `aligner` section of the serve "
-                          "config; docs/aligner.md)", "timestamps", code="timestamps_unavailable")
-    if language is not None and language.strip().lower() in UNSEGMENTED_LANGUAGES:
-        raise bad_request(f"word timestamps for {language} are not supported (the official aligner segments it with "
-                          "a word segmenter this server does not ship)", "timestamps", code="unsupported_language")
+    if language.strip().lower() not in {lang.lower() for lang in languages}:
+        why = (" (the official aligner segments it with a word segmenter this server does not ship)"
+               if language.strip().lower() in UNSEGMENTED_LANGUAGES else "")
+        raise bad_request(f"word timestamps for {language} are not supported{why}; the aligner times "
+                          f"{', '.join(languages)}", "timestamps", code="unsupported_language")
 
 
 def char_times(text: str, words: list[dict[str, Any]]) -> list[dict[str, Any]]:

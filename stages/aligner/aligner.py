@@ -60,6 +60,11 @@ class Aligner:
              ) -> Aligner:
         return cls(*load_forced_aligner(checkpoint, device, parse_dtype(dtype)))
 
+    def min_samples(self, sample_rate: int = SAMPLE_RATE) -> int:
+        """The fewest samples at `sample_rate` that `align` takes: MIN_SAMPLES once resampled to 16 kHz (resampling
+        makes ceil(n * 16000 / sample_rate) samples)."""
+        return (MIN_SAMPLES - 1) * sample_rate // SAMPLE_RATE + 1
+
     def align(self, audios: list[np.ndarray], texts: list[str], sample_rate: int = SAMPLE_RATE,
               languages: list[str] | None = None) -> list[list[Word]]:
         """Mono float waveforms at `sample_rate` and their transcripts -> per pair the transcript's words (as

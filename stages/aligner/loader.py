@@ -1,6 +1,7 @@
 """Loading a Qwen3-ForcedAligner checkpoint in the official Hugging Face layout: `config.json` (model_type
 `qwen3_asr`, a `qwen3_forced_aligner` thinker), `model.safetensors` (tensors under `thinker.`), and the Qwen2 tokenizer
-files (`vocab.json`, `merges.txt`, `tokenizer_config.json`)."""
+files (`vocab.json`, `merges.txt`, `tokenizer_config.json`). A directory, or a Hugging Face id (`Org/Name`) found in
+the local cache or downloaded (`stages.checkpoint.resolve_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from stages.aligner.config import (
     AlignerConfig,
 )
 from stages.aligner.model import ForcedAligner
-from stages.checkpoint import CheckpointError, load_module_strict
+from stages.checkpoint import CheckpointError, load_module_strict, resolve_checkpoint
 from stages.text_tokenizer import load_qwen2_tokenizer
 
 REQUIRED_FILES = ("config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json")
@@ -41,10 +42,7 @@ def prompt_token_ids(tokenizer: Tokenizer, cfg: AlignerConfig) -> dict[str, int]
 
 def load_forced_aligner(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
                         ) -> tuple[ForcedAligner, Tokenizer]:
-    root = Path(path).expanduser()
-    missing = [f for f in REQUIRED_FILES if not (root / f).exists()]
-    if missing:
-        raise CheckpointError(f"aligner checkpoint {root} is missing {', '.join(missing)}")
+    root = resolve_checkpoint(path, REQUIRED_FILES)
     try:
         cfg = AlignerConfig.from_file(root / "config.json")
     except (ValueError, TypeError, KeyError) as e:

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import unicodedata
 
+# the languages of the released checkpoint (its config.json `support_languages`)
+SUPPORTED_LANGUAGES = ("Chinese", "English", "Cantonese", "French", "German", "Italian", "Japanese", "Korean",
+                       "Portuguese", "Russian", "Spanish")
 UNSEGMENTED_LANGUAGES = ("japanese", "korean")
+# what `split_words` takes a language hint for: the supported ones it does not refuse
+ALIGNABLE_LANGUAGES = tuple(lang for lang in SUPPORTED_LANGUAGES if lang.lower() not in UNSEGMENTED_LANGUAGES)
 
 
 def is_kept_char(ch: str) -> bool:

@@ -26,14 +26,15 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as it is; the message names the file or tensor."""
 
 
-def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
-    """A local directory, or a `Org/Name` model id found in the local Hugging Face cache.
+def resolve_checkpoint(path_or_id: str | os.PathLike, required: tuple[str, ...] = REQUIRED_FILES) -> Path:
+    """A local directory, or a `Org/Name` model id found in the local Hugging Face cache, holding the `required`
+    files (a TTS checkpoint's by default).
 
     When the id is not cached and the hub is reachable (HF_HUB_OFFLINE unset), it is downloaded.
     """
     path = Path(path_or_id).expanduser()
     if path.is_dir():
-        _check_layout(path)
+        _check_layout(path, required)
         return path
     model_id = str(path_or_id)
     if model_id.count("/") != 1 or model_id.startswith((".", "/", "~")):
@@ -54,12 +55,12 @@ def resolve_checkpoint(path_or_id: str | os.PathLike) -> Path:
                 f"model id {model_id!r} is not in the local Hugging Face cache and could not be downloaded: "
                 f"{download_error}"
             ) from download_error
-    _check_layout(found)
+    _check_layout(found, required)
     return found
 
 
-def _check_layout(path: Path) -> None:
-    missing = [f for f in REQUIRED_FILES if not (path / f).exists()]
+def _check_layout(path: Path, required: tuple[str, ...] = REQUIRED_FILES) -> None:
+    missing = [f for f in required if not (path / f).exists()]
     if missing:
         raise CheckpointError(f"checkpoint {path} is missing {', '.join(missing)}")
 

@@ -29,6 +29,8 @@ def _deployments(app) -> dict:
     talkers, code2wav, _args = ingress.init_args
     out = {ingress.name: ingress, code2wav._bound_deployment.name: code2wav._bound_deployment}
     out.update({t._bound_deployment.name: t._bound_deployment for t in talkers.values()})
+    if (aligner := ingress.init_kwargs.get("aligner")) is not None:
+        out[aligner._bound_deployment.name] = aligner._bound_deployment
     return out
 
 
@@ -58,7 +60,7 @@ def test_every_shipped_config_builds(config):
     args = TTSServingArgs.model_validate(_app_args(config))
     deployments = _deployments(build_app(args))
     names = {C.INGRESS_DEPLOYMENT_NAME, C.CODE2WAV_DEPLOYMENT_NAME, *(m.deployment_name for m in args.models)}
-    assert set(deployments) == names
+    assert set(deployments) == names | ({C.ALIGNER_DEPLOYMENT_NAME} if args.aligner is not None else set())
     for d in deployments.values():  # admission limits are always explicit (Serve's defaults: 5 and unbounded)
         assert d._deployment_config.max_queued_requests > 0
         assert d._deployment_config.max_ongoing_requests >= 1
@@ -83,6 +85,57 @@ def test_local_config_is_cpu_embedded_and_fits_two_cores():
     cpus = sum(d.ray_actor_options.get("num_cpus", 1) for d in deployments.values())
     assert cpus <= 2
     assert not any(d.ray_actor_options.get("num_gpus") for d in deployments.values())
+
+
+def test_local_config_serves_the_embedded_aligner_on_cpu_to_the_ingress():
+    args = TTSServingArgs.model_validate(_app_args("local.yaml"))
+    app = build_app(args)
+    aligner = _deployments(app)[C.ALIGNER_DEPLOYMENT_NAME]
+    (config,) = aligner.init_args
+    assert config.model is None and config.device == "cpu" and config == args.aligner
+    assert aligner.func_or_class.__name__ == "AlignerServer"
+    assert aligner.ray_actor_options["num_cpus"] < 1 and not aligner.ray_actor_options.get("num_gpus")
+    assert aligner._deployment_config.max_ongoing_requests == config.max_batch_size * C.ALIGNER_ONGOING_PER_BATCH_SLOT
+    assert aligner._deployment_config.max_queued_requests == C.DEFAULT_ALIGNER_MAX_QUEUED_REQUESTS
+    assert set(app._bound_deployment.init_kwargs) == {"aligner"}
+
+
+def test_without_an_aligner_block_there_is_no_aligner():
+    args = _app_args("local.yaml")
+    del args["aligner"]
+    app = build_app(args)
+    assert TTSServingArgs.model_validate(args).aligner is None
+    assert C.ALIGNER_DEPLOYMENT_NAME not in _deployments(app)
+    assert app._bound_deployment.init_kwargs == {}
+
+
+def test_aligner_options_are_the_defaults_merged_with_its_deployment_config():
+    args = {"models": [{"name": "a"}], "aligner": {
+        "model": "Qwen/Qwen3-ForcedAligner-0.6B", "max_batch_size": 16,
+        "deployment_config": {"ray_actor_options": {"num_gpus": 0.1}, "max_queued_requests": 7}}}
+    aligner = _deployments(build_app(args))[C.ALIGNER_DEPLOYMENT_NAME]
+    assert aligner.ray_actor_options == {"num_cpus": 1, "num_gpus": 0.1}
+    assert aligner._deployment_config.max_queued_requests == 7
+    assert aligner._deployment_config.max_ongoing_requests == 16 * C.ALIGNER_ONGOING_PER_BATCH_SLOT
+    with pytest.raises(ValidationError, match="aligner.device"):
+        TTSServingArgs.model_validate({"models": [{"name": "a"}], "aligner": {"device": "tpu"}})
+    with pytest.raises(ValidationError, match="max_batch_size"):
+        TTSServingArgs.model_validate({"models": [{"name": "a"}], "aligner": {"max_batch_size": 0}})
+
+
+def test_the_documented_gpu_aligner_fits_beside_code2wav_on_one_gpu():
+    """docs/aligner.md, "Configs": its `aligner:` block added to high_concurrency.yaml (Code2Wav at 0.45 of the GPU)
+    builds, and the GPU fractions and memory caps of the three fit one GPU."""
+    text = (CONFIGS.parent / "docs" / "aligner.md").read_text(encoding="utf-8").split("### Configs", 1)[1]
+    block = yaml.safe_load(text.split("```yaml", 1)[1].split("```", 1)[0])
+    args = _app_args("high_concurrency.yaml")
+    args["code2wav"]["deployment_config"]["ray_actor_options"]["num_gpus"] = 0.45
+    deployments = _deployments(build_app({**args, **block}))
+    aligner = deployments[C.ALIGNER_DEPLOYMENT_NAME]
+    assert aligner.init_args[0].model == "Qwen/Qwen3-ForcedAligner-0.6B"
+    assert sum(d.ray_actor_options.get("num_gpus", 0) for d in deployments.values()) <= 1.0
+    assert sum(d.init_args[0].gpu_memory_fraction for name, d in deployments.items()
+               if name != C.INGRESS_DEPLOYMENT_NAME) <= 1.0
 
 
 def test_replicas_config_is_high_concurrency_with_one_pair_per_gpu_raylet():

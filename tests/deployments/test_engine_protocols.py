@@ -54,3 +54,18 @@ def test_a_fake_engine_instance_is_a_talker_engine_at_run_time():
     assert isinstance(FakeTalkerEngine(model=None), TalkerEngineProtocol)
     assert not isinstance(object(), TalkerEngineProtocol)
     assert issubclass(TalkerEngineProtocol, Protocol)
+
+
+def test_the_aligner_implements_the_protocol():
+    """stages.aligner.Aligner as AlignerServer uses it (deployments/aligner/engine_protocol.py)."""
+    from deployments.aligner.engine_protocol import AlignerEngineProtocol
+    from stages.aligner.aligner import Aligner
+
+    init = inspect.getsource(Aligner.__init__)
+    for name in _members(AlignerEngineProtocol):
+        assert hasattr(Aligner, name) or f"self.{name}" in init, f"Aligner lacks {name}"
+        member = getattr(AlignerEngineProtocol, name, None)
+        if callable(member):
+            wanted = list(inspect.signature(member).parameters)
+            assert list(inspect.signature(getattr(Aligner, name)).parameters)[:len(wanted)] == wanted
+    assert _members(AlignerEngineProtocol) == {"max_seconds", "min_samples", "align"}

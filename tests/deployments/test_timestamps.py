@@ -19,10 +19,10 @@ from deployments.ingress.long_form import long_form_chunks
 from deployments.ingress.outcomes import Outcomes
 from deployments.ingress.schemas import SpeechRequest
 from deployments.ingress.speech import SpeechJob, _stream, whole_response
-from deployments.ingress.timestamps import ResponseTimestamps, char_times, check_timestamps
+from deployments.ingress.timestamps import ResponseTimestamps, char_times, check_language, no_aligner
 from deployments.messages import AlignRequest, DecodedChunk
 from stages.aligner import Word
-from stages.aligner.words import split_words
+from stages.aligner.words import ALIGNABLE_LANGUAGES, split_words
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
 from tests.deployments.test_long_form import TEXT, Run, engine, pieces  # noqa: F401 (fixtures)
 
@@ -179,32 +179,16 @@ def test_char_times_spread_a_words_time_over_its_letters_and_pin_the_rest():
     assert char_times("", []) == [] and char_times("...", []) == [{"char": ".", "start": 0.0, "end": 0.0}] * 3
 
 
-def test_timestamps_need_an_aligner_a_segmentable_language_and_no_raw_stream():
-    check_timestamps(None, False, "japanese")  # not asked: nothing to check
-    with pytest.raises(APIError) as exc:
-        check_timestamps("word", False, None)
-    assert exc.value.status == 400 and exc.value.param == "timestamps" and exc.value.code == "timestamps_unavailable"
-    with pytest.raises(APIError) as exc:
-        check_timestamps("word", True, "Japanese")
-    assert exc.value.param == "timestamps"
-    check_timestamps("char", True, "English")
+def test_timestamps_need_an_aligner_a_language_it_times_and_no_raw_stream():
+    error = no_aligner()
+    assert error.status == 400 and error.param == "timestamps" and error.code == "timestamps_unavailable"
+    for language in (None, "auto", "English", "chinese"):
+        check_language(language, ALIGNABLE_LANGUAGES)
+    for language in ("Japanese", "korean", "Klingon"):
+        with pytest.raises(APIError) as exc:
+            check_language(language, ALIGNABLE_LANGUAGES)
+        assert exc.value.status == 400 and exc.value.param == "timestamps" and exc.value.code == "unsupported_language"
     with pytest.raises(ValidationError, match="raw audio stream"):
         SpeechRequest(input="x", timestamps="word", stream_format="audio")
     assert SpeechRequest(input="x", timestamps="word").sse and not SpeechRequest(input="x").sse
     assert not SpeechRequest(input="x", timestamps="word", stream=False).sse
-
-
-def test_a_word_the_aligner_places_past_its_audio_ends_with_that_audio():
-    async def main():
-        async def far(request: AlignRequest) -> list[Word]:
-            return [Word("hello", 0.1, 0.2), Word("there", 30.0, 399.92)]
-
-        ts = ResponseTimestamps(far, {"a": "hello", "b": "hello there"}, "word", None)
-        ts.observe(DecodedChunk("a", 0, np.ones(SAMPLE_RATE, np.int16), False, None))  # 1 s
-        ts.observe(DecodedChunk("b", 0, np.ones(SAMPLE_RATE // 2, np.int16), True, None))  # 0.5 s
-        ts.end()
-        return await ts.rest()
-
-    first, second = asyncio.run(main())
-    assert second["words"] == [{"word": "hello", "start": 1.1, "end": 1.2}, {"word": "there", "start": 1.5, "end": 1.5}]
-    assert first["words"][1] == {"word": "there", "start": 1.0, "end": 1.0}

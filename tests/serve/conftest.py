@@ -94,7 +94,8 @@ class _QuietHandler(SimpleHTTPRequestHandler):
         pass
 
 
-def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowed_prefix) -> dict:
+def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowed_prefix, aligner=None) -> dict:
+    """`aligner`: a tiny aligner checkpoint: the app serves word timestamps (tests/serve/test_timestamps.py)."""
     def model(name, path, slots, **extra):
         return {"name": name, "model": str(path), "device": "cpu", "cpu_threads": 1,
                 "engine_kwargs": {"max_num_seqs": slots, "max_seq_len": 512},
@@ -128,6 +129,8 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
         # production-like: the serving defaults (stateful Code2Wav, batch fill, one-frame first chunk, the Talkers'
         # first-chunk decoders), with CPU sizes
         "code2wav": {"device": "cpu", "cpu_threads": 1, "max_batch_size": 16, "deployment_config": ZERO_CPU},
+        **({"aligner": {"model": str(aligner), "device": "cpu", "cpu_threads": 1, "deployment_config": ZERO_CPU}}
+           if aligner is not None else {}),
         "streaming": {"steady_chunk_frames": 8, "left_context_frames": 4},
         "ingress": {
             "voices_dir": str(voices_dir), "batch": {"store_dir": str(voices_dir.parent / "batches")},
@@ -149,8 +152,11 @@ def serve_app(ray_cluster, file_server, tiny_custom_voice, tiny_base, tiny_voice
 
     from deployments.builder import build_app
 
+    from stages.aligner.random_checkpoint import write_random_aligner
+
+    aligner = write_random_aligner(tmp_path_factory.mktemp("aligner"), tiny=True, dtype="float32", log=lambda *_: None)
     args = app_args(tiny_custom_voice, tiny_base, tiny_voice_design, tmp_path_factory.mktemp("voices"),
-                    f"{file_server}/allowed/")
+                    f"{file_server}/allowed/", aligner)
     serve.run(build_app(args), name=APP, route_prefix="/")
     import httpx
 

@@ -38,6 +38,7 @@ def test_serve_run_local_yaml_serves_the_embedded_checkpoint(tmp_path):
         audio, rate = decode(default.content, "mp3")
         assert default.headers.get("transfer-encoding") == "chunked" and rate == SAMPLE_RATE and audio.size > 0
         assert (home / "embedded" / "custom_voice-17b-tiny" / "config.json").exists()
+        assert (home / "embedded" / "aligner-tiny" / "config.json").exists()  # the Aligner started too
         assert b"[embedded]" in log_path.read_bytes()  # progress was printed
 
 

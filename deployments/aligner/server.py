@@ -1,0 +1,239 @@
+"""AlignerServer: the `Aligner` deployment. Word timestamps of a piece of served audio and its text.
+
+`align(AlignRequest)` times one piece (int16 PCM at 24 kHz) against its text. Calls that arrive while a forward runs
+(many streams, several ingress replicas) wait together and are timed in few batched forwards of the aligner, on one
+thread that owns all of this replica's aligner work: at most `max_batch_size` pieces, and at most
+`max_batch_audio_s` of padded audio (pieces x the longest piece's seconds), per forward, in arrival order. The aligner
+pads a batch's waveforms to its longest as the official one does, so a piece's times may differ by a class (80 ms)
+with what else shares its forward (docs/aligner.md).
+
+A piece the aligner cannot time fails its own call alone with a 400 (`param: "timestamps"`): longer than the
+aligner's `max_seconds` (`audio_too_long`), NaN samples or a malformed array (`cannot_align`), a language it does not
+segment (`unsupported_language`), too many words (`text_too_long`). A piece with no word to time (empty text,
+punctuation only) or shorter than the aligner's shortest input is answered [] without a forward: a piece may be
+silence. The aligner is whatever `AlignerEngineProtocol` names; in production `stages.aligner.Aligner`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from deployments import constants as C
+from deployments.aligner.engine_protocol import AlignerEngineProtocol
+from deployments.coalescing import Coalescer
+from deployments.config import AlignerDeploymentConfig
+from deployments.errors import APIError, shown
+from deployments.loading import Log, aligner_location, configure_torch, import_object, replica_log, resolve_device_dtype
+from deployments.messages import AlignerInfo, AlignRequest
+from deployments.metrics import AlignerMetrics
+from stages.aligner.timestamps import Word
+from stages.aligner.words import ALIGNABLE_LANGUAGES, UNSEGMENTED_LANGUAGES, split_words
+from stages.contract import SAMPLE_RATE
+
+DEFAULT_ENGINE_CLS = "stages.aligner.aligner:Aligner"
+PARAM = "timestamps"  # the API field a refused piece names
+NO_LANGUAGE = ("", "auto")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A checked piece, ready for a forward."""
+
+    wave: np.ndarray  # float32 at SAMPLE_RATE
+    text: str
+    language: str  # split_words' hint: "" or one of ALIGNABLE_LANGUAGES
+
+    @property
+    def seconds(self) -> float:
+        return self.wave.shape[0] / SAMPLE_RATE
+
+
+def plan_forwards(seconds: list[float], max_items: int, max_padded_s: float) -> list[list[int]]:
+    """Consecutive groups of the pieces (by index, arrival order kept) with at most `max_items` each and at most
+    `max_padded_s` of padded audio (items x the group's longest); a piece over the budget alone makes a group."""
+    groups: list[list[int]] = []
+    longest = 0.0
+    for i, s in enumerate(seconds):
+        if groups and len(groups[-1]) < max_items and (len(groups[-1]) + 1) * max(longest, s) <= max_padded_s:
+            groups[-1].append(i)
+            longest = max(longest, s)
+        else:
+            groups.append([i])
+            longest = s
+    return groups
+
+
+def refused(message: str, code: str) -> APIError:
+    return APIError(400, message, param=PARAM, code=code)
+
+
+class AlignerServer:
+    async def __init__(self, config: AlignerDeploymentConfig):
+        self._setup(config)
+        await self.start()
+
+    @classmethod
+    def sync_init(cls, config: AlignerDeploymentConfig, engine: AlignerEngineProtocol | None = None) -> AlignerServer:
+        """Built without Serve (tests): `start()` loads the configured aligner unless `engine` is given."""
+        server = cls.__new__(cls)
+        server._setup(config, engine)
+        return server
+
+    def _setup(self, config: AlignerDeploymentConfig, engine: AlignerEngineProtocol | None = None) -> None:
+        self._config = config
+        self._engine = engine
+        self._ready = False
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="aligner")  # the aligner's only thread
+        self._pending = 0  # pieces of align() calls waiting for or in a forward
+        # heartbeat: when a forward last finished, or work arrived at an idle replica (check_health)
+        self._clock = time.monotonic
+        self._last_progress = self._clock()
+        self._metrics: AlignerMetrics | None = None
+        self._batches: Coalescer[Piece, list[Word] | Exception] = Coalescer(self._align_pieces)
+
+    async def start(self) -> None:
+        log = replica_log(C.ALIGNER_DEPLOYMENT_NAME)
+        if self._engine is None:
+            self._engine = await self._on_thread(load_aligner, self._config, log)
+        if self._config.warmup:  # the first forward pays one-time costs (the mel filters, CUDA kernels)
+            t0 = time.perf_counter()
+            await self._on_thread(self._engine.align, [np.zeros(SAMPLE_RATE, np.float32)], ["warm up"], SAMPLE_RATE)
+            log(f"warm-up forward done in {time.perf_counter() - t0:.2f} s")
+        self._metrics = AlignerMetrics()
+        self._ready = True
+        log(f"ready: pieces up to {self._engine.max_seconds:g} s, forwards of up to {self._config.max_batch_size} "
+            f"pieces and {self._config.max_batch_audio_s:g} s of padded audio")
+
+    async def info(self) -> AlignerInfo:
+        return AlignerInfo(max_seconds=float(self._engine.max_seconds), languages=ALIGNABLE_LANGUAGES)
+
+    async def align(self, request: AlignRequest) -> list[Word]:
+        """The words of `request.text` with their start/end in seconds from the start of `request.pcm` (in order;
+        [] when there is nothing to time). Raises APIError 400 for a piece the aligner cannot time."""
+        t0 = time.perf_counter()
+        try:
+            piece = self._checked(request)
+            if piece is None:
+                return []
+            if self._pending == 0:
+                self._last_progress = self._clock()
+            self._pending += 1
+            try:
+                result = await self._batches.submit(piece)
+            finally:
+                self._pending -= 1
+            if isinstance(result, Exception):
+                raise result
+            return result
+        finally:
+            if self._metrics is not None:
+                self._metrics.call_latency_ms.observe((time.perf_counter() - t0) * 1000)
+
+    def _checked(self, request: AlignRequest) -> Piece | None:
+        """The piece to time, None when there is nothing to time, or an APIError 400 raised for it."""
+        language = self._language(request.language)
+        pcm = request.pcm
+        if not isinstance(pcm, np.ndarray) or pcm.ndim != 1 or pcm.dtype.kind not in "if":
+            raise refused("the audio to time must be 1-D PCM samples", "cannot_align")
+        if pcm.dtype.kind == "f":
+            if not np.isfinite(pcm).all():
+                raise refused("the audio to time contains NaN or infinite samples", "cannot_align")
+            wave = pcm.astype(np.float32)
+        else:
+            wave = pcm.astype(np.float32) / 32768.0
+        seconds = wave.shape[0] / SAMPLE_RATE
+        if seconds > self._engine.max_seconds:
+            raise refused(f"word timestamps cover at most {self._engine.max_seconds:g} s of audio per piece; this "
+                          f"piece is {seconds:.1f} s", "audio_too_long")
+        if not isinstance(request.text, str):
+            raise refused("the text to time must be a string", "cannot_align")
+        words = split_words(request.text, language)
+        if len(words) > C.ALIGNER_MAX_WORDS:
+            raise refused(f"word timestamps cover at most {C.ALIGNER_MAX_WORDS} words per piece; this piece has "
+                          f"{len(words)}", "text_too_long")
+        if not words or wave.shape[0] < self._engine.min_samples(SAMPLE_RATE):
+            return None  # nothing to time, or too short to hold a word (silence)
+        return Piece(wave, request.text, language)
+
+    @staticmethod
+    def _language(language: str | None) -> str:
+        """split_words' hint for the request's language: "" for none, else its canonical name; 400 if refused."""
+        name = (language or "").strip()
+        if name.lower() in NO_LANGUAGE:
+            return ""
+        for known in ALIGNABLE_LANGUAGES:
+            if known.lower() == name.lower():
+                return known
+        if name.lower() in UNSEGMENTED_LANGUAGES:
+            raise refused(f"word timestamps for {name} are not supported: the aligner segments it with a "
+                          "statistical word segmenter this server does not ship", "unsupported_language")
+        raise refused(f"word timestamps are not available for language {shown(name)}; "
+                      f"they are for {', '.join(ALIGNABLE_LANGUAGES)}", "unsupported_language")
+
+    async def _align_pieces(self, pieces: list[Piece]) -> list[list[Word] | Exception]:
+        """All pieces waiting, in forwards planned by `plan_forwards` -> per piece its words or its error."""
+        results: list[list[Word] | Exception] = [[] for _ in pieces]
+        cfg = self._config
+        for group in plan_forwards([p.seconds for p in pieces], cfg.max_batch_size, cfg.max_batch_audio_s):
+            answers = await self._on_thread(self._forward_isolated, [pieces[i] for i in group])
+            for i, answer in zip(group, answers, strict=True):
+                results[i] = answer
+        return results
+
+    def _forward_isolated(self, pieces: list[Piece]) -> list[list[Word] | Exception]:
+        """One forward of `pieces`; should the aligner refuse one of them (the checks above missed it), each piece
+        again alone, so that only the refused one fails. Errors that are not the pieces' (the device's) fail them
+        all."""
+        try:
+            return list(self._forward(pieces))
+        except ValueError as e:
+            if len(pieces) == 1:
+                return [refused(f"the aligner cannot time this piece: {e}", "cannot_align")]
+        except Exception as e:  # noqa: BLE001 (the callers get it; the ingress maps it to a 500)
+            return [e] * len(pieces)
+        return [answer for piece in pieces for answer in self._forward_isolated([piece])]
+
+    def _forward(self, pieces: list[Piece]) -> list[list[Word]]:
+        t0 = time.perf_counter()
+        try:
+            return self._engine.align([p.wave for p in pieces], [p.text for p in pieces], SAMPLE_RATE,
+                                      [p.language for p in pieces])
+        finally:
+            self._last_progress = self._clock()
+            audio_s = sum(p.seconds for p in pieces)
+            self._metrics.batch_size.observe(len(pieces))
+            self._metrics.seconds_per_audio_second.observe((time.perf_counter() - t0) / audio_s)
+
+    async def ready(self) -> bool:
+        return self._ready
+
+    def check_health(self) -> None:
+        """Serve replaces the replica when this raises: pieces pending and no forward finished for too long."""
+        if not self._ready:
+            raise RuntimeError("the aligner is not running")
+        stalled_for = self._clock() - self._last_progress
+        if self._pending > 0 and stalled_for > self._config.stall_timeout_s:
+            raise RuntimeError(f"the aligner made no progress for {stalled_for:.0f} s with {self._pending} pieces "
+                               "pending")
+
+    def __del__(self) -> None:
+        self._executor.shutdown(wait=False)
+
+    async def _on_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+def load_aligner(config: AlignerDeploymentConfig, log: Log) -> AlignerEngineProtocol:
+    """The configured aligner checkpoint (or the embedded tiny one) on the configured device (blocking)."""
+    path = aligner_location(config.model, log)
+    device, dtype = resolve_device_dtype(config)
+    configure_torch(config, device)
+    t0 = time.perf_counter()
+    engine = import_object(DEFAULT_ENGINE_CLS).load(path, device, dtype)
+    log(f"aligner {path} loaded on {device} ({dtype}) in {time.perf_counter() - t0:.1f} s")
+    return engine

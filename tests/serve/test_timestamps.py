@@ -1,0 +1,97 @@
+"""Word timestamps through the real app and its Aligner deployment (the tiny random aligner): SSE events after the
+audio they time and before `done`, the JSON body of `stream: false`, a long input's times continuing across its
+pieces, the WebSocket's `timestamps` messages. Random weights place words anywhere: the assertions are about the
+words (the text's, in order), the ordering of the events and times inside the audio sent, not where each word is."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from bench.long_form import chapter
+from deployments.config import LongFormSettings
+from stages.aligner.words import split_words
+from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
+
+pytestmark = pytest.mark.serve
+
+FRAMES = 8
+TEXT = "Hello there, world! It's 3:45 now."
+FIXED = {"model": "cv", "voice": "vivian", "max_new_tokens": FRAMES, "suppress_eos": True, "seed": 3}
+
+
+def _sse(http, body: dict) -> list[dict]:
+    with http.stream("POST", "/v1/audio/speech", json=body) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def _check_order(events: list[dict]) -> list[dict]:
+    """Each timestamps event times audio already sent; done comes last. -> the timestamps events."""
+    sent_s, stamps = 0.0, []
+    for e in events:
+        if e["type"] == "speech.audio.delta":
+            sent_s += len(base64.b64decode(e["audio"])) / 2 / SAMPLE_RATE
+        elif e["type"] == "speech.audio.timestamps":
+            assert all(0 <= w["start"] <= w["end"] <= sent_s + 1e-3 for w in e["words"]), (e, sent_s)
+            stamps.append(e)
+    assert events[-1]["type"] == "speech.audio.done" and [e["type"] for e in events].count("speech.audio.done") == 1
+    return stamps
+
+
+def test_sse_sends_the_words_after_the_audio_and_before_done(http):
+    events = _sse(http, {**FIXED, "input": TEXT, "response_format": "pcm", "timestamps": "word"})  # SSE implied
+    stamps = _check_order(events)
+    assert len(stamps) == 1 and [w["word"] for w in stamps[0]["words"]] == split_words(TEXT)
+    assert "chars" not in stamps[0] and "error" not in stamps[0]
+    last_delta = max(i for i, e in enumerate(events) if e["type"] == "speech.audio.delta")
+    assert events.index(stamps[0]) > last_delta
+
+
+def test_a_whole_body_with_timestamps_is_json_with_the_audio_and_its_characters(http):
+    r = http.post("/v1/audio/speech", json={**FIXED, "input": TEXT, "response_format": "wav", "stream": False,
+                                            "timestamps": "char"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    body = r.json()
+    audio, rate = sf.read(io.BytesIO(base64.b64decode(body["audio"])), dtype="int16")
+    assert rate == SAMPLE_RATE and audio.size == FRAMES * SAMPLES_PER_FRAME
+    assert body["audio_seconds"] == pytest.approx(audio.size / SAMPLE_RATE, abs=1e-3)
+    assert [w["word"] for w in body["words"]] == split_words(TEXT)
+    assert "".join(c["char"] for c in body["chars"]) == TEXT
+    assert all(0 <= c["start"] <= c["end"] <= body["audio_seconds"] for c in body["chars"])
+    assert body["usage"]["output_tokens"] == FRAMES and body["finish_reason"] == "length"
+
+
+def test_a_long_inputs_times_continue_across_its_pieces(http):
+    text = chapter(290)  # two pieces in this app (tests/serve/test_long_form.py)
+    events = _sse(http, {**FIXED, "input": text, "response_format": "pcm", "stream_format": "sse",
+                         "timestamps": "word"})
+    stamps = _check_order(events)
+    assert len(stamps) == 2
+    assert [w["word"] for e in stamps for w in e["words"]] == split_words(text)
+    first_piece_s = FRAMES * SAMPLES_PER_FRAME / SAMPLE_RATE
+    pause = LongFormSettings().sentence_pause_s
+    assert all(w["end"] <= first_piece_s + 1e-3 for w in stamps[0]["words"])
+    assert all(w["start"] >= first_piece_s + pause - 1e-3 for w in stamps[1]["words"])
+
+
+def test_timestamps_refused_where_they_cannot_go(http):
+    r = http.post("/v1/audio/speech", json={**FIXED, "input": TEXT, "stream_format": "audio", "timestamps": "word"})
+    assert r.status_code == 400 and "timestamps" in r.json()["error"]["message"]
+    r = http.post("/v1/audio/speech", json={**FIXED, "input": TEXT, "timestamps": "word", "language": "Japanese"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "timestamps"
+    r = http.post("/v1/audio/speech", json={**FIXED, "input": TEXT, "timestamps": "phoneme"})
+    assert r.status_code == 400
+
+
+def test_the_same_request_gets_the_same_words_and_times(http):
+    body = {**FIXED, "input": TEXT, "response_format": "pcm", "stream": False, "timestamps": "word"}
+    first, second = (http.post("/v1/audio/speech", json=body).json() for _ in range(2))
+    assert first["words"] == second["words"] and first["audio"] == second["audio"]
+    assert np.frombuffer(base64.b64decode(first["audio"]), np.int16).size == FRAMES * SAMPLES_PER_FRAME
