@@ -221,3 +221,28 @@ class TestDeadPeers:
         wait_for(lambda: _stats()["open_websockets"] == 1, 60, message="the socket opened")
         wait_for(lambda: _stats()["open_websockets"] == 0, 150, 1.0, "the dead peer's socket closed by keepalive")
         sock.close()
+
+
+class TestWithoutAligner:
+    """An app without an `aligner` block: timestamps are refused with a 400 naming the field, over HTTP and on the
+    WebSocket (a final error for that context only)."""
+
+    INGRESS: dict = {}
+
+    def test_timestamps_without_an_aligner_are_a_400_naming_the_field(self, app):
+        body = {"model": "cv", "voice": "vivian", "input": "Hello.", "max_new_tokens": 4, "suppress_eos": True,
+                "timestamps": "word"}
+        r = httpx.post(f"{app}/v1/audio/speech", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "timestamps"
+        assert r.json()["error"]["code"] == "timestamps_unavailable"
+        ws = _connect(app)
+        try:
+            ws.send(json.dumps({"type": "open", "context_id": "t", "model": "cv", "voice": "vivian",
+                                "timestamps": "word"}))
+            error = json.loads(ws.recv(timeout=RECV_TIMEOUT_S))
+            assert error["type"] == "error" and error["final"] and error["status"] == 400
+            assert error["error"]["param"] == "timestamps"
+            ws.send(json.dumps({"type": "open", "context_id": "u", "model": "cv", "voice": "vivian"}))
+            assert json.loads(ws.recv(timeout=RECV_TIMEOUT_S))["type"] == "opened"  # the socket goes on
+        finally:
+            ws.close()

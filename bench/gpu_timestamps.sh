@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Word timestamps on one GPU (docs/results/timestamps_h200.json):
+#   1. the aligner alone (bench/aligner_cost.py): ms of its time per second of speech, 6 s pieces, batch 1-64;
+#   2. the fastest one-GPU recipe (configs/high_concurrency.yaml, MPS, throughput-optimized Serve, HAProxy, 4 ingress
+#      replicas) with a full-size random-weight aligner beside Code2Wav (docs/aligner.md "Configs": Code2Wav 0.45 GPU,
+#      Aligner 0.05), then bench.loadgen over SSE with fixed 6 s outputs: 64 streams with timestamps (how long after
+#      its audio each timestamps event came), 256 streams without, 256 with.
+# From the repo root with .gpubundle carried:
+#   source .gpubundle/install_bundle.sh .gpubundle && bash bench/gpu_timestamps.sh
+# Results in $OUT: aligner_cost.json, ts64/, plain256/, ts256/ (bench.loadgen results), timestamps.json (the
+# fields of docs/results/timestamps_h200.json but `parity_full_size`), serve_errors.log. SKIP_COST=1 skips step 1.
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$REPO"
+OUT=${OUT:-bench/out/timestamps}; ALIGNER=${ALIGNER:-/tmp/aligner-0.6b}; FRAMES=${FRAMES:-75}
+mkdir -p "$OUT"
+export PYTHONPATH="$REPO:${PYTHONPATH:-}"
+[ -f "$ALIGNER/model.safetensors" ] || python3 -m stages.aligner.random_checkpoint "$ALIGNER" --device cuda > /dev/null
+if [ -z "${SKIP_COST:-}" ]; then
+  echo "=== aligner cost $(date -u +%FT%TZ)"
+  timeout 150 python3 -m bench.aligner_cost --checkpoint "$ALIGNER" --seconds 6 --batches 1,8,32,64 \
+    --out "$OUT/aligner_cost.json" 2>&1 | tail -3
+fi
+curl -sf -m 5 http://127.0.0.1:8000/ready > /dev/null || {
+  nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS control daemon started"
+  aligner='aligner={"model":"'"$ALIGNER"'","gpu_memory_fraction":0.05,"deployment_config":{"ray_actor_options":{"num_cpus":1,"num_gpus":0.05}}}'
+  RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 OUT="$OUT/setup" CONFIG=configs/high_concurrency.yaml \
+    SET="ingress.deployment_config.autoscaling_config.min_replicas=4 code2wav.deployment_config.ray_actor_options.num_gpus=0.45 $aligner${EXTRA_SET:+ $EXTRA_SET}" \
+    bash bench/gpu_serve_runbook.sh setup || exit 1
+}
+load() {  # closed loop, SSE, fixed-length 6 s outputs
+  timeout 170 python3 -m bench.loadgen --url http://127.0.0.1:8000 --mode closed --max-new-tokens "$FRAMES" \
+    --fixed-length --stream-format sse --processes 4 --warmup 16 --no-plots --progress none "$@" 2>&1 | tail -4
+}
+echo "=== 64 streams, timestamps $(date -u +%FT%TZ)"
+load --concurrency 64 --requests 512 --extra '{"timestamps": "word"}' --out "$OUT/ts64"
+echo "=== 256 streams, no timestamps $(date -u +%FT%TZ)"
+load --concurrency 256 --requests 1536 --out "$OUT/plain256"
+echo "=== 256 streams, timestamps $(date -u +%FT%TZ)"
+load --concurrency 256 --requests 1536 --extra '{"timestamps": "word"}' --out "$OUT/ts256"
+python3 - "$OUT" <<'EOF'
+import datetime, json, subprocess, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def point(name):
+    p = out / name / "results.json"
+    return json.loads(p.read_text())["points"][-1] if p.exists() else {}
+cost = json.loads((out / "aligner_cost.json").read_text()) if (out / "aligner_cost.json").exists() else {}
+ts64, plain, ts256 = point("ts64"), point("plain256"), point("ts256")
+gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+result = {
+    "device": f"one {gpu.stdout.strip().splitlines()[0] if gpu.stdout.strip() else 'GPU'}",
+    "date": datetime.date.today().isoformat(),
+    "command": "bash bench/gpu_timestamps.sh",
+    # at batch 32 (what a loaded replica runs); every batch size in details
+    "aligner_ms_per_audio_s": (cost.get("aligner_ms_per_audio_s") or {}).get("32"),
+    "ts_lag_p95_ms_64": (ts64.get("timestamps_lag_ms") or {}).get("p95"),
+    "audio_s_per_s_with_ts_256": ts256.get("audio_s_per_s"),
+    "audio_s_per_s_without_ts_256": plain.get("audio_s_per_s"),
+    "details": {"aligner_cost": cost, "failed": {k: p.get("failed") for k, p in
+                                                  (("ts64", ts64), ("plain256", plain), ("ts256", ts256))},
+                "timestamps_failed": {"ts64": ts64.get("timestamps_failed"), "ts256": ts256.get("timestamps_failed")},
+                "ttfa_p95_ms": {k: (p.get("ttfa_ms") or {}).get("p95") for k, p in
+                                (("ts64", ts64), ("plain256", plain), ("ts256", ts256))},
+                "continuous_share": {k: p.get("continuous_share") for k, p in
+                                     (("ts64", ts64), ("plain256", plain), ("ts256", ts256))}},
+}
+(out / "timestamps.json").write_text(json.dumps(result, indent=2) + "\n")
+print(json.dumps({k: v for k, v in result.items() if k != "details"}))
+EOF
+grep -h -A8 -E ' ERROR |Traceback' /tmp/ray/session_latest/logs/serve/*.log 2>/dev/null | cut -c1-400 | head -300 \
+  > "$OUT/serve_errors.log"
