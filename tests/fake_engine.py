@@ -12,8 +12,10 @@ test drives them through the real HTTP API:
   never returns would; `check_health()` then raises once no step has happened for `stall_timeout_s`
   while work is pending (the heartbeat the real engine offers).
 
-It takes no live text (`open_request` refuses: the WebSocket tests use the real engine). It depends on nothing of
-stages/talker's internals, so it keeps working while those change.
+Live text (`open_request`, `append_text`, `flush_text`, `end_text`): a live request makes one frame per character of
+its text (`live_frames_per_char`), waits for more when it has spoken what it has, and ends by EOS once its text
+ended and is spoken (or at `max_frames`); no idle timeout. It depends on nothing of stages/talker's internals, so it
+keeps working while those change.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class FakeTalkerEngineConfig:
     stall_seed: int | None = None
     pause_seed: int | None = None
     pause_after_frames: int = 4
+    live_frames_per_char: int = 1
     stall_timeout_s: float = 1.0
     # accepted and ignored, so that configs written for the real engine work unchanged
     cuda_graphs: bool = False
@@ -80,6 +83,9 @@ class _Stream:
         self._chunks: collections.deque[CodecChunk] = collections.deque()
         self._ended = False
         self._closed = False
+        self.live = False
+        self.granted = 0  # a live request's frames its text allows so far
+        self.text_ended = False
 
     def wake_after(self, frames: int) -> None:
         pass
@@ -159,16 +165,36 @@ class FakeTalkerEngine:
 
     def open_request(self, request: SynthesisRequest, schedule: ChunkSchedule | None = None, text: str = "",
                      idle_timeout_s: float | None = None) -> _Stream:
-        raise InvalidRequestError("the fake engine takes no live text")
+        stream = self.add_request(request, schedule)
+        stream.live = True
+        self.append_text(request.request_id, text)
+        return stream
+
+    def _live(self, request_id: str) -> _Stream:
+        with self._lock:
+            for s in (*self._running, *self._waiting):
+                if s.request_id == request_id and s.live and not s.text_ended:
+                    return s
+        raise InvalidRequestError(f"no live request {request_id!r} takes text")
 
     def append_text(self, request_id: str, text: str) -> None:
-        raise InvalidRequestError(f"no live request {request_id!r}")
+        stream = self._live(request_id)
+        with self._lock:
+            stream.granted += len(text) * self.config.live_frames_per_char
 
     def flush_text(self, request_id: str) -> None:
-        raise InvalidRequestError(f"no live request {request_id!r}")
+        self._live(request_id)
 
     def end_text(self, request_id: str) -> None:
-        raise InvalidRequestError(f"no live request {request_id!r}")
+        stream = self._live(request_id)
+        with self._lock:
+            stream.text_ended = True
+
+    def live_requests(self) -> list[str]:
+        """The live requests running or waiting (not ended, not aborted yet), by id."""
+        with self._lock:
+            return [s.request_id for s in (*self._running, *self._waiting)
+                    if s.live and s.request_id not in self._aborted]
 
     def run_on_device(self, fn) -> concurrent.futures.Future:
         """`fn()` at once, on the calling thread (no device here)."""
@@ -220,6 +246,11 @@ class FakeTalkerEngine:
                 return
             for s in running:
                 if s.request.seed == self.config.pause_seed and s.frames >= self.config.pause_after_frames:
+                    continue
+                if s.live and s.frames >= s.granted:  # spoken what it has: its end, or a wait for more
+                    if s.text_ended:
+                        s.put(FinishReason.EOS)
+                        self._drop(s)
                     continue
                 s.frames += 1
                 s.put(np.zeros((1, NUM_CODEBOOKS), dtype=np.int64))

@@ -1,9 +1,10 @@
 """`/v1/audio/speech/stream`: a WebSocket for text that arrives as it is written (docs/websocket.md).
 
-One `LiveSession` per connection. Each `open` starts a context: one live request on its model's Talker
-(`Talker.generate_live`), whose text the session puts in this ingress replica's `TextMailbox` as the client
-sends it (in order: a message's put is awaited before the next message is read), and whose audio a task
-of its own encodes and sends as binary frames tagged with the context id. A bad message is answered with
+One `LiveSession` per connection. Each `open` starts a context: live requests on its model's Talker
+(`Talker.generate_live`), one after another when its text outgrows one (deployments/ingress/live_pieces.py), whose
+text the session puts in this ingress replica's `TextMailbox` as the client sends it (in order: a message's put is
+awaited before the next message is read), and whose audio a task of its own encodes into one stream and sends as
+binary frames tagged with the context id. A bad message is answered with
 an error message (`"final": false`) and changes nothing, whatever its size or depth; a context that fails ends
 with an error message (`"final": true`); the socket and the other contexts go on. Every context ends with
 `done` or a final error. When the client leaves, every context it had open is cancelled (its Talker request
@@ -21,7 +22,6 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,19 +39,13 @@ from deployments.ingress.auth import Auth, websocket_token
 from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.outcomes import Outcomes, PlaybackClock
 from deployments.ingress.rate_limits import Admission, KeyLimits
-from deployments.ingress.request_builder import (
-    check_limits,
-    check_live_text,
-    check_request,
-    text_positions_error,
-    utterance_fits,
-)
+from deployments.ingress.live_pieces import LivePieces, MailboxPieces
+from deployments.ingress.request_builder import check_limits, check_live_text, check_request
 from deployments.ingress.request_log import RequestRecord, key_hash
 from deployments.ingress.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen, audio_frame
 from deployments.ingress.socket_limits import CLOSE_NORMAL, CLOSE_TRY_AGAIN_LATER, SocketLimits
-from deployments.ingress.text_mailbox import TextEvent
-from deployments.messages import DecodedChunk, LiveAdmitted, ModelInfo
-from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
+from deployments.messages import ModelInfo
+from stages.contract import SAMPLE_RATE
 
 
 class LiveIngress(Protocol):
@@ -62,7 +56,10 @@ class LiveIngress(Protocol):
 
     async def route(self, body, key=None) -> tuple[Any, Any]: ...
 
-    async def start(self, body, info, choice, request_id: str, mailbox=None, idle_timeout_s: float | None = None): ...
+    async def voice_prompt(self, body, info, choice): ...
+
+    def start_live(self, body, info, choice, voice, request_id: str, mailbox, idle_timeout_s: float | None = None,
+                   frame_cap: int | None = None) -> tuple[Any, int, Any]: ...
 
 logger = logging.getLogger("ray.serve")
 
@@ -78,10 +75,10 @@ class _Context:
     request_id: str
     model: str
     body: LiveOpen
-    info: ModelInfo  # its model: the tokenizer (usage counts the text's tokens at the end), the text positions
+    info: ModelInfo  # its model: the tokenizer (usage counts the text's tokens at the end)
+    pieces: LivePieces
     text: list[str] = field(default_factory=list)
     chars: int = 0
-    utterance: str = ""  # its text since the last `flush` (one utterance: at most the model's text positions)
     ended: bool = False  # `end` received: no more text
     cancelled: bool = False  # `cancel` received
     first_text_at: float | None = None  # perf_counter of its first text: first audio is timed from here
@@ -210,35 +207,27 @@ class LiveSession:
             await self._error(ctx.id, bad_request(f"context {ctx.id!r} has ended its text; open a new context",
                                                   "type", code="context_ended"))
             return
-        events: list[TextEvent] = []
         text = message.text if isinstance(message, (LiveAppend, LiveEnd)) else ""
         if text:
             try:
                 check_live_text(ctx.chars + len(text), self._limits)
             except APIError as error:
-                await self._error(ctx.id, error)  # the piece is dropped; the context goes on
+                await self._error(ctx.id, error)  # the text is dropped; the context goes on
                 return
-            ctx.utterance += text
-            if not utterance_fits(ctx.utterance, ctx.info):  # the Talker would end it: it ends here, as there
-                self._end_with(ctx, text_positions_error(ctx.info.max_text_rows))
-                return
+        if isinstance(message, LiveEnd) and not ctx.chars + len(text):  # the Talker would refuse it: it ends here
+            self._end_with(ctx, bad_request("the context ended without any text", "text", code="empty_input"))
+            return
+        # each awaited (its mailbox puts): the next message's text is put after this one's
+        if text:
             ctx.text.append(text)
             ctx.chars += len(text)
             ctx.first_text_at = ctx.first_text_at or time.perf_counter()
-            events.append(TextEvent("append", text))
+            await ctx.pieces.append(text)
         if isinstance(message, LiveFlush):
-            ctx.utterance = ""
-            events.append(TextEvent("flush"))
+            await ctx.pieces.flush()
         elif isinstance(message, LiveEnd):
-            if not ctx.chars:  # the Talker would refuse it: end the context here, with its final error
-                self._end_with(ctx, bad_request("the context ended without any text", "text", code="empty_input"))
-                return
             ctx.ended = True
-            events.append(TextEvent("end"))
-        if events:
-            # awaited: the next message's events are put after these (one caller's actor calls start in order,
-            # but an async actor does not promise to run them in order)
-            await self._mailbox.put.remote(ctx.request_id, events)
+            await ctx.pieces.end()
 
     def _end_with(self, ctx: _Context, error: APIError) -> None:
         """End a context from the ingress with its final error (logged at INFO, as the client's error)."""
@@ -267,7 +256,7 @@ class LiveSession:
                                             "open on this connection", code="too_many_contexts"), final=True)
             record.end("rejected", 429)
             return
-        model, mailbox, admission = "-", None, None
+        model, pieces, admission = "-", None, None
         body = body.with_default_format(self._limits.default_response_format)
         try:
             if self._auth is not None:  # the key's limits, across replicas (deployments/ingress/rate_limits.py)
@@ -284,43 +273,41 @@ class LiveSession:
             info, voice_choice = await self._ingress.route(body, self._key)
             model = record.model = info.name
             check_request(body, info, self._ingress.args)
-            if body.input and not utterance_fits(body.input, info):
-                raise text_positions_error(info.max_text_rows)
-            mailbox = self._mailbox
-            await mailbox.open.remote(request_id)
-            _, chunks = await self._ingress.start(body, info, voice_choice, request_id, mailbox, body.idle_timeout_s)
+            voice = await self._ingress.voice_prompt(body, info, voice_choice)
+            pieces = LivePieces(MailboxPieces(self._ingress, self._mailbox, body, info, voice_choice, voice), request_id, info.tokenizer,
+                                info.max_text_rows, self._limits.long_form, body.max_new_tokens,
+                                on_cut=lambda k, frames: self._outcomes.frame_cap_cut(
+                                    info.name, f"piece {k + 1} of live context {request_id}", frames))
+            await pieces.open()
         except Exception as exc:  # every failure to open is one error message
             self._work.release()
             if admission is not None:
                 admission.release()
-            if mailbox is not None:
-                mailbox.close.remote(request_id)
+            if pieces is not None:
+                await pieces.aclose()
             await self._error(cid, self._outcomes.failed(exc, model, True, record), final=True)
             return
-        ctx = _Context(cid, request_id, model, body, info, record=record, admission=admission)
+        ctx = _Context(cid, request_id, model, body, info, pieces, record=record, admission=admission)
         self._contexts[cid] = ctx
         self._outcomes.stream_opened(model)
         # `opened` once the Talker took the request (_speak): one beyond its queue gets only a final error. Text
         # sent meanwhile waits in the mailbox.
-        ctx.task = asyncio.get_running_loop().create_task(self._speak(ctx, chunks))
+        ctx.task = asyncio.get_running_loop().create_task(self._speak(ctx))
         if body.input:
             ctx.text.append(body.input)
-            ctx.chars, ctx.utterance, ctx.first_text_at = len(body.input), body.input, time.perf_counter()
-            await mailbox.put.remote(request_id, [TextEvent("append", body.input)])
+            ctx.chars, ctx.first_text_at = len(body.input), time.perf_counter()
+            await pieces.append(body.input)
 
     # ------------------------------------------------------------------ a context's audio
-    async def _speak(self, ctx: _Context, chunks: AsyncIterator[DecodedChunk]) -> None:
-        frames, finish, status, audio_sent = 0, None, "ok", False
-        encoder = AsyncStreamEncoder(ctx.body.response_format, ctx.body.speed)
+    async def _speak(self, ctx: _Context) -> None:
+        status, audio_sent = "ok", False
+        encoder = AsyncStreamEncoder(ctx.body.response_format, ctx.body.speed)  # one stream for all its pieces
+        chunks = ctx.pieces.chunks()
         try:
-            admitted = await anext(chunks)  # raises if the Talker refused the request (e.g. its queue is full)
-            if not isinstance(admitted, LiveAdmitted):
-                raise RuntimeError(f"a live request's first item is {type(admitted).__name__}, not LiveAdmitted")
+            await anext(chunks)  # `LiveAdmitted`; raises if the Talker refused the request (e.g. its queue is full)
             await self._send_json({"type": "opened", "context_id": ctx.id, "model": ctx.model,
                                    "request_id": ctx.request_id})
             async for chunk in chunks:
-                frames += chunk.pcm.size // SAMPLES_PER_FRAME
-                finish = chunk.finish_reason or finish
                 if data := await encoder.push(chunk.pcm):
                     await self._send_bytes(audio_frame(ctx.id, data))
                     if not audio_sent and ctx.first_text_at is not None:
@@ -329,7 +316,8 @@ class LiveSession:
                         ctx.record.first_audio(since=ctx.first_text_at)
             if data := await encoder.finish():
                 await self._send_bytes(audio_frame(ctx.id, data))
-            await self._send_json(self._done(ctx, frames, finish.value if finish else "unknown"))
+            finish = ctx.pieces.finish_reason
+            await self._send_json(self._done(ctx, finish.value if finish else "unknown"))
         except asyncio.CancelledError:
             status = "cancelled"
             if not (ctx.cancelled or ctx.failure) or self._closing:
@@ -338,31 +326,32 @@ class LiveSession:
                 status = "error"
                 await self._error(ctx.id, ctx.failure, final=True)
             else:
-                await self._send_json(self._done(ctx, frames, "cancelled"))
+                await self._send_json(self._done(ctx, "cancelled"))
         except Exception as exc:  # this context failed (or was refused); the socket and the others go on
             error = self._outcomes.error(exc)
             status = "timeout" if error.status in (408, 504) else "rejected" if error.status == 429 else "error"
             await self._error(ctx.id, error, final=True)
         finally:
-            await chunks.aclose()  # aborts the Talker's request when it has not ended
-            self._mailbox.close.remote(ctx.request_id)
+            await chunks.aclose()
+            await ctx.pieces.aclose()  # aborts every Talker request of it that has not ended
             self._work.release()
             if ctx.admission is not None:
                 ctx.admission.release()
             # a fresh clock: waits for text are the client's, not gaps
             ctx.record.input_chars = ctx.chars
-            self._outcomes.stream_ended(ctx.model, status, ctx.first_text_at or time.perf_counter(), frames,
+            self._outcomes.stream_ended(ctx.model, status, ctx.first_text_at or time.perf_counter(), ctx.pieces.frames,
                                         PlaybackClock(), ctx.record)
             self._contexts.pop(ctx.id, None)
             if not self._contexts:
                 self._idle_since = time.monotonic()
 
-    def _done(self, ctx: _Context, frames: int, finish_reason: str) -> dict:
+    def _done(self, ctx: _Context, finish_reason: str) -> dict:
+        frames = ctx.pieces.frames
         input_tokens = len(ctx.info.tokenizer.encode("".join(ctx.text))) if ctx.text else 0
         return {"type": "done", "context_id": ctx.id, "finish_reason": finish_reason,
                 "usage": {"input_tokens": input_tokens, "output_tokens": frames,
                           "total_tokens": input_tokens + frames},
-                "audio_seconds": round(frames * SAMPLES_PER_FRAME / SAMPLE_RATE / ctx.body.speed, 3)}
+                "audio_seconds": round(ctx.pieces.samples / SAMPLE_RATE / ctx.body.speed, 3)}
 
     async def _close_all(self) -> None:
         self._closing = True

@@ -158,15 +158,8 @@ def check_live_text(total_chars: int, limits: IngressConfig) -> None:
 
 def text_positions_error(max_text_rows: int) -> APIError:
     return bad_request(f"input text too long: more than {max_text_rows} text positions (tokens) in one utterance "
-                       "for this model; split it (on the WebSocket: `flush` between utterances)", "input",
+                       "for this model; split it", "input",
                        code="input_too_long")
-
-
-def utterance_fits(text: str, info: ModelInfo) -> bool:
-    """A live context's utterance (its text since the last `flush`) within the model's text positions: the
-    tokenizer is byte-level, so a text of at most `max_text_rows` UTF-8 bytes fits without tokenizing it."""
-    limit = info.max_text_rows
-    return len(text.encode("utf-8", "surrogatepass")) <= limit or len(info.tokenizer.encode(text)) <= limit
 
 
 def check_request(body: SpeechRequest, info: ModelInfo, args: TTSServingArgs) -> SamplingParams:

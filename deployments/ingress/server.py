@@ -11,6 +11,7 @@ sends one body, raw chunked bytes, or SSE events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from collections.abc import AsyncIterator, Awaitable
@@ -184,16 +185,22 @@ class TTSIngress:
             find_voice = await self._voices.finder(body, key)
             return await self._router.route(body, find_voice)
 
-    async def start(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, request_id: str,
-                    mailbox=None, idle_timeout_s: float | None = None, timing: FirstAudioTiming | None = None,
-                    priority: Priority = Priority.REALTIME) -> tuple[SynthesisRequest, AsyncIterator[DecodedChunk]]:
-        """The engine's request and its decoded-chunk pipeline (nothing runs until the first chunk is awaited).
-        With `mailbox` the request is live: its text comes through the mailbox (deployments/ingress/live.py);
-        `timing` collects the first chunk's hops (deployments/first_audio_timing.py)."""
-        voice = await self._voices.prompt(body, info, voice_choice)
-        synthesis, options = build_request(body, info, voice_choice, voice, self._args, request_id,
-                                           live=mailbox is not None, idle_timeout_s=idle_timeout_s, priority=priority)
-        return synthesis, self._pipeline(info, synthesis, options, mailbox, timing)
+    async def voice_prompt(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice):
+        """The request's voice-clone prompt (Base; None otherwise), resolved once for all its Talker requests."""
+        return await self._voices.prompt(body, info, voice_choice)
+
+    def start_live(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, voice, request_id: str,
+                   mailbox, idle_timeout_s: float | None = None, frame_cap: int | None = None,
+                   ) -> tuple[SynthesisRequest, int, AsyncIterator[DecodedChunk]]:
+        """One live request of a WebSocket context (deployments/ingress/live_pieces.py): the engine's request, the
+        frames that fit it (`max_seq_len`; its cap had the client set none), and its decoded-chunk pipeline (nothing
+        runs until its first item is awaited); its text comes through `mailbox`. `frame_cap`: at most this many."""
+        synthesis, options = build_request(body.model_copy(update={"max_new_tokens": None}), info, voice_choice, voice,
+                                           self._args, request_id, live=True, idle_timeout_s=idle_timeout_s)
+        fits = synthesis.max_frames
+        if frame_cap is not None:
+            synthesis = dataclasses.replace(synthesis, max_frames=min(fits, frame_cap))
+        return synthesis, fits, self._pipeline(info, synthesis, options, mailbox)
 
     def _pipeline(self, info: ModelInfo, synthesis: SynthesisRequest, options: GenerateOptions, mailbox=None,
                   timing: FirstAudioTiming | None = None) -> AsyncIterator[DecodedChunk]:

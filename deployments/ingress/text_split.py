@@ -49,6 +49,9 @@ _WORD_ENDS = re.compile(r"\s+")
 _UNSPACED_ENDS = re.compile(rf"[{_CJK}]\s*")
 _LEVELS = ((Boundary.SENTENCE, _SENTENCE_ENDS), (Boundary.CLAUSE, _CLAUSE_ENDS), (Boundary.WORD, _WORD_ENDS),
            (Boundary.WORD, _UNSPACED_ENDS))
+# every boundary, strongest first, each pattern matching what ends a part (the live WebSocket finds them as its text
+# arrives: deployments/ingress/live_pieces.py)
+BOUNDARIES: tuple[tuple[Boundary, re.Pattern], ...] = ((Boundary.PARAGRAPH, _PARAGRAPHS), *_LEVELS)
 
 
 def split_text(text: str, cost: Callable[[str], Cost]) -> list[TextPiece]:

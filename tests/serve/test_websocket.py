@@ -307,3 +307,34 @@ def test_closed_sockets_leave_nothing_counted(base_url):
     wait_for(lambda: _ingress_stats() == {"open_websockets": 0, "client_addresses": 0}, 60,
              message="the closed sockets uncounted")
     wait_for(_idle, 60, message="their contexts aborted")
+
+
+def test_a_context_longer_than_one_talker_request_rolls_over_into_one_stream(client):
+    """`fake` (tests/fake_engine.py: a frame per character of live text, EOS at its end; max_seq_len 512) holds
+    ~240 characters a request: a ~290-character context is two live requests, one stream, one `done`."""
+    from bench.long_form import chapter
+    from deployments.config import LongFormSettings
+    from stages.contract import SAMPLE_RATE
+
+    text = chapter(290)
+    runs = []
+    for run in ("a", "b"):
+        client.send(type="open", context_id=run, model="fake", voice="vivian", response_format="wav", seed=5)
+        assert client.until(lambda m: m.get("context_id") == run and m["type"] in ("opened", "error"))["type"] == \
+            "opened"
+        for word in text.split(" "):
+            client.send(type="append", context_id=run, text=word + " ")
+        client.send(type="end", context_id=run)
+        done = client.done(run)
+        assert done["type"] == "done" and done["finish_reason"] == "eos", done
+        runs.append((done, bytes(client.got.audio[run])))
+    (done, wav), (_, again) = runs
+    frames = len(text) + 1  # a frame per character appended (each word with its space)
+    pause = round(LongFormSettings().sentence_pause_s * SAMPLE_RATE)  # the pieces meet where a sentence ends
+    assert done["usage"]["output_tokens"] == frames
+    assert done["audio_seconds"] == pytest.approx((frames * SAMPLES_PER_FRAME + pause) / SAMPLE_RATE, abs=1e-3)
+    assert wav.count(b"RIFF") == 1 and len(wav) == 44 + 2 * (frames * SAMPLES_PER_FRAME + pause)
+    # the same pieces and codes again; chunks are cut where the text was when they were (see the first test)
+    diff = np.abs(np.frombuffer(wav[44:], np.int16).astype(np.int32) - np.frombuffer(again[44:], np.int16))
+    assert len(again) == len(wav) and diff.max() <= 128 and diff.mean() < 4
+    wait_for(lambda: _idle("fake"), 30, message="both pieces ended")
