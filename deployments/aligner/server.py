@@ -194,7 +194,7 @@ class AlignerServer:
         except ValueError as e:
             if len(pieces) == 1:
                 return [refused(f"the aligner cannot time this piece: {e}", "cannot_align")]
-        except Exception as e:  # noqa: BLE001 (the callers get it; the ingress maps it to a 500)
+        except Exception as e:
             return [e] * len(pieces)
         return [answer for piece in pieces for answer in self._forward_isolated([piece])]
 

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from fastapi import WebSocket
 from opentelemetry import trace
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 from ray.actor import ActorHandle
 from ray.exceptions import TaskCancelledError
 from starlette.websockets import WebSocketDisconnect
@@ -37,13 +37,25 @@ from deployments.errors import APIError, bad_request
 from deployments.ingress.api_keys import SPEECH, ApiKey
 from deployments.ingress.auth import Auth, websocket_token
 from deployments.ingress.http_guard import OpenWork
+from deployments.ingress.live_pieces import LivePieces, MailboxPieces
 from deployments.ingress.outcomes import Outcomes, PlaybackClock
 from deployments.ingress.rate_limits import Admission, KeyLimits
-from deployments.ingress.live_pieces import LivePieces, MailboxPieces
 from deployments.ingress.request_builder import check_limits, check_live_text, check_request
 from deployments.ingress.request_log import RequestRecord, key_hash
-from deployments.ingress.schemas import LiveAppend, LiveCancel, LiveEnd, LiveFlush, LiveMessage, LiveOpen, audio_frame
+from deployments.ingress.schemas import (
+    LIVE_MESSAGES,
+    LiveAppend,
+    LiveCancel,
+    LiveEnd,
+    LiveFlush,
+    LiveOpen,
+    audio_frame,
+    auth_message_key,
+    context_id_of,
+    invalid_message,
+)
 from deployments.ingress.socket_limits import CLOSE_NORMAL, CLOSE_TRY_AGAIN_LATER, SocketLimits
+from deployments.ingress.timestamps import ResponseTimestamps
 from deployments.messages import ModelInfo
 from stages.contract import SAMPLE_RATE
 
@@ -58,15 +70,15 @@ class LiveIngress(Protocol):
 
     async def voice_prompt(self, body, info, choice): ...
 
+    async def check_timestamps(self, body) -> None: ...
+
+    def timestamps(self, body, texts) -> ResponseTimestamps | None: ...
+
     def start_live(self, body, info, choice, voice, request_id: str, mailbox, idle_timeout_s: float | None = None,
                    frame_cap: int | None = None) -> tuple[Any, int, Any]: ...
 
 logger = logging.getLogger("ray.serve")
 
-_MESSAGES = TypeAdapter(LiveMessage)
-# a message that fails validation is searched for a context id (to tag the error) only this far: parsing an
-# arbitrary payload again costs time and, nested deep, recursion
-_CONTEXT_ID_SCAN_CHARS = 64 * 1024
 
 
 @dataclass
@@ -86,6 +98,7 @@ class _Context:
     failure: APIError | None = None  # why the ingress ended it (its task cancelled): its final error
     record: RequestRecord | None = None  # its log line (deployments/ingress/request_log.py)
     admission: Admission | None = None  # its slot under its key's limits
+    timestamps: ResponseTimestamps | None = None  # its word times, when its `open` asked for them
 
 
 class LiveSession:
@@ -165,7 +178,7 @@ class LiveSession:
                 message = {}
             if message.get("type") == "websocket.disconnect":
                 return False
-            token = _auth_message_key(message.get("text"))
+            token = auth_message_key(message.get("text"))
         try:
             self._key = self._auth.auth.check(token, SPEECH)
         except APIError as error:
@@ -186,9 +199,9 @@ class LiveSession:
     # ------------------------------------------------------------------ client messages
     async def _handle(self, raw: str) -> None:
         try:
-            message = _MESSAGES.validate_json(raw)
+            message = LIVE_MESSAGES.validate_json(raw)
         except ValidationError as e:
-            await self._error(_context_id_of(raw), _invalid(e))
+            await self._error(context_id_of(raw), invalid_message(e))
             return
         if isinstance(message, LiveOpen):
             await self._open(message)
@@ -273,10 +286,11 @@ class LiveSession:
             info, voice_choice = await self._ingress.route(body, self._key)
             model = record.model = info.name
             check_request(body, info, self._ingress.args)
+            await self._ingress.check_timestamps(body)
             voice = await self._ingress.voice_prompt(body, info, voice_choice)
-            pieces = LivePieces(MailboxPieces(self._ingress, self._mailbox, body, info, voice_choice, voice), request_id, info.tokenizer,
-                                info.max_text_rows, self._limits.long_form, body.max_new_tokens,
-                                on_cut=lambda k, frames: self._outcomes.frame_cap_cut(
+            io = MailboxPieces(self._ingress, self._mailbox, body, info, voice_choice, voice)
+            pieces = LivePieces(io, request_id, info.tokenizer, info.max_text_rows, self._limits.long_form,
+                                body.max_new_tokens, on_cut=lambda k, frames: self._outcomes.frame_cap_cut(
                                     info.name, f"piece {k + 1} of live context {request_id}", frames))
             await pieces.open()
         except Exception as exc:  # every failure to open is one error message
@@ -287,7 +301,8 @@ class LiveSession:
                 await pieces.aclose()
             await self._error(cid, self._outcomes.failed(exc, model, True, record), final=True)
             return
-        ctx = _Context(cid, request_id, model, body, info, pieces, record=record, admission=admission)
+        ctx = _Context(cid, request_id, model, body, info, pieces, record=record, admission=admission,
+                       timestamps=self._ingress.timestamps(body, pieces.piece_text))
         self._contexts[cid] = ctx
         self._outcomes.stream_opened(model)
         # `opened` once the Talker took the request (_speak): one beyond its queue gets only a final error. Text
@@ -307,15 +322,23 @@ class LiveSession:
             await anext(chunks)  # `LiveAdmitted`; raises if the Talker refused the request (e.g. its queue is full)
             await self._send_json({"type": "opened", "context_id": ctx.id, "model": ctx.model,
                                    "request_id": ctx.request_id})
+            ts = ctx.timestamps
             async for chunk in chunks:
+                if ts is not None:
+                    ts.observe(chunk)
                 if data := await encoder.push(chunk.pcm):
                     await self._send_bytes(audio_frame(ctx.id, data))
                     if not audio_sent and ctx.first_text_at is not None:
                         audio_sent = True
                         self._outcomes.first_stream_audio(ctx.model, ctx.first_text_at)
                         ctx.record.first_audio(since=ctx.first_text_at)
+                await self._send_timestamps(ctx, ts.ready() if ts is not None else [])
             if data := await encoder.finish():
                 await self._send_bytes(audio_frame(ctx.id, data))
+            if ts is not None:
+                ts.end()
+                async with asyncio.timeout(self._limits.request_timeout_s):
+                    await self._send_timestamps(ctx, await ts.rest())
             finish = ctx.pieces.finish_reason
             await self._send_json(self._done(ctx, finish.value if finish else "unknown"))
         except asyncio.CancelledError:
@@ -334,6 +357,8 @@ class LiveSession:
         finally:
             await chunks.aclose()
             await ctx.pieces.aclose()  # aborts every Talker request of it that has not ended
+            if ctx.timestamps is not None:
+                await ctx.timestamps.aclose()
             self._work.release()
             if ctx.admission is not None:
                 ctx.admission.release()
@@ -344,6 +369,10 @@ class LiveSession:
             self._contexts.pop(ctx.id, None)
             if not self._contexts:
                 self._idle_since = time.monotonic()
+
+    async def _send_timestamps(self, ctx: _Context, events: list[dict]) -> None:
+        for event in events:
+            await self._send_json({"type": "timestamps", "context_id": ctx.id, **event})
 
     def _done(self, ctx: _Context, finish_reason: str) -> dict:
         frames = ctx.pieces.frames
@@ -392,40 +421,3 @@ class LiveAuth:
 
 
 CLOSE_POLICY_VIOLATION = 1008  # RFC 6455: the socket did not authenticate
-
-
-def _auth_message_key(raw: str | None) -> str | None:
-    """The key of a first message `{"type": "auth", "api_key": KEY}`, else None."""
-    if not raw or len(raw) > _CONTEXT_ID_SCAN_CHARS:
-        return None
-    with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
-        message = json.loads(raw)
-        if message.get("type") == "auth" and isinstance(message.get("api_key"), str):
-            return message["api_key"]
-    return None
-
-
-def _context_id_of(raw: str) -> str | None:
-    """The context id of a message that failed validation, when it has a usable one (to tag the error)."""
-    if len(raw) > _CONTEXT_ID_SCAN_CHARS:
-        return None
-    with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
-        cid = json.loads(raw).get("context_id")
-        if isinstance(cid, str) and len(cid) <= 64:
-            return cid
-    return None
-
-
-def _invalid(e: ValidationError) -> APIError:
-    first = e.errors()[0] if e.errors() else {}
-    if first.get("type") == "json_invalid":
-        return bad_request("message is not valid JSON", code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ())]
-    if loc and loc[0] in _MESSAGE_TYPES:  # the union's tag: the message's own type, not a field
-        loc = loc[1:]
-    where = ".".join(loc)
-    return bad_request(f"{where or 'message'}: {first.get('msg', 'invalid value')}", where or None,
-                       code="invalid_message")
-
-
-_MESSAGE_TYPES = ("open", "append", "flush", "end", "cancel")

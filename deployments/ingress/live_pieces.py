@@ -185,6 +185,10 @@ class LivePieces:
     def pieces(self) -> int:
         return len(self._pieces)
 
+    def piece_text(self, request_id: str) -> str:
+        """The text a piece was given, by its Talker request id ("" for an unknown one)."""
+        return next(("".join(p.text) for p in self._pieces if p.request_id == request_id), "")
+
     async def open(self) -> None:
         """Start the first piece; raises what refuses it (the context does not open)."""
         first = self._pieces[0]
@@ -282,7 +286,9 @@ class LivePieces:
         if best is not None and best[0] - sent <= window:
             return text[sent:best[0]], best[1]
         if final:
-            return (text[sent:sent + window], Boundary.NONE) if len(text) - sent > window else (text[sent:], Boundary.PARAGRAPH)
+            if len(text) - sent > window:
+                return text[sent:sent + window], Boundary.NONE
+            return text[sent:], Boundary.PARAGRAPH
         if len(text) - sent > window:
             return text[sent:sent + window], Boundary.NONE
         return None

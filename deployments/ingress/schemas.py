@@ -8,9 +8,13 @@ tokenizer crash), and NaN/infinity are refused.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+
+from deployments.errors import APIError, bad_request
 
 # every format streams (deployments/audio/encoders.py); mulaw / alaw are G.711 at 8 kHz for telephony
 ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac", "mulaw", "alaw"]
@@ -238,3 +242,47 @@ def parse_audio_frame(frame: bytes) -> tuple[str, bytes]:
     """-> (context id, audio bytes) of a binary message (clients; the tests and the benchmark use it)."""
     n = frame[0]
     return frame[1:1 + n].decode("ascii"), frame[1 + n:]
+
+
+# ------------------------------------------------------------------ reading the WebSocket's messages
+LIVE_MESSAGES = TypeAdapter(LiveMessage)
+# a message that fails validation is searched for a context id (to tag the error) only this far: parsing an
+# arbitrary payload again costs time and, nested deep, recursion
+CONTEXT_ID_SCAN_CHARS = 64 * 1024
+
+
+def auth_message_key(raw: str | None) -> str | None:
+    """The key of a first message `{"type": "auth", "api_key": KEY}`, else None."""
+    if not raw or len(raw) > CONTEXT_ID_SCAN_CHARS:
+        return None
+    with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
+        message = json.loads(raw)
+        if message.get("type") == "auth" and isinstance(message.get("api_key"), str):
+            return message["api_key"]
+    return None
+
+
+def context_id_of(raw: str) -> str | None:
+    """The context id of a message that failed validation, when it has a usable one (to tag the error)."""
+    if len(raw) > CONTEXT_ID_SCAN_CHARS:
+        return None
+    with contextlib.suppress(ValueError, TypeError, AttributeError, RecursionError):
+        cid = json.loads(raw).get("context_id")
+        if isinstance(cid, str) and len(cid) <= 64:
+            return cid
+    return None
+
+
+def invalid_message(e: ValidationError) -> APIError:
+    first = e.errors()[0] if e.errors() else {}
+    if first.get("type") == "json_invalid":
+        return bad_request("message is not valid JSON", code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in MESSAGE_TYPES:  # the union's tag: the message's own type, not a field
+        loc = loc[1:]
+    where = ".".join(loc)
+    return bad_request(f"{where or 'message'}: {first.get('msg', 'invalid value')}", where or None,
+                       code="invalid_message")
+
+
+MESSAGE_TYPES = ("open", "append", "flush", "end", "cancel")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request, WebSocket
 from fastapi.responses import Response
@@ -49,9 +49,9 @@ from deployments.ingress.schemas import SpeechRequest
 from deployments.ingress.socket_limits import SocketLimits
 from deployments.ingress.speech import SpeechJob, stream_response, whole_response
 from deployments.ingress.text_mailbox import new_mailbox
+from deployments.ingress.timestamps import ResponseTimestamps, check_language, no_aligner
 from deployments.ingress.voice_store import VoiceStore
 from deployments.ingress.voices import Voices
-from deployments.ingress.timestamps import ResponseTimestamps, check_language, no_aligner
 from deployments.messages import AlignerInfo, AlignRequest, DecodedChunk, GenerateOptions, ModelInfo
 from deployments.metrics import BatchMetrics
 from deployments.transport import max_answer_bytes, stage_handle
@@ -144,8 +144,7 @@ class TTSIngress:
         chunks: AsyncIterator[DecodedChunk] | None = None
         try:
             check_limits(body, self._limits)
-            if body.timestamps is not None:
-                check_language(body.language, (await self._aligner_info()).languages)
+            await self.check_timestamps(body)
             # validation first, then the client's deadline: a tiny `timeout_s` must not hide a 400
             info, voice_choice = await self.route(body, key)
             model = record.model = info.name
@@ -167,9 +166,7 @@ class TTSIngress:
             deadline += (pieces - 1) * (deadline - started_loop)
         job = SpeechJob(body, model, chunks, first, deadline, started, usage_in=started_speech.usage_in, record=record,
                         client_capped=started_speech.client_capped, pieces=pieces, cut_pieces=started_speech.cut_pieces)
-        if body.timestamps is not None:
-            job.timestamps = ResponseTimestamps(self._align, started_speech.texts, body.timestamps, body.language,
-                                                body.speed)
+        job.timestamps = self.timestamps(body, started_speech.texts)
         timing.responded = first_audio_timing.now()
         self._outcomes.first_audio_stages(model, timing)
         # Serve's proxy adds X-Request-Id (the client's own, or a new one); Server-Timing: where first audio went
@@ -237,6 +234,18 @@ class TTSIngress:
                              cut_pieces=cut_pieces, texts={p.request.request_id: p.text for p in pieces})
 
     # ------------------------------------------------------------------ timestamps
+    async def check_timestamps(self, body: SpeechRequest) -> None:
+        """A 400 naming `timestamps` when the request asks for them and the server cannot time it."""
+        if body.timestamps is not None:
+            check_language(body.language, (await self._aligner_info()).languages)
+
+    def timestamps(self, body: SpeechRequest, texts: dict[str, str] | Callable[[str], str]
+                   ) -> ResponseTimestamps | None:
+        """The timestamps of a response whose Talker requests speak `texts` (by request id), if it asks for them."""
+        if body.timestamps is None:
+            return None
+        return ResponseTimestamps(self._align, texts, body.timestamps, body.language, body.speed)
+
     def _align(self, request: AlignRequest) -> Awaitable[list[Word]]:
         return self.aligner.align.remote(request)
 

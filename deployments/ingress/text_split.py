@@ -108,7 +108,7 @@ def _fits(c: Sequence[float]) -> bool:
 
 
 def _add(a: Cost, b: Cost) -> Cost:
-    return tuple(x + y for x, y in zip(a, b))
+    return tuple(x + y for x, y in zip(a, b, strict=True))
 
 
 def _pack(units: list[tuple[str, Boundary, Cost]]) -> list[TextPiece]:

@@ -90,11 +90,13 @@ class _Span:
 
 class ResponseTimestamps:
     """The timestamps of one response (see the module's docstring). `texts`: each Talker request's text by its
-    request id (the chunks' `request_id`)."""
+    request id (the chunks' `request_id`), or a function of the request id, asked once its span is complete (a live
+    context's piece has all its text by then)."""
 
-    def __init__(self, align: Align, texts: dict[str, str], mode: TimestampMode, language: str | None,
-                 speed: float = 1.0):
-        self._align, self._texts, self.mode, self._speed = align, texts, mode, speed
+    def __init__(self, align: Align, texts: dict[str, str] | Callable[[str], str], mode: TimestampMode,
+                 language: str | None, speed: float = 1.0):
+        self._align, self.mode, self._speed = align, mode, speed
+        self._text_of = texts.get if isinstance(texts, dict) else texts
         self._language = None if language in (None, "auto") else language
         self._samples = 0  # of the response so far
         self._current: _Span | None = None
@@ -105,7 +107,7 @@ class ResponseTimestamps:
             self._close_span()
         if not chunk.pause and chunk.pcm.size:
             if self._current is None:
-                self._current = _Span(chunk.request_id, self._texts.get(chunk.request_id, ""), self._samples)
+                self._current = _Span(chunk.request_id, "", self._samples)
             self._current.pcm.append(chunk.pcm)
         self._samples += chunk.pcm.size
 
@@ -141,6 +143,7 @@ class ResponseTimestamps:
             return
         pcm = np.concatenate(span.pcm)
         span.pcm, span.seconds = [pcm], pcm.size / SAMPLE_RATE
+        span.text = self._text_of(span.request_id) or ""
         request = AlignRequest(span.request_id, pcm, span.text, self._language)
         span.task = asyncio.get_running_loop().create_task(self._aligned(request))
         self._pending.append(span)

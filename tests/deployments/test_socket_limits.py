@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from deployments.config import IngressConfig
-from deployments.ingress.live import _context_id_of
+from deployments.ingress.schemas import context_id_of
 from deployments.ingress.socket_limits import SocketLimits
 
 
@@ -38,8 +38,8 @@ def test_the_settings_have_defaults_below_an_outage_and_environment_overrides():
 
 
 def test_the_context_id_of_a_bad_message_never_raises():
-    assert _context_id_of(json.dumps({"context_id": "c1", "type": "nope"})) == "c1"
-    assert _context_id_of("[" * 5_000 + "]" * 5_000) is None  # too deep for json.loads: RecursionError
-    assert _context_id_of('{"context_id": "c1", "x": ' + "[" * 5_000 + "]" * 5_000 + "}") is None
-    assert _context_id_of(json.dumps({"context_id": "c1", "text": "x" * 100_000})) is None  # not parsed again
-    assert _context_id_of("not json") is None
+    assert context_id_of(json.dumps({"context_id": "c1", "type": "nope"})) == "c1"
+    assert context_id_of("[" * 5_000 + "]" * 5_000) is None  # too deep for json.loads: RecursionError
+    assert context_id_of('{"context_id": "c1", "x": ' + "[" * 5_000 + "]" * 5_000 + "}") is None
+    assert context_id_of(json.dumps({"context_id": "c1", "text": "x" * 100_000})) is None  # not parsed again
+    assert context_id_of("not json") is None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import json
 
 import numpy as np
@@ -24,7 +23,10 @@ from deployments.messages import AlignRequest, DecodedChunk
 from stages.aligner import Word
 from stages.aligner.words import ALIGNABLE_LANGUAGES, split_words
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
-from tests.deployments.test_long_form import TEXT, Run, engine, pieces  # noqa: F401 (fixtures)
+from tests.deployments import test_long_form
+from tests.deployments.test_long_form import TEXT, Run
+
+pieces, engine = test_long_form.pieces, test_long_form.engine  # its fixtures: a long input's pieces, the fake engine
 
 
 class FakeAligner:
@@ -96,7 +98,7 @@ def test_sse_sends_each_pieces_words_after_its_audio_and_before_done(pieces, eng
             assert [w["word"] for w in e["words"]] == split_words(pieces[k].text)
             assert e["words"][0]["start"] == pytest.approx(start, abs=1e-3)  # times continue across pieces
             assert e["words"][-1]["end"] == pytest.approx(end, abs=1e-3) and end <= sent_s + 1e-6
-            assert all(a["end"] <= b["start"] + 1e-3 for a, b in zip(e["words"], e["words"][1:]))
+            assert all(a["end"] <= b["start"] + 1e-3 for a, b in zip(e["words"], e["words"][1:], strict=False))
             k += 1
     assert k == len(pieces)
 

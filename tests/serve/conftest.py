@@ -151,7 +151,6 @@ def serve_app(ray_cluster, file_server, tiny_custom_voice, tiny_base, tiny_voice
     from ray import serve
 
     from deployments.builder import build_app
-
     from stages.aligner.random_checkpoint import write_random_aligner
 
     aligner = write_random_aligner(tmp_path_factory.mktemp("aligner"), tiny=True, dtype="float32", log=lambda *_: None)

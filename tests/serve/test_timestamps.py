@@ -95,3 +95,58 @@ def test_the_same_request_gets_the_same_words_and_times(http):
     first, second = (http.post("/v1/audio/speech", json=body).json() for _ in range(2))
     assert first["words"] == second["words"] and first["audio"] == second["audio"]
     assert np.frombuffer(base64.b64decode(first["audio"]), np.int16).size == FRAMES * SAMPLES_PER_FRAME
+
+
+# ------------------------------------------------------------------ the WebSocket
+def _ws_stamps(client, context_id: str) -> tuple[list[dict], dict]:
+    """The context's `timestamps` messages (each checked against the audio received before it) and its `done`."""
+    stamps = []
+    while True:
+        m = client.until(lambda m: m.get("context_id") == context_id and m["type"] in ("timestamps", "done", "error"))
+        if m["type"] != "timestamps":
+            assert m["type"] == "done", m
+            return stamps, m
+        received_s = client.pcm(context_id).size / SAMPLE_RATE
+        assert all(0 <= w["start"] <= w["end"] <= received_s + 1e-3 for w in m["words"]), (m, received_s)
+        stamps.append(m)
+
+
+def test_a_websocket_context_gets_its_words_before_done(base_url):
+    from tests.serve.test_websocket import Client
+
+    client = Client(base_url)
+    try:
+        assert client.open("w", timestamps="char")["type"] == "opened"
+        for piece in ("Hello there, ", "world! ", "It's 3:45 now."):
+            client.send(type="append", context_id="w", text=piece)
+        client.send(type="end", context_id="w")
+        stamps, done = _ws_stamps(client, "w")
+    finally:
+        client.close()
+    assert len(stamps) == 1 and [w["word"] for w in stamps[0]["words"]] == split_words(TEXT)
+    assert "".join(c["char"] for c in stamps[0]["chars"]) == TEXT
+    assert done["usage"]["output_tokens"] == FRAMES
+
+
+def test_a_websocket_context_that_rolls_over_times_each_piece_from_the_start_of_its_audio(base_url):
+    """`fake` holds ~240 characters a live request (tests/serve/test_websocket.py): two pieces, two messages."""
+    from tests.serve.test_websocket import Client
+
+    text = chapter(290)
+    client = Client(base_url)
+    try:
+        client.send(type="open", context_id="r", model="fake", voice="vivian", response_format="pcm", seed=5,
+                    timestamps="word")
+        assert client.until(lambda m: m.get("context_id") == "r" and m["type"] in ("opened", "error"))["type"] == \
+            "opened"
+        for word in text.split(" "):
+            client.send(type="append", context_id="r", text=word + " ")
+        client.send(type="end", context_id="r")
+        stamps, done = _ws_stamps(client, "r")
+    finally:
+        client.close()
+    assert len(stamps) == 2 and done["finish_reason"] == "eos"
+    assert [w["word"] for e in stamps for w in e["words"]] == split_words(text)
+    first_end = max(w["end"] for w in stamps[0]["words"])
+    assert all(w["start"] >= first_end for w in stamps[1]["words"])
+    assert stamps[1]["words"][-1]["end"] <= done["audio_seconds"] + 1e-3
