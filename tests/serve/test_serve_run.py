@@ -39,6 +39,11 @@ def test_serve_run_local_yaml_serves_the_embedded_checkpoint(tmp_path):
         assert default.headers.get("transfer-encoding") == "chunked" and rate == SAMPLE_RATE and audio.size > 0
         assert (home / "embedded" / "custom_voice-17b-tiny" / "config.json").exists()
         assert (home / "embedded" / "aligner-tiny" / "config.json").exists()  # the Aligner started too
+        timed = httpx.post(f"{url}/v1/audio/speech", timeout=120, json={
+            "model": "tts-1", "voice": "vivian", "input": "Hello from serve run.", "max_new_tokens": 5,
+            "suppress_eos": True, "response_format": "wav", "stream": False, "timestamps": "word"})
+        assert timed.status_code == 200, timed.text[:300]
+        assert [w["word"] for w in timed.json()["words"]] == ["Hello", "from", "serve", "run"]  # the embedded aligner
         assert b"[embedded]" in log_path.read_bytes()  # progress was printed
 
 
