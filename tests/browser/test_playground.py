@@ -123,3 +123,26 @@ def test_the_api_key_stays_in_page_memory(page):
     assert json.loads(storage) == [[], [], ""]
 
 
+
+
+def test_word_timestamps_show_under_streamed_and_whole_speech(page):
+    """With "Word timestamps" on, streamed PCM comes as SSE (audio plays, the words show as their event arrives) and a
+    whole file as JSON (audio element, words): the embedded aligner times every word of the text."""
+    _models_listed(page)
+    page.fill("#text", "Timed words, one by one.")
+    page.fill("#max-frames", "12")
+    page.check("#timestamps")
+    page.click("#speak")
+    page.wait_for_function("document.getElementById('speak-status').textContent.includes('words timed')",
+                           timeout=WAIT_MS)
+    assert _samples(page) == 12 * 1920
+    words = page.evaluate("window.playground.words.map(w => w.word)")
+    assert words == ["Timed", "words", "one", "by", "one"]
+    assert page.eval_on_selector_all("#words span", "els => els.length") == 5 and page.is_visible("#words")
+
+    page.select_option("#format", "wav")
+    page.click("#speak")
+    page.wait_for_function("document.getElementById('speak-status').textContent.startsWith('wav:')",
+                           timeout=WAIT_MS)
+    assert page.evaluate("window.playground.words.length") == 5 and page.is_visible("#player")
+    assert page.errors == []

@@ -8,7 +8,7 @@ const SAMPLE_RATE = 24000;
 const $ = (id) => document.getElementById(id);
 
 // what the browser tests read: samples handed to the audio graph, the last first-audio time, page errors
-const state = { scheduledSamples: 0, firstAudioMs: null, uploads: 0, liveDone: 0, errors: [] };
+const state = { scheduledSamples: 0, firstAudioMs: null, uploads: 0, liveDone: 0, words: [], errors: [] };
 window.playground = state;
 window.addEventListener("error", (e) => state.errors.push(String(e.message)));
 window.addEventListener("unhandledrejection", (e) => state.errors.push(String(e.reason)));
@@ -142,24 +142,74 @@ function requestFields() {
 // ------------------------------------------------------------------ speak (HTTP)
 let speaking = null;  // the AbortController of the request in flight
 
+// word timestamps (docs/serving.md "Word timestamps"): each word with its time as a tooltip and a small label
+function showWords(words) {
+  const box = $("words");
+  for (const w of words) {
+    const span = document.createElement("span");
+    span.title = `${w.start.toFixed(2)}-${w.end.toFixed(2)} s`;
+    span.append(w.word, Object.assign(document.createElement("small"), { textContent: w.start.toFixed(2) }));
+    box.append(span);
+    state.words.push(w);
+  }
+  box.hidden = state.words.length === 0;
+}
+
+function base64Bytes(text) {
+  const raw = atob(text);
+  const bytes = new Uint8Array(raw.length);
+  for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+  return bytes;
+}
+
+// an SSE body (`speech.audio.*` events, what a stream with timestamps is): `onEvent` for each event, in order
+async function readEvents(response, onEvent) {
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    buffer += value;
+    const events = buffer.split("\n\n");
+    buffer = events.pop();
+    for (const raw of events) {
+      const data = raw.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("");
+      if (data) onEvent(JSON.parse(data));
+    }
+  }
+}
+
+const MIME = { wav: "audio/wav", mp3: "audio/mpeg", opus: "audio/ogg", flac: "audio/flac", aac: "audio/aac" };
+
 async function speak() {
   speaking?.abort();
   const controller = (speaking = new AbortController());
   const fields = { ...requestFields(), input: $("text").value };
   const streamed = fields.response_format === "pcm";
+  const timed = $("timestamps").checked;  // a stream of SSE events, or a JSON body
   if (streamed) player.start();
   $("player").hidden = true;
+  state.words = [];
+  $("words").replaceChildren();
+  $("words").hidden = true;
   setStatus("speak-status", "waiting for audio...");
   const t0 = performance.now();
   try {
     const response = await fetch("/v1/audio/speech", {
       method: "POST", signal: controller.signal,
       headers: authHeaders({ "Content-Type": "application/json" }),
-      body: JSON.stringify({ ...fields, stream: streamed }),
+      body: JSON.stringify({ ...fields, stream: streamed, ...(timed ? { timestamps: "word" } : {}) }),
     });
     if (!response.ok) throw new Error(await errorText(response));
     if (!streamed) {  // another format: the whole file, played by the audio element
-      const blob = await response.blob();
+      let blob;
+      if (timed) {
+        const body = await response.json();
+        blob = new Blob([base64Bytes(body.audio)], { type: MIME[fields.response_format] });
+        showWords(body.words);
+      } else {
+        blob = await response.blob();
+      }
       state.firstAudioMs = performance.now() - t0;
       const audio = $("player");
       audio.src = URL.createObjectURL(blob);
@@ -168,20 +218,32 @@ async function speak() {
       setStatus("speak-status", `${fields.response_format}: ${(blob.size / 1024).toFixed(1)} KiB in ${state.firstAudioMs.toFixed(0)} ms`);
       return;
     }
-    const reader = response.body.getReader();
     let samples = 0;
-    for (;;) {
-      const { done, value } = await reader.read();
-      if (done) break;
-      if (!value.length) continue;
+    const play = (bytes) => {
+      if (!bytes.length) return;
       if (samples === 0) {
         state.firstAudioMs = performance.now() - t0;
         setStatus("speak-status", `first audio in ${state.firstAudioMs.toFixed(0)} ms, playing...`);
       }
-      player.push(value);
-      samples += value.length / 2;
+      player.push(bytes);
+      samples += bytes.length / 2;
+    };
+    if (timed) {
+      await readEvents(response, (event) => {
+        if (event.type === "speech.audio.delta") play(base64Bytes(event.audio));
+        else if (event.type === "speech.audio.timestamps") showWords(event.words);
+        else if (event.type === "speech.audio.error") throw new Error(event.error?.message ?? "the stream failed");
+      });
+    } else {
+      const reader = response.body.getReader();
+      for (;;) {
+        const { done, value } = await reader.read();
+        if (done) break;
+        play(value);
+      }
     }
-    setStatus("speak-status", `first audio in ${state.firstAudioMs.toFixed(0)} ms · ${(samples / SAMPLE_RATE).toFixed(2)} s of audio`);
+    const timedWords = timed ? ` · ${state.words.length} words timed` : "";
+    setStatus("speak-status", `first audio in ${state.firstAudioMs.toFixed(0)} ms · ${(samples / SAMPLE_RATE).toFixed(2)} s of audio${timedWords}`);
   } catch (e) {
     if (e.name !== "AbortError") setStatus("speak-status", e.message, true);
   } finally {
