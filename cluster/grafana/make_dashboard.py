@@ -240,6 +240,25 @@ panel("Stateful decode paths",
        (f"sum by (landed) (rate(ray_tts_code2wav_named_chunks_total{{{APP}}}{RI}))", "named, landed {{landed}}")],
       unit="cps", w=6)
 
+# ------------------------------------------------------------------ aligner
+row("Aligner (word timestamps)")
+panel("Align call latency",
+      "Arrival of an align call (one piece of speech) to its words: wait for the aligner thread + its forward "
+      "(ray_tts_aligner_call_latency_ms). A stream's timestamps lag its audio by about this much.",
+      [(q(0.5, "ray_tts_aligner_call_latency_ms", APP, ""), "p50"),
+       (q(0.95, "ray_tts_aligner_call_latency_ms", APP, ""), "p95"),
+       (mean("ray_tts_aligner_call_latency_ms", APP, ""), "mean" + APPROX)], unit="ms", w=8)
+panel("Aligner batch size",
+      "Pieces timed in one forward (ray_tts_aligner_batch_size), and forwards per second.",
+      [(mean("ray_tts_aligner_batch_size", APP, ""), "mean" + APPROX),
+       (q(0.9, "ray_tts_aligner_batch_size", APP, ""), "p90"),
+       (f"sum(rate(ray_tts_aligner_batch_size_count{{{APP}}}{RI}))", "forwards/s")], w=8)
+panel("Aligner cost per audio second",
+      "Wall seconds of a forward per second of speech it timed (ray_tts_aligner_seconds_per_audio_second): the "
+      "aligner's share of its device per real-time second of timed speech.",
+      [(mean("ray_tts_aligner_seconds_per_audio_second", APP, ""), "mean" + APPROX),
+       (q(0.9, "ray_tts_aligner_seconds_per_audio_second", APP, ""), "p90")], unit="s", w=8)
+
 # ------------------------------------------------------------------ serve built-ins
 row("Ray Serve")
 panel("HTTP requests",

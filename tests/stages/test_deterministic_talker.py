@@ -150,7 +150,9 @@ def test_live_text_rows_are_projected_in_fixed_width_products(model, monkeypatch
     finally:
         engine.shutdown()
     assert np.array_equal(whole, pieces)
-    assert len(calls) > 10 and {w for _, w in calls} == {64}, calls  # min(256, max_text_rows)
+    # text arrived while the request ran (projections beyond the prefills; how many depends on how the loop's
+    # iterations met the appends), and every projection had the one fixed width: min(256, max_text_rows)
+    assert len(calls) > 2 and {w for _, w in calls} == {64}, calls
 
 
 def test_fixed_width_projection_equals_the_plain_one(model, monkeypatch):
