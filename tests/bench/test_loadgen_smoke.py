@@ -87,9 +87,13 @@ def test_closed_and_open_loop_against_the_embedded_default(local_server, tmp_pat
     assert "| 2 | 4 / 4 | 0 |" in md
 
     opened = loadgen(tmp_path / "open", "--url", local_server, "--mode", "open", "--rate", "4", "--requests", "4",
-                     "--stream-format", "sse", "--language", "zh", "--no-plots", "--processes", "2")
+                     "--stream-format", "sse", "--language", "zh", "--no-plots", "--processes", "2",
+                     "--extra", '{"timestamps": "word"}')
     check_point(opened["points"][0], 4)  # two worker processes read the streams
     assert opened["meta"]["processes"] == 2
+    # word timestamps (the embedded aligner): one event per request after its audio, each with its words
+    lag = opened["points"][0]["timestamps_lag_ms"]
+    assert lag["n"] == 4 and lag["min"] >= 0 and opened["points"][0]["timestamps_failed"] == 0
 
     try:
         import matplotlib  # noqa: F401
