@@ -356,6 +356,7 @@ def test_local_all_serves_every_task_type_on_two_cpus():
     cpus = sum(d._deployment_config.num_replicas * d.ray_actor_options.get("num_cpus", 1)
                for d in deployments.values())
     assert cpus <= 1.5, cpus  # leaves room on a 2-core machine
+    assert args.aligner is not None and args.aligner.device == "cpu" and "Aligner" in deployments  # timestamps
 
 
 @pytest.mark.parametrize("text, env, expected", [
