@@ -27,17 +27,16 @@ from deployments import constants as C
 from deployments.aligner.engine_protocol import AlignerEngineProtocol
 from deployments.coalescing import Coalescer
 from deployments.config import AlignerDeploymentConfig
-from deployments.errors import APIError, shown
+from deployments.errors import APIError
 from deployments.loading import Log, aligner_location, configure_torch, import_object, replica_log, resolve_device_dtype
 from deployments.messages import AlignerInfo, AlignRequest
 from deployments.metrics import AlignerMetrics
 from stages.aligner.timestamps import Word
-from stages.aligner.words import ALIGNABLE_LANGUAGES, UNSEGMENTED_LANGUAGES, split_words
+from stages.aligner.words import ALIGNABLE_LANGUAGES, alignable_language, split_words
 from stages.contract import SAMPLE_RATE
 
 DEFAULT_ENGINE_CLS = "stages.aligner.aligner:Aligner"
 PARAM = "timestamps"  # the API field a refused piece names
-NO_LANGUAGE = ("", "auto")
 
 
 @dataclass(frozen=True)
@@ -136,7 +135,10 @@ class AlignerServer:
 
     def _checked(self, request: AlignRequest) -> Piece | None:
         """The piece to time, None when there is nothing to time, or an APIError 400 raised for it."""
-        language = self._language(request.language)
+        try:
+            language = alignable_language(request.language)
+        except ValueError as exc:
+            raise refused(str(exc), "unsupported_language") from None
         pcm = request.pcm
         if not isinstance(pcm, np.ndarray) or pcm.ndim != 1 or pcm.dtype.kind not in "if":
             raise refused("the audio to time must be 1-D PCM samples", "cannot_align")
@@ -159,21 +161,6 @@ class AlignerServer:
         if not words or wave.shape[0] < self._engine.min_samples(SAMPLE_RATE):
             return None  # nothing to time, or too short to hold a word (silence)
         return Piece(wave, request.text, language)
-
-    @staticmethod
-    def _language(language: str | None) -> str:
-        """split_words' hint for the request's language: "" for none, else its canonical name; 400 if refused."""
-        name = (language or "").strip()
-        if name.lower() in NO_LANGUAGE:
-            return ""
-        for known in ALIGNABLE_LANGUAGES:
-            if known.lower() == name.lower():
-                return known
-        if name.lower() in UNSEGMENTED_LANGUAGES:
-            raise refused(f"word timestamps for {name} are not supported: the aligner segments it with a "
-                          "statistical word segmenter this server does not ship", "unsupported_language")
-        raise refused(f"word timestamps are not available for language {shown(name)}; "
-                      f"they are for {', '.join(ALIGNABLE_LANGUAGES)}", "unsupported_language")
 
     async def _align_pieces(self, pieces: list[Piece]) -> list[list[Word] | Exception]:
         """All pieces waiting, in forwards planned by `plan_forwards` -> per piece its words or its error."""

@@ -55,6 +55,7 @@ from deployments.ingress.schemas import (
     invalid_message,
 )
 from deployments.ingress.socket_limits import CLOSE_NORMAL, CLOSE_TRY_AGAIN_LATER, SocketLimits
+from deployments.ingress.speech import usage
 from deployments.ingress.timestamps import ResponseTimestamps
 from deployments.messages import ModelInfo
 from stages.contract import SAMPLE_RATE
@@ -332,7 +333,8 @@ class LiveSession:
                         audio_sent = True
                         self._outcomes.first_stream_audio(ctx.model, ctx.first_text_at)
                         ctx.record.first_audio(since=ctx.first_text_at)
-                await self._send_timestamps(ctx, ts.ready() if ts is not None else [])
+                if ts is not None:
+                    await self._send_timestamps(ctx, ts.ready())
             if data := await encoder.finish():
                 await self._send_bytes(audio_frame(ctx.id, data))
             if ts is not None:
@@ -378,8 +380,7 @@ class LiveSession:
         frames = ctx.pieces.frames
         input_tokens = len(ctx.info.tokenizer.encode("".join(ctx.text))) if ctx.text else 0
         return {"type": "done", "context_id": ctx.id, "finish_reason": finish_reason,
-                "usage": {"input_tokens": input_tokens, "output_tokens": frames,
-                          "total_tokens": input_tokens + frames},
+                "usage": usage(input_tokens, frames),
                 "audio_seconds": round(ctx.pieces.samples / SAMPLE_RATE / ctx.body.speed, 3)}
 
     async def _close_all(self) -> None:

@@ -99,8 +99,8 @@ class PiecePlanner:
         audio the aligner times, for a request with timestamps)."""
         self.body, self.info, self.choice, self.voice, self.args = body, info, choice, voice, args
         self.request_id, self.priority = request_id, priority
-        limit = args.ingress.max_new_tokens_limit
-        self._frame_cap = min(f for f in (limit, max_piece_frames) if f) if (limit or max_piece_frames) else None
+        caps = [f for f in (args.ingress.max_new_tokens_limit, max_piece_frames) if f]
+        self._frame_cap = min(caps) if caps else None
         self.settings = args.ingress.long_form
         # the request built for a one-token text: its prompt's layout sizes the pieces
         self._sample, _ = build_request(body.model_copy(update={"input": "x", "max_new_tokens": None}), info, choice,

@@ -237,7 +237,9 @@ class TTSIngress:
     async def check_timestamps(self, body: SpeechRequest) -> None:
         """A 400 naming `timestamps` when the request asks for them and the server cannot time it."""
         if body.timestamps is not None:
-            check_language(body.language, (await self._aligner_info()).languages)
+            if self.aligner is None:
+                raise no_aligner()
+            check_language(body.language)
 
     def timestamps(self, body: SpeechRequest, texts: dict[str, str] | Callable[[str], str]
                    ) -> ResponseTimestamps | None:

@@ -29,7 +29,7 @@ import numpy as np
 from deployments.errors import APIError, bad_request, to_api_error
 from deployments.messages import AlignRequest, DecodedChunk
 from stages.aligner.timestamps import Word
-from stages.aligner.words import UNSEGMENTED_LANGUAGES, is_kept_char
+from stages.aligner.words import alignable_language, is_kept_char
 from stages.contract import SAMPLE_RATE
 
 logger = logging.getLogger("ray.serve")
@@ -43,16 +43,13 @@ def no_aligner() -> APIError:
                        "docs/aligner.md)", "timestamps", code="timestamps_unavailable")
 
 
-def check_language(language: str | None, languages: tuple[str, ...]) -> None:
-    """A 400 naming `timestamps` for a language the aligner does not time (`languages`: `AlignerInfo.languages`),
-    before anything runs; None and "auto" are no hint."""
-    if language is None or language.strip().lower() in ("", "auto"):
-        return
-    if language.strip().lower() not in {lang.lower() for lang in languages}:
-        why = (" (the official aligner segments it with a word segmenter this server does not ship)"
-               if language.strip().lower() in UNSEGMENTED_LANGUAGES else "")
-        raise bad_request(f"word timestamps for {language} are not supported{why}; the aligner times "
-                          f"{', '.join(languages)}", "timestamps", code="unsupported_language")
+def check_language(language: str | None) -> None:
+    """A 400 naming `timestamps` for a language the aligner does not time, before anything runs (the Aligner's own
+    check, stages.aligner.words.alignable_language, asked here so that no audio is made for nothing)."""
+    try:
+        alignable_language(language)
+    except ValueError as exc:
+        raise bad_request(str(exc), "timestamps", code="unsupported_language") from None
 
 
 def char_times(text: str, words: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -16,6 +16,23 @@ SUPPORTED_LANGUAGES = ("Chinese", "English", "Cantonese", "French", "German", "I
 UNSEGMENTED_LANGUAGES = ("japanese", "korean")
 # what `split_words` takes a language hint for: the supported ones it does not refuse
 ALIGNABLE_LANGUAGES = tuple(lang for lang in SUPPORTED_LANGUAGES if lang.lower() not in UNSEGMENTED_LANGUAGES)
+NO_LANGUAGE = ("", "auto")  # no hint
+
+
+def alignable_language(name: str | None) -> str:
+    """`split_words`' hint for a request's language: "" for none (None, "", "auto"), else its canonical name; a
+    ValueError saying why for a language the aligner does not time."""
+    name = (name or "").strip()
+    if name.lower() in NO_LANGUAGE:
+        return ""
+    for known in ALIGNABLE_LANGUAGES:
+        if known.lower() == name.lower():
+            return known
+    if name.lower() in UNSEGMENTED_LANGUAGES:
+        raise ValueError(f"word timestamps for {name} are not supported: the aligner segments it with a statistical "
+                         "word segmenter this server does not ship")
+    raise ValueError(f"word timestamps are not available for language {name[:64]!r}; they are for "
+                     f"{', '.join(ALIGNABLE_LANGUAGES)}")
 
 
 def is_kept_char(ch: str) -> bool:
