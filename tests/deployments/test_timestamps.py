@@ -34,7 +34,7 @@ class FakeAligner:
     alignment waiting until released."""
 
     def __init__(self, fail: frozenset[str] = frozenset()):
-        self.fail, self.calls, self.hold = fail, [], {}
+        self.fail, self.calls, self.hold, self.answered = fail, [], {}, []
 
     async def __call__(self, request: AlignRequest) -> list[Word]:
         self.calls.append(request)
@@ -45,6 +45,7 @@ class FakeAligner:
         words = split_words(request.text)
         seconds = request.pcm.size / SAMPLE_RATE
         step = seconds / max(len(words), 1)
+        self.answered.append(request.request_id)
         return [Word(w, round(i * step, 3), round((i + 1) * step, 3)) for i, w in enumerate(words)]
 
 
@@ -109,13 +110,12 @@ def test_a_later_span_aligned_first_waits_for_the_earlier_one(pieces, engine):
         first = pieces[0].request.request_id
         aligner.hold[first] = asyncio.Event()
 
-        async def release_once_both_are_out():
-            while len(aligner.calls) < 2:
+        async def release_once_the_second_is_answered():
+            while pieces[1].request.request_id not in aligner.answered:
                 await asyncio.sleep(0.005)
-            await asyncio.sleep(0.05)  # the second span's alignment is done before the first's
             aligner.hold[first].set()
 
-        releaser = asyncio.get_running_loop().create_task(release_once_both_are_out())
+        releaser = asyncio.get_running_loop().create_task(release_once_the_second_is_answered())
         events = await _events(pieces[:2], Run(engine), aligner)
         await releaser
         return events
