@@ -194,3 +194,19 @@ def test_timestamps_need_an_aligner_a_language_it_times_and_no_raw_stream():
         SpeechRequest(input="x", timestamps="word", stream_format="audio")
     assert SpeechRequest(input="x", timestamps="word").sse and not SpeechRequest(input="x").sse
     assert not SpeechRequest(input="x", timestamps="word", stream=False).sse
+
+
+def test_a_word_the_aligner_places_past_its_audio_ends_with_that_audio():
+    async def main():
+        async def far(request: AlignRequest) -> list[Word]:
+            return [Word("hello", 0.1, 0.2), Word("there", 30.0, 399.92)]
+
+        ts = ResponseTimestamps(far, {"a": "hello", "b": "hello there"}, "word", None)
+        ts.observe(DecodedChunk("a", 0, np.ones(SAMPLE_RATE, np.int16), False, None))  # 1 s
+        ts.observe(DecodedChunk("b", 0, np.ones(SAMPLE_RATE // 2, np.int16), True, None))  # 0.5 s
+        ts.end()
+        return await ts.rest()
+
+    first, second = asyncio.run(main())
+    assert second["words"] == [{"word": "hello", "start": 1.1, "end": 1.2}, {"word": "there", "start": 1.5, "end": 1.5}]
+    assert first["words"][1] == {"word": "there", "start": 1.0, "end": 1.0}
