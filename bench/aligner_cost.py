@@ -2,12 +2,15 @@
 
 Loads an aligner checkpoint (`--checkpoint`), or writes a random-weight one of the released 0.6B shapes (`--tiny`:
 the test shapes) into `--workdir` once: the cost does not depend on the weights. Each piece is `--seconds` of
-24 kHz audio (what the served speech is) with `--words-per-second` words of text; a batch of N pieces is one
-`Aligner.align` call, as AlignerServer makes it (deployments/aligner/server.py). Per batch size, the median over
-`--repeats` calls after `--warmup` of:
+24 kHz audio (what the served speech is) with `--words-per-second` words of text; a batch of N pieces is N
+`prepare_piece` calls and one `align_prepared` forward, as AlignerServer makes them (deployments/aligner/server.py).
+Per batch size, the median over `--repeats` batches after `--warmup` of:
 
-- `aligner_ms_per_audio_s`: the whole call (resampling, log-mel, forward, timestamps), device synchronized: what the
-  Aligner replica's thread spends per second of speech it times;
+- `prepare_ms_per_audio_s`: the host's work per piece (resampling, normalizing, tokenizing) on one thread: what the
+  replica's preparing threads spend, beside the forwards;
+- `device_thread_ms_per_audio_s`: the forward call (log-mel, forward, timestamps), device synchronized: what the
+  replica's one device thread spends per second of speech it times, which bounds the audio one replica can time;
+- `aligner_ms_per_audio_s`: the two together (one piece alone, start to end);
 - `forward_ms_per_audio_s`: the model's forward alone, timed on the device (CUDA events; wall time on a CPU): what a
   GPU shared with the Talker and Code2Wav gives up per second of speech.
 
@@ -88,13 +91,17 @@ def measure(aligner: Aligner, timer: ForwardTimer, batch: int, args: argparse.Na
         aligner.align(audio, texts, SAMPLE_RATE)
     sync(aligner)
     timer.ms.clear()
-    calls = []
+    prepare, device_thread = [], []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        aligner.align(audio, texts, SAMPLE_RATE)
+        prepared = [aligner.prepare_piece(a, t, SAMPLE_RATE) for a, t in zip(audio, texts, strict=True)]
+        t1 = time.perf_counter()
+        aligner.align_prepared(prepared)
         sync(aligner)
-        calls.append((time.perf_counter() - t0) * 1000)
-    return {"aligner_ms_per_audio_s": statistics.median(calls) / audio_s,
+        prepare.append((t1 - t0) * 1000)
+        device_thread.append((time.perf_counter() - t1) * 1000)
+    return {"prepare_ms_per_audio_s": statistics.median(prepare) / audio_s,
+            "device_thread_ms_per_audio_s": statistics.median(device_thread) / audio_s,
             "forward_ms_per_audio_s": statistics.median(timer.ms) / audio_s}
 
 
@@ -135,7 +142,10 @@ def main(argv: list[str] | None = None) -> dict:
         "words_per_second": args.words_per_second,
         "repeats": args.repeats,
         "load_s": round(load_s, 2),
-        "aligner_ms_per_audio_s": {str(b): round(r["aligner_ms_per_audio_s"], 4) for b, r in rows.items()},
+        "aligner_ms_per_audio_s": {str(b): round(r["prepare_ms_per_audio_s"] + r["device_thread_ms_per_audio_s"], 4)
+                                   for b, r in rows.items()},
+        "prepare_ms_per_audio_s": {str(b): round(r["prepare_ms_per_audio_s"], 4) for b, r in rows.items()},
+        "device_thread_ms_per_audio_s": {str(b): round(r["device_thread_ms_per_audio_s"], 4) for b, r in rows.items()},
         "forward_ms_per_audio_s": {str(b): round(r["forward_ms_per_audio_s"], 4) for b, r in rows.items()},
     }
     if aligner.device.type == "cuda":

@@ -7,7 +7,8 @@
 #      its audio each timestamps event came), 256 streams without, 256 with.
 # From the repo root with .gpubundle carried:
 #   source .gpubundle/install_bundle.sh .gpubundle && bash bench/gpu_timestamps.sh
-# Results in $OUT: aligner_cost.json, ts64/, plain256/, ts256/ (bench.loadgen results), timestamps.json (the
+# Results in $OUT: aligner_cost.json, ts64/, plain256/, ts256/ (bench.loadgen results), stats_after_ts64.json and
+# stats_after_ts256.json (bench.replica_stats: where the Aligner's time went), timestamps.json (the
 # fields of docs/results/timestamps_h200.json but `parity_full_size`), serve_errors.log. SKIP_COST=1 skips step 1.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$REPO"
@@ -31,12 +32,17 @@ load() {  # closed loop, SSE, fixed-length 6 s outputs
   timeout 170 python3 -m bench.loadgen --url http://127.0.0.1:8000 --mode closed --max-new-tokens "$FRAMES" \
     --fixed-length --stream-format sse --processes 4 --warmup 16 --no-plots --progress none "$@" 2>&1 | tail -4
 }
+aligner_stats() {  # each Aligner replica's counters since it started (bench/replica_stats.py)
+  timeout 60 python3 -m bench.replica_stats --out "$OUT/$1" > /dev/null 2>&1 || echo "replica stats failed"
+}
 echo "=== 64 streams, timestamps $(date -u +%FT%TZ)"
 load --concurrency 64 --requests 512 --extra '{"timestamps": "word"}' --out "$OUT/ts64"
+aligner_stats stats_after_ts64.json
 echo "=== 256 streams, no timestamps $(date -u +%FT%TZ)"
 load --concurrency 256 --requests 1536 --out "$OUT/plain256"
 echo "=== 256 streams, timestamps $(date -u +%FT%TZ)"
 load --concurrency 256 --requests 1536 --extra '{"timestamps": "word"}' --out "$OUT/ts256"
+aligner_stats stats_after_ts256.json
 python3 - "$OUT" <<'EOF'
 import datetime, json, subprocess, sys
 from pathlib import Path
@@ -45,6 +51,9 @@ def point(name):
     p = out / name / "results.json"
     return json.loads(p.read_text())["points"][-1] if p.exists() else {}
 cost = json.loads((out / "aligner_cost.json").read_text()) if (out / "aligner_cost.json").exists() else {}
+def aligner(name):  # the Aligner replicas' summaries (prepare, forward, wait) since start, after that load
+    p = out / name
+    return json.loads(p.read_text()).get("aligner") if p.exists() else None
 ts64, plain, ts256 = point("ts64"), point("plain256"), point("ts256")
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
 result = {
@@ -56,7 +65,10 @@ result = {
     "ts_lag_p95_ms_64": (ts64.get("timestamps_lag_ms") or {}).get("p95"),
     "audio_s_per_s_with_ts_256": ts256.get("audio_s_per_s"),
     "audio_s_per_s_without_ts_256": plain.get("audio_s_per_s"),
-    "details": {"aligner_cost": cost, "failed": {k: p.get("failed") for k, p in
+    "details": {"aligner_cost": cost,
+                "aligner_replicas": {"after_ts64": aligner("stats_after_ts64.json"),
+                                     "after_ts256": aligner("stats_after_ts256.json")},
+                "failed": {k: p.get("failed") for k, p in
                                                   (("ts64", ts64), ("plain256", plain), ("ts256", ts256))},
                 "timestamps_failed": {"ts64": ts64.get("timestamps_failed"), "ts256": ts256.get("timestamps_failed")},
                 "ttfa_p95_ms": {k: (p.get("ttfa_ms") or {}).get("p95") for k, p in

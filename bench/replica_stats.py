@@ -4,7 +4,8 @@ Since start (the default): each Talker and Code2Wav replica's figures per step o
 run whose levels put the same streams on each GPU compares directly with the one-GPU run. Per replica: the
 Talker's step (engine thread, blocked on the device, the device's own time), its mean batch (are the streams
 spread evenly?), and each Code2Wav's chunks continued from their stream's state against decoded fresh (stream
-affinity: deployments/ingress/placement.py).
+affinity: deployments/ingress/placement.py), and, when the app serves word timestamps, each Aligner's host time per
+piece, device-thread time per audio second and per forward, mean batch and the pieces' wait for a forward.
 
 `--seconds N`: one Talker replica and one Code2Wav replica (the same one at both ends) read twice, N seconds apart:
 the served step time over that window, to compare with `bench/pipeline.py`'s in-process step at the same batch,
@@ -84,6 +85,20 @@ def code2wav_summary(stats: dict) -> dict:
     return {**{k: stats.get(k) for k in _CODE2WAV_COUNTS}, **code2wav_work({}, stats)}
 
 
+def aligner_summary(stats: dict) -> dict:
+    """One Aligner replica since it started: where a timestamp's time goes (host preparation per piece, the device
+    thread's time per audio second and per forward, the wait between being prepared and timed)."""
+    pieces, forwards = stats.get("pieces") or 0, stats.get("forwards") or 0
+    return {
+        "pieces": pieces, "forwards": forwards, "audio_s": round(stats.get("audio_s", 0.0), 1),
+        "mean_batch": round(pieces / forwards, 2) if forwards else None,
+        "prepare_ms_per_piece": _mean_ms({}, stats, "prepare_s", "prepared"),
+        "forward_ms": _mean_ms({}, stats, "forward_s", "forwards"),
+        "forward_ms_per_audio_s": round(stats["forward_s"] / stats["audio_s"] * 1e3, 3) if stats.get("audio_s") else None,
+        "queue_wait_ms_per_piece": _mean_ms({}, stats, "queue_wait_s", "pieces"),
+    }
+
+
 def window_report(before: dict, after: dict, c2w_before: dict, c2w_after: dict, wall: float) -> dict:
     """One Talker replica and one Code2Wav replica between two reads `wall` seconds apart."""
     steps = after["steps"] - before["steps"]
@@ -152,7 +167,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from deployments.constants import CODE2WAV_DEPLOYMENT_NAME, TALKER_DEPLOYMENT_PREFIX
+    from deployments.constants import ALIGNER_DEPLOYMENT_NAME, CODE2WAV_DEPLOYMENT_NAME, TALKER_DEPLOYMENT_PREFIX
 
     ray.init(address="auto", namespace="serve", log_to_driver=False, logging_level="ERROR")
     talker_name = TALKER_DEPLOYMENT_PREFIX + args.model
@@ -170,8 +185,13 @@ def main() -> None:
         if running(CODE2WAV_DEPLOYMENT_NAME):
             code2wav = serve.get_deployment_handle(CODE2WAV_DEPLOYMENT_NAME, app_name=args.app)
             code2wavs = await every_replica(code2wav, running(CODE2WAV_DEPLOYMENT_NAME))
+        aligners = {}
+        if running(ALIGNER_DEPLOYMENT_NAME):
+            aligner = serve.get_deployment_handle(ALIGNER_DEPLOYMENT_NAME, app_name=args.app)
+            aligners = await every_replica(aligner, running(ALIGNER_DEPLOYMENT_NAME))
         return {"talker": {name: talker_summary(s) for name, s in sorted(talkers.items())},
-                "code2wav": {name: code2wav_summary(s) for name, s in sorted(code2wavs.items())}}
+                "code2wav": {name: code2wav_summary(s) for name, s in sorted(code2wavs.items())},
+                **({"aligner": {name: aligner_summary(s) for name, s in sorted(aligners.items())}} if aligners else {})}
 
     async def window() -> dict:
         talker = serve.get_deployment_handle(talker_name, app_name=args.app)

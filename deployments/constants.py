@@ -77,6 +77,8 @@ CODE2WAV_CALL_PROBE_INTERVAL_S = _env_float("QWEN3_TTS_CODE2WAV_CALL_PROBE_INTER
 # fast 503; a forward of a full batch takes well under a second on a GPU and seconds on CPU: minutes mean stuck
 ALIGNER_ONGOING_PER_BATCH_SLOT = _env_int("QWEN3_TTS_ALIGNER_ONGOING_PER_BATCH_SLOT", 4)
 DEFAULT_ALIGNER_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_ALIGNER_MAX_QUEUED_REQUESTS", 1024)
+# threads that prepare pieces (resample, normalize, tokenize) as they arrive, beside the device thread's forwards
+ALIGNER_PREPARE_THREADS = _env_int("QWEN3_TTS_ALIGNER_PREPARE_THREADS", 2)
 ALIGNER_STALL_TIMEOUT_S = _env_float("QWEN3_TTS_ALIGNER_STALL_TIMEOUT_S", 300.0)
 # words of one piece: its prompt holds each word's tokens and two timestamp slots (bounds a forward's length); a
 # piece of the aligner's longest audio (400 s) holds some 1,200 spoken words, 2,400 CJK characters

@@ -7,7 +7,7 @@ probing.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -21,7 +21,10 @@ class AlignerEngineProtocol(Protocol):
     def min_samples(self, sample_rate: int) -> int:
         """The fewest samples at `sample_rate` that `align` takes."""
 
-    def align(self, audios: list[np.ndarray], texts: list[str], sample_rate: int,
-              languages: list[str] | None = None) -> list[list[Word]]:
-        """Mono float waveforms and their transcripts -> per pair its words with times in seconds (blocking: on the
-        server's aligner thread). Raises ValueError for a waveform or language it refuses (the whole call)."""
+    def prepare_piece(self, audio: np.ndarray, text: str, sample_rate: int, language: str = "") -> Any:
+        """One waveform and its transcript made ready for `align_prepared`, on the host (thread-safe: the server
+        runs it on several threads as pieces arrive). Raises ValueError for a waveform it refuses."""
+
+    def align_prepared(self, pieces: list[Any]) -> list[list[Word]]:
+        """One batched forward of prepared pieces -> per piece its words with times in seconds (blocking: on the
+        server's device thread). Raises ValueError for a piece it refuses (the whole call)."""

@@ -1,9 +1,11 @@
 """AlignerServer: the `Aligner` deployment. Word timestamps of a piece of served audio and its text.
 
-`align(AlignRequest)` times one piece (int16 PCM at 24 kHz) against its text. Calls that arrive while a forward runs
-(many streams, several ingress replicas) wait together and are timed in few batched forwards of the aligner, on one
-thread that owns all of this replica's aligner work: at most `max_batch_size` pieces, and at most
-`max_batch_audio_s` of padded audio (pieces x the longest piece's seconds), per forward, in arrival order. The aligner
+`align(AlignRequest)` times one piece (PCM at 24 kHz) against its text. Each piece's host-side work (resampling,
+normalizing, tokenizing: `prepare_piece`) runs as it arrives, on a small pool of threads, so it overlaps the device's
+forwards instead of adding to them. Prepared pieces that arrive while a forward runs (many streams, several ingress
+replicas) wait together and are timed in few batched forwards, on one thread that owns the device: at most
+`max_batch_size` pieces, and at most `max_batch_audio_s` of padded audio (pieces x the longest piece's seconds), per
+forward, in arrival order. The aligner
 pads a batch's waveforms to its longest as the official one does, so a piece's times may differ by a class (80 ms)
 with what else shares its forward (docs/aligner.md).
 
@@ -17,9 +19,11 @@ silence. The aligner is whatever `AlignerEngineProtocol` names; in production `s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +32,15 @@ from deployments.aligner.engine_protocol import AlignerEngineProtocol
 from deployments.coalescing import Coalescer
 from deployments.config import AlignerDeploymentConfig
 from deployments.errors import APIError
-from deployments.loading import Log, aligner_location, configure_torch, import_object, replica_log, resolve_device_dtype
+from deployments.loading import (
+    Log,
+    aligner_location,
+    configure_torch,
+    import_object,
+    replica_log,
+    resolve_device_dtype,
+    this_replica,
+)
 from deployments.messages import AlignerInfo, AlignRequest
 from deployments.metrics import AlignerMetrics
 from stages.aligner.timestamps import Word
@@ -41,7 +53,7 @@ PARAM = "timestamps"  # the API field a refused piece names
 
 @dataclass(frozen=True)
 class Piece:
-    """A checked piece, ready for a forward."""
+    """A checked piece, to prepare."""
 
     wave: np.ndarray  # float32 at SAMPLE_RATE
     text: str
@@ -50,6 +62,41 @@ class Piece:
     @property
     def seconds(self) -> float:
         return self.wave.shape[0] / SAMPLE_RATE
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prepared piece waiting for a forward."""
+
+    piece: Any  # what the engine's prepare_piece returned
+    seconds: float
+    since: float  # when it was ready (perf_counter): the wait for a forward is counted from here
+
+
+@dataclass
+class AlignerStats:
+    """A replica's counters since it started: pieces prepared and the seconds that took on the preparing threads;
+    forwards, the pieces and audio seconds they timed and the seconds the device thread spent on them; the pieces'
+    summed wait from prepared to their forward's start (a queue that grows says the device thread is the limit)."""
+
+    prepared: int = 0
+    prepare_s: float = 0.0
+    forwards: int = 0
+    pieces: int = 0
+    audio_s: float = 0.0
+    forward_s: float = 0.0
+    queue_wait_s: float = 0.0
+
+    def add_prepared(self, seconds: float) -> None:
+        self.prepared += 1
+        self.prepare_s += seconds
+
+    def add_forward(self, pieces: int, audio_s: float, seconds: float, waited_s: float) -> None:
+        self.forwards += 1
+        self.pieces += pieces
+        self.audio_s += audio_s
+        self.forward_s += seconds
+        self.queue_wait_s += waited_s
 
 
 def plan_forwards(seconds: list[float], max_items: int, max_padded_s: float) -> list[list[int]]:
@@ -87,13 +134,15 @@ class AlignerServer:
         self._config = config
         self._engine = engine
         self._ready = False
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="aligner")  # the aligner's only thread
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="aligner")  # the only thread using the device
+        self._preparers = ThreadPoolExecutor(C.ALIGNER_PREPARE_THREADS, thread_name_prefix="aligner-prepare")
+        self._stats = AlignerStats()
         self._pending = 0  # pieces of align() calls waiting for or in a forward
         # heartbeat: when a forward last finished, or work arrived at an idle replica (check_health)
         self._clock = time.monotonic
         self._last_progress = self._clock()
         self._metrics: AlignerMetrics | None = None
-        self._batches: Coalescer[Piece, list[Word] | Exception] = Coalescer(self._align_pieces)
+        self._batches: Coalescer[Prepared, list[Word] | Exception] = Coalescer(self._align_pieces)
 
     async def start(self) -> None:
         log = replica_log(C.ALIGNER_DEPLOYMENT_NAME)
@@ -123,7 +172,8 @@ class AlignerServer:
                 self._last_progress = self._clock()
             self._pending += 1
             try:
-                result = await self._batches.submit(piece)
+                prepared = await self._prepare(piece)
+                result = await self._batches.submit(prepared)
             finally:
                 self._pending -= 1
             if isinstance(result, Exception):
@@ -162,7 +212,18 @@ class AlignerServer:
             return None  # nothing to time, or too short to hold a word (silence)
         return Piece(wave, request.text, language)
 
-    async def _align_pieces(self, pieces: list[Piece]) -> list[list[Word] | Exception]:
+    async def _prepare(self, piece: Piece) -> Prepared:
+        t0 = time.perf_counter()
+        try:
+            prepared = await asyncio.get_running_loop().run_in_executor(
+                self._preparers, self._engine.prepare_piece, piece.wave, piece.text, SAMPLE_RATE, piece.language)
+        except ValueError as e:
+            raise refused(f"the aligner cannot time this piece: {e}", "cannot_align") from None
+        done = time.perf_counter()
+        self._stats.add_prepared(done - t0)
+        return Prepared(prepared, piece.seconds, done)
+
+    async def _align_pieces(self, pieces: list[Prepared]) -> list[list[Word] | Exception]:
         """All pieces waiting, in forwards planned by `plan_forwards` -> per piece its words or its error."""
         results: list[list[Word] | Exception] = [[] for _ in pieces]
         cfg = self._config
@@ -172,7 +233,7 @@ class AlignerServer:
                 results[i] = answer
         return results
 
-    def _forward_isolated(self, pieces: list[Piece]) -> list[list[Word] | Exception]:
+    def _forward_isolated(self, pieces: list[Prepared]) -> list[list[Word] | Exception]:
         """One forward of `pieces`; should the aligner refuse one of them (the checks above missed it), each piece
         again alone, so that only the refused one fails. Errors that are not the pieces' (the device's) fail them
         all."""
@@ -185,16 +246,22 @@ class AlignerServer:
             return [e] * len(pieces)
         return [answer for piece in pieces for answer in self._forward_isolated([piece])]
 
-    def _forward(self, pieces: list[Piece]) -> list[list[Word]]:
+    def _forward(self, pieces: list[Prepared]) -> list[list[Word]]:
         t0 = time.perf_counter()
         try:
-            return self._engine.align([p.wave for p in pieces], [p.text for p in pieces], SAMPLE_RATE,
-                                      [p.language for p in pieces])
+            return self._engine.align_prepared([p.piece for p in pieces])
         finally:
             self._last_progress = self._clock()
+            spent = time.perf_counter() - t0
             audio_s = sum(p.seconds for p in pieces)
+            self._stats.add_forward(len(pieces), audio_s, spent, sum(t0 - p.since for p in pieces))
             self._metrics.batch_size.observe(len(pieces))
-            self._metrics.seconds_per_audio_second.observe((time.perf_counter() - t0) / audio_s)
+            self._metrics.seconds_per_audio_second.observe(spent / audio_s)
+
+    async def engine_stats(self) -> dict:
+        """This replica's counters since it started (`AlignerStats`) and which replica answered: what
+        bench/replica_stats.py reads to say where a timestamp's time goes."""
+        return {"replica": this_replica(), **dataclasses.asdict(self._stats)}
 
     async def ready(self) -> bool:
         return self._ready
@@ -210,6 +277,7 @@ class AlignerServer:
 
     def __del__(self) -> None:
         self._executor.shutdown(wait=False)
+        self._preparers.shutdown(wait=False)
 
     async def _on_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -3,6 +3,9 @@
     aligner = Aligner.load(checkpoint_dir, device="cuda", dtype="bfloat16")
     words = aligner.align([wav_a, wav_b], ["Hello world.", "你好，世界"], sample_rate=24000)
 
+`align` is `prepare_piece` per pair (CPU: resampling, normalizing, tokenizing; thread-safe, so a server runs it as
+calls arrive, beside the device's forwards) and then `align_prepared` on the batch (log-mel, forward, timestamps).
+
 Same results as the official `Qwen3ForcedAligner.align` on the same batch (tests/stages/test_aligner_parity.py).
 """
 
@@ -45,6 +48,19 @@ class AlignerBatch:
     frames: list[int]
 
 
+@dataclass(frozen=True)
+class PreparedPiece:
+    """One waveform and its text, ready for a batched forward."""
+
+    waveform: np.ndarray  # float32 at 16 kHz, normalized as the official processor does
+    words: list[str]
+    text_ids: list[int]  # the prompt after the audio: each word's ids and its two timestamp slots
+
+    @property
+    def seconds(self) -> float:
+        return self.waveform.shape[0] / SAMPLE_RATE
+
+
 class Aligner:
     def __init__(self, model: ForcedAligner, tokenizer: Tokenizer):
         self.model = model
@@ -69,28 +85,55 @@ class Aligner:
               languages: list[str] | None = None) -> list[list[Word]]:
         """Mono float waveforms at `sample_rate` and their transcripts -> per pair the transcript's words (as
         `stages.aligner.words.split_words` cuts them) with times in seconds from the waveform's start."""
-        batch = self.prepare(audios, texts, sample_rate, languages)
-        logits = self.logits(batch)
-        return self.words(batch, logits.argmax(dim=-1))
+        return self.align_prepared(self._prepare_all(audios, texts, sample_rate, languages))
+
+    def prepare_piece(self, audio: np.ndarray, text: str, sample_rate: int = SAMPLE_RATE, language: str = ""
+                      ) -> PreparedPiece:
+        """One pair's host-side work (no device, thread-safe). Raises ValueError for a waveform it refuses."""
+        words = split_words(text, language)
+        ts = self.ids[TIMESTAMP_TOKEN]
+        text_ids: list[int] = []
+        for encoding in self.tokenizer.encode_batch(words, add_special_tokens=False) if words else []:
+            text_ids += [*encoding.ids, ts, ts]  # special tokens split the text: each word is tokenized alone
+        if not words:
+            text_ids = [ts, ts]
+        return PreparedPiece(self._waveform(audio, sample_rate), words, text_ids)
+
+    def align_prepared(self, pieces: list[PreparedPiece]) -> list[list[Word]]:
+        """One batched forward of prepared pieces -> per piece its words with times."""
+        batch = self.batch(pieces)
+        return self.words(batch, self.logits(batch).argmax(dim=-1))
 
     def prepare(self, audios: list[np.ndarray], texts: list[str], sample_rate: int = SAMPLE_RATE,
                 languages: list[str] | None = None) -> AlignerBatch:
-        if len(audios) != len(texts) or (languages is not None and len(languages) != len(texts)):
-            raise ValueError(f"batch size mismatch: {len(audios)} waveforms, {len(texts)} texts"
-                             + (f", {len(languages)} languages" if languages is not None else ""))
-        if not audios:
+        return self.batch(self._prepare_all(audios, texts, sample_rate, languages))
+
+    def batch(self, pieces: list[PreparedPiece]) -> AlignerBatch:
+        """Prepared pieces -> one forward's inputs on the device: log-mel of the waveforms padded to the longest,
+        left-padded prompts `<|audio_start|><|audio_pad|>*n<|audio_end|>w1<timestamp><timestamp>w2...`."""
+        if not pieces:
             raise ValueError("nothing to align: the batch is empty")
-        waveforms = [self._waveform(a, sample_rate) for a in audios]
-        words = [split_words(t, (languages or [""] * len(texts))[i]) for i, t in enumerate(texts)]
-        features, frames = log_mel_batch(waveforms, self.config.audio.num_mel_bins, self.device)
-        rows = [self._prompt(w, conv_output_frames(n)) for w, n in zip(words, frames, strict=True)]
+        features, frames = log_mel_batch([p.waveform for p in pieces], self.config.audio.num_mel_bins, self.device)
+        start, pad, end = self.ids[AUDIO_START_TOKEN], self.ids[AUDIO_PAD_TOKEN], self.ids[AUDIO_END_TOKEN]
+        rows = [[start, *[pad] * conv_output_frames(n), end, *p.text_ids] for p, n in zip(pieces, frames, strict=True)]
         longest = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), longest), self.ids[PAD_TOKEN], dtype=torch.long)
         attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
         for i, row in enumerate(rows):  # left padding, as the official processor pads
             input_ids[i, longest - len(row):] = torch.tensor(row)
             attention_mask[i, longest - len(row):] = 1
-        return AlignerBatch(words, input_ids.to(self.device), attention_mask.to(self.device), features, frames)
+        return AlignerBatch([p.words for p in pieces], input_ids.to(self.device), attention_mask.to(self.device),
+                            features, frames)
+
+    def _prepare_all(self, audios: list[np.ndarray], texts: list[str], sample_rate: int,
+                     languages: list[str] | None) -> list[PreparedPiece]:
+        if len(audios) != len(texts) or (languages is not None and len(languages) != len(texts)):
+            raise ValueError(f"batch size mismatch: {len(audios)} waveforms, {len(texts)} texts"
+                             + (f", {len(languages)} languages" if languages is not None else ""))
+        if not audios:
+            raise ValueError("nothing to align: the batch is empty")
+        return [self.prepare_piece(a, t, sample_rate, (languages or [""] * len(texts))[i])
+                for i, (a, t) in enumerate(zip(audios, texts, strict=True))]
 
     def logits(self, batch: AlignerBatch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.attention_mask, batch.features, batch.frames)
@@ -114,14 +157,3 @@ class Aligner:
         if wav.shape[0] < MIN_SAMPLES:
             raise ValueError(f"a waveform is too short to align: {wav.shape[0]} samples at 16 kHz < {MIN_SAMPLES}")
         return wav
-
-    def _prompt(self, words: list[str], audio_tokens: int) -> list[int]:
-        """The official prompt's ids: `<|audio_start|><|audio_pad|>*n<|audio_end|>w1<timestamp><timestamp>w2...`.
-        Special tokens split the text, so each word is tokenized on its own exactly as in the whole string."""
-        ts = self.ids[TIMESTAMP_TOKEN]
-        ids = [self.ids[AUDIO_START_TOKEN], *[self.ids[AUDIO_PAD_TOKEN]] * audio_tokens, self.ids[AUDIO_END_TOKEN]]
-        for encoding in self.tokenizer.encode_batch(words, add_special_tokens=False) if words else []:
-            ids += [*encoding.ids, ts, ts]
-        if not words:
-            ids += [ts, ts]
-        return ids

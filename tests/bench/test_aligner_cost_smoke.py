@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import aligner_cost
 
 
@@ -15,9 +17,13 @@ def test_the_bench_writes_a_random_aligner_once_and_prints_costs_per_batch(tmp_p
     result = aligner_cost.main(argv)
     assert json.loads(out.read_text()) == result
     assert (result["shapes"], result["dtype"], result["piece_seconds"]) == ("tiny", "float32", 1.5)
-    for key in ("aligner_ms_per_audio_s", "forward_ms_per_audio_s"):
+    for key in ("aligner_ms_per_audio_s", "prepare_ms_per_audio_s", "device_thread_ms_per_audio_s",
+                "forward_ms_per_audio_s"):
         assert set(result[key]) == {"1", "3"} and all(ms > 0 for ms in result[key].values())
-    assert all(result["forward_ms_per_audio_s"][b] <= result["aligner_ms_per_audio_s"][b] for b in ("1", "3"))
+    for b in ("1", "3"):
+        assert result["forward_ms_per_audio_s"][b] <= result["device_thread_ms_per_audio_s"][b]
+        assert result["aligner_ms_per_audio_s"][b] == pytest.approx(
+            result["prepare_ms_per_audio_s"][b] + result["device_thread_ms_per_audio_s"][b], abs=2e-4)
     assert '"aligner_ms_per_audio_s"' in capsys.readouterr().out
     (checkpoint,) = (tmp_path / "work").iterdir()
     again = aligner_cost.main([*argv[:-2]])  # the checkpoint written once is loaded again

@@ -53,13 +53,17 @@ class Spy:
     def min_samples(self, sample_rate):
         return self.engine.min_samples(sample_rate)
 
-    def align(self, audios, texts, sample_rate, languages=None):
-        self.forwards.append(list(texts))
+    def prepare_piece(self, audio, text, sample_rate, language=""):
+        return text, self.engine.prepare_piece(audio, text, sample_rate, language)
+
+    def align_prepared(self, pieces):
+        texts = [text for text, _ in pieces]
+        self.forwards.append(texts)
         self.entered.set()
         assert self.release.wait(60)
         if self.refuse in texts:
             raise ValueError("refused by the aligner")
-        return self.engine.align(audios, texts, sample_rate, languages)
+        return self.engine.align_prepared([prepared for _, prepared in pieces])
 
 
 def _server(loop, config: AlignerDeploymentConfig, engine=None) -> AlignerServer:
@@ -74,12 +78,39 @@ def _pcm(seconds: float, seed: int) -> np.ndarray:
 
 
 def _requests(n: int = 4) -> list[AlignRequest]:
-    return [AlignRequest(f"r{i}", _pcm(0.5 + 0.4 * i, i), TEXTS[i % len(TEXTS)], None) for i in range(n)]
+    return [AlignRequest(f"r{i}", _pcm(0.5 + 0.4 * i, i), TEXTS[i % len(TEXTS)] + " again" * (i // len(TEXTS)), None)
+            for i in range(n)]  # distinct texts: the spy knows a piece by its text
 
 
 def _direct(aligner: Aligner, requests: list[AlignRequest]) -> list[list[Word]]:
     return aligner.align([r.pcm.astype(np.float32) / 32768.0 for r in requests], [r.text for r in requests],
                          SAMPLE_RATE)
+
+
+async def _while_a_forward_holds(server, spy: Spy, requests: list[AlignRequest], waiting: int) -> list:
+    """`requests` sent while a forward of another piece holds the aligner's thread, which is let go once `waiting`
+    of them are prepared and wait: those are then timed together, as the batch bounds allow. Each call's answer
+    or error."""
+    spy.release.clear()
+    spy.entered.clear()
+    holder = asyncio.ensure_future(server.align(AlignRequest("holder", _pcm(0.5, 9), "holding the thread", None)))
+    await asyncio.to_thread(spy.entered.wait, 60)
+    calls = [asyncio.ensure_future(server.align(r)) for r in requests]
+    while len(server._batches.waiting) < waiting:
+        await asyncio.sleep(0.001)  # the pieces are being prepared on the server's threads
+    spy.release.set()
+    await holder
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def _timed_as_forwarded(aligner: Aligner, spy: Spy, requests: list[AlignRequest]) -> list[list[Word]]:
+    """Each request's words as the aligner times it in the last forward the spy saw it in that did not fail (pieces
+    are prepared on several threads: a forward holds them in the order they became ready)."""
+    by_text, timed = {r.text: r for r in requests}, {}
+    for forward in spy.forwards:
+        if spy.refuse not in forward and all(t in by_text for t in forward):
+            timed.update(zip(forward, _direct(aligner, [by_text[t] for t in forward]), strict=True))
+    return [timed[r.text] for r in requests]
 
 
 def test_the_embedded_aligner_starts_and_answers_like_the_aligner_it_loads(loop, tmp_path, monkeypatch):
@@ -101,7 +132,9 @@ def test_the_embedded_aligner_starts_and_answers_like_the_aligner_it_loads(loop,
     server.__del__()
 
 
-def test_concurrent_calls_are_one_forward_with_the_aligners_answers(loop, aligner):
+def test_concurrent_calls_share_forwards_with_the_aligners_answers(loop, aligner):
+    """Pieces are prepared as they arrive, so concurrent calls share forwards in the order they became ready; each
+    answer is what the aligner gives that piece in the batch it was timed in."""
     spy = Spy(aligner)
     server = _server(loop, AlignerDeploymentConfig(device="cpu", warmup=False), spy)
     requests = _requests(4)
@@ -110,8 +143,12 @@ def test_concurrent_calls_are_one_forward_with_the_aligners_answers(loop, aligne
         return await asyncio.gather(*(server.align(r) for r in requests))
 
     answers = loop.run_until_complete(together())
-    assert spy.forwards == [[r.text for r in requests]]
-    assert answers == _direct(aligner, requests)
+    assert sorted(t for forward in spy.forwards for t in forward) == sorted(r.text for r in requests)
+    assert answers == _timed_as_forwarded(aligner, spy, requests)
+    stats = loop.run_until_complete(server.engine_stats())
+    assert (stats["prepared"], stats["pieces"], stats["forwards"]) == (4, 4, len(spy.forwards))
+    assert stats["audio_s"] == pytest.approx(sum(r.pcm.size for r in requests) / SAMPLE_RATE)
+    assert stats["prepare_s"] > 0 and stats["forward_s"] > 0 and stats["queue_wait_s"] >= 0
     assert all(answers) and all(w.start <= w.end for words in answers for w in words)
     server.__del__()
 
@@ -132,9 +169,9 @@ def test_calls_arriving_during_a_forward_wait_and_share_the_next(loop, aligner):
         return await running, await asyncio.gather(*waiting)
 
     alone, together = loop.run_until_complete(scenario())
-    assert spy.forwards == [[first.text], [r.text for r in rest]]
+    assert [sorted(f) for f in spy.forwards] == [[first.text], sorted(r.text for r in rest)]
     assert alone == _direct(aligner, [first])[0]
-    assert together == _direct(aligner, rest)
+    assert together == _timed_as_forwarded(aligner, spy, rest)
     server.__del__()
 
 
@@ -147,13 +184,9 @@ def test_forwards_keep_to_the_batch_size_and_padded_audio_bounds(loop, aligner):
     server = _server(loop, AlignerDeploymentConfig(device="cpu", warmup=False, max_batch_size=2,
                                                    max_batch_audio_s=100), spy)
     requests = _requests(5)
-
-    async def together():
-        return await asyncio.gather(*(server.align(r) for r in requests))
-
-    answers = loop.run_until_complete(together())
-    assert [len(f) for f in spy.forwards] == [2, 2, 1]
-    assert answers == [*_direct(aligner, requests[:2]), *_direct(aligner, requests[2:4]), *_direct(aligner, requests[4:])]
+    answers = loop.run_until_complete(_while_a_forward_holds(server, spy, requests, 5))
+    assert [len(f) for f in spy.forwards[1:]] == [2, 2, 1]
+    assert answers == _timed_as_forwarded(aligner, spy, requests)
     server.__del__()
 
 
@@ -170,19 +203,19 @@ def test_a_bad_piece_fails_alone_with_a_400(loop, aligner, bad, code):
     spy = Spy(aligner, refuse="refuse me")
     server = _server(loop, AlignerDeploymentConfig(device="cpu", warmup=False), spy)
     good = _requests(3)
-
-    async def together():
-        return await asyncio.gather(*(server.align(r) for r in [good[0], bad, *good[1:]]), return_exceptions=True)
-
-    first, error, *rest = loop.run_until_complete(together())
+    refused_by_the_aligner = bad.request_id == "refused"
+    first, error, *rest = loop.run_until_complete(
+        _while_a_forward_holds(server, spy, [good[0], bad, *good[1:]], 4 if refused_by_the_aligner else 3))
     assert isinstance(error, APIError), error
     assert (error.status, error.code, error.param) == (400, code, "timestamps")
-    if bad.request_id == "refused":  # the forward failed: each piece again alone
-        assert spy.forwards[1:] == [[r.text] for r in [good[0], bad, *good[1:]]]
+    texts = sorted(r.text for r in [good[0], bad, *good[1:]])
+    if refused_by_the_aligner:  # the forward failed: each piece again alone
+        shared, *alone = spy.forwards[1:]
+        assert sorted(shared) == texts and sorted(alone) == [[t] for t in texts]
         assert [first, *rest] == [_direct(aligner, [r])[0] for r in good]
     else:  # refused before the forward: the good pieces share it
-        assert spy.forwards == [[r.text for r in good]]
-        assert [first, *rest] == _direct(aligner, good)
+        assert [sorted(f) for f in spy.forwards[1:]] == [sorted(r.text for r in good)]
+        assert [first, *rest] == _timed_as_forwarded(aligner, spy, good)
     assert server._pending == 0
     server.__del__()
 

@@ -54,6 +54,26 @@ def test_sse_sends_the_words_after_the_audio_and_before_done(http):
     assert events.index(stamps[0]) > last_delta
 
 
+def test_replica_stats_say_where_the_aligners_time_goes(http):
+    """`bench.replica_stats` reads each Aligner replica's counters: after a timed request, pieces were prepared and
+    timed, and the time per piece and per forward is there."""
+    import asyncio
+
+    from ray import serve
+
+    from bench.replica_stats import aligner_summary, every_replica
+    from tests.serve.conftest import APP
+
+    _check_order(_sse(http, {**FIXED, "input": TEXT, "response_format": "pcm", "timestamps": "word"}))
+    aligners = asyncio.run(every_replica(serve.get_deployment_handle("Aligner", app_name=APP), 1))
+    (name, stats), = aligners.items()
+    assert stats["replica"] == name
+    summary = aligner_summary(stats)
+    assert summary["pieces"] >= 1 and summary["forwards"] >= 1 and 1 <= summary["mean_batch"] <= summary["pieces"]
+    assert summary["prepare_ms_per_piece"] > 0 and summary["forward_ms"] > 0 and summary["forward_ms_per_audio_s"] > 0
+    assert summary["queue_wait_ms_per_piece"] >= 0
+
+
 def test_a_whole_body_with_timestamps_is_json_with_the_audio_and_its_characters(http):
     r = http.post("/v1/audio/speech", json={**FIXED, "input": TEXT, "response_format": "wav", "stream": False,
                                             "timestamps": "char"})
