@@ -131,9 +131,11 @@ DEFAULT_MAX_PENDING_DECODES = _env_int("QWEN3_TTS_MAX_PENDING_DECODES", 4)
 WAITED_FOR_CHUNKS = 2
 
 # batch jobs (deployments/ingress/batch_worker.py): items per job, items in flight per ingress replica, the lease
-# of a claimed item, how long a finished job is kept, and how often an idle replica looks for work submitted elsewhere
+# of a claimed item, how long a finished job is kept, and how often an idle replica looks for work submitted elsewhere.
+# Items in flight: 2 per replica is what keeps real-time first audio within +10% while a job runs beside it
+# (docs/results.md, "Batch jobs beside real-time"); a deployment for bulk work alone raises it.
 DEFAULT_BATCH_MAX_ITEMS = _env_int("QWEN3_TTS_BATCH_MAX_ITEMS", 10000)
-DEFAULT_BATCH_ITEMS_IN_FLIGHT = _env_int("QWEN3_TTS_BATCH_ITEMS_IN_FLIGHT", 4)
+DEFAULT_BATCH_ITEMS_IN_FLIGHT = _env_int("QWEN3_TTS_BATCH_ITEMS_IN_FLIGHT", 2)
 DEFAULT_BATCH_LEASE_S = _env_float("QWEN3_TTS_BATCH_LEASE_S", 30.0)
 DEFAULT_BATCH_RETENTION_S = _env_float("QWEN3_TTS_BATCH_RETENTION_S", 7 * 86400.0)
 BATCH_POLL_INTERVAL_S = _env_float("QWEN3_TTS_BATCH_POLL_INTERVAL_S", 1.0)

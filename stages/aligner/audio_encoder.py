@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +43,25 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> tor
     return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=1)
 
 
+def encoder_layer(x: torch.Tensor, key_mask: torch.Tensor, weights: tuple[torch.Tensor, ...], heads: int,
+                  eps: float) -> torch.Tensor:
+    """One transformer layer of the tower as a function of its weights (`AudioEncoderLayer.weights`), so that one
+    `torch.compile` of it serves every layer: x [N, L, d] (N blocks padded to L tokens), key_mask [N, 1, 1, L] bool
+    -> [N, L, d]."""
+    ln1_w, ln1_b, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b = weights
+    n, length, d = x.shape
+    h = F.layer_norm(x, (d,), ln1_w, ln1_b, eps)
+    q, k, v = (F.linear(h, w, b).view(n, length, heads, d // heads).transpose(1, 2)
+               for w, b in ((q_w, q_b), (k_w, k_b), (v_w, v_b)))
+    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+    x = x + F.linear(attn.transpose(1, 2).reshape(n, length, d), o_w, o_b)
+    x = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (d,), ln2_w, ln2_b, eps), fc1_w, fc1_b)), fc2_w, fc2_b)
+    if x.dtype == torch.float16:  # as the official layer: keep fp16 activations finite
+        limit = torch.finfo(x.dtype).max - 1000
+        x = x.clamp(-limit, limit)
+    return x
+
+
 class AudioAttention(nn.Module):
     def __init__(self, d_model: int, heads: int):
         super().__init__()
@@ -51,16 +71,10 @@ class AudioAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        """x [N, L, d] (N blocks padded to L tokens), key_mask [N, 1, 1, L] bool -> [N, L, d]."""
-        n, length, d = x.shape
-        q, k, v = (proj(x).view(n, length, self.heads, d // self.heads).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-        return self.out_proj(out.transpose(1, 2).reshape(n, length, d))
-
 
 class AudioEncoderLayer(nn.Module):
+    """Holds one layer's weights under the official names; `encoder_layer` is its math."""
+
     def __init__(self, cfg: AudioEncoderConfig):
         super().__init__()
         self.self_attn = AudioAttention(cfg.d_model, cfg.encoder_attention_heads)
@@ -69,13 +83,13 @@ class AudioEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
-        x = x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
-        if x.dtype == torch.float16:  # as the official layer: keep fp16 activations finite
-            limit = torch.finfo(x.dtype).max - 1000
-            x = x.clamp(-limit, limit)
-        return x
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        a = self.self_attn
+        return tuple(t for m in (self.self_attn_layer_norm, a.q_proj, a.k_proj, a.v_proj, a.out_proj,
+                                 self.final_layer_norm, self.fc1, self.fc2) for t in (m.weight, m.bias))
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, layer_fn=encoder_layer) -> torch.Tensor:
+        return layer_fn(x, key_mask, self.weights(), self.self_attn.heads, self.self_attn_layer_norm.eps)
 
 
 class AudioEncoder(nn.Module):
@@ -96,6 +110,12 @@ class AudioEncoder(nn.Module):
         self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
         self.register_buffer("positions", None, persistent=False)
         self.reset_buffers()
+        self.layer_fn = encoder_layer  # `compile_layers` swaps in its compiled form
+
+    def compile_layers(self) -> None:
+        """One `torch.compile` of the layer function (dynamic shapes: any batch and block length) for all layers:
+        an eager layer is dozens of small kernels, and a loaded host launches them slower than the GPU runs them."""
+        self.layer_fn = torch.compile(encoder_layer, dynamic=True, fullgraph=True)
 
     def reset_buffers(self) -> None:
         """(Re)compute the sinusoid table; the loader calls this after materializing a meta-device model."""
@@ -107,16 +127,19 @@ class AudioEncoder(nn.Module):
         """features [B, mel, T] (row i valid up to frames[i]) -> per row its tokens [conv_output_frames(frames[i]),
         output_dim]."""
         tokens, counts = self._conv_windows(features, frames)
-        blocks, block_rows = self._attention_blocks(tokens, counts)
-        lengths = torch.tensor([end - start for start, end in block_rows], device=features.device)
-        longest = int(lengths.max())
-        x = torch.zeros(len(blocks), longest, tokens.shape[-1], dtype=tokens.dtype, device=tokens.device)
-        for i, (start, end) in enumerate(block_rows):
-            x[i, : end - start] = tokens[start:end]
+        block_rows = self._attention_blocks(tokens, counts)[1]
+        sizes = [end - start for start, end in block_rows]
+        longest = max(sizes)
+        # each block's tokens at the start of its padded row: one scatter instead of a copy per block
+        slots = torch.from_numpy(np.concatenate([np.arange(n) + i * longest for i, n in enumerate(sizes)]))
+        x = tokens.new_zeros(len(sizes) * longest, tokens.shape[-1])
+        x[slots.to(tokens.device)] = tokens
+        x = x.view(len(sizes), longest, -1)
+        lengths = torch.tensor(sizes, device=features.device)
         valid = torch.arange(longest, device=x.device)[None, :] < lengths[:, None]  # [N, L]
         key_mask = valid[:, None, None, :]
         for layer in self.layers:
-            x = layer(x, key_mask)
+            x = layer(x, key_mask, self.layer_fn)
         out = self.proj2(F.gelu(self.proj1(self.ln_post(x[valid]))))  # the valid tokens, in order
         return list(out.split(counts))
 
@@ -130,17 +153,22 @@ class AudioEncoder(nn.Module):
         each convolution the positions past a single-window row's valid length are zeroed, which is exactly the
         zero padding of its unpadded convolution."""
         chunk = self.config.chunk_frames
-        windows, lengths, exact = [], [], []
+        rows, mel, width = features.shape
+        per_row = -(-width // chunk)  # windows of the longest row
+        picked, lengths, exact = [], [], []  # per window: its index among all rows' windows, its frames, alone?
         for row, n in enumerate(frames):
-            starts = list(range(0, n, chunk))
-            for start in starts:
-                windows.append(features[row, :, start: min(start + chunk, n)])
+            starts = range(0, n, chunk)
+            for w, start in enumerate(starts):
+                picked.append(row * per_row + w)
                 lengths.append(min(chunk, n - start))
                 exact.append(len(starts) == 1)
         longest = max(lengths)
-        x = torch.zeros(len(windows), 1, features.shape[1], longest, dtype=features.dtype, device=features.device)
-        for i, w in enumerate(windows):
-            x[i, 0, :, : w.shape[-1]] = w
+        # every row cut into windows at once; frames past a row's own are zeros, as a copy of its windows pads them
+        ends = torch.tensor(frames, device=features.device)
+        in_row = torch.arange(width, device=features.device)[None, :] < ends[:, None]
+        x = F.pad(torch.where(in_row[:, None, :], features, 0), (0, per_row * chunk - width))
+        x = x.view(rows, mel, per_row, chunk).permute(0, 2, 1, 3).reshape(rows * per_row, 1, mel, chunk)
+        x = x[torch.tensor(picked, device=features.device), ..., :longest]
         length = torch.tensor(lengths, device=features.device)
         unpadded = torch.tensor(exact, device=features.device)
         for conv in (self.conv2d1, self.conv2d2, self.conv2d3):
