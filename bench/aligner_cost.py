@@ -118,7 +118,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--words-per-second", type=float, default=2.5, help="words of text per audio second")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--eager", action="store_true", help="the eager forward (default: compiled on CUDA)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     path = checkpoint(args, dtype)
     t0 = time.perf_counter()
-    aligner = Aligner.load(path, args.device, dtype, compiled=False if args.eager else None)
+    aligner = Aligner.load(path, args.device, dtype)
     load_s = time.perf_counter() - t0
     timer = ForwardTimer(aligner)
     batches = [int(b) for b in args.batches.split(",")]
@@ -139,7 +138,6 @@ def main(argv: list[str] | None = None) -> dict:
         "device": torch.cuda.get_device_name(aligner.device) if aligner.device.type == "cuda" else platform.processor()
         or "cpu",
         "dtype": dtype,
-        "compiled": aligner.max_positions is not None,
         "piece_seconds": args.seconds,
         "words_per_second": args.words_per_second,
         "repeats": args.repeats,

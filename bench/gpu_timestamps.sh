@@ -2,8 +2,8 @@
 # Word timestamps on one GPU (docs/results/timestamps_h200.json):
 #   1. the aligner alone (bench/aligner_cost.py): ms of its time per second of speech, 6 s pieces, batch 1-64;
 #   2. the fastest one-GPU recipe (configs/high_concurrency.yaml, MPS, throughput-optimized Serve, HAProxy, 4 ingress
-#      replicas) with a full-size random-weight aligner beside Code2Wav (docs/aligner.md "Configs": Code2Wav 0.45 GPU,
-#      Aligner 0.05), then bench.loadgen over SSE with fixed 6 s outputs: 64 streams with timestamps (how long after
+#      replicas) with a full-size random-weight aligner beside Code2Wav (docs/aligner.md "Configs": each Aligner replica
+#      0.05 GPU, Code2Wav the rest of its half, $ALIGNER_REPLICAS replicas), then bench.loadgen over SSE with fixed 6 s outputs: 64 streams with timestamps (how long after
 #      its audio each timestamps event came), 256 streams without, 256 with.
 # From the repo root with .gpubundle carried:
 #   source .gpubundle/install_bundle.sh .gpubundle && bash bench/gpu_timestamps.sh
@@ -13,6 +13,8 @@
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$REPO"
 OUT=${OUT:-bench/out/timestamps}; ALIGNER=${ALIGNER:-/tmp/aligner-0.6b}; FRAMES=${FRAMES:-75}
+export ALIGNER_REPLICAS=${ALIGNER_REPLICAS:-1}  # Aligner replicas beside Code2Wav on the GPU (each its own host thread)
+C2W_GPUS=$(python3 -c "print(round(0.5 - 0.05 * $ALIGNER_REPLICAS, 2))")  # Ray's GPU fractions add up to one
 mkdir -p "$OUT"
 export PYTHONPATH="$REPO:${PYTHONPATH:-}"
 [ -f "$ALIGNER/model.safetensors" ] || python3 -m stages.aligner.random_checkpoint "$ALIGNER" --device cuda > /dev/null
@@ -23,9 +25,9 @@ if [ -z "${SKIP_COST:-}" ]; then
 fi
 curl -sf -m 5 http://127.0.0.1:8000/ready > /dev/null || {
   nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS control daemon started"
-  aligner='aligner={"model":"'"$ALIGNER"'","gpu_memory_fraction":0.05,"deployment_config":{"ray_actor_options":{"num_cpus":1,"num_gpus":0.05}}}'
+  aligner='aligner={"model":"'"$ALIGNER"'","gpu_memory_fraction":0.05,"deployment_config":{"num_replicas":'"$ALIGNER_REPLICAS"',"ray_actor_options":{"num_cpus":1,"num_gpus":0.05}}}'
   RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 OUT="$OUT/setup" CONFIG=configs/high_concurrency.yaml \
-    SET="ingress.deployment_config.autoscaling_config.min_replicas=4 code2wav.deployment_config.ray_actor_options.num_gpus=0.45 $aligner${EXTRA_SET:+ $EXTRA_SET}" \
+    SET="ingress.deployment_config.autoscaling_config.min_replicas=4 code2wav.deployment_config.ray_actor_options.num_gpus=$C2W_GPUS $aligner${EXTRA_SET:+ $EXTRA_SET}" \
     bash bench/gpu_serve_runbook.sh setup || exit 1
 }
 load() {  # closed loop, SSE, fixed-length 6 s outputs
@@ -44,7 +46,7 @@ echo "=== 256 streams, timestamps $(date -u +%FT%TZ)"
 load --concurrency 256 --requests 1536 --extra '{"timestamps": "word"}' --out "$OUT/ts256"
 aligner_stats stats_after_ts256.json
 python3 - "$OUT" <<'EOF'
-import datetime, json, subprocess, sys
+import datetime, json, os, subprocess, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 def point(name):
@@ -59,7 +61,7 @@ gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
 result = {
     "device": f"one {gpu.stdout.strip().splitlines()[0] if gpu.stdout.strip() else 'GPU'}",
     "date": datetime.date.today().isoformat(),
-    "command": "bash bench/gpu_timestamps.sh",
+    "command": f"ALIGNER_REPLICAS={os.environ.get('ALIGNER_REPLICAS', '1')} bash bench/gpu_timestamps.sh",
     # at batch 32 (what a loaded replica runs); every batch size in details
     "aligner_ms_per_audio_s": (cost.get("aligner_ms_per_audio_s") or {}).get("32"),
     "ts_lag_p95_ms_64": (ts64.get("timestamps_lag_ms") or {}).get("p95"),

@@ -96,7 +96,6 @@ def aligner_summary(stats: dict) -> dict:
         "forward_ms": _mean_ms({}, stats, "forward_s", "forwards"),
         "forward_ms_per_audio_s": round(stats["forward_s"] / stats["audio_s"] * 1e3, 3) if stats.get("audio_s") else None,
         "queue_wait_ms_per_piece": _mean_ms({}, stats, "queue_wait_s", "pieces"),
-        "compiled_graphs": stats.get("compiled_graphs"),  # grows while serving: a request waited for a compile
     }
 
 

@@ -151,21 +151,17 @@ class AlignerServer:
         if self._config.warmup:
             t0 = time.perf_counter()
             await self._on_thread(self._warm_up)
-            log(f"warm-up forwards done in {time.perf_counter() - t0:.2f} s")
+            log(f"warm-up forward done in {time.perf_counter() - t0:.2f} s")
         self._metrics = AlignerMetrics()
         self._ready = True
         log(f"ready: pieces up to {self._engine.max_seconds:g} s, forwards of up to {self._config.max_batch_size} "
             f"pieces and {self._config.max_batch_audio_s:g} s of padded audio")
 
     def _warm_up(self) -> None:
-        """The first forwards pay one-time costs (the mel filters, CUDA kernels and, on a compiled aligner, its
-        compiles: dynamic shapes still specialize sizes of 1, so one piece and several, of one token, of one
-        attention block and of two), here rather than in a request's wait."""
+        """The first forward pays one-time costs (the mel filters, CUDA kernels), here rather than in a request's
+        wait."""
         engine = self._engine
-        pieces = {seconds: engine.prepare_piece(np.zeros(max(int(seconds * SAMPLE_RATE), engine.min_samples(
-            SAMPLE_RATE)), np.float32), "warm up", SAMPLE_RATE) for seconds in (0.0, 1.0, 8.5)}
-        for batch in ((0.0,), (1.0,), (8.5,), (1.0, 0.0), (8.5, 1.0, 0.0)):
-            engine.align_prepared([pieces[seconds] for seconds in batch])
+        engine.align_prepared([engine.prepare_piece(np.zeros(SAMPLE_RATE, np.float32), "warm up", SAMPLE_RATE)])
 
     async def info(self) -> AlignerInfo:
         return AlignerInfo(max_seconds=float(self._engine.max_seconds), languages=ALIGNABLE_LANGUAGES)
@@ -271,9 +267,7 @@ class AlignerServer:
     async def engine_stats(self) -> dict:
         """This replica's counters since it started (`AlignerStats`) and which replica answered: what
         bench/replica_stats.py reads to say where a timestamp's time goes."""
-        from stages.aligner.aligner import compiled_graphs  # here: this module loads where torch is not wanted
-
-        return {"replica": this_replica(), **dataclasses.asdict(self._stats), "compiled_graphs": compiled_graphs()}
+        return {"replica": this_replica(), **dataclasses.asdict(self._stats)}
 
     async def ready(self) -> bool:
         return self._ready

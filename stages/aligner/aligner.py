@@ -32,13 +32,9 @@ from stages.aligner.model import ForcedAligner
 from stages.aligner.timestamps import Word, words_from_classes
 from stages.aligner.words import split_words
 from stages.checkpoint import parse_dtype
-from stages.layers import LayerKernels
 from stages.voice.audio import resample
 
 MIN_SAMPLES = 400  # one STFT window: the Whisper front end needs at least n_fft samples
-# prompt positions the compiled text model's RoPE table covers: 400 s of audio tokens (5,000) and the words of the
-# longest transcripts the server takes, with margin; a longer prompt is refused (ValueError) on that path
-COMPILED_MAX_POSITIONS = 40960
 
 
 @dataclass
@@ -50,14 +46,6 @@ class AlignerBatch:
     attention_mask: torch.Tensor  # [B, S]
     features: torch.Tensor  # [B, mel, T]
     frames: list[int]
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has made in this process: flat once a compiled aligner is warmed up (a rise while
-    serving means a request waited for a compile)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 @dataclass(frozen=True)
@@ -82,24 +70,11 @@ class Aligner:
         self.ids = prompt_token_ids(tokenizer, self.config)
         # the head's classes cover this much audio; a longer waveform could not be timed past it
         self.max_seconds = self.config.classify_num * self.config.timestamp_segment_time / 1000.0
-        self.max_positions: int | None = None  # the longest prompt a forward takes (None: no limit, eager)
 
     @classmethod
-    def load(cls, checkpoint: str | Path, device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32",
-             compiled: bool | None = None) -> Aligner:
-        """`compiled`: fused kernels for both transformers (`compile`); by default on CUDA, where an eager forward
-        (about 10,000 small ops) costs the host more time than the GPU needs for it."""
-        aligner = cls(*load_forced_aligner(checkpoint, device, parse_dtype(dtype)))
-        if aligner.device.type == "cuda" if compiled is None else compiled:
-            aligner.compile()
-        return aligner
-
-    def compile(self) -> None:
-        """`torch.compile`d layer functions (dynamic shapes: any batch, any prompt length, no recompiles) for the
-        text model (the engines' `LayerKernels`, q/k/v and gate/up fused, RoPE from a table) and the audio tower."""
-        self.model.model.use_kernels(LayerKernels.compiled(), COMPILED_MAX_POSITIONS)
-        self.model.audio_tower.compile_layers()
-        self.max_positions = COMPILED_MAX_POSITIONS
+    def load(cls, checkpoint: str | Path, device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32"
+             ) -> Aligner:
+        return cls(*load_forced_aligner(checkpoint, device, parse_dtype(dtype)))
 
     def min_samples(self, sample_rate: int = SAMPLE_RATE) -> int:
         """The fewest samples at `sample_rate` that `align` takes: MIN_SAMPLES once resampled to 16 kHz (resampling
@@ -142,9 +117,6 @@ class Aligner:
         start, pad, end = self.ids[AUDIO_START_TOKEN], self.ids[AUDIO_PAD_TOKEN], self.ids[AUDIO_END_TOKEN]
         rows = [[start, *[pad] * conv_output_frames(n), end, *p.text_ids] for p, n in zip(pieces, frames, strict=True)]
         longest = max(len(r) for r in rows)
-        if self.max_positions is not None and longest > self.max_positions:
-            raise ValueError(f"a prompt of {longest} positions is longer than the {self.max_positions} this aligner "
-                             "takes")
         input_ids = torch.full((len(rows), longest), self.ids[PAD_TOKEN], dtype=torch.long)
         attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
         for i, row in enumerate(rows):  # left padding, as the official processor pads

@@ -43,25 +43,6 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> tor
     return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=1)
 
 
-def encoder_layer(x: torch.Tensor, key_mask: torch.Tensor, weights: tuple[torch.Tensor, ...], heads: int,
-                  eps: float) -> torch.Tensor:
-    """One transformer layer of the tower as a function of its weights (`AudioEncoderLayer.weights`), so that one
-    `torch.compile` of it serves every layer: x [N, L, d] (N blocks padded to L tokens), key_mask [N, 1, 1, L] bool
-    -> [N, L, d]."""
-    ln1_w, ln1_b, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b = weights
-    n, length, d = x.shape
-    h = F.layer_norm(x, (d,), ln1_w, ln1_b, eps)
-    q, k, v = (F.linear(h, w, b).view(n, length, heads, d // heads).transpose(1, 2)
-               for w, b in ((q_w, q_b), (k_w, k_b), (v_w, v_b)))
-    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-    x = x + F.linear(attn.transpose(1, 2).reshape(n, length, d), o_w, o_b)
-    x = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (d,), ln2_w, ln2_b, eps), fc1_w, fc1_b)), fc2_w, fc2_b)
-    if x.dtype == torch.float16:  # as the official layer: keep fp16 activations finite
-        limit = torch.finfo(x.dtype).max - 1000
-        x = x.clamp(-limit, limit)
-    return x
-
-
 class AudioAttention(nn.Module):
     def __init__(self, d_model: int, heads: int):
         super().__init__()
@@ -71,10 +52,16 @@ class AudioAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
 
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """x [N, L, d] (N blocks padded to L tokens), key_mask [N, 1, 1, L] bool -> [N, L, d]."""
+        n, length, d = x.shape
+        q, k, v = (proj(x).view(n, length, self.heads, d // self.heads).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        return self.out_proj(out.transpose(1, 2).reshape(n, length, d))
+
 
 class AudioEncoderLayer(nn.Module):
-    """Holds one layer's weights under the official names; `encoder_layer` is its math."""
-
     def __init__(self, cfg: AudioEncoderConfig):
         super().__init__()
         self.self_attn = AudioAttention(cfg.d_model, cfg.encoder_attention_heads)
@@ -83,13 +70,13 @@ class AudioEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
 
-    def weights(self) -> tuple[torch.Tensor, ...]:
-        a = self.self_attn
-        return tuple(t for m in (self.self_attn_layer_norm, a.q_proj, a.k_proj, a.v_proj, a.out_proj,
-                                 self.final_layer_norm, self.fc1, self.fc2) for t in (m.weight, m.bias))
-
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, layer_fn=encoder_layer) -> torch.Tensor:
-        return layer_fn(x, key_mask, self.weights(), self.self_attn.heads, self.self_attn_layer_norm.eps)
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
+        x = x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+        if x.dtype == torch.float16:  # as the official layer: keep fp16 activations finite
+            limit = torch.finfo(x.dtype).max - 1000
+            x = x.clamp(-limit, limit)
+        return x
 
 
 class AudioEncoder(nn.Module):
@@ -110,12 +97,6 @@ class AudioEncoder(nn.Module):
         self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
         self.register_buffer("positions", None, persistent=False)
         self.reset_buffers()
-        self.layer_fn = encoder_layer  # `compile_layers` swaps in its compiled form
-
-    def compile_layers(self) -> None:
-        """One `torch.compile` of the layer function (dynamic shapes: any batch and block length) for all layers:
-        an eager layer is dozens of small kernels, and a loaded host launches them slower than the GPU runs them."""
-        self.layer_fn = torch.compile(encoder_layer, dynamic=True, fullgraph=True)
 
     def reset_buffers(self) -> None:
         """(Re)compute the sinusoid table; the loader calls this after materializing a meta-device model."""
@@ -139,7 +120,7 @@ class AudioEncoder(nn.Module):
         valid = torch.arange(longest, device=x.device)[None, :] < lengths[:, None]  # [N, L]
         key_mask = valid[:, None, None, :]
         for layer in self.layers:
-            x = layer(x, key_mask, self.layer_fn)
+            x = layer(x, key_mask)
         out = self.proj2(F.gelu(self.proj1(self.ln_post(x[valid]))))  # the valid tokens, in order
         return list(out.split(counts))
 

@@ -268,20 +268,3 @@ def test_a_server_not_started_is_not_healthy(loop):
     with pytest.raises(RuntimeError, match="not running"):
         server.check_health()
     assert loop.run_until_complete(server.ready()) is False
-
-
-def test_a_compiled_aligner_warmed_up_times_as_the_eager_one_without_compiling_again(checkpoint, aligner):
-    """On CUDA the aligner runs compiled layer functions (dynamic shapes). The server's warm-up compiles every
-    specialization a request can meet (a batch of one and of more, a block of one token and of many), so that no
-    request waits for a compile; the compiled aligner gives the eager one's words and times."""
-    import torch
-
-    compiled = Aligner.load(checkpoint, "cpu", "float32", compiled=True)
-    AlignerServer.sync_init(AlignerDeploymentConfig(device="cpu"), compiled)._warm_up()
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    shortest = _pcm(1, 0)[:compiled.min_samples(SAMPLE_RATE)]
-    for requests in (_requests(1), _requests(3), [*_requests(4), AlignRequest("short", shortest, "tiny", None)]):
-        audio = [r.pcm.astype(np.float32) / 32768.0 for r in requests]
-        texts = [r.text for r in requests]
-        assert compiled.align(audio, texts, SAMPLE_RATE) == aligner.align(audio, texts, SAMPLE_RATE)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
