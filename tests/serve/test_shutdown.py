@@ -23,6 +23,7 @@ import pytest
 from ray import serve
 
 from deployments import constants as C
+from stages.contract import SAMPLES_PER_FRAME
 from tests.serve.conftest import PAUSE_SEED, ZERO_CPU, ClientStream, open_streams, replica_pids, speech, wait_for
 
 pytestmark = pytest.mark.serve
@@ -225,6 +226,41 @@ def test_redeploy_ends_open_streams_and_serves_the_new_config(lc_app):
                  0.1, f"the old {deployment} replica to exit")
     ok = httpx.post(f"{base}/v1/audio/speech", json=speech(model="fake-v2", response_format="pcm"), timeout=60)
     assert ok.status_code == 200, ok.text[:300]
+
+
+def test_a_batch_job_survives_a_redeploy_of_its_app(lc_app):
+    """A job running while its app is redeployed (a changed config: every replica replaced) completes on the new
+    replicas, every item whole: the old ingress gives its items back as it stops, or their leases run out, and the
+    new one resumes the job from the store they share (docs/serving.md, "Batch jobs")."""
+    base, args = lc_app
+    api = f"{base}/v1/audio/speech/batches"
+    wait_for(lambda: _ready(base), 120, 0.25, "/lc/ready")
+    items, frames = 10, 20  # 1 s each at the fake engine's 50 ms a frame, 2 at a time: the redeploy finds it running
+    body = {"requests": [speech(model="fake", seed=100 + i, response_format="pcm", max_new_tokens=frames)
+                         for i in range(items)]}
+    submitted = httpx.post(api, json=body, timeout=30)
+    assert submitted.status_code == 202, submitted.text
+    job = submitted.json()["id"]
+    wait_for(lambda: httpx.get(f"{api}/{job}", timeout=10).json()["completed"] >= 1, 60, 0.1, "an item to complete")
+    old_ingress = replica_pids("TTSIngress", LC)
+
+    _deploy(base, args(aliases=("fake-v3",)), wait=False)
+    assert httpx.get(f"{api}/{job}", timeout=10).json()["completed"] < items  # it was redeployed mid-job
+
+    def ended() -> dict | None:
+        try:
+            status = httpx.get(f"{api}/{job}", timeout=10).json()
+        except (httpx.HTTPError, ValueError):  # the ingress being replaced
+            return None
+        return status if status.get("status") in ("completed", "failed", "cancelled") else None
+
+    status = wait_for(ended, 240, 0.5, "the job to end on the new replicas")
+    assert (status["status"], status["completed"], status["failed"]) == ("completed", items, 0), status
+    assert not set(old_ingress) & set(replica_pids("TTSIngress", LC)), "the ingress was not replaced"
+    for i in range(items):
+        audio = httpx.get(f"{api}/{job}/items/{i}", timeout=30)
+        assert audio.status_code == 200 and len(audio.content) == frames * SAMPLES_PER_FRAME * 2, (i, audio.text[:200])
+    wait_for(lambda: _ready(base), 120, 0.25, "/lc/ready after the redeploy")
 
 
 def test_deleting_the_app_ends_open_streams_and_stops_every_replica(lc_app):
