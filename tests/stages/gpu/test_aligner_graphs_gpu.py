@@ -1,5 +1,4 @@
-"""The aligner's CUDA graphs (stages/aligner/graphs.py) on a GPU: the graphed forward gives the eager forward's
-timestamps, each bucket is captured once, and a replay with new inputs of the same bucket is not the last one's."""
+"""The aligner's CUDA graphs (stages/aligner/graphs.py) on a GPU."""
 
 from __future__ import annotations
 
@@ -27,18 +26,23 @@ def _batch(n: int, seed: int, seconds: float = 6.0):
     return audio, [TEXTS[i % len(TEXTS)] for i in range(n)]
 
 
-def test_graphed_forwards_time_as_eager_ones_and_capture_each_bucket_once(checkpoint):
-    eager = Aligner.load(checkpoint, "cuda", "bfloat16", graphs=False)
+def test_replayed_graphs_compute_what_the_same_padded_shapes_compute_eagerly(checkpoint):
+    """Padding itself is checked on a CPU in fp32 (tests/stages/test_aligner.py); here, in bf16 on CUDA, a replayed
+    graph gives what the same padded shapes give eagerly, for new inputs of a bucket met before too (not the last
+    replay's), and each bucket is captured once."""
+    from stages.aligner.graphs import AlignerGraphs
+
     graphed = Aligner.load(checkpoint, "cuda", "bfloat16")
-    assert eager.runners is None and graphed.runners is not None
+    padded = Aligner(graphed.model, graphed.tokenizer)
+    padded.runners = AlignerGraphs(padded.model, capture=False)
+    assert graphed.runners is not None
     for n, seed in ((1, 0), (3, 1), (8, 2), (3, 3), (8, 4)):  # the repeats reuse their buckets on new inputs
         audio, texts = _batch(n, seed)
-        a = eager.logits(eager.prepare(audio, texts, 24000)).float()
+        a = padded.logits(padded.prepare(audio, texts, 24000)).float()
         b = graphed.logits(graphed.prepare(audio, texts, 24000)).float()
         assert a.shape == b.shape
-        # bf16, and padded shapes can take other GEMM kernels: the same logits within bf16's rounding
-        assert float((a - b).abs().max()) < 0.25, (n, seed)
-        assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.95, (n, seed)
+        assert float((a - b).abs().max()) <= 0.05 * max(float(a.abs().max()), 1.0), (n, seed)
+        assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.999, (n, seed)
     captured = graphed.runners.captured
     audio, texts = _batch(3, 5)
     graphed.align(audio, texts, 24000)
