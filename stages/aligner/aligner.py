@@ -27,6 +27,7 @@ from stages.aligner.config import (
     TIMESTAMP_TOKEN,
 )
 from stages.aligner.features import SAMPLE_RATE, log_mel_batch, normalize_waveform
+from stages.aligner.graphs import AlignerGraphs
 from stages.aligner.loader import load_forced_aligner, prompt_token_ids
 from stages.aligner.model import ForcedAligner
 from stages.aligner.timestamps import Word, words_from_classes
@@ -70,11 +71,18 @@ class Aligner:
         self.ids = prompt_token_ids(tokenizer, self.config)
         # the head's classes cover this much audio; a longer waveform could not be timed past it
         self.max_seconds = self.config.classify_num * self.config.timestamp_segment_time / 1000.0
+        self.runners: AlignerGraphs | None = None  # eager unless `load` sets graphs
 
     @classmethod
-    def load(cls, checkpoint: str | Path, device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32"
-             ) -> Aligner:
-        return cls(*load_forced_aligner(checkpoint, device, parse_dtype(dtype)))
+    def load(cls, checkpoint: str | Path, device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32",
+             graphs: bool | None = None) -> Aligner:
+        """`graphs`: both transformers replay CUDA graphs over padded shapes (stages/aligner/graphs.py); by
+        default on CUDA, where an eager forward's launches cost more than its GPU work. True on a CPU runs the
+        same padded shapes eagerly (tests)."""
+        aligner = cls(*load_forced_aligner(checkpoint, device, parse_dtype(dtype)))
+        if aligner.device.type == "cuda" if graphs is None else graphs:
+            aligner.runners = AlignerGraphs(aligner.model, capture=aligner.device.type == "cuda")
+        return aligner
 
     def min_samples(self, sample_rate: int = SAMPLE_RATE) -> int:
         """The fewest samples at `sample_rate` that `align` takes: MIN_SAMPLES once resampled to 16 kHz (resampling
@@ -136,7 +144,7 @@ class Aligner:
                 for i, (a, t) in enumerate(zip(audios, texts, strict=True))]
 
     def logits(self, batch: AlignerBatch) -> torch.Tensor:
-        return self.model(batch.input_ids, batch.attention_mask, batch.features, batch.frames)
+        return self.model(batch.input_ids, batch.attention_mask, batch.features, batch.frames, self.runners)
 
     def words(self, batch: AlignerBatch, classes: torch.Tensor) -> list[list[Word]]:
         slots = batch.input_ids == self.ids[TIMESTAMP_TOKEN]

@@ -104,9 +104,10 @@ class AudioEncoder(nn.Module):
         if device.type != "meta":
             self.positions = sinusoids(self.config.max_source_positions, self.config.d_model).to(device)
 
-    def forward(self, features: torch.Tensor, frames: list[int]) -> list[torch.Tensor]:
+    def forward(self, features: torch.Tensor, frames: list[int], layers=None) -> list[torch.Tensor]:
         """features [B, mel, T] (row i valid up to frames[i]) -> per row its tokens [conv_output_frames(frames[i]),
-        output_dim]."""
+        output_dim]. `layers`: runs the transformer layers (x [N, L, d], key_mask [N, 1, 1, L] -> [N, L, d]);
+        `run_layers` by default."""
         tokens, counts = self._conv_windows(features, frames)
         block_rows = self._attention_blocks(tokens, counts)[1]
         sizes = [end - start for start, end in block_rows]
@@ -119,10 +120,14 @@ class AudioEncoder(nn.Module):
         lengths = torch.tensor(sizes, device=features.device)
         valid = torch.arange(longest, device=x.device)[None, :] < lengths[:, None]  # [N, L]
         key_mask = valid[:, None, None, :]
-        for layer in self.layers:
-            x = layer(x, key_mask)
+        x = (layers or self.run_layers)(x, key_mask)
         out = self.proj2(F.gelu(self.proj1(self.ln_post(x[valid]))))  # the valid tokens, in order
         return list(out.split(counts))
+
+    def run_layers(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, key_mask)
+        return x
 
     def _conv_windows(self, features: torch.Tensor, frames: list[int]) -> tuple[torch.Tensor, list[int]]:
         """All windows of all rows through the convolutions at once -> (tokens of all rows in order [sum, d_model],

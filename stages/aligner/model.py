@@ -10,6 +10,7 @@ Qwen3 stack (stages/layers.py): the official "interleaved M-RoPE" with three equ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -57,16 +58,36 @@ class ForcedAligner(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, features: torch.Tensor,
-                frames: list[int]) -> torch.Tensor:
+                frames: list[int], runners: LayerRunners | None = None) -> torch.Tensor:
         """input_ids/attention_mask [B, S] (left-padded; row i holds conv_output_frames(frames[i]) audio tokens),
-        features [B, mel, T] -> timestamp logits [B, S, classify_num] (padding positions hold garbage)."""
+        features [B, mel, T] -> timestamp logits [B, S, classify_num] (padding positions hold garbage). `runners`:
+        how the two transformers' layers run (stages/aligner/graphs.py replays them as CUDA graphs); eager
+        without."""
         dtype = self.lm_head.weight.dtype
-        audio = torch.cat(self.audio_tower(features.to(dtype), frames))
+        tower_layers = runners.tower_layers if runners is not None else None
+        audio = torch.cat(self.audio_tower(features.to(dtype), frames, tower_layers))
         x = self.model.embed_tokens(input_ids)
         audio_slots = input_ids == self.config.audio_token_id
         if int(audio_slots.sum()) != audio.shape[0]:
             raise ValueError(f"the prompts hold {int(audio_slots.sum())} audio slots for {audio.shape[0]} audio tokens")
         x = x.masked_scatter(audio_slots[..., None], audio.to(x.dtype))
+        if runners is not None:
+            return runners.decode(x, attention_mask)
+        return self.decode(x, attention_mask)
+
+    def decode(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The prompt's embeddings x [B, S, H] (audio in place) -> timestamp logits [B, S, classify_num]."""
+        return self.lm_head(self.hidden_states(x, attention_mask))
+
+    def hidden_states(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The decoder's output [B, S, H] (before the head)."""
         positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
-        hidden = self.model(x, positions, PaddedPromptAttention.of(attention_mask))
-        return self.lm_head(hidden)
+        return self.model(x, positions, PaddedPromptAttention.of(attention_mask))
+
+
+class LayerRunners(Protocol):
+    def tower_layers(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """The audio tower's transformer layers: x [N, L, d], key_mask [N, 1, 1, L] -> [N, L, d]."""
+
+    def decode(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """`ForcedAligner.decode`."""

@@ -73,3 +73,21 @@ def test_a_tts_checkpoint_is_not_an_aligner(tmp_path):
     (path / "vocab.json").unlink()
     with pytest.raises(CheckpointError, match="vocab.json"):
         Aligner.load(path)
+
+
+def test_padded_shapes_of_the_graphed_path_time_as_the_plain_forward(tmp_path_factory, aligner):
+    """On CUDA both transformers replay CUDA graphs over padded shapes (stages/aligner/graphs.py); on a CPU the same
+    padded shapes run eagerly: padding (more prompts, more left positions, more and longer attention blocks) changes
+    no real position's logits beyond float rounding, nor any word's time."""
+    from stages.aligner.graphs import AlignerGraphs
+
+    padded = Aligner(aligner.model, aligner.tokenizer)
+    padded.runners = AlignerGraphs(padded.model, capture=False)
+    rng = np.random.default_rng(0)
+    texts = ["One two three", "你好，世界", "Hello world again and again", "a b", "x y z"]
+    for n in (1, 3, 5):  # 5: 8 prompts, 2-8 blocks of one to several windows
+        audio = [(0.1 * rng.standard_normal(int((1 + 2.5 * i) * 24000))).astype(np.float32) for i in range(n)]
+        plain, graphed = aligner.prepare(audio, texts[:n], 24000), padded.prepare(audio, texts[:n], 24000)
+        a, b = aligner.logits(plain), padded.logits(graphed)
+        assert a.shape == b.shape and float((a - b).abs().max()) < 1e-4
+        assert padded.align(audio, texts[:n], 24000) == aligner.align(audio, texts[:n], 24000)
