@@ -80,7 +80,7 @@ class Harness:
     """One "replica": a store over `root`, its worker, the batch routes on a FastAPI app, a client."""
 
     def __init__(self, root, synth: FakeSynth, owner: str = "a", **settings):
-        self.settings = BatchSettings(store_dir=str(root), **{"lease_s": 30.0, **settings})
+        self.settings = BatchSettings(store_dir=str(root), **{"lease_s": 30.0, "items_in_flight": 4, **settings})
         self.store = BatchStore(root, lease_s=self.settings.lease_s, max_attempts=self.settings.max_attempts)
         self.worker = BatchWorker(self.store, self.settings, synth, request_timeout_s=60, owner=owner)
         self.jobs = BatchJobs(self.store, self.settings, synth.validate, self.worker, "wav")
