@@ -75,7 +75,10 @@ def test_live_text_plays_as_it_is_typed(page):
     page.type("#live-text", "Typed word by word.", delay=20)
     page.click("#live-end")
     page.wait_for_function("window.playground.liveDone === 1", timeout=WAIT_MS)
-    assert _samples(page) == 10 * 1920  # max_new_tokens frames, all on the graph
+    # whole frames on the graph, at most max_new_tokens of them: random weights may draw EOS sooner, and where
+    # depends on how the typed text reached the Talker (in which pieces: the machine's load decides)
+    frames, rest = divmod(_samples(page), 1920)
+    assert rest == 0 and 1 <= frames <= 10, frames
     assert page.evaluate("window.playground.firstAudioMs") > 0 and page.errors == []
 
 
