@@ -16,10 +16,10 @@ from stages.aligner.timestamps import Word
 
 @runtime_checkable
 class AlignerEngineProtocol(Protocol):
-    max_seconds: float  # the longest waveform `align` times
+    max_seconds: float  # the longest waveform it times
 
     def min_samples(self, sample_rate: int) -> int:
-        """The fewest samples at `sample_rate` that `align` takes."""
+        """The fewest samples at `sample_rate` that `prepare_piece` takes."""
 
     def prepare_piece(self, audio: np.ndarray, text: str, sample_rate: int, language: str = "") -> Any:
         """One waveform and its transcript made ready for `align_prepared`, on the host (thread-safe: the server

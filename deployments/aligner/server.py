@@ -5,9 +5,8 @@ normalizing, tokenizing: `prepare_piece`) runs as it arrives, on a small pool of
 forwards instead of adding to them. Prepared pieces that arrive while a forward runs (many streams, several ingress
 replicas) wait together and are timed in few batched forwards, on one thread that owns the device: at most
 `max_batch_size` pieces, and at most `max_batch_audio_s` of padded audio (pieces x the longest piece's seconds), per
-forward, in arrival order. The aligner
-pads a batch's waveforms to its longest as the official one does, so a piece's times may differ by a class (80 ms)
-with what else shares its forward (docs/aligner.md).
+forward, in the order they became ready. The aligner pads a batch's waveforms to its longest as the official one
+does, so a piece's times may differ by a class (80 ms) with what else shares its forward (docs/aligner.md).
 
 A piece the aligner cannot time fails its own call alone with a 400 (`param: "timestamps"`): longer than the
 aligner's `max_seconds` (`audio_too_long`), NaN samples or a malformed array (`cannot_align`), a language it does not

@@ -2,8 +2,8 @@
 
 An eager forward of the aligner is ~1,700 kernel launches for a few milliseconds of GPU work, so on a host shared
 with the Talker, Code2Wav and the ingress the launches set its time. Here the audio tower's layers (over its
-attention blocks) and the text decoder (over the prompts; the head runs after it) each replay one CUDA graph per bucket of
-shapes, captured the first time the bucket is met: blocks and prompts padded up to a power of two in number, a
+attention blocks) and the text decoder (over the prompts; the head runs after it) each replay one CUDA graph per
+bucket of shapes, captured the first time the bucket is met: blocks and prompts padded up to a power of two in number, a
 block to a multiple of `BLOCK_STEP` tokens, a prompt to a multiple of `PROMPT_STEP`. Shapes past the largest
 bucket run eagerly.
 
@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from stages.aligner.model import ForcedAligner
+from stages.cuda_graph import capture_graph
 
 MAX_ROWS = 64  # prompts per graph: the server's forwards are at most its max_batch_size (32)
 PROMPT_STEP, MAX_PROMPT = 64, 1024  # a 6 s piece's prompt is ~100-250 positions; 400 s ones run eagerly
@@ -34,9 +35,9 @@ def _power_of_two(n: int, limit: int) -> int | None:
     return size if size <= limit else None
 
 
-def _multiple(n: int, step: int, limit: int) -> int | None:
+def _multiple(n: int, step: int, limit: int | None = None) -> int | None:
     size = -(-n // step) * step
-    return size if size <= limit else None
+    return size if limit is None or size <= limit else None
 
 
 class BucketGraphs:
@@ -63,15 +64,7 @@ class BucketGraphs:
 
     def _captured(self, inputs: tuple[torch.Tensor, ...]):
         statics = [t.clone() for t in inputs]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # lazy initializations (cuBLAS handles, kernel choices) outside the capture
-            for _ in range(2):
-                self.fn(*statics)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fn(*statics)
+        graph, out = capture_graph(lambda: self.fn(*statics), self.pool, torch.cuda.Stream(statics[0].device))
         return graph, statics, out
 
 
@@ -91,7 +84,7 @@ class AlignerGraphs:
 
     def tower_layers(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         n, length, d = x.shape
-        n_pad, l_pad = _power_of_two(n, MAX_BLOCKS), _multiple(length, BLOCK_STEP, 1 << 30)
+        n_pad, l_pad = _power_of_two(n, MAX_BLOCKS), _multiple(length, BLOCK_STEP)
         if n_pad is None:
             return self._model.audio_tower.run_layers(x, key_mask)
         padded = x.new_zeros(n_pad, l_pad, d)

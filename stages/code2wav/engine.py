@@ -33,6 +33,7 @@ from stages.code2wav.stateful import DecoderStates, StatefulDecoder, check_layou
 from stages.code2wav.stream_slots import SlotRow, StreamSlots
 from stages.compile_cache import CompileCache
 from stages.contract import CODEBOOK_SIZE, CodecChunk
+from stages.cuda_graph import capture_graph
 
 # The grad mode of every decode: no_grad, not inference_mode. Why: Dynamo's cached work (stages/compile_cache.py)
 # of a function compiled under inference_mode is loaded but not reused by the next process (torch 2.13, CPU: every
@@ -170,20 +171,13 @@ class Code2WavEngine:
             f"{self.length_buckets} frames (<= {self.config.max_frames_per_forward} frames per forward)")
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(self.device)
-        current = torch.cuda.current_stream(self.device)
         gen = torch.Generator(device=self.device).manual_seed(0)
         for i, (b, t) in enumerate(shapes):
             codes = torch.randint(0, CODEBOOK_SIZE, (b, self.num_codebooks, t), generator=gen, device=self.device)
             rows = self._row_inputs(b, t)
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                for _ in range(2):  # kernels, cuDNN plans, allocator, outside the capture
-                    self._run(codes, rows)
-            current.wait_stream(side)
-            torch.cuda.empty_cache()  # the warm-up's activations must not sit beside the graph pool
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                wav = self._run(codes, rows)
+            # free_cached: the warm-up's activations must not sit beside the graph pool
+            graph, wav = capture_graph(lambda codes=codes, rows=rows: self._run(codes, rows), pool, side,
+                                       free_cached=True)
             self._graphs[(b, t)] = _Graph(graph, codes, rows, wav)
             if (i + 1) % max(1, len(shapes) // 8) == 0 or i + 1 == len(shapes):
                 log(f"[code2wav] captured {i + 1}/{len(shapes)} graphs ({time.perf_counter() - t0:.1f} s)")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from stages.cuda_graph import capture_graph
 from stages.talker.staging import write_stage
 
 if TYPE_CHECKING:
@@ -51,15 +52,7 @@ def capture(runner: TalkerRunner, batch_buckets: tuple[int, ...], log: Callable[
     stream = torch.cuda.Stream(runner.device)
 
     def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        stream.wait_stream(torch.cuda.current_stream(runner.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up kernels/allocator outside the capture
-                fn()
-        torch.cuda.current_stream(runner.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            fn()
-        return graph
+        return capture_graph(fn, pool, stream)[0]
 
     keys = [(b, L) for b in sorted(batch_buckets, reverse=True) for L in runner.length_buckets]
     for i, (b, attn_len) in enumerate(keys):

@@ -1,0 +1,34 @@
+"""capture_graph: one CUDA graph of a function, captured after warm-up runs on a side stream.
+
+The warm-up runs settle what must not happen inside a capture (kernel loading, cuBLAS/cuDNN plans, the caching
+allocator's first blocks). Every engine that replays graphs captures through this: the Talker's decode and prefill
+steps, Code2Wav's decoder, the aligner's transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def capture_graph(fn: Callable[[], T], pool, stream: torch.cuda.Stream, free_cached: bool = False
+                  ) -> tuple[torch.cuda.CUDAGraph, T]:
+    """-> (the graph, what `fn` returned while captured: the graph's static outputs). `pool`: the memory pool the
+    graph shares with the others of its engine; `stream`: the side stream of the warm-up runs; `free_cached`:
+    return the warm-up's cached blocks before capturing, so that they do not sit beside the pool."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    current.wait_stream(stream)
+    if free_cached:
+        torch.cuda.empty_cache()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
