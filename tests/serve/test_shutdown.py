@@ -235,7 +235,7 @@ def test_a_batch_job_survives_a_redeploy_of_its_app(lc_app):
     base, args = lc_app
     api = f"{base}/v1/audio/speech/batches"
     wait_for(lambda: _ready(base), 120, 0.25, "/lc/ready")
-    items, frames = 10, 20  # 1 s each at the fake engine's 50 ms a frame, 2 at a time: the redeploy finds it running
+    items, frames = 16, 40  # 2 s each at the fake engine's 50 ms a frame, 2 at a time: ~16 s, the redeploy lands mid-job
     body = {"requests": [speech(model="fake", seed=100 + i, response_format="pcm", max_new_tokens=frames)
                          for i in range(items)]}
     submitted = httpx.post(api, json=body, timeout=30)
@@ -243,9 +243,9 @@ def test_a_batch_job_survives_a_redeploy_of_its_app(lc_app):
     job = submitted.json()["id"]
     wait_for(lambda: httpx.get(f"{api}/{job}", timeout=10).json()["completed"] >= 1, 60, 0.1, "an item to complete")
     old_ingress = replica_pids("TTSIngress", LC)
+    assert httpx.get(f"{api}/{job}", timeout=10).json()["completed"] < items  # the redeploy comes mid-job
 
     _deploy(base, args(aliases=("fake-v3",)), wait=False)
-    assert httpx.get(f"{api}/{job}", timeout=10).json()["completed"] < items  # it was redeployed mid-job
 
     def ended() -> dict | None:
         try:
