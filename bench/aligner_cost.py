@@ -14,6 +14,9 @@ Per batch size, the median over `--repeats` batches after `--warmup` of:
 - `forward_ms_per_audio_s`: the model's forward alone, timed on the device (CUDA events; wall time on a CPU): what a
   GPU shared with the Talker and Code2Wav gives up per second of speech.
 
+`--profile N` adds where the GPU time of one forward of N pieces goes: its kernels (eager, so that each is seen) by
+kind (GEMM, attention, convolution, norm, elementwise/copy) with counts and milliseconds, and the ten costliest.
+
 Prints one JSON object (also written to `--out`).
 
     python -m bench.aligner_cost                                # CUDA, bf16, 0.6B random weights, batches 1/8/32
@@ -105,6 +108,52 @@ def measure(aligner: Aligner, timer: ForwardTimer, batch: int, args: argparse.Na
             "forward_ms_per_audio_s": statistics.median(timer.ms) / audio_s}
 
 
+KINDS = (("attention", ("fmha", "attention", "flash")), ("conv", ("conv", "winograd", "implicit_gemm", "cudnn")),
+         ("gemm", ("gemm", "cutlass", "nvjet", "cublas", "sm90_xmma", "aten::mm", "aten::addmm", "aten::bmm")),
+         ("norm", ("layer_norm", "rms", "norm")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "elementwise/copy")
+
+
+def profile(aligner: Aligner, batch: int, args: argparse.Namespace) -> dict:
+    """One eager forward of `batch` pieces under torch.profiler: its CUDA kernels by kind and the ten costliest (on a
+    CPU: its operators' own times)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    audio, texts = pieces(batch, args.seconds, args.words_per_second)
+    prepared = aligner.batch([aligner.prepare_piece(a, t, SAMPLE_RATE) for a, t in zip(audio, texts, strict=True)])
+    runners, aligner.runners = aligner.runners, None
+    try:
+        for _ in range(2):
+            aligner.logits(prepared)
+        sync(aligner)
+        cuda = aligner.device.type == "cuda"
+        with torch_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            aligner.logits(prepared)
+            sync(aligner)
+    finally:
+        aligner.runners = runners
+    kinds: dict[str, dict[str, float]] = {}
+    top: dict[str, float] = {}
+    for event in prof.events():
+        if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = (event.device_time if cuda else event.self_cpu_time_total) / 1000
+        entry = kinds.setdefault(kernel_kind(event.name), {"kernels": 0, "ms": 0.0})
+        entry["kernels"] += 1
+        entry["ms"] += ms
+        top[event.name[:90]] = top.get(event.name[:90], 0.0) + ms
+    return {"batch": batch, "prompt_positions": list(prepared.input_ids.shape),
+            ("gpu_ms" if cuda else "cpu_ms"): round(sum(k["ms"] for k in kinds.values()), 3),
+            "by_kind": {k: {"kernels": v["kernels"], "ms": round(v["ms"], 3)} for k, v in
+                        sorted(kinds.items(), key=lambda kv: -kv[1]["ms"])},
+            "top": {name: round(ms, 3) for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:10]}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.aligner_cost", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--profile", type=int, default=None, help="also profile one eager forward of this many pieces")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.threads:
@@ -148,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
         "device_thread_ms_per_audio_s": {str(b): round(r["device_thread_ms_per_audio_s"], 4) for b, r in rows.items()},
         "forward_ms_per_audio_s": {str(b): round(r["forward_ms_per_audio_s"], 4) for b, r in rows.items()},
     }
+    if args.profile:
+        result["profile"] = profile(aligner, args.profile, args)
     if aligner.device.type == "cuda":
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(aligner.device) / 2**30, 2)
     text = json.dumps(result, indent=1)

@@ -15,15 +15,16 @@ import torch
 T = TypeVar("T")
 
 
-def capture_graph(fn: Callable[[], T], pool, stream: torch.cuda.Stream, free_cached: bool = False
-                  ) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture_graph(fn: Callable[[], T], pool, stream: torch.cuda.Stream, free_cached: bool = False,
+                  warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, T]:
     """-> (the graph, what `fn` returned while captured: the graph's static outputs). `pool`: the memory pool the
     graph shares with the others of its engine; `stream`: the side stream of the warm-up runs; `free_cached`:
-    return the warm-up's cached blocks before capturing, so that they do not sit beside the pool."""
+    return the warm-up's cached blocks before capturing, so that they do not sit beside the pool; `warmups`: side-stream
+    runs before the capture."""
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        for _ in range(2):
+        for _ in range(warmups):
             fn()
     current.wait_stream(stream)
     if free_cached:

@@ -25,6 +25,10 @@ class AlignerEngineProtocol(Protocol):
         """One waveform and its transcript made ready for `align_prepared`, on the host (thread-safe: the server
         runs it on several threads as pieces arrive). Raises ValueError for a waveform it refuses."""
 
+    def warm_up(self, max_pieces: int, max_audio_s: float) -> int:
+        """One-time costs paid before serving forwards of up to `max_pieces` pieces and `max_audio_s` seconds of
+        padded audio (blocking: on the server's device thread). -> graphs captured (0 without)."""
+
     def align_prepared(self, pieces: list[Any]) -> list[list[Word]]:
         """One batched forward of prepared pieces -> per piece its words with times in seconds (blocking: on the
         server's device thread). Raises ValueError for a piece it refuses (the whole call)."""

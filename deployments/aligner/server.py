@@ -147,20 +147,15 @@ class AlignerServer:
         log = replica_log(C.ALIGNER_DEPLOYMENT_NAME)
         if self._engine is None:
             self._engine = await self._on_thread(load_aligner, self._config, log)
-        if self._config.warmup:
+        if self._config.warmup:  # compiles and graph captures here rather than in a request's wait
             t0 = time.perf_counter()
-            await self._on_thread(self._warm_up)
-            log(f"warm-up forward done in {time.perf_counter() - t0:.2f} s")
+            graphs = await self._on_thread(self._engine.warm_up, self._config.max_batch_size,
+                                           self._config.max_batch_audio_s)
+            log(f"warmed up in {time.perf_counter() - t0:.2f} s ({graphs} CUDA graphs captured)")
         self._metrics = AlignerMetrics()
         self._ready = True
         log(f"ready: pieces up to {self._engine.max_seconds:g} s, forwards of up to {self._config.max_batch_size} "
             f"pieces and {self._config.max_batch_audio_s:g} s of padded audio")
-
-    def _warm_up(self) -> None:
-        """The first forward pays one-time costs (the mel filters, CUDA kernels), here rather than in a request's
-        wait."""
-        engine = self._engine
-        engine.align_prepared([engine.prepare_piece(np.zeros(SAMPLE_RATE, np.float32), "warm up", SAMPLE_RATE)])
 
     async def info(self) -> AlignerInfo:
         return AlignerInfo(max_seconds=float(self._engine.max_seconds), languages=ALIGNABLE_LANGUAGES)

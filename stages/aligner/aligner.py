@@ -76,13 +76,24 @@ class Aligner:
     @classmethod
     def load(cls, checkpoint: str | Path, device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32",
              graphs: bool | None = None) -> Aligner:
-        """`graphs`: both transformers replay CUDA graphs over padded shapes (stages/aligner/graphs.py); by
-        default on CUDA, where an eager forward's launches cost more than its GPU work. True on a CPU runs the
-        same padded shapes eagerly (tests)."""
+        """`graphs`: both transformers replay CUDA graphs of their compiled kernels over padded shapes
+        (`ForcedAligner.compile_kernels`, stages/aligner/graphs.py); by default on CUDA, where an eager forward's
+        launches cost more than its GPU work. True on a CPU runs the same padded shapes eagerly, uncompiled
+        (tests)."""
         aligner = cls(*load_forced_aligner(checkpoint, device, parse_dtype(dtype)))
         if aligner.device.type == "cuda" if graphs is None else graphs:
-            aligner.runners = AlignerGraphs(aligner.model, capture=aligner.device.type == "cuda")
+            capture = aligner.device.type == "cuda"
+            if capture:
+                aligner.model.compile_kernels()
+            aligner.runners = AlignerGraphs(aligner.model, capture=capture)
         return aligner
+
+    def warm_up(self, max_pieces: int, max_audio_s: float) -> int:
+        """Pay the one-time costs before serving: a first forward (mel filters, kernels) and, with graphs, the
+        compiles and the captures of the buckets that forwards of up to `max_pieces` pieces and `max_audio_s`
+        seconds of padded audio meet. -> graphs captured."""
+        self.align([np.zeros(SAMPLE_RATE, np.float32)], ["warm up"], SAMPLE_RATE)
+        return self.runners.warm(max_pieces, max_audio_s) if self.runners is not None else 0
 
     def min_samples(self, sample_rate: int = SAMPLE_RATE) -> int:
         """The fewest samples at `sample_rate` that `align` takes: MIN_SAMPLES once resampled to 16 kHz (resampling

@@ -43,7 +43,28 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> tor
     return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=1)
 
 
+def encoder_layer(x: torch.Tensor, key_mask: torch.Tensor, weights: tuple[torch.Tensor, ...], heads: int,
+                  eps: float) -> torch.Tensor:
+    """One transformer layer of the tower as a function of its weights (`AudioEncoderLayer.weights`), so that one
+    `torch.compile` of it serves every layer: x [N, L, d] (N blocks padded to L tokens), key_mask [N, 1, 1, L] bool
+    -> [N, L, d]."""
+    ln1_w, ln1_b, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b = weights
+    n, length, d = x.shape
+    h = F.layer_norm(x, (d,), ln1_w, ln1_b, eps)
+    q, k, v = (F.linear(h, w, b).view(n, length, heads, d // heads).transpose(1, 2)
+               for w, b in ((q_w, q_b), (k_w, k_b), (v_w, v_b)))
+    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+    x = x + F.linear(attn.transpose(1, 2).reshape(n, length, d), o_w, o_b)
+    x = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (d,), ln2_w, ln2_b, eps), fc1_w, fc1_b)), fc2_w, fc2_b)
+    if x.dtype == torch.float16:  # as the official layer: keep fp16 activations finite
+        limit = torch.finfo(x.dtype).max - 1000
+        x = x.clamp(-limit, limit)
+    return x
+
+
 class AudioAttention(nn.Module):
+    """The attention weights of one tower layer (official names); the math is `encoder_layer`."""
+
     def __init__(self, d_model: int, heads: int):
         super().__init__()
         self.heads = heads
@@ -52,16 +73,10 @@ class AudioAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        """x [N, L, d] (N blocks padded to L tokens), key_mask [N, 1, 1, L] bool -> [N, L, d]."""
-        n, length, d = x.shape
-        q, k, v = (proj(x).view(n, length, self.heads, d // self.heads).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-        return self.out_proj(out.transpose(1, 2).reshape(n, length, d))
-
 
 class AudioEncoderLayer(nn.Module):
+    """One layer's weights under the official names; `encoder_layer` is its math."""
+
     def __init__(self, cfg: AudioEncoderConfig):
         super().__init__()
         self.self_attn = AudioAttention(cfg.d_model, cfg.encoder_attention_heads)
@@ -70,13 +85,13 @@ class AudioEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
-        x = x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
-        if x.dtype == torch.float16:  # as the official layer: keep fp16 activations finite
-            limit = torch.finfo(x.dtype).max - 1000
-            x = x.clamp(-limit, limit)
-        return x
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        a = self.self_attn
+        return tuple(t for m in (self.self_attn_layer_norm, a.q_proj, a.k_proj, a.v_proj, a.out_proj,
+                                 self.final_layer_norm, self.fc1, self.fc2) for t in (m.weight, m.bias))
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, layer_fn=encoder_layer) -> torch.Tensor:
+        return layer_fn(x, key_mask, self.weights(), self.self_attn.heads, self.self_attn_layer_norm.eps)
 
 
 class AudioEncoder(nn.Module):
@@ -97,6 +112,7 @@ class AudioEncoder(nn.Module):
         self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
         self.register_buffer("positions", None, persistent=False)
         self.reset_buffers()
+        self.layer_fn = encoder_layer  # `compile_layers` makes it one compiled function for all layers
 
     def reset_buffers(self) -> None:
         """(Re)compute the sinusoid table; the loader calls this after materializing a meta-device model."""
@@ -126,8 +142,13 @@ class AudioEncoder(nn.Module):
 
     def run_layers(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x, key_mask)
+            x = layer(x, key_mask, self.layer_fn)
         return x
+
+    def compile_layers(self) -> None:
+        """The layers' math as one `torch.compile`d function (dynamic shapes: any number and length of blocks):
+        its norms, GELU and residual adds fused into a few kernels."""
+        self.layer_fn = torch.compile(encoder_layer, dynamic=True, fullgraph=True)
 
     def _conv_windows(self, features: torch.Tensor, frames: list[int]) -> tuple[torch.Tensor, list[int]]:
         """All windows of all rows through the convolutions at once -> (tokens of all rows in order [sum, d_model],

@@ -75,6 +75,7 @@ class AlignerConfig:
             raise ValueError("config.json is not a forced aligner's: thinker_config.model_type must name "
                              f"'forced_aligner', got {thinker.get('model_type')!r}")
         text = thinker.get("text_config") or {}
+        defaults = cls.__dataclass_fields__  # (a slots dataclass has no class attributes holding the defaults)
         rope = text.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError(f"unsupported text rope_scaling {rope!r} (only the default rope type)")
@@ -85,11 +86,11 @@ class AlignerConfig:
         return cls(
             audio=AudioEncoderConfig.from_dict(thinker.get("audio_config") or {}),
             text=text_cfg,
-            vocab_size=int(text.get("vocab_size", cls.vocab_size)),
-            classify_num=int(thinker.get("classify_num", cls.classify_num)),
-            audio_token_id=int(thinker.get("audio_token_id", cls.audio_token_id)),
-            timestamp_token_id=int(d.get("timestamp_token_id", cls.timestamp_token_id)),
-            timestamp_segment_time=float(d.get("timestamp_segment_time", cls.timestamp_segment_time)),
+            vocab_size=int(text.get("vocab_size", defaults["vocab_size"].default)),
+            classify_num=int(thinker.get("classify_num", defaults["classify_num"].default)),
+            audio_token_id=int(thinker.get("audio_token_id", defaults["audio_token_id"].default)),
+            timestamp_token_id=int(d.get("timestamp_token_id", defaults["timestamp_token_id"].default)),
+            timestamp_segment_time=float(d.get("timestamp_segment_time", defaults["timestamp_segment_time"].default)),
         )
 
     @classmethod

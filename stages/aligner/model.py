@@ -17,7 +17,7 @@ from torch import nn
 
 from stages.aligner.audio_encoder import AudioEncoder
 from stages.aligner.config import AlignerConfig
-from stages.layers import DecoderStack
+from stages.layers import DecoderStack, LayerKernels
 
 
 @dataclass
@@ -74,6 +74,16 @@ class ForcedAligner(nn.Module):
         if runners is not None:
             return runners.decode(x, attention_mask)
         return self.decode(x, attention_mask)
+
+    def compile_kernels(self) -> None:
+        """Both transformers' layer math as `torch.compile`d functions (dynamic shapes: one compile for every
+        batch and length): the text decoder takes the engines' `LayerKernels` over fused q/k/v and gate/up
+        products, the audio tower one compiled layer function. Most of an eager forward's GPU time is the
+        elementwise work between the products (norms in fp32, RoPE, activations, residuals), which these fuse;
+        on a GPU the CUDA graphs (stages/aligner/graphs.py) replay the compiled kernels."""
+        self.model.fuse_projections()
+        self.model.kernels = LayerKernels.compiled()
+        self.audio_tower.compile_layers()
 
     def decode(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The prompt's embeddings x [B, S, H] (audio in place) -> timestamp logits [B, S, classify_num]."""

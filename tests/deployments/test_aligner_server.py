@@ -56,6 +56,9 @@ class Spy:
     def prepare_piece(self, audio, text, sample_rate, language=""):
         return text, self.engine.prepare_piece(audio, text, sample_rate, language)
 
+    def warm_up(self, max_pieces, max_audio_s):
+        return self.engine.warm_up(max_pieces, max_audio_s)
+
     def align_prepared(self, pieces):
         texts = [text for text, _ in pieces]
         self.forwards.append(texts)

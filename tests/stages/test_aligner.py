@@ -91,3 +91,43 @@ def test_padded_shapes_of_the_graphed_path_time_as_the_plain_forward(tmp_path_fa
         a, b = aligner.logits(plain), padded.logits(graphed)
         assert a.shape == b.shape and float((a - b).abs().max()) < 1e-4
         assert padded.align(audio, texts[:n], 24000) == aligner.align(audio, texts[:n], 24000)
+
+
+def test_the_kernels_path_times_as_the_eager_forward(tmp_path_factory, aligner):
+    """On a GPU the aligner replays `ForcedAligner.compile_kernels`: the text decoder on the engines' LayerKernels
+    over fused q/k/v and gate/up products, the tower through one layer function. The same functions, uncompiled,
+    give the eager logits (fp32) and word times."""
+    from stages.aligner.audio_encoder import encoder_layer
+    from stages.layers import LayerKernels, attention_inputs, attention_output_and_mlp
+
+    path = write_random_aligner(tmp_path_factory.mktemp("kernels"), tiny=True, dtype="float32", log=lambda *_: None)
+    fused = Aligner.load(path)
+    fused.model.model.fuse_projections()
+    fused.model.model.kernels = LayerKernels(pre=attention_inputs, post=attention_output_and_mlp)
+    fused.model.audio_tower.layer_fn = lambda *args: encoder_layer(*args)  # a function other than the default
+    rng = np.random.default_rng(1)
+    audio = [(0.1 * rng.standard_normal(int((1 + 3 * i) * 24000))).astype(np.float32) for i in range(3)]
+    texts = ["One two three", "你好，世界", "Hello world again and again"]
+    a, b = aligner.logits(aligner.prepare(audio, texts, 24000)), fused.logits(fused.prepare(audio, texts, 24000))
+    assert a.shape == b.shape and float((a - b).abs().max()) < 1e-4
+    assert fused.align(audio, texts, 24000) == aligner.align(audio, texts, 24000)
+
+
+def test_warm_shapes_cover_the_forwards_a_server_makes():
+    """`AlignerGraphs.warm` captures ahead what a server's forwards meet: every prompt count up to its batch size,
+    every block count its audio makes, and prompts of ~6 s pieces at a full batch and of one long piece alone."""
+    from stages.aligner.config import AlignerConfig
+    from stages.aligner.graphs import MAX_PROMPT, warm_shapes
+
+    cfg = AlignerConfig.from_dict({"thinker_config": {"model_type": "qwen3_forced_aligner",
+                                                      "text_config": {"vocab_size": 152064}}})
+    tower, text = warm_shapes(cfg, 32, 480.0)
+    assert tower[0] == (128, 104) and tower[-1] == (1, 8) and len(set(tower)) == len(tower) == 6 * 13 + 2
+    assert {length for n, length in tower if n > 32} == {104}  # 33+ blocks of 32 pieces: one is a full block
+    rows = {r for r, _ in text}
+    assert rows == {1, 2, 4, 8, 16, 32}
+    assert (32, 256) in text and (1, MAX_PROMPT) in text and (8, MAX_PROMPT) in text
+    assert all(r * s <= 32 * 480 for r, s in text if s > MAX_PROMPT // r)
+    assert text == sorted(text, reverse=True)  # largest first: the shared buffers are allocated once
+    small_tower, small_text = warm_shapes(cfg, 4, 40.0)
+    assert max(n for n, _ in small_tower) == 16 and max(r for r, _ in small_text) == 4

@@ -47,3 +47,24 @@ def test_replayed_graphs_compute_what_the_same_padded_shapes_compute_eagerly(che
     audio, texts = _batch(3, 5)
     graphed.align(audio, texts, 24000)
     assert graphed.runners.captured == captured  # a bucket met before: no new capture
+
+
+def test_warm_up_captures_what_a_servers_forwards_meet(checkpoint):
+    """A server warms up for its batch size and padded audio (AlignerServer.start): forwards within them then
+    capture nothing (no request pays a compile or a capture), and their times equal the uncompiled eager ones'
+    within bf16 rounding."""
+    graphed = Aligner.load(checkpoint, "cuda", "bfloat16")
+    captured = graphed.warm_up(8, 60.0)
+    assert captured == graphed.runners.captured > 0
+    eager = Aligner.load(checkpoint, "cuda", "bfloat16", graphs=False)
+    agree = total = 0
+    for n, seconds in ((1, 6.0), (3, 2.5), (8, 6.0), (5, 7.5)):
+        audio, texts = _batch(n, n, seconds)
+        a = graphed.align(audio, texts, 24000)
+        b = eager.align(audio, texts, 24000)
+        for wa, wb in zip(a, b, strict=True):
+            assert [w.word for w in wa] == [w.word for w in wb]
+            agree += sum(abs(x.start - y.start) <= 0.08 and abs(x.end - y.end) <= 0.08 for x, y in zip(wa, wb, strict=True))
+            total += len(wa)
+    assert graphed.runners.captured == captured, sorted(graphed.runners.keys())
+    assert agree >= 0.9 * total, (agree, total)
