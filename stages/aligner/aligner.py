@@ -91,9 +91,12 @@ class Aligner:
     def warm_up(self, max_pieces: int, max_audio_s: float) -> int:
         """Pay the one-time costs before serving: a first forward (mel filters, kernels) and, with graphs, the
         compiles and the captures of the buckets that forwards of up to `max_pieces` pieces and `max_audio_s`
-        seconds of padded audio meet. -> graphs captured."""
+        seconds of padded audio meet. -> graphs captured so far."""
         self.align([np.zeros(SAMPLE_RATE, np.float32)], ["warm up"], SAMPLE_RATE)
-        return self.runners.warm(max_pieces, max_audio_s) if self.runners is not None else 0
+        if self.runners is None:
+            return 0
+        self.runners.warm(max_pieces, max_audio_s)
+        return self.runners.captured
 
     def min_samples(self, sample_rate: int = SAMPLE_RATE) -> int:
         """The fewest samples at `sample_rate` that `align` takes: MIN_SAMPLES once resampled to 16 kHz (resampling
