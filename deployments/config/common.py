@@ -107,7 +107,9 @@ class _DeviceOptions(_DeploymentOptions):
     gpu_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="torch.cuda.set_per_process_memory_fraction: Ray does not isolate GPU memory"
     )
-    warmup: bool = Field(True, description="run one real request before reporting ready")
+    warmup: bool = Field(True, description=(
+        "pay one-time costs before reporting ready: a first real request, and the compiles and CUDA graph captures "
+        "of an engine that has them"))
 
     @field_validator("device")
     @classmethod
