@@ -18,13 +18,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = 60) -> None:
-    """SIGINT the process group (serve run shuts Serve down cleanly), SIGKILL it if it lingers."""
-    os.killpg(process.pid, signal.SIGINT)
+    """SIGINT the group's leader (`serve run` shuts Serve down, then the Ray cluster it started), SIGKILL it if it
+    lingers, then SIGKILL whatever of its group is left. Not SIGINT to the whole group: Ray's GCS would stop at
+    once, and the driver would wait out its GCS reconnect timeout (a minute) before exiting."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGINT)
     try:
         process.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    process.wait()
 
 
 @contextlib.contextmanager
