@@ -116,6 +116,9 @@ class _Stream:
                 self._chunks.extend(self._chunker.push(item))
         return self._chunks.popleft()
 
+    def fail(self, error: BaseException) -> None:
+        self.put(error)
+
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True

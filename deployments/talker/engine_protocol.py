@@ -45,6 +45,9 @@ class EngineStream(Protocol):
 
     async def aclose(self) -> None: ...
 
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` after the chunks it holds (from the event loop or any thread)."""
+
 
 @runtime_checkable
 class TalkerEngineProtocol(Protocol):

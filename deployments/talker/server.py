@@ -24,10 +24,11 @@ from opentelemetry import trace
 from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
+from deployments.errors import APIError
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import GenerateOptions, LiveAdmitted, ModelInfo
 from deployments.metrics import TalkerMetrics
-from deployments.talker.engine_protocol import TalkerEngineProtocol
+from deployments.talker.engine_protocol import EngineStream, TalkerEngineProtocol
 from deployments.talker.first_chunk_decoder import FirstChunkDecoder
 from stages.chunking import ChunkSchedule
 from stages.contract import (
@@ -69,6 +70,7 @@ class TalkerServer:
         self._first_decoder: FirstChunkDecoder | None = None
         self._metrics_task: asyncio.Task | None = None
         self._metrics: TalkerMetrics | None = None
+        self._open: dict[str, EngineStream] = {}  # the streams of requests in this replica, by request id
 
     async def start(self) -> None:
         """Load the checkpoint, start the engine (KV sizing, graph capture), warm up with one real request."""
@@ -124,10 +126,12 @@ class TalkerServer:
         options = options or GenerateOptions()
         with tracer.start_as_current_span("talker.admission", attributes={"tts.engine_request_id": request.request_id}):
             stream = self._engine.add_request(request, self._schedule_for(options))  # chunks are cut in the engine loop
+        self._open[request.request_id] = stream
         try:
             async for chunk in self._leaving(stream, started, request.request_id):
                 yield chunk
         finally:
+            self._open.pop(request.request_id, None)
             await stream.aclose()  # no-op after a normal end; aborts the request otherwise
 
     async def generate_live(
@@ -146,11 +150,13 @@ class TalkerServer:
             stream = self._engine.open_request(request, self._schedule_for(options),
                                                idle_timeout_s=options.text_idle_timeout_s)
         pump = asyncio.get_running_loop().create_task(self._pump_text(request.request_id, mailbox))
+        self._open[request.request_id] = stream
         try:
             yield LiveAdmitted(request.request_id)
             async for chunk in self._leaving(stream, started, request.request_id):
                 yield chunk
         finally:
+            self._open.pop(request.request_id, None)
             pump.cancel()
             await stream.aclose()
 
@@ -233,10 +239,20 @@ class TalkerServer:
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: an engine that died, or one that made no step for too
         long while work was pending (the engine's heartbeat: a thread stuck in a device call looks alive to
-        `ready` alone)."""
-        if self._engine is None or not self._engine.ready:
-            raise RuntimeError(f"talker engine of {self._config.name} is not running")
-        self._engine.check_health()
+        `ready` alone). Then every stream of this replica ends now with a 503 (the client sees its failure and may
+        retry elsewhere): a stuck engine would never end them, and Serve's graceful stop would wait for them."""
+        try:
+            if self._engine is None or not self._engine.ready:
+                raise RuntimeError(f"talker engine of {self._config.name} is not running")
+            self._engine.check_health()
+        except Exception as exc:
+            if self._open:
+                logger.error(f"{exc}; ending this replica's {len(self._open)} streams")
+                failed = APIError(503, "the replica serving this request failed; retry", code="replica_failed",
+                                  retry_after_s=1.0)
+                for stream in list(self._open.values()):
+                    stream.fail(failed)
+            raise
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         s = self._engine.stats()

@@ -10,6 +10,7 @@ import pytest
 
 from deployments.code2wav.server import Code2WavServer
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig, TalkerDeploymentConfig
+from deployments.errors import APIError
 from deployments.messages import GenerateOptions
 from stages.contract import SAMPLES_PER_FRAME, FinishReason, SamplingParams, SynthesisRequest
 from stages.prompts import build_prompt
@@ -522,12 +523,17 @@ def test_talker_health_sees_an_engine_that_stopped_stepping(loop, tiny_custom_vo
                 try:
                     server.check_health()
                 except RuntimeError as e:
-                    task.cancel()
+                    # the stuck request's stream ends now, visibly, rather than when Serve's graceful stop of
+                    # the replica gives up on it
+                    with pytest.raises(APIError) as failed:
+                        await asyncio.wait_for(task, 60)
+                    assert failed.value.status == 503 and failed.value.code == "replica_failed"
                     return str(e)
                 await asyncio.sleep(0.01)
             raise AssertionError("check_health never noticed the stalled engine")
 
         assert "no step" in loop.run_until_complete(stuck())
+        assert server._open == {}  # the ended stream left the replica's books
     finally:
         server.__del__()
 

@@ -85,9 +85,10 @@ def test_killed_talker_replica_streams_fail_visibly_and_ready_recovers(base_url)
 
 def test_an_engine_that_stops_stepping_fails_health_and_its_replica_is_replaced(base_url):
     """The `fake` model's engine stalls on a request seeded STALL_SEED (a device call that never returns):
-    its heartbeat goes stale, check_health raises, and Serve replaces the replica. The stuck request's client gets
-    an answer: its deadline (504) or its replica's death (503), whichever a loaded machine makes come first (a
-    deadline short enough to pass before the stall could end the request before the engine ever took it)."""
+    its heartbeat goes stale, check_health raises and ends the replica's streams (503), and Serve replaces the
+    replica without waiting out its graceful stop for the stuck request. The client's deadline (504) is the
+    fallback, should a loaded machine make it come first (a deadline short enough to pass before the stall could
+    end the request before the engine ever took it)."""
     (old,) = replica_pids("Talker:fake")
     answers: list[httpx.Response] = []
     body = speech(model="fake", seed=STALL_SEED, timeout_s=GUARD_S / 4, response_format="pcm")
