@@ -122,11 +122,14 @@ def health() -> dict:
     return {"status": "ok"}
 
 
-async def readiness(router: ModelRouter, code2wav: DeploymentHandle) -> JSONResponse:
-    """200 when every Talker and Code2Wav has a warmed-up replica and every model info is loaded, else 503;
-    the body says which deployment is ready."""
+async def readiness(router: ModelRouter, code2wav: DeploymentHandle, aligner: DeploymentHandle | None = None
+                    ) -> JSONResponse:
+    """200 when every Talker, Code2Wav and (where the config has one) the Aligner has a warmed-up replica and every
+    model info is loaded, else 503; the body says which deployment is ready."""
     probes = {name: r.handle.ready.remote() for name, r in router.routes.items()}
     probes[C.CODE2WAV_DEPLOYMENT_NAME] = code2wav.ready.remote()
+    if aligner is not None:  # word timestamps asked of an app still warming its aligner would wait for it
+        probes[C.ALIGNER_DEPLOYMENT_NAME] = aligner.ready.remote()
     # awaited together: one probe timeout bounds the answer (a poller sees a replica ready that much sooner)
     results = await asyncio.gather(*(_probe(response) for response in probes.values()))
     state = dict(zip(probes, results, strict=True))

@@ -338,8 +338,9 @@ class TTSIngress:
         return routing.health()
 
     async def ready(self):
-        """200 only when every Talker and Code2Wav has a warmed-up replica and every model info is loaded."""
-        return await routing.readiness(self._router, self._code2wav)
+        """200 only when every Talker, Code2Wav and (where configured) the Aligner has a warmed-up replica and
+        every model info is loaded."""
+        return await routing.readiness(self._router, self._code2wav, self.aligner)
 
 
 @dataclass

@@ -67,3 +67,24 @@ def test_a_probe_that_never_answers_is_not_ready_and_is_cancelled(monkeypatch):
     assert response.status_code == 503
     assert json.loads(response.body)["deployments"] == {"cv": False, C.CODE2WAV_DEPLOYMENT_NAME: True}
     assert stuck and stuck[0].cancelled
+
+
+def test_a_configured_aligner_is_probed_too(monkeypatch):
+    """Word timestamps asked of an app whose Aligner is still warming up (its compiles and graph captures) would
+    wait for it: where the config has an Aligner, /ready waits for it as well."""
+    monkeypatch.setattr(C, "READY_PROBE_TIMEOUT_S", 0.5)
+
+    async def main(aligner_ready: bool):
+        async def yes():
+            return True
+
+        async def aligner():
+            return aligner_ready
+
+        return await health.readiness(_router(_handle(yes)), _handle(yes), _handle(aligner))
+
+    warming = asyncio.run(main(False))
+    assert warming.status_code == 503
+    assert json.loads(warming.body)["deployments"] == {"cv": True, C.CODE2WAV_DEPLOYMENT_NAME: True,
+                                                       C.ALIGNER_DEPLOYMENT_NAME: False}
+    assert asyncio.run(main(True)).status_code == 200

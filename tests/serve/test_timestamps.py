@@ -45,6 +45,11 @@ def _check_order(events: list[dict]) -> list[dict]:
     return stamps
 
 
+def test_ready_counts_the_aligner(http):
+    ready = http.get("/ready")
+    assert ready.status_code == 200 and ready.json()["deployments"]["Aligner"] is True
+
+
 def test_sse_sends_the_words_after_the_audio_and_before_done(http):
     events = _sse(http, {**FIXED, "input": TEXT, "response_format": "pcm", "timestamps": "word"})  # SSE implied
     stamps = _check_order(events)
