@@ -9,7 +9,8 @@
 #   source .gpubundle/install_bundle.sh .gpubundle && bash bench/gpu_timestamps.sh
 # Results in $OUT: aligner_cost.json, ts64/, plain256/, ts256/ (bench.loadgen results), stats_after_ts64.json and
 # stats_after_ts256.json (bench.replica_stats: where the Aligner's time went), timestamps.json (the
-# fields of docs/results/timestamps_h200.json but `parity_full_size`), serve_errors.log. SKIP_COST=1 skips step 1.
+# fields of docs/results/timestamps_h200.json but `parity_full_size`), serve_errors.log. SKIP_COST=1 skips step 1;
+# STAGGER_S=1.5 starts the streams over 1.5 s (about one request's time) instead of all at once.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$REPO"
 OUT=${OUT:-bench/out/timestamps}; ALIGNER=${ALIGNER:-/tmp/aligner-0.6b}; FRAMES=${FRAMES:-75}
@@ -30,9 +31,10 @@ curl -sf -m 5 http://127.0.0.1:8000/ready > /dev/null || {
     SET="ingress.deployment_config.autoscaling_config.min_replicas=4 code2wav.deployment_config.ray_actor_options.num_gpus=$C2W_GPUS $aligner${EXTRA_SET:+ $EXTRA_SET}" \
     bash bench/gpu_serve_runbook.sh setup || exit 1
 }
-load() {  # closed loop, SSE, fixed-length 6 s outputs
+load() {  # closed loop, SSE, fixed-length 6 s outputs; STAGGER_S spreads the streams' starts (0: all at once, a burst)
   timeout 170 python3 -m bench.loadgen --url http://127.0.0.1:8000 --mode closed --max-new-tokens "$FRAMES" \
-    --fixed-length --stream-format sse --processes 4 --warmup 16 --no-plots --progress none "$@" 2>&1 | tail -4
+    --fixed-length --stream-format sse --processes 4 --warmup 16 --no-plots --progress none \
+    --stagger-s "${STAGGER_S:-0}" "$@" 2>&1 | tail -4
 }
 aligner_stats() {  # each Aligner replica's counters since it started (bench/replica_stats.py)
   timeout 60 python3 -m bench.replica_stats --out "$OUT/$1" > /dev/null 2>&1 || echo "replica stats failed"
@@ -61,7 +63,8 @@ gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
 result = {
     "device": f"one {gpu.stdout.strip().splitlines()[0] if gpu.stdout.strip() else 'GPU'}",
     "date": datetime.date.today().isoformat(),
-    "command": f"ALIGNER_REPLICAS={os.environ.get('ALIGNER_REPLICAS', '1')} bash bench/gpu_timestamps.sh",
+    "command": f"ALIGNER_REPLICAS={os.environ.get('ALIGNER_REPLICAS', '1')} STAGGER_S={os.environ.get('STAGGER_S', '0')} "
+               "bash bench/gpu_timestamps.sh",
     # at batch 32 (what a loaded replica runs); every batch size in details
     "aligner_ms_per_audio_s": (cost.get("aligner_ms_per_audio_s") or {}).get("32"),
     "ts_lag_p95_ms_64": (ts64.get("timestamps_lag_ms") or {}).get("p95"),
