@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,31 +82,42 @@ def test_the_code2wav_engines_grad_mode_reuses_dynamos_work(tmp_path):
     assert second["loaded"] and second["traced"] == 0, second
 
 
-def test_a_variant_the_file_lacks_is_traced_after_loading(tmp_path):
+@pytest.fixture(scope="module")
+def four_then_one(tmp_path_factory) -> tuple[dict, dict, Path]:
+    """A file written by a process that compiled rows of 4, then rewritten by one that loaded it and met a row of 1
+    too -> (the first's counters, the second's, the file's directory). Two tests read it; each copies the
+    directory before starting its own third process."""
+    tmp = tmp_path_factory.mktemp("four_then_one")
+    first = _run(tmp / "shared", tmp / "inductor-a", rows="4")
+    second = _run(tmp / "shared", tmp / "inductor-b", rows="4,1")  # one row: a variant of its own
+    return first, second, tmp / "shared"
+
+
+def test_a_variant_the_file_lacks_is_traced_after_loading(tmp_path, four_then_one):
     """Dynamo's names of a loaded function and of a new trace in the same module must not collide (they did: a
     process that loaded the file failed on its first new shape; CompileCache starts Dynamo's counter afresh)."""
     from torch._dynamo import bytecode_transformation
 
     assert hasattr(bytecode_transformation, "_unique_id_counter"), "the counter CompileCache restarts is gone"
-    first = _run(tmp_path / "shared", tmp_path / "inductor-a", rows="4")
+    first, second, shared = four_then_one
     assert first["wrote"] and first["traced"] == 1
-    second = _run(tmp_path / "shared", tmp_path / "inductor-b", rows="4,1")  # one row: a variant of its own
     assert second["loaded"] and second["traced"] == 1, second
     # it wrote the file again with both variants: the next start traces and compiles nothing
     assert second["wrote"]
+    shutil.copytree(shared, tmp_path / "shared")
     third = _run(tmp_path / "shared", tmp_path / "inductor-c", rows="4,1")
     assert third["loaded"] and not third["wrote"] and third["traced"] == 0 and third["misses"] == 0, third
 
 
-def test_a_rewritten_file_keeps_what_it_had(tmp_path):
+def test_a_rewritten_file_keeps_what_it_had(tmp_path, four_then_one):
     """torch's save returns what this process recorded, and a variant served by Dynamo's loaded work records
     nothing: the rewrite after a new variant dropped the old variant's Inductor work (a served Talker's file went
     21.5 -> 3.7 MiB on an H100). Merged into the file, it stays: a later start that cannot use Dynamo's work (a
     guard that fails, a torch that drops it) traces both variants but compiles neither, in a fresh Inductor cache."""
-    first = _run(tmp_path / "shared", tmp_path / "inductor-a", rows="4")
+    first, second, shared = four_then_one
     assert first["wrote"] and first["misses"] == 1
-    second = _run(tmp_path / "shared", tmp_path / "inductor-b", rows="4,1")
     assert second["loaded"] and second["wrote"] and second["misses"] == 1  # the new variant only
+    shutil.copytree(shared, tmp_path / "shared")
     (file,) = (tmp_path / "shared").glob("torch-compile-*.bin")
     assert contents(file)["inductor"][0] == 2  # both variants' graphs (`python -m stages.compile_cache` lists them)
     third = _run(tmp_path / "shared", tmp_path / "inductor-c", rows="4,1", dynamo_work=False)
