@@ -23,7 +23,7 @@ def test_health_ready_and_models(http):
     assert http.get("/health").json() == {"status": "ok"}
     ready = http.get("/ready")
     assert ready.status_code == 200 and ready.json()["ready"] is True
-    assert set(ready.json()["deployments"]) == {"cv", "base", "vd", "cv-scale", "fake", "Code2Wav"}
+    assert set(ready.json()["deployments"]) == {"cv", "base", "vd", "cv-scale", "fake", "Code2Wav", "Aligner"}
     models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
     assert set(models) == {"cv", "base", "vd", "cv-scale", "fake"}
     assert models["cv"]["task_type"] == "CustomVoice" and models["cv"]["aliases"] == ["tts-1", "tts-1-hd", "gpt-4o-mini-tts"]
