@@ -106,6 +106,12 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def replica_failed(retry_after_s: float = 1.0) -> APIError:
+    """The answer to a request whose replica failed under it (died, or found its engine stuck): transient, 503."""
+    return APIError(503, "the replica serving this request failed; retry", code="replica_failed",
+                    retry_after_s=retry_after_s)
+
+
 def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_s: float = 1.0) -> APIError:
     """Map whatever a handle call raised to the answer the client gets."""
     from ray.exceptions import RayActorError, TaskCancelledError
@@ -134,8 +140,7 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
     if isinstance(exc, TimeoutError):
         return APIError(504, "the request did not finish before its deadline", code="timeout")
     if isinstance(exc, RayActorError):  # a replica died (killed, OOM, node lost): transient for the client
-        return APIError(503, "the replica serving this request failed; retry", code="replica_failed",
-                        retry_after_s=retry_after_s)
+        return replica_failed(retry_after_s)
     if isinstance(exc, TaskCancelledError):
         return APIError(503, "the request was cancelled by the server", code="cancelled", retry_after_s=retry_after_s)
     # ours, not the client's: the details (Ray's ActorDiedError text, addresses, tracebacks) go to the log only

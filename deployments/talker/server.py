@@ -24,7 +24,7 @@ from opentelemetry import trace
 from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
-from deployments.errors import APIError
+from deployments.errors import replica_failed
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import GenerateOptions, LiveAdmitted, ModelInfo
 from deployments.metrics import TalkerMetrics
@@ -248,8 +248,7 @@ class TalkerServer:
         except Exception as exc:
             if self._open:
                 logger.error(f"{exc}; ending this replica's {len(self._open)} streams")
-                failed = APIError(503, "the replica serving this request failed; retry", code="replica_failed",
-                                  retry_after_s=1.0)
+                failed = replica_failed()
                 for stream in list(self._open.values()):
                     stream.fail(failed)
             raise

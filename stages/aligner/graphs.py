@@ -126,23 +126,17 @@ class AlignerGraphs:
         self._tower = BucketGraphs(model.audio_tower.run_layers, capture, pool)
         self._text = BucketGraphs(model.hidden_states, capture, pool)  # the head after: its output is 5x larger
 
-    def keys(self) -> list[tuple]:
-        """The captured buckets: ("tower", blocks, tokens) and ("text", prompts, positions)."""
-        return ([("tower", *key[0][0][:2]) for key in self._tower.graphs]
-                + [("text", *key[0][0][:2]) for key in self._text.graphs])
-
     @property
     def captured(self) -> int:
         """Graphs captured so far (the buckets met)."""
         return len(self._tower.graphs) + len(self._text.graphs)
 
-    def warm(self, max_pieces: int, max_audio_s: float) -> int:
+    def warm(self, max_pieces: int, max_audio_s: float) -> None:
         """Capture ahead the buckets of `warm_shapes` (a capture met in a request's path costs that request its
         warm-up runs and, for the first shapes, the compiles), largest first so that the shared buffers are
-        allocated once. -> graphs captured."""
+        allocated once."""
         if not self._tower.capture_on:
-            return 0
-        before = self.captured
+            return
         cfg = self._model.config
         device, dtype = self._model.lm_head.weight.device, self._model.lm_head.weight.dtype
         tower, text = warm_shapes(cfg, max_pieces, max_audio_s)
@@ -153,7 +147,6 @@ class AlignerGraphs:
         for rows, s in text:
             self._text.capture(torch.zeros(rows, s, cfg.text.hidden_size, dtype=dtype, device=device),
                                torch.ones(rows, s, dtype=torch.long, device=device))
-        return self.captured - before
 
     def tower_layers(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         n, length, d = x.shape
