@@ -1,0 +1,263 @@
+"""A batch-invariant GEMM: every output row is computed the same way whatever the row count and the row's position.
+
+cuBLAS picks its kernel (tile, split-K) from M, so a row's rounding depends on how many rows share the product; that
+is why deterministic mode fixes shapes (docs/talker_engine.md, "Deterministic mode"). Here the tile configuration is
+a function of (N, K, dtype) only (`tiles`), there is no split-K and no atomics, and the K loop runs in one fixed
+order: an output element is the fp32 sum of the same [BLOCK_K] dot products, in the same order, on the same MMA
+instructions, whether its row sits alone or at row 217 of 3000. Rows past M are masked loads (zeros) that no valid
+row reads. Bias (addmm) is added to the fp32 accumulator before the one rounding to the output dtype, as cuBLAS's
+epilogue does. fp32 runs in IEEE precision (no TF32, as torch.mm by default).
+
+`enable()` / `disable()` (refcounted; `invariant_matmul()` is both as a context manager) register these kernels as
+the CUDA implementations of aten::mm, mm.out, addmm, addmm.out, bmm and bmm.out (a `torch.library.Library("aten",
+"IMPL")`; disable destroys it, which restores aten's kernels). What that covers:
+- eager F.linear / torch.matmul / @ on CUDA (they decompose to mm, addmm or bmm);
+- torch.compile'd code: without max-autotune (the project never sets it) Inductor emits its products as
+  `extern_kernels.mm(..., out=buf)` / `addmm` / `bmm`, Python calls of torch.mm & co. that go through the
+  dispatcher to the .out overloads at run time (and so inside CUDA-graph captures of it); checked on CPU with these
+  kernels registered for the CPU key (tests/interpreted/invariant_matmul.py) and on CUDA by
+  tests/stages/gpu/test_invariant_matmul_gpu.py. Kernels compiled before `enable()` take it too: the lookup is at
+  every call. A CUDA graph captured before `enable()` keeps the cuBLAS kernels it recorded.
+Not covered: Inductor's own Triton mm templates (max-autotune only) and `native_matmul`; aten ops other than the six
+(mv, addmv, baddbmm, addbmm, dot, the out_dtype overloads, _scaled_mm, _int_mm); attention (SDPA and the project's
+attention kernels are per-row kernels, not these products). Other dtypes (fp64, complex) go to cuBLAS through
+aten::baddbmm (not invariant); addmm with beta or alpha other than 1 raises. CPU tensors never reach the override
+(it is registered for the CUDA key only), so nothing recurses into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: nothing to register a CUDA kernel for
+    triton = None
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_GRID_Y = 65535  # batch entries per launch (CUDA's grid y limit)
+
+
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int  # row tiles that walk the column tiles together (prefill: a weight tile is read while in L2)
+    num_warps: int
+    num_stages: int
+
+
+def tiles(n: int, k: int, dtype: torch.dtype) -> Tiles:
+    """The tile configuration of an [M, K] x [K, N] product: a function of (N, K, dtype), never of M.
+
+    One configuration serves decode (M 1-512, memory-bound: the weight's bytes decide) and prefill (M ~100-8000,
+    compute-bound). BLOCK_M is 64, one warpgroup's wgmma on Hopper: rows past M cost MMA work but no loads, and
+    decode is bound by the weight. BLOCK_N trades the two regimes: at M <= 64 the programs are N / BLOCK_N, and
+    streaming a weight at full HBM bandwidth wants ~64+ SMs each with a deep pipeline of loads; at M 256-512 and in
+    prefill each program re-reads its A tile for every BLOCK_N columns (L2 traffic ~ M*N*K * (1/BLOCK_N +
+    1/BLOCK_M)), so narrow tiles are L2-bound. So BLOCK_N is the widest of 32..128 that leaves >= 64 column tiles
+    (1.7B shapes: N 1024 -> 32 programs, 2048 -> 64, 3072 -> 96, 4096 -> 64, 6144 -> 96, 12288 -> 96), never under
+    32 (an N-16 wgmma and 4x the A traffic). BLOCK_K 128 bf16/fp16 with 4 stages keeps 32-64 KB of weight in flight
+    per program (3 stages at BLOCK_N 128: 144 KB of shared memory per stage set). fp32 (IEEE: FMAs, not tensor
+    cores; tests and references, not the Talker's path) uses shorter tiles. `python -m bench.kernels.invariant_matmul
+    --sweep` times the alternatives on a GPU; tests/interpreted/compile_sm90.py checks every configuration this
+    returns compiles for sm_90 without spills.
+    """
+    block_n = 32
+    while block_n < 128 and n // (2 * block_n) >= 64:
+        block_n *= 2
+    if dtype == torch.float32:
+        return Tiles(64, min(block_n, 64), 32, 8, 4, 3)
+    return Tiles(64, block_n, 128, 8, 4, 3 if block_n >= 128 else 4)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M (no M == 1 / M % 16 variants)
+    def _matmul_kernel(
+        a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+        stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn, stride_cb, stride_cm, stride_cn,
+        stride_biasm, stride_biasn,
+        BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        # grouped order: GROUP_M row tiles take each column tile in turn (which program computes a tile changes
+        # nothing in what it computes)
+        pid = tl.program_id(0)
+        batch = tl.program_id(1).to(tl.int64)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = min(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_rows
+        pid_n = (pid % per_group) // group_rows
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        a_ptrs = a_ptr + batch * stride_ab + rm[:, None] * stride_am + rk[None, :] * stride_ak
+        b_ptrs = b_ptr + batch * stride_bb + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # one order, whole K: no split-K
+            k_ok = rk < K - k0
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        ok = m_ok[:, None] & n_ok[None, :]
+        if BIAS:  # before the rounding, as addmm's epilogue
+            acc += tl.load(bias_ptr + rm[:, None] * stride_biasm + rn[None, :] * stride_biasn, mask=ok,
+                           other=0.0).to(tl.float32)
+        c_ptrs = c_ptr + batch * stride_cb + rm[:, None] * stride_cm + rn[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+            config: Tiles | None) -> torch.Tensor:
+    """out[i] = a[i] @ b[i] (+ bias, [M, N]-broadcast) for 3-D a [B, M, K], b [B, K, N], out [B, M, N]."""
+    batch, m, k = a.shape
+    n = b.shape[2]
+    if out.numel() == 0:
+        return out
+    if k == 0:  # an empty sum: nothing to launch over
+        return out.copy_(bias.expand(out.shape)) if bias is not None else out.zero_()
+    if triton is None:
+        raise RuntimeError("the invariant matmul needs Triton")
+    cfg = config or tiles(n, k, a.dtype)
+    bias_strides = bias.stride() if bias is not None else (0, 0)
+    device = (torch.cuda.device(a.device) if a.is_cuda and a.device.index != torch.cuda.current_device()
+              else contextlib.nullcontext())
+    with device:
+        for b0 in range(0, batch, MAX_GRID_Y):
+            a_, b_, out_ = a[b0:b0 + MAX_GRID_Y], b[b0:b0 + MAX_GRID_Y], out[b0:b0 + MAX_GRID_Y]
+            grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), a_.shape[0])
+            _matmul_kernel[grid](
+                a_, b_, out_, bias if bias is not None else out_, m, n, k, *a_.stride(), *b_.stride(), *out_.stride(),
+                *bias_strides, BIAS=bias is not None, IEEE=a.dtype == torch.float32, BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )
+    return out
+
+
+def _checked(a: torch.Tensor, b: torch.Tensor, dims: int, name: str) -> None:
+    if a.dim() != dims or b.dim() != dims:
+        raise RuntimeError(f"{name}: expected {dims}-D tensors, got {a.dim()}-D and {b.dim()}-D")
+    if a.shape[-1] != b.shape[-2] or (dims == 3 and a.shape[0] != b.shape[0]):
+        raise RuntimeError(f"{name}: shapes cannot be multiplied ({tuple(a.shape)} and {tuple(b.shape)})")
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"{name}: expected both operands to have the same dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise RuntimeError(f"{name}: expected both operands on the same device, got {a.device} and {b.device}")
+
+
+def _result(out: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    if out.dtype != like.dtype or out.device != like.device:
+        raise RuntimeError(f"{name}: out is {out.dtype} on {out.device}, expected {like.dtype} on {like.device}")
+    if tuple(out.shape) != shape:
+        out.resize_(shape)
+    return out
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
+             config: Tiles | None) -> torch.Tensor:
+    """3-D operands (a [B, M, K], b [B, K, N], out [B, M, N], bias [M, N]-broadcast) through the kernel; dtypes it
+    does not serve through aten::baddbmm (cuBLAS), which the override leaves alone: no recursion."""
+    if a.dtype in DTYPES:
+        return _launch(a, b, out, bias, config)
+    base = bias if bias is not None else a.new_zeros(1, 1, 1)
+    return out.copy_(torch.baddbmm(base, a, b, beta=1 if bias is not None else 0))
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None, config: Tiles | None = None
+       ) -> torch.Tensor:
+    """a [M, K] @ b [K, N] -> [M, N] in a's dtype; any strides."""
+    _checked(a, b, 2, "mm")
+    out = _result(out, a, (a.shape[0], b.shape[1]), "mm")
+    _product(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), None, config)
+    return out
+
+
+def addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alpha=1, out: torch.Tensor | None = None,
+          config: Tiles | None = None) -> torch.Tensor:
+    """bias (broadcast to [M, N]) + a @ b, the sum rounded once; beta and alpha must be 1."""
+    if beta != 1 or alpha != 1:
+        raise NotImplementedError(f"invariant addmm: only beta=1, alpha=1 (got beta={beta}, alpha={alpha})")
+    _checked(a, b, 2, "addmm")
+    shape = (a.shape[0], b.shape[1])
+    out = _result(out, a, shape, "addmm")
+    _product(a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0), bias.expand(shape), config)
+    return out
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None, config: Tiles | None = None
+        ) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] -> [B, M, N]: every batch entry through the same kernel (a 2-D grid)."""
+    _checked(a, b, 3, "bmm")
+    out = _result(out, a, (a.shape[0], a.shape[1], b.shape[2]), "bmm")
+    return _product(a, b, out, None, config)
+
+
+def _register(dispatch_key: str) -> torch.library.Library:
+    """A Library holding the six overrides for `dispatch_key` ("CUDA"; tests: "CPU" under Triton's interpreter)."""
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("mm", lambda a, b: mm(a, b), dispatch_key)
+    lib.impl("mm.out", lambda a, b, *, out: mm(a, b, out=out), dispatch_key)
+    lib.impl("addmm", lambda bias, a, b, *, beta=1, alpha=1: addmm(bias, a, b, beta=beta, alpha=alpha), dispatch_key)
+    lib.impl("addmm.out", lambda bias, a, b, *, beta=1, alpha=1, out: addmm(bias, a, b, beta=beta, alpha=alpha,
+                                                                            out=out), dispatch_key)
+    lib.impl("bmm", lambda a, b: bmm(a, b), dispatch_key)
+    lib.impl("bmm.out", lambda a, b, *, out: bmm(a, b, out=out), dispatch_key)
+    return lib
+
+
+_lock = threading.Lock()
+_library: torch.library.Library | None = None
+_users = 0
+
+
+def enable() -> None:
+    """Route CUDA mm/addmm/bmm (and their .out forms) through the invariant kernel until the matching `disable()`."""
+    global _library, _users
+    with _lock:
+        if _users == 0:
+            _library = _register("CUDA")
+        _users += 1
+
+
+def disable() -> None:
+    """Undo one `enable()`; the last one restores aten's kernels."""
+    global _library, _users
+    with _lock:
+        if _users == 0:
+            raise RuntimeError("invariant_matmul.disable() without a matching enable()")
+        _users -= 1
+        if _users == 0:
+            _library._destroy()
+            _library = None
+
+
+def enabled() -> bool:
+    return _users > 0
+
+
+@contextlib.contextmanager
+def invariant_matmul():
+    enable()
+    try:
+        yield
+    finally:
+        disable()
