@@ -18,24 +18,27 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from stages import gemv_kernels, sampling_kernel
+import torch
+
+from stages import gemv_kernels, invariant_matmul, sampling_kernel
 from stages.talker import paged_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int, aligned: tuple[str, ...] = ()
-                   ) -> tuple[int, int, int]:
-    """(registers, spill store bytes, vector loads) of one variant. Pointers, and the integer arguments in
+def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int, aligned: tuple[str, ...] = (),
+                   count: str = r"ld\.global(?:\.\w+)*\.v[248]", num_stages: int = 3) -> tuple[int, int, int]:
+    """(registers, spill store bytes, matches of `count`) of one variant. Pointers, and the integer arguments in
     `aligned`, are marked divisible by 16 as Triton's launcher marks them for the engine's tensors (which is what
-    lets it vectorize loads); the last count is the loads of 8+ bytes in the PTX."""
+    lets it vectorize loads); the last count is by default the loads of 8+ bytes in the PTX."""
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, kind in signature.items() if kind.startswith("*") or name in aligned}
-    options = {"num_warps": num_warps, **({"launch_pdl": True} if constexprs.get("PDL") else {})}
+    options = {"num_warps": num_warps, "num_stages": num_stages,
+               **({"launch_pdl": True} if constexprs.get("PDL") else {})}
     kernel = triton.compile(ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
                                       constexprs=constexprs, attrs=attrs), target=TARGET, options=options)
-    vector_loads = len(re.findall(r"ld\.global(?:\.\w+)*\.v[248]", kernel.asm["ptx"]))
+    vector_loads = len(re.findall(count, kernel.asm["ptx"]))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kernel.asm["ptx"])
         f.flush()
@@ -114,5 +117,31 @@ def sampling() -> dict:
         aligned=("stride_row", "V")) for v_p in (2048, 4096) for pdl in (False, True)}
 
 
+def matmul() -> dict:
+    """Every tile configuration `invariant_matmul.tiles` returns for the 1.7B and 0.6B products (talker, code
+    predictor, text projection, heads), per dtype, as nn.Linear launches it (B = weight.t(), with a bias) and with
+    a contiguous B (bmm, mm of activations). The count is wgmma instructions (bf16/fp16: the tensor cores)."""
+    shapes = [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (3072, 2048), (4096, 1024), (1024, 2048),
+              (6144, 1024), (1024, 3072), (2048, 1024), (3072, 1024), (1024, 1024)]
+    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    out = {}
+    for dtype, name in types.items():
+        for cfg in sorted({invariant_matmul.tiles(n, k, dtype) for n, k in shapes}, key=lambda t: t.block_n):
+            for layout, bias in (("weight.t()", True), ("contiguous", False)):
+                sig = {"a_ptr": f"*{name}", "b_ptr": f"*{name}", "c_ptr": f"*{name}", "bias_ptr": f"*{name}",
+                       "M": "i32", "N": "i32", "K": "i32", "stride_ab": "i32", "stride_am": "i32",
+                       "stride_bb": "i32", "stride_cb": "i32", "stride_cm": "i32", "stride_biasm": "i32"}
+                ones = {"stride_ak": 1, "stride_cn": 1, "stride_biasn": 1}  # the launcher specializes 1s
+                ones |= {"stride_bk": 1} if layout == "weight.t()" else {"stride_bn": 1}
+                sig |= {"stride_bn": "i32"} if layout == "weight.t()" else {"stride_bk": "i32"}
+                out[f"{name} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {layout}"] = \
+                    compile_kernel(invariant_matmul._matmul_kernel, sig, {
+                        **ones, "BIAS": bias, "IEEE": dtype == torch.float32, "BLOCK_M": cfg.block_m,
+                        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}, cfg.num_warps,
+                        aligned=("N", "K", "stride_am", "stride_bn", "stride_bk", "stride_cm", "stride_ab",
+                                 "stride_bb", "stride_cb", "stride_biasm"), count=r"wgmma\.mma_async", num_stages=cfg.num_stages)
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps({"gemv": gemv(), "attention": attention(), "sampling": sampling()}))
+    print(json.dumps({"gemv": gemv(), "attention": attention(), "sampling": sampling(), "matmul": matmul()}))

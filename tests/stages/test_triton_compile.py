@@ -13,8 +13,13 @@ from tests.triton_interpreter import run_interpreted
 pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: minutes on 2 cores
 
 
-def test_decode_kernels_compile_for_sm90_without_spills():
-    result = run_interpreted("compile_sm90.py", interpret=False)
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    return run_interpreted("compile_sm90.py", interpret=False)
+
+
+def test_decode_kernels_compile_for_sm90_without_spills(compiled):
+    result = {group: compiled[group] for group in ("gemv", "attention", "sampling")}
     # 10 products (8 layer products, the head, the input projection) x (4 row counts + 1 row with PDL); 4
     # attention tilings x 3 (plain, new-K/V store, + head prologue) + split kernel and merge at
     # 2 and 16 splits and at 16 with PDL, + PDL without splits (no merge); 2 vocab sizes x (plain, PDL)
@@ -24,3 +29,15 @@ def test_decode_kernels_compile_for_sm90_without_spills():
             assert 0 < registers <= 255 and spill_bytes == 0, (group, name, registers, spill_bytes)
             # with the launcher's 16-byte alignment facts, weights and K/V are read in 8-16 byte loads
             assert vector_loads > 0, (group, name)
+
+
+def test_invariant_matmul_compiles_for_sm90_without_spills(compiled):
+    """Every tile configuration `invariant_matmul.tiles` picks for the 1.7B/0.6B products, per dtype, as nn.Linear
+    launches it (B = weight.t(), bias) and with a contiguous B: no spills, and bf16/fp16 on the tensor cores
+    (wgmma; fp32 runs IEEE FMAs)."""
+    result = compiled["matmul"]
+    # 3 tile configurations (BLOCK_N 32, 64, 128) for bf16 and fp16, 2 for fp32 (BLOCK_N <= 64), x 2 layouts
+    assert len(result) == 16
+    for name, (registers, spill_bytes, wgmma) in result.items():
+        assert 0 < registers <= 255 and spill_bytes == 0, (name, registers, spill_bytes)
+        assert (wgmma > 0) == (not name.startswith("fp32")), (name, wgmma)

@@ -1,0 +1,78 @@
+"""The batch-invariant GEMM (stages/invariant_matmul.py) on CPU: what the Triton kernel computes and that rows are
+bit-identical across row counts and positions, under Triton's interpreter (tests/triton_interpreter.py), and the
+switch that routes aten's mm/addmm/bmm to it on CUDA. On CUDA (bf16, the Talker's shapes, torch.compile and CUDA
+graphs): tests/stages/gpu/test_invariant_matmul_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages import invariant_matmul
+from tests.triton_interpreter import run_interpreted
+
+OPS = ("aten::mm", "aten::mm.out", "aten::addmm", "aten::addmm.out", "aten::bmm", "aten::bmm.out")
+
+
+def overridden() -> list[bool]:
+    """Whether each op has a CUDA kernel (a CPU build has none, so only the override makes one)."""
+    return [torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA") for op in OPS]
+
+
+@pytest.mark.slow  # Triton interpreter and Inductor in a subprocess: ~30 s on 2 cores
+def test_kernel_computes_the_product_and_rows_do_not_depend_on_the_batch():
+    result = run_interpreted("invariant_matmul.py")
+    assert set(result["products"]) == {"mm", "addmm", "mm.out", "addmm.out", "bmm", "bmm.out", "k0"}
+    for name, err in result["products"].items():
+        assert err <= 1e-6, (name, err)  # fp32, summation order only (seen: <= 1.8e-7)
+    control = result["invariance"].pop("control: BLOCK_K 64")
+    assert not control  # another K tiling rounds differently: bit equality is a real check here
+    assert len(result["invariance"]) == 29 and all(result["invariance"].values()), result["invariance"]
+    # compiled F.linear (dynamic shapes; 2-D and 3-D inputs, with and without bias): Inductor's extern
+    # mm.out / addmm.out calls went through the override, one launch per call, bit-equal to the eager kernel
+    compiled = result["compiled"]
+    assert compiled.pop("after destroy") == [True, 0]  # the Library destroyed: aten's CPU kernel again
+    assert len(compiled) == 8 and all(v == [True, 1] for v in compiled.values()), compiled
+
+
+def test_enable_disable_are_refcounted_and_leave_cpu_tensors_alone():
+    gen = torch.Generator().manual_seed(0)
+    a, w, bias = torch.randn(5, 16, generator=gen), torch.randn(8, 16, generator=gen), torch.randn(8, generator=gen)
+    batched = torch.randn(3, 5, 16, generator=gen)
+
+    def cpu_results() -> list[torch.Tensor]:
+        return [torch.mm(a, w.t()), F.linear(a, w, bias), torch.bmm(batched, w.t().expand(3, 16, 8)), a @ w.t()]
+
+    before, baseline = overridden(), cpu_results()
+    assert not any(before) and not invariant_matmul.enabled()
+    invariant_matmul.enable()
+    invariant_matmul.enable()
+    try:
+        assert all(overridden()) and invariant_matmul.enabled()
+        for got, want in zip(cpu_results(), baseline):  # the CPU key's kernels are aten's: bit-identical results
+            assert torch.equal(got, want)
+        invariant_matmul.disable()
+        assert all(overridden()), "one enable() still holds the override"
+    finally:
+        invariant_matmul.disable()
+    assert overridden() == before and not invariant_matmul.enabled()
+    with pytest.raises(RuntimeError, match="without a matching enable"):
+        invariant_matmul.disable()
+    with invariant_matmul.invariant_matmul():
+        assert all(overridden())
+    assert overridden() == before
+
+
+def test_tiles_depend_on_n_k_and_dtype_only():
+    """The tile function takes no row count; on the 1.7B talker's widest products it leaves >= 64 column tiles
+    (programs at decode) and its tiles stay tensor-core sized."""
+    for n, k in ((4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (3072, 2048)):
+        cfg = invariant_matmul.tiles(n, k, torch.bfloat16)
+        assert cfg.block_m == 64 and 32 <= cfg.block_n <= 128 and -(-n // cfg.block_n) >= 64, (n, k, cfg)
+    assert invariant_matmul.tiles(1024, 3072, torch.bfloat16).block_n == 32
+
+
+def test_addmm_other_than_beta_alpha_one_is_refused():
+    with pytest.raises(NotImplementedError, match="beta=1, alpha=1"):
+        invariant_matmul.addmm(torch.zeros(2), torch.zeros(2, 3), torch.zeros(3, 2), beta=0.5)
