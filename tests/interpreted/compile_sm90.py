@@ -14,11 +14,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-
-import torch
 
 from stages import gemv_kernels, invariant_matmul, sampling_kernel
 from stages.talker import paged_attention
@@ -139,7 +138,8 @@ def matmul() -> dict:
                         **ones, "BIAS": bias, "IEEE": dtype == torch.float32, "BLOCK_M": cfg.block_m,
                         "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}, cfg.num_warps,
                         aligned=("N", "K", "stride_am", "stride_bn", "stride_bk", "stride_cm", "stride_ab",
-                                 "stride_bb", "stride_cb", "stride_biasm"), count=r"wgmma\.mma_async", num_stages=cfg.num_stages)
+                                 "stride_bb", "stride_cb", "stride_biasm"),
+                        count=r"wgmma\.mma_async", num_stages=cfg.num_stages)
     return out
 
 
