@@ -18,7 +18,8 @@ the CUDA implementations of aten::mm, mm.out, addmm, addmm.out, bmm and bmm.out 
   kernels registered for the CPU key (tests/interpreted/invariant_matmul.py) and on CUDA by
   tests/stages/gpu/test_invariant_matmul_gpu.py. Kernels compiled before `enable()` take it too: the lookup is at
   every call. A CUDA graph captured before `enable()` keeps the cuBLAS kernels it recorded.
-Not covered: Inductor's own Triton mm templates (max-autotune only) and `native_matmul`; aten ops other than the six
+Not covered: Inductor's own Triton mm templates (max-autotune only) and `native_matmul`; Inductor's `cpp_wrapper` and
+AOTInductor (their C shims call aten's CUDA kernels directly, not through the dispatcher); aten ops other than the six
 (mv, addmv, baddbmm, addbmm, dot, the out_dtype overloads, _scaled_mm, _int_mm); attention (SDPA and the project's
 attention kernels are per-row kernels, not these products). Other dtypes (fp64, complex) go to cuBLAS through
 aten::baddbmm (not invariant); addmm with beta or alpha other than 1 raises. CPU tensors never reach the override
@@ -64,7 +65,7 @@ def tiles(n: int, k: int, dtype: torch.dtype) -> Tiles:
     1/BLOCK_M)), so narrow tiles are L2-bound. So BLOCK_N is the widest of 32..128 that leaves >= 64 column tiles
     (1.7B shapes: N 1024 -> 32 programs, 2048 -> 64, 3072 -> 96, 4096 -> 64, 6144 -> 96, 12288 -> 96), never under
     32 (an N-16 wgmma and 4x the A traffic). BLOCK_K 128 bf16/fp16 with 4 stages keeps 32-64 KB of weight in flight
-    per program (3 stages at BLOCK_N 128: 144 KB of shared memory per stage set). fp32 (IEEE: FMAs, not tensor
+    per program (3 stages at BLOCK_N 128: 96 KB, 144 KB of shared memory with A's tiles). fp32 (IEEE: FMAs, not tensor
     cores; tests and references, not the Talker's path) uses shorter tiles. `python -m bench.kernels.invariant_matmul
     --sweep` times the alternatives on a GPU; tests/interpreted/compile_sm90.py checks every configuration this
     returns compiles for sm_90 without spills.
