@@ -6,8 +6,10 @@ Loads a checkpoint (a full-size random one under --workdir unless --checkpoint),
 deterministic mode (bf16, CUDA graphs, compiled kernels, max_num_seqs rows) and compares a seeded probe's codes alone
 with its codes beside 7, 63, 255 and 511 other requests (half of them arriving while it runs), sampled, and beside
 63 greedy; then Code2Wav in deterministic mode: the probe's PCM decoded alone and with other streams' chunks. Then
-throughput at --concurrency streams, deterministic against the default mode (Talker frames/s in the engine; Code2Wav
-frames/s decoding the chunks of that many streams). Prints one JSON:
+throughput at --concurrency streams, deterministic against the default mode: the Talker engine's frames/s in a closed
+loop (each stream starts its next request when the last ends, counted over --sustained-s; `talker_sustained` says
+where the engine's device time went) and in a synchronized burst (`talker_burst_cost`); Code2Wav's frames/s decoding
+the chunks of that many streams. `--skip-checks`: the throughput only. Prints one JSON:
 {"alone_vs_batch": {"8": "identical" | "differs from frame i (k/n frames identical)", ..., "greedy_64": ...},
  "pcm_alone_vs_batch": {...}, "throughput_cost": {"talker": 0.12, "code2wav": 0.05}, ...}.
 `--tiny` runs tiny shapes (a CPU smoke run: on CPU the engines are eager).
@@ -34,6 +36,7 @@ from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import write_random_checkpoint
 from stages.talker.engine import TalkerEngine
 from stages.talker.engine_config import TalkerEngineConfig
+from stages.talker.stats import EngineStats
 
 SAMPLED = SamplingParams(suppress_eos=True)
 GREEDY = SamplingParams(do_sample=False, subtalker_do_sample=False, suppress_eos=True)
@@ -97,7 +100,8 @@ def alone_vs_batch(engine: TalkerEngine, prompt_list: list, batches: list[int], 
 
 
 def talker_frames_per_s(engine: TalkerEngine, prompt_list: list, concurrency: int, frames: int) -> float:
-    """Frames per second of `concurrency` streams of `frames` frames each, started together (after one warm run)."""
+    """Burst: frames per second of `concurrency` streams of `frames` frames each, all started together (after one
+    warm run): every prompt's prefill at once, then the decode."""
     async def run():
         await asyncio.gather(*(_drain(engine, SynthesisRequest(f"t{i}-{time.monotonic_ns()}", prompt_list[i % 4],
                                                                 SAMPLED, frames, seed=i)) for i in range(concurrency)))
@@ -105,6 +109,51 @@ def talker_frames_per_s(engine: TalkerEngine, prompt_list: list, concurrency: in
     t0 = time.perf_counter()
     asyncio.run(run())
     return concurrency * frames / (time.perf_counter() - t0)
+
+
+def talker_sustained(engine: TalkerEngine, prompt_list: list, concurrency: int, frames: int,
+                     seconds: float, warmup_s: float) -> dict:
+    """Closed loop, as the served figures are measured: `concurrency` streams, each starting its next request when
+    the last ends (their first requests of 1..`frames` frames, so that ends and prefills spread over the steps).
+    -> frames/s counted over `seconds` after `warmup_s`, and where the engine's time went in that window."""
+    async def run():
+        loop = asyncio.get_running_loop()
+        start = loop.time() + warmup_s
+        stop = start + seconds
+        counted, before = 0, None
+
+        async def stream(i: int) -> None:
+            nonlocal counted, before
+            n = 0
+            while loop.time() < stop:
+                length = 1 + i * frames // concurrency if n == 0 else frames
+                request = SynthesisRequest(f"s{i}-{n}-{time.monotonic_ns()}", prompt_list[(i + n) % 4], SAMPLED,
+                                           length, seed=1000 * i + n)
+                async for chunk in engine.add_request(request):
+                    now = loop.time()
+                    if before is None and now >= start:
+                        before = engine.stats()
+                    if start <= now < stop:
+                        counted += chunk.codes.shape[0] - chunk.context
+                n += 1
+
+        async def snapshot_at_stop() -> EngineStats:
+            await asyncio.sleep(stop - loop.time())
+            return engine.stats()
+
+        at_stop = asyncio.create_task(snapshot_at_stop())
+        await asyncio.gather(*(stream(i) for i in range(concurrency)))
+        return counted / seconds, before, await at_stop
+    fps, a, b = asyncio.run(run())
+    steps = b.steps - a.steps
+    clock_a, clock_b = a.device_clock, b.device_clock
+    return {"frames_per_s": round(fps, 1), "steps": steps, "mean_step_rows": round((b.frames - a.frames) / max(steps, 1), 1),
+            "prefills": b.prefills - a.prefills, "admitted": b.admitted - a.admitted,
+            "device_step_ms": round(1000 * (clock_b.step_seconds - clock_a.step_seconds) / max(
+                clock_b.steps - clock_a.steps, 1), 3),
+            "device_prefill_s_per_s": round((clock_b.prefill_device_seconds - clock_a.prefill_device_seconds) / seconds, 3),
+            "device_step_s_per_s": round((clock_b.step_seconds - clock_a.step_seconds) / seconds, 3),
+            "device_idle_s_per_s": round((clock_b.idle_gap_seconds - clock_a.idle_gap_seconds) / seconds, 3)}
 
 
 def code2wav_checks(decoder, probe_codes: np.ndarray, batches: list[int], concurrency: int, rows: int):
@@ -158,7 +207,9 @@ def main() -> None:
     ap.add_argument("--batches", default="8,64,256,512")
     ap.add_argument("--frames", type=int, default=40, help="frames of the probe")
     ap.add_argument("--concurrency", type=int, default=256, help="streams of the throughput comparison")
-    ap.add_argument("--throughput-frames", type=int, default=100)
+    ap.add_argument("--throughput-frames", type=int, default=75, help="frames of each throughput request (6 s)")
+    ap.add_argument("--sustained-s", type=float, default=20.0, help="closed-loop window of the throughput comparison")
+    ap.add_argument("--skip-checks", action="store_true", help="throughput only (no invariance checks)")
     ap.add_argument("--throughput-rows", type=int, default=None, help=(
         "max_num_seqs of the throughput comparison's engines (default: the largest batch): deterministic mode runs "
         "every step at this many rows, so a deployment sized to its concurrency pays least"))
@@ -181,7 +232,9 @@ def main() -> None:
     probe_codes = None
     throughput_rows = args.throughput_rows or rows
     result["throughput_rows"] = throughput_rows
-    runs = [(True, rows, True)] + ([(True, throughput_rows, False)] if throughput_rows != rows else [])
+    runs = ([] if args.skip_checks else [(True, rows, True)]) + (
+        [(True, throughput_rows, False)] if throughput_rows != rows or args.skip_checks else [])
+    sustained, burst = {}, {}
     for deterministic, n, checks in [*runs, (False, throughput_rows, False)]:
         # one engine at a time: each loads its own model (compile rewrites it)
         model = Qwen3TTS.load(ckpt, device=device, dtype=dtype, decoder=False, voice=False, log=lambda _m: None)
@@ -192,16 +245,27 @@ def main() -> None:
                 result["alone_vs_batch"] = alone_vs_batch(engine, plist, batches, args.frames)
                 probe_codes = probe(engine, plist, SAMPLED, 0, args.frames)
             if n == throughput_rows:
-                speed["deterministic" if deterministic else "default"] = talker_frames_per_s(
-                    engine, plist, args.concurrency, args.throughput_frames)
+                mode = "deterministic" if deterministic else "default"
+                sustained[mode] = talker_sustained(engine, plist, args.concurrency, args.throughput_frames,
+                                                   args.sustained_s, warmup_s=min(5.0, args.sustained_s / 2))
+                speed[mode] = sustained[mode]["frames_per_s"]
+                burst[mode] = talker_frames_per_s(engine, plist, args.concurrency, args.throughput_frames)
+                print(json.dumps({mode: sustained[mode], "burst_frames_per_s": burst[mode]}), flush=True)
         finally:
             engine.shutdown()
         del engine, model
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+    result["talker_sustained"] = sustained
+    result["talker_burst_cost"] = round(1 - burst["deterministic"] / burst["default"], 4)
+    if probe_codes is None:
+        probe_codes = np.random.default_rng(0).integers(0, 2048, (args.frames, 16))
     decoder = Qwen3TTS.load(ckpt, device=device, dtype=dtype, talker=False, decoder=True, voice=False).decoder
-    result["pcm_alone_vs_batch"], c2w_speed = code2wav_checks(decoder, probe_codes, batches, args.concurrency, rows)
+    pcm, c2w_speed = code2wav_checks(decoder, probe_codes, [] if args.skip_checks else batches, args.concurrency,
+                                     rows)
+    if not args.skip_checks:
+        result["pcm_alone_vs_batch"] = pcm
     result["frames_per_s"] = {"talker": speed, "code2wav": c2w_speed}
     result["throughput_cost"] = {k: round(1 - s["deterministic"] / s["default"], 4)
                                  for k, s in (("talker", speed), ("code2wav", c2w_speed))}

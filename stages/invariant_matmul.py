@@ -57,25 +57,25 @@ class Tiles:
 def tiles(n: int, k: int, dtype: torch.dtype) -> Tiles:
     """The tile configuration of an [M, K] x [K, N] product: a function of (N, K, dtype), never of M.
 
-    One configuration serves decode (M 1-512, memory-bound: the weight's bytes decide) and prefill (M ~100-8000,
-    compute-bound). BLOCK_M is 64, one warpgroup's wgmma on Hopper: rows past M cost MMA work but no loads, and
-    decode is bound by the weight. BLOCK_N trades the two regimes: at M <= 64 the programs are N / BLOCK_N, and
-    streaming a weight at full HBM bandwidth wants ~64+ SMs each with a deep pipeline of loads; at M 256-512 and in
-    prefill each program re-reads its A tile for every BLOCK_N columns (L2 traffic ~ M*N*K * (1/BLOCK_N +
-    1/BLOCK_M)), so narrow tiles are L2-bound. So BLOCK_N is the widest of 32..128 that leaves >= 64 column tiles
-    (1.7B shapes: N 1024 -> 32 programs, 2048 -> 64, 3072 -> 96, 4096 -> 64, 6144 -> 96, 12288 -> 96), never under
-    32 (an N-16 wgmma and 4x the A traffic). BLOCK_K 128 bf16/fp16 with 4 stages keeps 32-64 KB of weight in flight
-    per program (3 stages at BLOCK_N 128: 96 KB, 144 KB of shared memory with A's tiles). fp32 (IEEE: FMAs, not tensor
-    cores; tests and references, not the Talker's path) uses shorter tiles. `python -m bench.kernels.invariant_matmul
-    --sweep` times the alternatives on a GPU; tests/interpreted/compile_sm90.py checks every configuration this
+    One configuration serves decode (M 1-512: the weight's bytes decide) and prefill (M ~100-8000: compute). The
+    table is the H200 sweep's best per Talker product summed over 64, 256 and 512 rows (`python -m
+    bench.kernels.invariant_matmul --sweep`; docs/benchmarks.md): wide products (N >= 8192) take 128 x 128 tiles on
+    two warpgroups; N 4096 at K 2048 128 x 64; K 1024 (the code predictor) BLOCK_K 64; N <= 1024 BLOCK_N 32 (enough
+    programs at few rows); the rest 64 x 64 x 128. fp32 (IEEE: FMAs, not tensor cores; tests and references, not the
+    Talker's bf16 path) uses shorter tiles. tests/interpreted/compile_sm90.py checks that each configuration this
     returns compiles for sm_90 without spills.
     """
-    block_n = 32
-    while block_n < 128 and n // (2 * block_n) >= 64:
-        block_n *= 2
     if dtype == torch.float32:
-        return Tiles(64, min(block_n, 64), 32, 8, 4, 3)
-    return Tiles(64, block_n, 128, 8, 4, 3 if block_n >= 128 else 4)
+        return Tiles(64, 32 if n <= 1024 else 64, 32, 8, 4, 3)
+    if n >= 8192:
+        return Tiles(128, 128, 64, 8, 8, 3)
+    if n >= 4096 and k >= 2048:
+        return Tiles(128, 64, 64, 8, 8, 4)
+    if k <= 1024 and n >= 3072:
+        return Tiles(64, 64, 64, 8, 4, 4)
+    if n <= 1024:
+        return Tiles(64, 32, 128, 8, 4, 3)
+    return Tiles(64, 64, 128, 8, 4, 3)
 
 
 if triton is not None:
@@ -228,6 +228,11 @@ def _register(dispatch_key: str) -> torch.library.Library:
 _lock = threading.Lock()
 _library: torch.library.Library | None = None
 _users = 0
+
+
+def available() -> bool:
+    """Whether the kernel can run here (Triton and a CUDA device)."""
+    return triton is not None and torch.cuda.is_available()
 
 
 def enable() -> None:

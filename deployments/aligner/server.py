@@ -76,7 +76,8 @@ class Prepared:
 class AlignerStats:
     """A replica's counters since it started: pieces prepared and the seconds that took on the preparing threads;
     forwards, the pieces and audio seconds they timed and the seconds the device thread spent on them; the pieces'
-    summed wait from prepared to their forward's start (a queue that grows says the device thread is the limit)."""
+    summed wait from prepared to their forward's start (a queue that grows says the device thread is the limit); the
+    longest forward (a stall: a shape met for the first time, compiled and captured in a request's wait)."""
 
     prepared: int = 0
     prepare_s: float = 0.0
@@ -85,6 +86,7 @@ class AlignerStats:
     audio_s: float = 0.0
     forward_s: float = 0.0
     queue_wait_s: float = 0.0
+    max_forward_s: float = 0.0
 
     def add_prepared(self, seconds: float) -> None:
         self.prepared += 1
@@ -96,6 +98,7 @@ class AlignerStats:
         self.audio_s += audio_s
         self.forward_s += seconds
         self.queue_wait_s += waited_s
+        self.max_forward_s = max(self.max_forward_s, seconds)
 
 
 def plan_forwards(seconds: list[float], max_items: int, max_padded_s: float) -> list[list[int]]:

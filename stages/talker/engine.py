@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import ClassVar
 
+from stages import invariant_matmul
 from stages.chunking import ChunkSchedule, StreamChunker
 from stages.contract import EngineOverloadedError, FinishReason, InvalidRequestError, SynthesisRequest
 from stages.qwen3_tts import Qwen3TTS
@@ -55,7 +57,10 @@ class TalkerEngine:
         config = config or TalkerEngineConfig()
         if model.talker is None:
             raise ValueError("TalkerEngine needs a model loaded with its talker")
-        self.model, self.config = model, config
+        # deterministic on CUDA: the process's products take the batch-invariant GEMM while the engine runs (_main)
+        self.invariant_products = (config.deterministic and model.device.type == "cuda"
+                                   and invariant_matmul.available())
+        self.model, self.config = model, config.for_determinism(self.invariant_products)
         self._runner_factory = runner_factory
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -170,11 +175,8 @@ class TalkerEngine:
         and `end_text`. The request is prefilled once its first word is final, steps while text is ahead of it,
         and waits off the rows (keeping its slot and KV) when it is not; `idle_timeout_s` (at most, and by
         default, the engine's `text_idle_timeout_s`) without text while it waits ends it with `TextTimeoutError`.
-        `abort` works as for `add_request`.
-        KV: the request reserves prompt + `max_frames` + 2 positions like any other: in the streaming-text
-        layout the prompt's length does not depend on the text, and the text itself takes no KV position
-        beyond one per frame (it is added to the frames' inputs), so `max_frames` is the declared maximum.
-        """
+        `abort` works as for `add_request`. KV: prompt + `max_frames` + 2 positions like any other request (the
+        streaming-text prompt does not depend on the text, which is added to the frames' inputs)."""
         self._check_running()
         seq = live_sequence(request, self.model.config, self.config.text_idle_timeout_s, idle_timeout_s)
         self._check_fits(seq)
@@ -213,11 +215,8 @@ class TalkerEngine:
         self._wake.set()
 
     def run_on_device(self, fn: Callable[[], object]) -> concurrent.futures.Future:
-        """Run `fn` on the engine's device thread between steps (e.g. voice-clone encoders).
-
-        Keeps one thread owning all device work of the replica; the caller awaits the future
-        (`asyncio.wrap_future`). Use for short work: running requests wait while it runs.
-        """
+        """Run `fn` on the engine's device thread between steps (e.g. voice-clone encoders): one thread owns the
+        replica's device work; the caller awaits the future. Short work only: running requests wait for it."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", (fn, future)))
         self._wake.set()
@@ -238,21 +237,22 @@ class TalkerEngine:
 
     # ------------------------------------------------------------------ device thread
     def _main(self, log: Callable[[str], None]) -> None:
-        try:
-            self._setup(log)
-        except BaseException as e:  # reported to start()
-            self._error = e
+        with invariant_matmul.invariant_matmul() if self.invariant_products else contextlib.nullcontext():
+            try:
+                self._setup(log)
+            except BaseException as e:  # reported to start()
+                self._error = e
+                self._ready.set()
+                return
             self._ready.set()
-            return
-        self._ready.set()
-        try:
-            self._loop()
-        except BaseException as e:  # a device-level fault: fail every stream loudly rather than hang them
-            self._error = e
-            logger.exception("talker engine failed")  # check_health reports it; Serve replaces the replica
-            self._end_all(e)
-            return
-        self._end_all(RuntimeError("talker engine shut down"))
+            try:
+                self._loop()
+            except BaseException as e:  # a device-level fault: fail every stream loudly rather than hang them
+                self._error = e
+                logger.exception("talker engine failed")  # check_health reports it; Serve replaces the replica
+                self._end_all(e)
+                return
+            self._end_all(RuntimeError("talker engine shut down"))
 
     def _setup(self, log: Callable[[str], None]) -> None:
         """Without `kv_cache_tokens`, the CUDA KV pool is sized after a warm-up, before capture (docs/talker_engine.md)."""

@@ -81,8 +81,8 @@ class TalkerEngineConfig:
     schedule: ChunkSchedule = ChunkSchedule()  # default chunking of a stream (a request may bring its own)
     kernels: KernelOptions = KernelOptions()  # developer switches (a dict from YAML: `engine_kwargs.kernels`)
     deterministic: bool = False  # batch-invariant mode: a seeded request's codes do not depend on what runs beside
-    # it. Every decode step runs at max_num_seqs rows, every prefill alone, text rows are projected in fixed-width
-    # products (docs/talker_engine.md, "Deterministic mode"); it sets the fields below in __post_init__
+    # it: batch-invariant products on CUDA, fixed shapes elsewhere (`for_determinism`; docs/talker_engine.md,
+    # "Deterministic mode")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_seq_len < 16:
@@ -108,15 +108,25 @@ class TalkerEngineConfig:
             if unknown:
                 raise ValueError(f"unknown kernels option(s): {', '.join(sorted(unknown))}")
             object.__setattr__(self, "kernels", KernelOptions(**self.kernels))
-        if self.deterministic:
-            self._fix_shapes()
 
-    def _fix_shapes(self) -> None:
-        """Deterministic mode: the shapes whose kernels a request's numbers come from depend on the request alone.
-        One decode batch bucket (max_num_seqs rows, whatever runs; the decode attention's splits and tiling follow
-        the batch, so they are fixed too), one attention length bucket (the gather path's keys: max_seq_len), and
-        prefills of one prompt each (padded to the prompt's own width)."""
-        object.__setattr__(self, "max_prefill_batch", 1)
-        object.__setattr__(self, "prefill_batches", (1,))
-        object.__setattr__(self, "kernels", replace(self.kernels, batch_buckets=(self.max_num_seqs,),
-                                                    length_buckets=(self.max_seq_len,)))
+    def for_determinism(self, invariant_products: bool) -> TalkerEngineConfig:
+        """The config a deterministic engine runs with (this one unchanged when not deterministic): every kernel a
+        seeded request's numbers come from computes its rows the same way whatever else runs beside them.
+
+        `invariant_products` (CUDA: products through stages/invariant_matmul.py, whose tiles never depend on the
+        row count): batches stay free; pinned are the few paths that pick a kernel or a split by the row count:
+        no few-row GEMV path (another kernel up to `gemv_rows` rows), no attention key splits, one decode attention
+        tiling (the runner's), and no batch of one (torch.compile compiles a size of 1 as its own variant).
+        Otherwise (CPU: BLAS kernels follow the shape) the shapes are fixed: every decode step at max_num_seqs
+        rows, one attention length bucket (the gather path's keys: max_seq_len), prefills of one prompt each
+        (padded to the prompt's own width)."""
+        if not self.deterministic:
+            return self
+        k = self.kernels
+        if invariant_products:
+            least = min(2, self.max_num_seqs)
+            return replace(self, prefill_batches=tuple(b for b in self.prefill_batches if b >= least) or (least,),
+                           kernels=replace(k, gemv_rows=0, attention_splits=False,
+                                           batch_buckets=tuple(b for b in k.batch_buckets if b >= least) or (least,)))
+        return replace(self, max_prefill_batch=1, prefill_batches=(1,),
+                       kernels=replace(k, batch_buckets=(self.max_num_seqs,), length_buckets=(self.max_seq_len,)))

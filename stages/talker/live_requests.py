@@ -26,8 +26,7 @@ from dataclasses import replace
 import numpy as np
 
 from stages.config import ModelConfig
-from stages.contract import (FinishReason, InvalidRequestError, LiveTextEvictedError, SynthesisRequest,
-                             TextTimeoutError)
+from stages.contract import FinishReason, InvalidRequestError, LiveTextEvictedError, SynthesisRequest, TextTimeoutError
 from stages.talker.layout import prefill_length
 from stages.talker.live_text import LiveText
 from stages.talker.output import StepOutputs

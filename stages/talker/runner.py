@@ -48,7 +48,7 @@ from stages.talker.frame import (
     record_step,
     step_talker_input,
 )
-from stages.talker.paged_attention import kernel_available
+from stages.talker.paged_attention import decode_tiling, kernel_available
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from stages.talker.prompt_plan import NONE, embed_rows, embed_text_rows
 from stages.talker.staging import Admission, HostRing, IntStage, SlotParams, Staging, round_up, write_stage
@@ -69,8 +69,8 @@ def talker_compile_cache(model: Qwen3TTS, config: TalkerEngineConfig) -> Compile
 
 PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)
 _WIDTH_MULTIPLE = 16  # eager prefill pads widths to this: fewer distinct shapes
-# the decode step's functions outside the layers, as the runner's attributes: eager, or torch.compile'd with `compile`
-# (the step's glue between the layers is ~20 small kernels eager); the sampling kernel may replace `_select`
+# the decode step's ~20 kernels of glue outside the layers (runner attributes): eager, or compiled (`_select`: or the
+# sampling kernel)
 EAGER_STEP_FUNCTIONS: dict[str, Callable] = {
     "_select": select_tokens, "_mask": mask_talker_logits, "_step_talker_input": step_talker_input,
     "_advance_rows": advance_rows, "_record_step": record_step,
@@ -80,8 +80,7 @@ EAGER_STEP_FUNCTIONS: dict[str, Callable] = {
 class TalkerRunner:
     """Sole owner of the talker's device state. Not thread-safe: one engine thread calls it."""
 
-    # Attention backends for prefill (None: torch's choice). Not cuDNN: it builds a plan per new shape,
-    # and prompts bring new (batch, width) shapes all the time (docs/talker_engine.md, "Prefill").
+    # prefill attention backends (None: torch's choice); not cuDNN, which plans each new shape (docs: "Prefill")
     prefill_sdpa_backends: tuple[SDPBackend, ...] | None = (
         SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
@@ -135,13 +134,10 @@ class TalkerRunner:
         self.max_prefill_batch = max(max_prefill_batch, 1)
         self.prefill_width_buckets = tuple(w for w in config.prefill_widths if w <= max_seq_len)  # sorted (the config's)
         self.trailing_width = min(PREFILL_TRAILING_WIDTH, max_text_rows)
-        # deterministic mode: every text row is projected in a product of this many rows (embed_text_rows)
-        self.text_width = self.trailing_width if config.deterministic else 0
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         width = max(max_seq_len, max_text_rows)
         stage = (self.max_prefill_batch, width, max_text_rows, self.kv.blocks_per_seq, cfg.hidden_size)
-        # two in turn: one admission per engine iteration never waits for a copy (the step read in between is
-        # queued after it); a burst of 3+ may
+        # two in turn: one admission per iteration never waits for a copy (a burst of 3+ may)
         self._host_stage = HostRing([Staging(*stage, device="cpu", pin=self.cuda) for _ in range(2)], self.cuda)
         self._stage = Staging(*stage, device=dev, pin=False)
         self._parked: list[torch.Tensor] | None = None  # per-row state of parked requests, by park slot (lazy)
@@ -156,8 +152,13 @@ class TalkerRunner:
         self.heads_in_attention = k.heads_in_attention and compile and self.use_kernel
         # decode kernel: a few rows' keys split over more programs (paged_attention.decode_splits)
         self.attention_splits = k.attention_splits and self.use_kernel
-        # compiled CUDA path, sm_90+: the Triton kernels of steps with few rows launch with programmatic
-        # dependent launch (`pdl_at`)
+        # deterministic: text rows projected in products of trailing_width rows (embed_text_rows), one decode
+        # attention tiling, the batched one (key blocks and warps set the softmax's summation order), and prefills
+        # of >= the smallest graphed batch (one prompt alone: torch.compile's size-1 variant, another kernel)
+        self.text_width = self.trailing_width if config.deterministic else 0
+        self.decode_tiling = decode_tiling(128) if config.deterministic else None
+        self.min_prefill_rows = self.prefill_batch_buckets[0] if config.deterministic else 1
+        # compiled CUDA path, sm_90+: few-row steps' Triton kernels launch with programmatic dependent launch
         self.pdl = config.pdl and compile and pdl_module.supported(dev)
         if compile:
             self._enable_compile()
@@ -305,7 +306,8 @@ class TalkerRunner:
         if key is not None:
             (nb, w), tw = key, self.trailing_width
         else:
-            nb, w, tw = n, round_up(width, _WIDTH_MULTIPLE), min(round_up(trailing, _WIDTH_MULTIPLE), self.max_text_rows)
+            nb, w, tw = (max(n, self.min_prefill_rows), round_up(width, _WIDTH_MULTIPLE),
+                         min(round_up(trailing, _WIDTH_MULTIPLE), self.max_text_rows))
         turn = self._host_stage.take()
         host = self._host_stage.buffers[turn]
         write_stage(host, batch, nb, w, tw, self.scratch_row, self.kv.scratch_block)
@@ -403,7 +405,7 @@ class TalkerRunner:
                                     self.tts_pad)
         positions = self.positions[:b]
         ctx = DecodeContext(self.kv, positions, attn_len, self.use_kernel, split_keys=self.attention_splits,
-                            pdl=self.pdl_at(b))
+                            pdl=self.pdl_at(b), tiling=self.decode_tiling)
         hidden = self.talker.forward_hidden(x, positions[:, None], ctx)[:, -1]
         self.hidden[:b] = hidden
         self._advance_rows(positions, frame_index, self.seen[:b], c0, self.max_seq_len - 1)
@@ -418,9 +420,8 @@ class TalkerRunner:
         return self.cp_caches[b]
 
     def pdl_at(self, b: int) -> bool:
-        """Whether a decode step of b rows launches its Triton kernels with PDL (`pdl` on): only where its layers run
-        as GEMVs (b <= gemv_rows), the launch-bound steps; larger ones measured slower with it (docs/benchmarks.md,
-        "Programmatic dependent launch")."""
+        """Whether a decode step of b rows launches its Triton kernels with PDL (`pdl` on): only the launch-bound
+        GEMV steps (b <= gemv_rows); larger ones measured slower with it (docs/benchmarks.md, "Programmatic...")."""
         return self.pdl and b <= self.gemv_rows
 
     @torch.no_grad()

@@ -102,13 +102,26 @@ def test_seeded_codes_are_identical_alone_and_in_any_batch(engine, model, sampli
     assert len(runner.prefill_sizes) == 4 + 1 + 7 + 3 * ROWS
 
 
-def test_config_fixes_the_shapes_and_leaves_the_default_alone():
-    fixed = TalkerEngineConfig(max_num_seqs=48, max_seq_len=512, max_prefill_batch=16, deterministic=True)
+def test_config_fixes_the_shapes_without_invariant_products_and_leaves_the_default_alone():
+    asked = TalkerEngineConfig(max_num_seqs=48, max_seq_len=512, max_prefill_batch=16, deterministic=True)
+    fixed = asked.for_determinism(invariant_products=False)  # CPU: BLAS kernels follow the shape
     assert fixed.kernels.batch_buckets == (48,) and fixed.kernels.length_buckets == (512,)
     assert fixed.max_prefill_batch == 1 and fixed.prefill_batches == (1,)
     default = TalkerEngineConfig(max_num_seqs=48)
+    assert default.for_determinism(False) is default and default.for_determinism(True) is default
     assert not default.deterministic and default.max_prefill_batch == 16
     assert len(default.kernels.batch_buckets) > 1
+
+
+def test_invariant_products_keep_batches_free_and_pin_the_row_dependent_kernels():
+    """CUDA (stages/invariant_matmul.py): prefills batch and decode uses its buckets, from 2 rows (torch.compile's
+    size-1 variant is another kernel); the few-row GEMV path and attention key splits are off."""
+    free = TalkerEngineConfig(max_num_seqs=48, deterministic=True).for_determinism(invariant_products=True)
+    assert free.max_prefill_batch == 16 and min(free.prefill_batches) == 2 and len(free.prefill_batches) > 1
+    assert min(free.kernels.batch_buckets) == 2 and len(free.kernels.batch_buckets) > 1
+    assert free.kernels.gemv_rows == 0 and not free.kernels.attention_splits
+    one = TalkerEngineConfig(max_num_seqs=1, deterministic=True).for_determinism(invariant_products=True)
+    assert min(one.kernels.batch_buckets) == 1 and min(one.prefill_batches) == 1  # one row: always alone
 
 
 def test_live_text_rows_are_projected_in_fixed_width_products(model, monkeypatch):
