@@ -80,6 +80,7 @@ DEFAULT_ALIGNER_MAX_QUEUED_REQUESTS = _env_int("QWEN3_TTS_ALIGNER_MAX_QUEUED_REQ
 # threads that prepare pieces (resample, normalize, tokenize) as they arrive, beside the device thread's forwards
 ALIGNER_PREPARE_THREADS = _env_int("QWEN3_TTS_ALIGNER_PREPARE_THREADS", 2)
 ALIGNER_STALL_TIMEOUT_S = _env_float("QWEN3_TTS_ALIGNER_STALL_TIMEOUT_S", 300.0)
+ALIGNER_SLOW_FORWARD_S = 1.0  # a forward this long (or one that captured graphs) is logged with what it held
 # words of one piece: its prompt holds each word's tokens and two timestamp slots (bounds a forward's length); a
 # piece of the aligner's longest audio (400 s) holds some 1,200 spoken words, 2,400 CJK characters
 ALIGNER_MAX_WORDS = _env_int("QWEN3_TTS_ALIGNER_MAX_WORDS", 4096)

@@ -29,6 +29,9 @@ class AlignerEngineProtocol(Protocol):
         """One-time costs paid before serving forwards of up to `max_pieces` pieces and `max_audio_s` seconds of
         padded audio (blocking: on the server's device thread). -> graphs captured (0 without)."""
 
+    def graphs_captured(self) -> int:
+        """CUDA graphs captured so far (0 without graphs): one captured after `warm_up` was a shape it missed."""
+
     def align_prepared(self, pieces: list[Any]) -> list[list[Word]]:
         """One batched forward of prepared pieces -> per piece its words with times in seconds (blocking: on the
         server's device thread). Raises ValueError for a piece it refuses (the whole call)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +78,8 @@ class AlignerStats:
     """A replica's counters since it started: pieces prepared and the seconds that took on the preparing threads;
     forwards, the pieces and audio seconds they timed and the seconds the device thread spent on them; the pieces'
     summed wait from prepared to their forward's start (a queue that grows says the device thread is the limit); the
-    longest forward (a stall: a shape met for the first time, compiled and captured in a request's wait)."""
+    longest forward, and the CUDA graphs captured in forwards after the warm-up (shapes it missed: each costs its
+    forward the capture, the first ones also compiles)."""
 
     prepared: int = 0
     prepare_s: float = 0.0
@@ -87,6 +89,7 @@ class AlignerStats:
     forward_s: float = 0.0
     queue_wait_s: float = 0.0
     max_forward_s: float = 0.0
+    late_graphs: int = 0
 
     def add_prepared(self, seconds: float) -> None:
         self.prepared += 1
@@ -145,9 +148,10 @@ class AlignerServer:
         self._last_progress = self._clock()
         self._metrics: AlignerMetrics | None = None
         self._batches: Coalescer[Prepared, list[Word] | Exception] = Coalescer(self._align_pieces)
+        self._log: Callable[[str], None] = replica_log(C.ALIGNER_DEPLOYMENT_NAME)
 
     async def start(self) -> None:
-        log = replica_log(C.ALIGNER_DEPLOYMENT_NAME)
+        log = self._log
         if self._engine is None:
             self._engine = await self._on_thread(load_aligner, self._config, log)
         if self._config.warmup:  # compiles and graph captures here rather than in a request's wait
@@ -251,12 +255,19 @@ class AlignerServer:
 
     def _forward(self, pieces: list[Prepared]) -> list[list[Word]]:
         t0 = time.perf_counter()
+        graphs = self._engine.graphs_captured()
         try:
             return self._engine.align_prepared([p.piece for p in pieces])
         finally:
             self._last_progress = self._clock()
             spent = time.perf_counter() - t0
             audio_s = sum(p.seconds for p in pieces)
+            late = self._engine.graphs_captured() - graphs if self._ready else 0
+            self._stats.late_graphs += late
+            if late or spent > C.ALIGNER_SLOW_FORWARD_S:  # a request waited for it: say what it was
+                self._log(f"a forward of {len(pieces)} pieces ({audio_s:.1f} s of audio, the longest "
+                          f"{max(p.seconds for p in pieces):.1f} s) took {spent * 1e3:.0f} ms; {late} CUDA graphs "
+                          "captured in it")
             self._stats.add_forward(len(pieces), audio_s, spent, sum(t0 - p.since for p in pieces))
             self._metrics.batch_size.observe(len(pieces))
             self._metrics.seconds_per_audio_second.observe(spent / audio_s)

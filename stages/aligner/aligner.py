@@ -93,10 +93,13 @@ class Aligner:
         compiles and the captures of the buckets that forwards of up to `max_pieces` pieces and `max_audio_s`
         seconds of padded audio meet. -> graphs captured so far."""
         self.align([np.zeros(SAMPLE_RATE, np.float32)], ["warm up"], SAMPLE_RATE)
-        if self.runners is None:
-            return 0
-        self.runners.warm(max_pieces, max_audio_s)
-        return self.runners.captured
+        if self.runners is not None:
+            self.runners.warm(max_pieces, max_audio_s)
+        return self.graphs_captured()
+
+    def graphs_captured(self) -> int:
+        """CUDA graphs captured so far (0 without graphs)."""
+        return 0 if self.runners is None else self.runners.captured
 
     def min_samples(self, sample_rate: int = SAMPLE_RATE) -> int:
         """The fewest samples at `sample_rate` that `align` takes: MIN_SAMPLES once resampled to 16 kHz (resampling

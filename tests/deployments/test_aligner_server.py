@@ -47,6 +47,8 @@ class Spy:
         self.engine, self.refuse = engine, refuse
         self.max_seconds = engine.max_seconds
         self.forwards: list[list[str]] = []
+        self.late = 0  # graphs the next forwards capture (a shape the warm-up missed)
+        self.capture_next = 0
         self.entered, self.release = threading.Event(), threading.Event()
         self.release.set()
 
@@ -59,9 +61,13 @@ class Spy:
     def warm_up(self, max_pieces, max_audio_s):
         return self.engine.warm_up(max_pieces, max_audio_s)
 
+    def graphs_captured(self):
+        return self.engine.graphs_captured() + self.late
+
     def align_prepared(self, pieces):
         texts = [text for text, _ in pieces]
         self.forwards.append(texts)
+        self.late, self.capture_next = self.late + self.capture_next, 0
         self.entered.set()
         assert self.release.wait(60)
         if self.refuse in texts:
@@ -153,6 +159,23 @@ def test_concurrent_calls_share_forwards_with_the_aligners_answers(loop, aligner
     assert stats["audio_s"] == pytest.approx(sum(r.pcm.size for r in requests) / SAMPLE_RATE)
     assert stats["prepare_s"] > 0 and stats["forward_s"] > 0 and stats["queue_wait_s"] >= 0
     assert all(answers) and all(w.start <= w.end for words in answers for w in words)
+    server.__del__()
+
+
+def test_a_forward_that_captured_graphs_after_the_warm_up_is_counted_and_logged(loop, aligner):
+    """A shape the warm-up missed costs a request its capture (and, the first time, compiles): the replica counts
+    the graphs captured in forwards once it is ready and logs what the forward held; the longest forward too."""
+    spy = Spy(aligner)
+    server = _server(loop, AlignerDeploymentConfig(device="cpu", warmup=False), spy)
+    lines: list[str] = []
+    server._log = lines.append
+    spy.capture_next = 3
+    loop.run_until_complete(server.align(_requests(1)[0]))
+    loop.run_until_complete(server.align(_requests(2)[1]))  # a forward capturing nothing: not logged
+    stats = loop.run_until_complete(server.engine_stats())
+    assert stats["late_graphs"] == 3 and stats["forwards"] == 2
+    assert 0 < stats["max_forward_s"] <= stats["forward_s"]
+    assert len(lines) == 1 and "3 CUDA graphs captured" in lines[0] and "1 pieces" in lines[0]
     server.__del__()
 
 
