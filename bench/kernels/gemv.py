@@ -19,6 +19,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from bench.kernels.timing import L2_BYTES, graph_us
 from stages import gemv_kernels
 
 # (name, N, K, flags) of the 1.7B layers: talker hidden 2048 / MLP 6144, code predictor 1024 / 3072, q/k/v 4096 rows
@@ -28,30 +29,6 @@ SHAPES = (
     ("cp.qkv", 4096, 1024, "norm"), ("cp.o", 1024, 2048, "residual"),
     ("cp.gate_up", 3072, 1024, "norm,swiglu"), ("cp.down", 1024, 3072, "residual"),
 )
-L2_BYTES = 50 << 20
-
-
-def graph_us(calls: list, reps: int = 20) -> float:
-    """Microseconds per call: `calls` captured back to back in one CUDA graph, replayed `reps` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls[:2]:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / len(calls)
 
 
 def main() -> None:

@@ -22,11 +22,11 @@ import argparse
 import functools
 import itertools
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from bench.kernels.timing import L2_BYTES, graph_us
 from stages import invariant_matmul as im
 
 # (name, N, K, bias) of the 1.7B model's products: talker hidden 2048 / MLP 6144 (q/k/v and gate/up stacked), codec
@@ -38,31 +38,6 @@ SHAPES = (
     ("cp.input_proj", 1024, 2048, True), ("cp.qkv", 4096, 1024, False), ("cp.o", 1024, 2048, False),
     ("cp.gate_up", 6144, 1024, False), ("cp.down", 1024, 3072, False), ("cp.head", 2048, 1024, False),
 )
-L2_BYTES = 50 << 20
-
-
-def graph_us(calls: list, reps: int) -> float:
-    """Median microseconds per call: `calls` captured back to back in one CUDA graph, each replay timed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls[:2]:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def product_fn(kind: str, x: torch.Tensor, bias: torch.Tensor | None, config: im.Tiles | None = None):

@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from bench.kernels.gemv import graph_us
+from bench.kernels.timing import graph_us
 from stages import sampling_kernel
 from stages.sampling import SamplingTensors, select_tokens
 
