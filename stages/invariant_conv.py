@@ -214,17 +214,17 @@ def _depthwise(x, w, bias, s, p, d, out_tm) -> None:
 def _transposed(x, w, bias, s, p, out_tm) -> None:
     """Sub-pixel form (module docstring): block q of the full output = [x[q - m + 1], ..., x[q]] @ W' with
     W'[(a, c), (r, o)] = w[c, o, (m - 1 - a) s + r] (zero past the kernel); the output is the full one from p on."""
-    C, O, k = w.shape
+    C, C_out, k = w.shape
     m = -(-k // s)
     out_len = out_tm.shape[-2]
     blocks = -(-(p + out_len) // s)
     taps_first = x.stride(1) == 1  # the im2col copy reads channels contiguously from time-major inputs
-    wp = _pad(w, 0, m * s - k).reshape(C, O, m, s).flip(2)  # [C, O, a, r]
-    w_kn = (wp.permute(2, 0, 3, 1) if taps_first else wp.permute(0, 2, 3, 1)).reshape(m * C, s * O)
+    wp = _pad(w, 0, m * s - k).reshape(C, C_out, m, s).flip(2)  # [C, O, a, r]
+    w_kn = (wp.permute(2, 0, 3, 1) if taps_first else wp.permute(0, 2, 3, 1)).reshape(m * C, s * C_out)
     b = bias.repeat(s) if bias is not None else None
     xp = _pad(x, m - 1, blocks - x.shape[-1])  # blocks + m - 1 samples: window q is xp[q : q + m]
     rows = math.prod(out_tm.shape[:-2])
-    slab = _slab(rows, m * C + s * O, blocks)
+    slab = _slab(rows, m * C + s * C_out, blocks)
     for q0 in range(0, blocks, slab):
         n = min(slab, blocks - q0)
         cols = _columns(xp.narrow(-1, q0, n + m - 1).unfold(-1, m, 1), taps_first)
@@ -234,7 +234,7 @@ def _transposed(x, w, bias, s, p, out_tm) -> None:
             _product(cols, w_kn, b, target.unflatten(-2, (n, s)))
         else:  # the slab overlaps the padding cut: through a temporary
             y = torch.addmm(b, cols, w_kn) if b is not None else torch.mm(cols, w_kn)
-            y = y.view(*out_tm.shape[:-2], n * s, O)
+            y = y.view(*out_tm.shape[:-2], n * s, C_out)
             target.copy_(y.narrow(-2, first - q0 * s, end - first))
 
 
