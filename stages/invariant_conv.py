@@ -8,8 +8,9 @@ its output rows alike (the primitive the Talker's deterministic mode relies on t
 - a convolution is im2col (`Tensor.unfold`, copied per slab into [rows x K]) times the weight viewed as [K, C_out]
   (`torch.addmm`; the K order follows the weight's memory, so the view is free for channel-first and channels-last
   weights alike), the bias in the product's epilogue: one fp32 sum, rounded once, as cuDNN;
-- a depthwise convolution (groups == channels, the ConvNeXt block's) is k elementwise multiply-adds in fp32 in a
-  fixed tap order, rounded once (a product of K = k per channel would waste the GEMM);
+- a depthwise convolution (groups == channels, the ConvNeXt block's) is k elementwise products summed in fp32 in a
+  fixed tap order (separate kernels: no fused multiply-add in one code path only), rounded once (a product of K = k
+  per channel would waste the GEMM);
 - a transposed convolution (stride s, kernel k, dilation 1) is its sub-pixel form: output block q (s samples) is
   sum_i x[q - i] W_i over the m = ceil(k / s) input samples that reach it, i.e. im2col of m taps times the weight
   rearranged to [(m, C_in), (s, C_out)]: one product whose columns are the block's s samples, no overlap-add, one

@@ -70,3 +70,44 @@ def test_a_probe_decodes_alike_at_every_row_of_a_full_forward(decoder, mode, mon
     assert diff <= 3e-2 and snr > 30  # bf16: the engine's graphed-vs-eager tolerance (test_code2wav_engine.py)
     del default
     torch.cuda.empty_cache()
+
+
+def test_compiled_and_graphed_convolutions_reach_the_override(monkeypatch):
+    """Inductor's extern convolution calls dispatch to the override at run time, also while a CUDA graph captures
+    them: the replay equals the compiled function run outside a graph bit for bit, and both the eager override up to
+    the order of the k taps (Inductor may lay a weight out channels-last)."""
+    import torch.nn.functional as F
+
+    calls = []
+    convolution = invariant_conv.convolution
+    monkeypatch.setattr(invariant_conv, "convolution", lambda *a: calls.append(a[6]) or convolution(*a))
+
+    def f(x, w, wd, wt):
+        y = F.conv1d(x, w, dilation=3)
+        y = F.conv1d(y, wd, groups=y.shape[1])
+        z = F.conv2d(y.unsqueeze(2).contiguous(memory_format=torch.channels_last), w[:, :, None, :3])
+        return F.conv_transpose1d(z.squeeze(2), wt, stride=4)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 256, 300, generator=gen, device="cuda", dtype=torch.bfloat16)
+    w, wd = (torch.randn(*s, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.05 for s in ((256, 256, 7),
+                                                                                                 (256, 1, 7)))
+    wt = torch.randn(256, 128, 8, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.05
+    compiled = torch.compile(f, dynamic=True, fullgraph=True)
+    with torch.no_grad(), invariant_conv.invariant_conv():
+        eager = f(x, w, wd, wt)
+        calls.clear()
+        got = compiled(x, w, wd, wt)
+        assert calls == [False, False, False, True]
+        assert torch.allclose(got.float(), eager.float(), rtol=2e-2, atol=2e-2 * eager.abs().max().item())
+        static = x.clone()
+        compiled(static, w, wd, wt)  # warm on the capture's shapes
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(static, w, wd, wt)
+    x2 = torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    static.copy_(x2)
+    graph.replay()
+    replayed = out.clone()
+    with torch.no_grad(), invariant_conv.invariant_conv():
+        assert torch.equal(replayed, compiled(x2, w, wd, wt))
