@@ -5,13 +5,14 @@
 Loads a checkpoint (a full-size random one under --workdir unless --checkpoint), runs the Talker engine in
 deterministic mode (bf16, CUDA graphs, compiled kernels, max_num_seqs rows) and compares a seeded probe's codes alone
 with its codes beside 7, 63, 255 and 511 other requests (half of them arriving while it runs), sampled, and beside
-63 greedy; then Code2Wav in deterministic mode: the probe's PCM decoded alone and with other streams' chunks. Then
+63 greedy; then Code2Wav in deterministic mode: the probe's PCM decoded alone and with other streams' chunks, and at
+rows 0, 1, 15, 32 and 63 of full 64-row forwards ("row_r": a row's PCM must not depend on its place). Then
 throughput at --concurrency streams, deterministic against the default mode: the Talker engine's frames/s in a closed
 loop (each stream starts its next request when the last ends, counted over --sustained-s; `talker_sustained` says
 where the engine's device time went) and in a synchronized burst (`talker_burst_cost`); Code2Wav's frames/s decoding
 the chunks of that many streams. `--skip-checks`: the throughput only. Prints one JSON:
 {"alone_vs_batch": {"8": "identical" | "differs from frame i (k/n frames identical)", ..., "greedy_64": ...},
- "pcm_alone_vs_batch": {...}, "throughput_cost": {"talker": 0.12, "code2wav": 0.05}, ...}.
+ "pcm_alone_vs_batch": {"8": ..., "row_15": ...}, "throughput_cost": {"talker": 0.12, "code2wav": 0.05}, ...}.
 `--tiny` runs tiny shapes (a CPU smoke run: on CPU the engines are eager).
 """
 
@@ -156,15 +157,44 @@ def talker_sustained(engine: TalkerEngine, prompt_list: list, concurrency: int, 
             "device_idle_s_per_s": round((clock_b.idle_gap_seconds - clock_a.idle_gap_seconds) / seconds, 3)}
 
 
-def code2wav_checks(decoder, probe_codes: np.ndarray, batches: list[int], concurrency: int, rows: int):
-    """(PCM alone vs beside others, {mode: frames/s}) of Code2Wav's stateful engine, deterministic and default."""
+def stream_chunks(schedule: ChunkSchedule, request_id: str, codes: np.ndarray) -> list:
+    """A stream's chunks as the Talker cuts them."""
+    chunker = StreamChunker(schedule, request_id)
+    out = chunker.push(codes)
+    last = chunker.flush()
+    return out + ([last] if last is not None else [])
+
+
+def pcm_by_row(engine: Code2WavEngine, probe_codes: np.ndarray, rows: tuple[int, ...], batch: int,
+               schedule: ChunkSchedule | None = None) -> dict[str, str]:
+    """{"row_r": the probe's PCM at row r of full `batch`-row forwards vs alone}: each chunk of the probe decoded
+    beside `batch` - 1 other streams' chunks of its length (streams as long as the probe), at row r."""
+    if not rows:
+        return {}
+    schedule = schedule or ChunkSchedule()
+    rng = np.random.default_rng(1)
+    crowd_codes = [rng.integers(0, 2048, probe_codes.shape) for _ in range(batch - 1)]
+
+    def decode(tag: str, row: int | None) -> np.ndarray:
+        crowd = [] if row is None else [stream_chunks(schedule, f"{tag}-{i}", c) for i, c in enumerate(crowd_codes)]
+        pcm = []
+        for k, chunk in enumerate(stream_chunks(schedule, f"{tag}-probe", probe_codes)):
+            others, at = [s[k] for s in crowd], row or 0
+            pcm.append(engine.decode([*others[:at], chunk, *others[at:]])[at])
+        return np.concatenate(pcm)
+
+    alone = decode("rows-alone", None)
+    return {f"row_{r}": compare(alone, decode(f"rows-{r}", r)) for r in rows}
+
+
+def code2wav_checks(decoder, probe_codes: np.ndarray, batches: list[int], concurrency: int, rows: int,
+                    by_row: tuple[int, ...] = ()):
+    """(PCM alone vs beside others, {mode: frames/s}) of Code2Wav's stateful engine, deterministic and default;
+    `by_row`: also the probe's PCM at these rows of full 64-row forwards vs alone (`pcm_by_row`)."""
     schedule = ChunkSchedule()
 
     def chunks(request_id, codes):
-        chunker = StreamChunker(schedule, request_id)
-        out = chunker.push(codes)
-        last = chunker.flush()
-        return out + ([last] if last is not None else [])
+        return stream_chunks(schedule, request_id, codes)
 
     def streams(n, tag):
         rng = np.random.default_rng(n)
@@ -192,6 +222,7 @@ def code2wav_checks(decoder, probe_codes: np.ndarray, batches: list[int], concur
         if deterministic:
             alone = decode_probe(engine, 0)
             pcm = {str(b): compare(alone, decode_probe(engine, b - 1)) for b in batches}
+            pcm.update(pcm_by_row(engine, probe_codes, by_row, 64, schedule))
         frames_per_s(engine)  # warm
         speed["deterministic" if deterministic else "default"] = frames_per_s(engine)
         del engine
@@ -263,7 +294,7 @@ def main() -> None:
         probe_codes = np.random.default_rng(0).integers(0, 2048, (args.frames, 16))
     decoder = Qwen3TTS.load(ckpt, device=device, dtype=dtype, talker=False, decoder=True, voice=False).decoder
     pcm, c2w_speed = code2wav_checks(decoder, probe_codes, [] if args.skip_checks else batches, args.concurrency,
-                                     rows)
+                                     rows, () if args.skip_checks else (0, 1, 15, 32, 63))
     if not args.skip_checks:
         result["pcm_alone_vs_batch"] = pcm
     result["frames_per_s"] = {"talker": speed, "code2wav": c2w_speed}

@@ -17,6 +17,7 @@ dtype is the serving dtype (bf16), fp32 for parity.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from stages import invariant_conv
 from stages.code2wav import compiled, fast
 from stages.code2wav.engine_config import Code2WavEngineConfig
 from stages.code2wav.model import Code2WavDecoder
@@ -114,6 +116,9 @@ class Code2WavEngine:
         if self.deterministic:  # convolution algorithms chosen by shape alone, never by timing (the process's flags)
             torch.backends.cudnn.benchmark = False
             torch.backends.cudnn.deterministic = True
+        # deterministic: the decode's convolutions as products (stages/invariant_conv.py), rerouted while the engine
+        # decodes or captures (a captured graph keeps them); cuDNN computes a row by its place in the batch
+        self.invariant_convs = self.deterministic and invariant_conv.covers(self.device)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._lock = threading.Lock()
         self._waiting = 0
@@ -124,7 +129,7 @@ class Code2WavEngine:
     # ------------------------------------------------------------------ lifecycle
     def warmup(self, log: Callable[[str], None] = print) -> float:
         """Capture the CUDA graphs (CUDA + `cuda_graphs`), else run one small eager decode. Returns seconds."""
-        with self._lock:
+        with self._lock, self._convolutions():
             t0 = time.perf_counter()
             cache = self.compile_cache()
             if cache is not None:
@@ -140,6 +145,9 @@ class Code2WavEngine:
             if cache is not None:
                 cache.save(log)
             return time.perf_counter() - t0
+
+    def _convolutions(self) -> contextlib.AbstractContextManager:
+        return invariant_conv.invariant_conv() if self.invariant_convs else contextlib.nullcontext()
 
     def compile_cache(self) -> CompileCache | None:
         """The compile cache file of this decoder's compiled code, which `warmup` loads before the first compile
@@ -197,7 +205,7 @@ class Code2WavEngine:
             for i, c in enumerate(chunks):
                 self.check_chunk(c, i)
         self._waiting += 1
-        with self._lock:
+        with self._lock, self._convolutions():
             self._waiting -= 1
             t0 = time.perf_counter()
             try:

@@ -34,7 +34,8 @@ class Code2WavEngineConfig:
     state_slots: int = 512  # streams whose state is kept (least recently used beyond); ~2.6 MB each (bf16)
     deterministic: bool = False  # batch-invariant mode: a chunk's PCM does not depend on the chunks decoded with it.
     # Every forward holds chunks of one length bucket (their own length's), padded to that bucket's one batch size
-    # (`fixed_batch`), cuDNN without benchmark, deterministic algorithms (docs/code2wav.md, "Deterministic mode")
+    # (`fixed_batch`); on CUDA the convolutions as products (stages/invariant_conv.py), cuDNN without benchmark
+    # (docs/code2wav.md, "Deterministic mode")
 
     def __post_init__(self) -> None:
         for f in fields(self):  # lists from YAML/JSON

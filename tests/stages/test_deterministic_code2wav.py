@@ -1,12 +1,15 @@
 """Deterministic mode of the Code2Wav engine (CPU, fp32, tiny random checkpoint): a stream's PCM is bit-identical
 decoded alone and co-batched with 1, 7 and many other streams' chunks of other lengths, stateful and stateless, and
-every forward has its chunks' own length bucket and that bucket's one batch size."""
+every forward has its chunks' own length bucket and that bucket's one batch size; with the batch-invariant
+convolutions (stages/invariant_conv.py, here on the CPU key; on CUDA the engine's own) a probe's PCM is the same at
+every row of a full forward and close to the default engine's."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from stages import invariant_conv
 from stages.chunking import ChunkSchedule, StreamChunker
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 
@@ -29,9 +32,10 @@ def _chunks(request_id: str, seed: int, frames: int = FRAMES):
     return chunks + ([last] if last is not None else [])
 
 
-def _engine(decoder, stateful: bool) -> Code2WavEngine:
+def _engine(decoder, stateful: bool, max_frames_per_forward: int = 120, deterministic: bool = True) -> Code2WavEngine:
     config = Code2WavEngineConfig.for_schedule(SCHEDULE, stateful=stateful, max_batch_size=6,
-                                               max_frames_per_forward=120, deterministic=True)
+                                               max_frames_per_forward=max_frames_per_forward,
+                                               deterministic=deterministic)
     engine = Code2WavEngine(decoder, config)
     engine.warmup(log=lambda _m: None)
     return engine
@@ -77,3 +81,37 @@ def test_graph_shapes_are_one_batch_per_length_bucket(decoder):
     assert engine.graph_shapes() == [(64, 2), (64, 6), (64, 14), (64, 30), (64, 50)]
     default = Code2WavEngine(decoder, Code2WavEngineConfig(length_buckets=(2, 6), max_batch_size=4))
     assert len(default.graph_shapes()) > 2
+
+
+@pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "stateless"])
+def test_with_invariant_convolutions_a_probe_decodes_alike_at_every_row(decoder, stateful, monkeypatch):
+    calls = []
+    convolution = invariant_conv.convolution
+    monkeypatch.setattr(invariant_conv, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(invariant_conv, "convolution", lambda *a: calls.append(a[6]) or convolution(*a))
+    fallbacks = invariant_conv.fallbacks
+    engine = _engine(decoder, stateful, max_frames_per_forward=6 * 50)  # every bucket's forward: 6 rows
+    assert engine.invariant_convs and all(b == 6 for b, _ in engine.graph_shapes())
+
+    def decode(tag: str, row: int | None) -> np.ndarray:
+        """The probe's PCM, each of its chunks at `row` of a full forward beside 5 other streams' chunks of its
+        length (None: alone, beside padding rows)."""
+        crowd = [_chunks(f"{tag}-o{i}", 200 + i) for i in range(5)] if row is not None else []
+        pcm = []
+        for k, chunk in enumerate(_chunks(f"{tag}-probe", 7)):
+            batch = [s[k] for s in crowd]
+            at = row or 0
+            pcm.append(engine.decode([*batch[:at], chunk, *batch[at:]])[at])
+        return np.concatenate(pcm)
+
+    alone = decode("alone", None)
+    assert calls and not invariant_conv.enabled(), "the engine's decode went through the override, then let go"
+    for row in (0, 1, 3, 5):
+        assert np.array_equal(decode(f"row{row}", row), alone), f"row {row}"
+    assert invariant_conv.fallbacks == fallbacks
+    calls.clear()
+    default = _engine(decoder, stateful, max_frames_per_forward=6 * 50, deterministic=False)
+    assert not default.invariant_convs
+    reference = np.concatenate([default.decode([c])[0] for c in _chunks("default-probe", 7)])
+    assert not calls  # aten's convolutions
+    np.testing.assert_allclose(alone, reference, atol=1e-5)  # fp32: summation order only
