@@ -32,6 +32,10 @@ class AlignerEngineProtocol(Protocol):
     def graphs_captured(self) -> int:
         """CUDA graphs captured so far (0 without graphs): one captured after `warm_up` was a shape it missed."""
 
+    def functions_traced(self) -> int:
+        """Functions torch.compile traced so far in this process (one traced after `warm_up`: a compile in a
+        request's wait)."""
+
     def align_prepared(self, pieces: list[Any]) -> list[list[Word]]:
         """One batched forward of prepared pieces -> per piece its words with times in seconds (blocking: on the
         server's device thread). Raises ValueError for a piece it refuses (the whole call)."""

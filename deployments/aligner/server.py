@@ -78,8 +78,8 @@ class AlignerStats:
     """A replica's counters since it started: pieces prepared and the seconds that took on the preparing threads;
     forwards, the pieces and audio seconds they timed and the seconds the device thread spent on them; the pieces'
     summed wait from prepared to their forward's start (a queue that grows says the device thread is the limit); the
-    longest forward, and the CUDA graphs captured in forwards after the warm-up (shapes it missed: each costs its
-    forward the capture, the first ones also compiles)."""
+    longest forward, and the CUDA graphs captured and the functions torch.compile traced in forwards after the
+    warm-up (shapes it missed: each costs its forward the capture or the compile)."""
 
     prepared: int = 0
     prepare_s: float = 0.0
@@ -90,6 +90,7 @@ class AlignerStats:
     queue_wait_s: float = 0.0
     max_forward_s: float = 0.0
     late_graphs: int = 0
+    late_traces: int = 0
 
     def add_prepared(self, seconds: float) -> None:
         self.prepared += 1
@@ -255,7 +256,7 @@ class AlignerServer:
 
     def _forward(self, pieces: list[Prepared]) -> list[list[Word]]:
         t0 = time.perf_counter()
-        graphs = self._engine.graphs_captured()
+        graphs, traced = self._engine.graphs_captured(), self._engine.functions_traced()
         try:
             return self._engine.align_prepared([p.piece for p in pieces])
         finally:
@@ -263,11 +264,13 @@ class AlignerServer:
             spent = time.perf_counter() - t0
             audio_s = sum(p.seconds for p in pieces)
             late = self._engine.graphs_captured() - graphs if self._ready else 0
+            traced = self._engine.functions_traced() - traced if self._ready else 0
             self._stats.late_graphs += late
-            if late or spent > C.ALIGNER_SLOW_FORWARD_S:  # a request waited for it: say what it was
+            self._stats.late_traces += traced
+            if late or traced or spent > C.ALIGNER_SLOW_FORWARD_S:  # a request waited for it: say what it was
                 self._log(f"a forward of {len(pieces)} pieces ({audio_s:.1f} s of audio, the longest "
                           f"{max(p.seconds for p in pieces):.1f} s) took {spent * 1e3:.0f} ms; {late} CUDA graphs "
-                          "captured in it")
+                          f"captured and {traced} functions traced by torch.compile in it")
             self._stats.add_forward(len(pieces), audio_s, spent, sum(t0 - p.since for p in pieces))
             self._metrics.batch_size.observe(len(pieces))
             self._metrics.seconds_per_audio_second.observe(spent / audio_s)

@@ -101,6 +101,12 @@ class Aligner:
         """CUDA graphs captured so far (0 without graphs)."""
         return 0 if self.runners is None else self.runners.captured
 
+    def functions_traced(self) -> int:
+        """Functions torch.compile traced so far in this process (Dynamo's count)."""
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
     def min_samples(self, sample_rate: int = SAMPLE_RATE) -> int:
         """The fewest samples at `sample_rate` that `align` takes: MIN_SAMPLES once resampled to 16 kHz (resampling
         makes ceil(n * 16000 / sample_rate) samples)."""

@@ -68,5 +68,6 @@ def test_the_aligner_implements_the_protocol():
         if callable(member):
             wanted = list(inspect.signature(member).parameters)
             assert list(inspect.signature(getattr(Aligner, name)).parameters)[:len(wanted)] == wanted
-    assert _members(AlignerEngineProtocol) == {"max_seconds", "min_samples", "prepare_piece", "warm_up", "graphs_captured",
+    assert _members(AlignerEngineProtocol) == {"max_seconds", "min_samples", "prepare_piece", "warm_up",
+                                               "graphs_captured", "functions_traced",
                                                "align_prepared"}
