@@ -221,9 +221,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configurations")
     ap.add_argument("--sweep-rows", default="64,256,512")
     ap.add_argument("--tiles-table", action="store_true",
-                    help="with --sweep: print the best configuration per (N, K) as Python for tiles()")
+                    help="sweep, then print the best configuration per (N, K) as Python for tiles()")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.sweep = args.sweep or args.tiles_table
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
     wanted = set(args.shapes.split(",")) if args.shapes else None
