@@ -6,7 +6,10 @@ a function of (N, K, dtype) only (`tiles`), there is no split-K and no atomics, 
 order: an output element is the fp32 sum of the same [BLOCK_K] dot products, in the same order, on the same MMA
 instructions, whether its row sits alone or at row 217 of 3000. Rows past M are masked loads (zeros) that no valid
 row reads. Bias (addmm) is added to the fp32 accumulator before the one rounding to the output dtype, as cuBLAS's
-epilogue does. fp32 runs in IEEE precision (no TF32, as torch.mm by default).
+epilogue does. fp32 runs in IEEE precision (no TF32, as torch.mm by default). `Tiles` can also select Hopper
+variants (TMA loads, persistent programs, a split-K fixed per (N, K) summed in order:
+stages/invariant_matmul_variants.py), invariant by the same construction, for the tile sweep to time; `tiles()`
+picks none of them yet.
 
 `enable()` / `disable()` (refcounted; `invariant_matmul()` is both as a context manager) register these kernels as
 the CUDA implementations of aten::mm, mm.out, addmm, addmm.out, bmm and bmm.out (a `torch.library.Library("aten",
@@ -34,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stages import invariant_matmul_variants
+
 try:
     import triton
     import triton.language as tl
@@ -52,6 +57,14 @@ class Tiles:
     group_m: int  # row tiles that walk the column tiles together (prefill: a weight tile is read while in L2)
     num_warps: int
     num_stages: int
+    # Hopper variants (stages/invariant_matmul_variants.py) for the tile sweep; the defaults are the kernel below
+    tma: bool = False  # operand tiles through TMA (device-side tensor descriptors)
+    persistent: bool = False  # one program per SM, each walking tiles in a fixed order
+    split_k: int = 1  # K cut in this many chunks (fixed per (N, K)), fp32 partials summed in order by a 2nd kernel
+
+    def __post_init__(self) -> None:
+        if self.split_k < 1 or self.split_k > 1 and self.persistent:
+            raise ValueError(f"Tiles: split_k must be >= 1 and split-K is not persistent (got {self})")
 
 
 def tiles(n: int, k: int, dtype: torch.dtype) -> Tiles:
@@ -140,6 +153,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Ten
     device = (torch.cuda.device(a.device) if a.is_cuda and a.device.index != torch.cuda.current_device()
               else contextlib.nullcontext())
     with device:
+        if cfg.tma or cfg.persistent or cfg.split_k > 1:
+            return invariant_matmul_variants.launch(a, b, out, bias, cfg)
         for b0 in range(0, batch, MAX_GRID_Y):
             a_, b_, out_ = a[b0:b0 + MAX_GRID_Y], b[b0:b0 + MAX_GRID_Y], out[b0:b0 + MAX_GRID_Y]
             grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), a_.shape[0])

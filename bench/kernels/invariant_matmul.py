@@ -7,10 +7,14 @@ do), CUDA events around each of `--reps` replays, the median; max error of both 
 product: whether the rows of products of every row count, at several positions, are bit-identical to the same rows
 of one `max(rows)`-row product (and the same for cuBLAS, for contrast). Then, with `enable()`, a torch.compile'd
 F.linear (dynamic shapes) and a CUDA-graph replay of it: do they take the invariant kernel (rows bit-equal to the
-kernel's eager result at every row count)? `--sweep` also times alternative tile configurations per product (the
-sum over `--sweep-rows` of the time) against `tiles()`'s choice.
+kernel's eager result at every row count)? `--sweep` also times, per product, the candidate configurations of
+`candidates` (tiles by width, each plain, with TMA loads, persistent and both; split-K for the narrower products:
+stages/invariant_matmul_variants.py), the sum over `--sweep-rows` of the time, against `tiles()`'s choice; those
+whose rows are not bit-identical across row counts, or whose error is off, are rejected. `--tiles-table` prints
+the best per (N, K) as Python for `tiles()`.
 
-    python -m bench.kernels.invariant_matmul [--rows 1,2,8,64,256,512,2048] [--sweep] [--out FILE]   # CUDA only
+    python -m bench.kernels.invariant_matmul [--rows 1,2,8,64,256,512,2048] [--sweep [--sweep-rows 64,256,512]
+        [--tiles-table]] [--out FILE]   # CUDA only
 
 Prints one JSON: {"products": [{"shape", "n", "k", "rows", "cublas_us", "invariant_us", "ratio", "err_invariant",
 "err_cublas"}], "invariance": {shape: {"invariant": true, "cublas": false}}, "compiled": {...}, "sweep": {...}}.
@@ -19,9 +23,10 @@ Prints one JSON: {"products": [{"shape", "n", "k", "rows", "cublas_us", "invaria
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
-import itertools
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -77,25 +82,107 @@ def timings(name, n, k, has_bias, rows, args) -> tuple[list, dict]:
     return out, same
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) the sweep tries, by product width: wide products are compute-bound
+# at 256+ rows (big tiles, two warpgroups), narrow ones have few column tiles (narrow tiles, split-K)
+WIDE_TILES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 64, 64, 8, 4),
+              (64, 128, 64, 4, 4))
+MID_TILES = ((128, 64, 64, 8, 4), (64, 64, 128, 4, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4))
+NARROW_TILES = ((64, 32, 128, 4, 3), (64, 32, 64, 4, 4), (64, 64, 128, 4, 3), (128, 32, 64, 4, 4))
+SPLITS = (2, 4)
+SPLIT_MAX_N = 6144  # split-K candidates only below this width: wider products have enough tiles at decode
+
+
+def candidates(n: int, k: int) -> list[im.Tiles]:
+    """The bf16 configurations the sweep times for an [M, K] x [K, N] product: `tiles()`'s choice first, then each
+    tile of the width's list plain, with TMA, persistent and both; below SPLIT_MAX_N also `tiles()`'s choice and
+    the first narrower-or-equal alternative with split-K 2 and 4, with and without TMA."""
+    default = im.tiles(n, k, torch.bfloat16)
+    widths = WIDE_TILES if n >= 8192 else MID_TILES if n >= 2048 else NARROW_TILES
+    plain = [default] + [t for t in (im.Tiles(bm, bn, bk, 8, w, s) for bm, bn, bk, w, s in widths) if t != default]
+    out = [dataclasses.replace(t, tma=tma, persistent=persistent)
+           for t in plain for tma in (False, True) for persistent in (False, True)]
+    if n <= SPLIT_MAX_N:
+        out += [dataclasses.replace(t, tma=tma, split_k=split)
+                for t in plain[:2] for split in SPLITS for tma in (False, True)]
+    return out
+
+
+def label(cfg: im.Tiles) -> str:
+    flags = ("tma" if cfg.tma else "") + (" persistent" if cfg.persistent else "") + \
+        (f" split{cfg.split_k}" if cfg.split_k > 1 else "")
+    return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{' ' if flags else ''}" \
+        f"{flags.strip()}"
+
+
+def source(cfg: im.Tiles) -> str:
+    """`cfg` as the Python expression to paste into `tiles()`: positional tiles, keywords only where not default."""
+    extra = "".join(f", {f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)[6:]
+                    if getattr(cfg, f.name) != f.default)
+    return f"Tiles({cfg.block_m}, {cfg.block_n}, {cfg.block_k}, {cfg.group_m}, {cfg.num_warps}, {cfg.num_stages}{extra})"
+
+
 def sweep(name, n, k, has_bias, rows, args) -> dict:
-    """Sum over `rows` of the time per call, per candidate tile configuration; the best and `tiles()`'s."""
+    """Sum over `rows` of the time per call, per candidate (`candidates`); the best and `tiles()`'s. A candidate
+    counts only if its rows are bit-identical across row counts (each smaller product's rows against the same rows
+    of the largest) and its error against an fp32 reference is within 4x cuBLAS's; `same_as_pointer_loads` lists
+    the TMA candidates whose results equal (bit for bit) the same configuration's pointer-load kernel."""
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(4)]
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) if has_bias else None
-    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in rows}
+    x_all = torch.randn(max(rows), k, device="cuda", dtype=torch.bfloat16)
+    xs = {m: x_all[:m] for m in rows}
+    w = weights[0]
+    ref = F.linear(x_all.float(), w.float(), bias.float() if has_bias else None)
+    tolerance = 4 * (F.linear(x_all, w, bias).float() - ref).abs().max().item()
     default = im.tiles(n, k, torch.bfloat16)
-    results = {}
-    for bm, bn, bk, stages in itertools.product((64, 128), (16, 32, 64, 128), (64, 128), (3, 4)):
-        cfg = im.Tiles(bm, bn, bk, 8, 4 if bm == 64 else 8, stages)
+    results, rejected, results_out, same_as_pointer = {}, {}, {}, {}
+    for cfg in candidates(n, k):
+        key = label(cfg)
         try:
+            full = product_fn("invariant", x_all, bias, cfg)(w)
+            err = (full.float() - ref).abs().max().item()
+            invariant = all(torch.equal(product_fn("invariant", xs[m], bias, cfg)(w), full[:m]) for m in rows)
+            if not invariant or err > tolerance:
+                rejected[key] = {"invariant": invariant, "err": err, "tolerance": tolerance}
+                continue
+            if cfg.tma:
+                pointer = product_fn("invariant", x_all, bias, dataclasses.replace(cfg, tma=False))(w)
+                same_as_pointer[key] = torch.equal(full, pointer)
             total = sum(graph_us([functools.partial(product_fn("invariant", xs[m], bias, cfg), weights[i % 4])
                                   for i in range(16)], max(5, args.reps // 4)) for m in rows)
         except Exception as e:  # a configuration Triton cannot build or launch (shared memory)
-            print(f"{name} {cfg}: {type(e).__name__}: {e}"[:200], flush=True)
+            rejected[key] = f"{type(e).__name__}: {e}"[:200]
             continue
-        results[f"{bm}x{bn}x{bk} w{cfg.num_warps} s{stages}"] = round(total, 2)
+        results[key] = round(total, 2)
+        results_out[key] = cfg
+    if not results:
+        return {"best": None, "best_us": None, "default": label(default), "all": {}, "rejected": rejected,
+                "same_as_pointer_loads": same_as_pointer, "_configs": {}}
     best = min(results, key=results.get)
-    key = f"{default.block_m}x{default.block_n}x{default.block_k} w{default.num_warps} s{default.num_stages}"
-    return {"best": best, "best_us": results[best], "default": key, "default_us": results.get(key), "all": results}
+    return {"best": best, "best_us": results[best], "best_tiles": source(results_out[best]), "default": label(default),
+            "default_us": results.get(label(default)), "all": results, "rejected": rejected,
+            "same_as_pointer_loads": same_as_pointer, "_configs": results_out}
+
+
+def tiles_table(sweeps: dict) -> str:
+    """Python to paste into `tiles()` (bf16/fp16): per (N, K), the candidate with the least time summed over the
+    products of that shape (and over the sweep's row counts), among those every such product measured."""
+    by_shape: dict[tuple[int, int], list[dict]] = {}
+    for name, n, k, _ in SHAPES:
+        if name in sweeps:
+            by_shape.setdefault((n, k), []).append(sweeps[name])
+    lines = ["# the H200 sweep's best per (N, K), summed over its row counts; bf16/fp16 (fp32 keeps its rule)",
+             "SWEPT = {"]
+    for (n, k), runs in sorted(by_shape.items()):
+        common = set.intersection(*(set(r["all"]) for r in runs))
+        if not common:
+            lines.append(f"    # ({n}, {k}): no candidate measured on every product of this shape")
+            continue
+        best = min(common, key=lambda key: sum(r["all"][key] for r in runs))
+        total = sum(r["all"][best] for r in runs)
+        default = sum(r["all"].get(r["default"], float("nan")) for r in runs)
+        lines.append(f"    ({n}, {k}): {source(runs[0]['_configs'][best])},  # {total:.1f} us (tiles(): {default:.1f})")
+    lines += ["}", "# in tiles(), after the fp32 rule:", "#     if (n, k) in SWEPT:", "#         return SWEPT[(n, k)]"]
+    return "\n".join(lines)
 
 
 def compiled_check(rows: list[int]) -> dict:
@@ -132,9 +219,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=16, help="calls per graph (weight copies cycled)")
     ap.add_argument("--reps", type=int, default=50, help="graph replays timed (the median is reported)")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configurations")
-    ap.add_argument("--sweep-rows", default="1,64,256,2048")
+    ap.add_argument("--sweep-rows", default="64,256,512")
+    ap.add_argument("--tiles-table", action="store_true",
+                    help="sweep, then print the best configuration per (N, K) as Python for tiles()")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.sweep = args.sweep or args.tiles_table
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
     wanted = set(args.shapes.split(",")) if args.shapes else None
@@ -147,8 +237,15 @@ def main() -> None:
         report["products"] += products
         report["invariance"][name] = same
         if args.sweep:
+            start = time.perf_counter()
             report["sweep"][name] = sweep(name, n, k, has_bias, [int(r) for r in args.sweep_rows.split(",")], args)
-            print(json.dumps({name: {key: v for key, v in report["sweep"][name].items() if key != "all"}}), flush=True)
+            summary = {key: v for key, v in report["sweep"][name].items() if key in ("best", "best_us", "default",
+                                                                                     "default_us", "rejected")}
+            print(json.dumps({name: {**summary, "sweep_s": round(time.perf_counter() - start, 1)}}), flush=True)
+    if args.sweep and args.tiles_table:
+        print(tiles_table(report["sweep"]), flush=True)
+    for result in report["sweep"].values():
+        result.pop("_configs")
     report["compiled"] = compiled_check(rows)
     if args.out:
         with open(args.out, "w") as f:

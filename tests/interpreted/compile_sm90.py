@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from stages import gemv_kernels, invariant_matmul, sampling_kernel
+from bench.kernels import invariant_matmul as matmul_bench
+from stages import gemv_kernels, invariant_matmul, invariant_matmul_variants, sampling_kernel
 from stages.talker import paged_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -27,17 +29,19 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
 def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int, aligned: tuple[str, ...] = (),
-                   count: str = r"ld\.global(?:\.\w+)*\.v[248]", num_stages: int = 3) -> tuple[int, int, int]:
-    """(registers, spill store bytes, matches of `count`) of one variant. Pointers, and the integer arguments in
-    `aligned`, are marked divisible by 16 as Triton's launcher marks them for the engine's tensors (which is what
-    lets it vectorize loads); the last count is by default the loads of 8+ bytes in the PTX."""
+                   count: str | tuple[str, ...] = r"ld\.global(?:\.\w+)*\.v[248]", num_stages: int = 3
+                   ) -> tuple[int, ...]:
+    """(registers, spill store bytes, matches of `count`) of one variant (one count per regex when `count` is a
+    tuple). Pointers, and the integer arguments in `aligned`, are marked divisible by 16 as Triton's launcher marks
+    them for the engine's tensors (which is what lets it vectorize loads); the last count is by default the loads
+    of 8+ bytes in the PTX."""
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, kind in signature.items() if kind.startswith("*") or name in aligned}
     options = {"num_warps": num_warps, "num_stages": num_stages,
                **({"launch_pdl": True} if constexprs.get("PDL") else {})}
     kernel = triton.compile(ASTSource(fn=fn, signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
                                       constexprs=constexprs, attrs=attrs), target=TARGET, options=options)
-    vector_loads = len(re.findall(count, kernel.asm["ptx"]))
+    counts = [len(re.findall(pattern, kernel.asm["ptx"])) for pattern in ((count,) if isinstance(count, str) else count)]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kernel.asm["ptx"])
         f.flush()
@@ -45,7 +49,7 @@ def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int, aligne
                                 capture_output=True, text=True, check=True).stderr
     spills = re.search(r"(\d+) bytes spill stores", report)
     return (int(re.search(r"Used (\d+) registers", report).group(1)), int(spills.group(1)) if spills else 0,
-            vector_loads)
+            *counts)
 
 
 def gemv() -> dict:
@@ -116,6 +120,23 @@ def sampling() -> dict:
         aligned=("stride_row", "V")) for v_p in (2048, 4096) for pdl in (False, True)}
 
 
+def plain_matmul(cfg, name: str, layout: str, bias: bool) -> tuple[int, ...]:
+    """The invariant GEMM's own kernel (`_matmul_kernel`) in configuration `cfg`, dtype `name`, B as nn.Linear's
+    weight.t() or contiguous: (registers, spill bytes, wgmma instructions)."""
+    sig = {"a_ptr": f"*{name}", "b_ptr": f"*{name}", "c_ptr": f"*{name}", "bias_ptr": f"*{name}",
+           "M": "i32", "N": "i32", "K": "i32", "stride_ab": "i32", "stride_am": "i32",
+           "stride_bb": "i32", "stride_cb": "i32", "stride_cm": "i32", "stride_biasm": "i32"}
+    ones = {"stride_ak": 1, "stride_cn": 1, "stride_biasn": 1}  # the launcher specializes 1s
+    ones |= {"stride_bk": 1} if layout == "weight.t()" else {"stride_bn": 1}
+    sig |= {"stride_bn": "i32"} if layout == "weight.t()" else {"stride_bk": "i32"}
+    return compile_kernel(invariant_matmul._matmul_kernel, sig, {
+        **ones, "BIAS": bias, "IEEE": name == "fp32", "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}, cfg.num_warps,
+        aligned=("N", "K", "stride_am", "stride_bn", "stride_bk", "stride_cm", "stride_ab", "stride_bb", "stride_cb",
+                 "stride_biasm"),
+        count=r"wgmma\.mma_async", num_stages=cfg.num_stages)
+
+
 def matmul() -> dict:
     """Every tile configuration `invariant_matmul.tiles` returns for the 1.7B and 0.6B products (talker, code
     predictor, text projection, heads), per dtype, as nn.Linear launches it (B = weight.t(), with a bias) and with
@@ -127,21 +148,61 @@ def matmul() -> dict:
     for dtype, name in types.items():
         for cfg in sorted({invariant_matmul.tiles(n, k, dtype) for n, k in shapes}, key=lambda t: t.block_n):
             for layout, bias in (("weight.t()", True), ("contiguous", False)):
-                sig = {"a_ptr": f"*{name}", "b_ptr": f"*{name}", "c_ptr": f"*{name}", "bias_ptr": f"*{name}",
-                       "M": "i32", "N": "i32", "K": "i32", "stride_ab": "i32", "stride_am": "i32",
-                       "stride_bb": "i32", "stride_cb": "i32", "stride_cm": "i32", "stride_biasm": "i32"}
-                ones = {"stride_ak": 1, "stride_cn": 1, "stride_biasn": 1}  # the launcher specializes 1s
-                ones |= {"stride_bk": 1} if layout == "weight.t()" else {"stride_bn": 1}
-                sig |= {"stride_bn": "i32"} if layout == "weight.t()" else {"stride_bk": "i32"}
                 out[f"{name} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {layout}"] = \
-                    compile_kernel(invariant_matmul._matmul_kernel, sig, {
-                        **ones, "BIAS": bias, "IEEE": dtype == torch.float32, "BLOCK_M": cfg.block_m,
-                        "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}, cfg.num_warps,
-                        aligned=("N", "K", "stride_am", "stride_bn", "stride_bk", "stride_cm", "stride_ab",
-                                 "stride_bb", "stride_cb", "stride_biasm"),
-                        count=r"wgmma\.mma_async", num_stages=cfg.num_stages)
+                    plain_matmul(cfg, name, layout, bias)
+    return out
+
+
+def matmul_variants() -> dict:
+    """Every configuration the tile sweep times (`bench.kernels.invariant_matmul.candidates` over the 1.7B
+    products: TMA, persistent and split-K variants; plain tiles on the default kernel), bf16, as nn.Linear launches
+    it (B = weight.t(); TMA: K-major descriptors); the TMA + persistent form of `tiles()`'s 4096 x 2048 choice also
+    with a contiguous B (N-major descriptors) and a bias, and in fp32; the split-K sum per split count, with and
+    without bias. Counts: wgmma and TMA (cp.async.bulk.tensor) instructions (the variant kernel), 16-byte loads
+    (the sum)."""
+    configs = {cfg for _, n, k, _ in matmul_bench.SHAPES for cfg in matmul_bench.candidates(n, k)}
+    aligned = ("N", "K", "K_CHUNK", "stride_am", "stride_bn", "stride_bk", "stride_cm", "stride_ab", "stride_bb",
+               "stride_cb", "stride_cs", "stride_biasm")
+    out = {}
+
+    def variant(cfg, name: str, layout: str, bias: bool) -> None:
+        sig = {"a_ptr": f"*{name}", "b_ptr": f"*{name}", "c_ptr": "*fp32" if cfg.split_k > 1 else f"*{name}",
+               "bias_ptr": f"*{name}", "M": "i32", "N": "i32", "K": "i32", "K_CHUNK": "i32", "stride_ab": "i32",
+               "stride_am": "i32", "stride_bb": "i32", "stride_cs": "i32", "stride_cb": "i32", "stride_cm": "i32",
+               "stride_biasm": "i32"}
+        ones = {"stride_ak": 1, "stride_cn": 1, "stride_biasn": 1}
+        ones |= {"stride_bk": 1} if layout == "weight.t()" else {"stride_bn": 1}
+        sig |= {"stride_bn": "i32"} if layout == "weight.t()" else {"stride_bk": "i32"}
+        key = f"{name} {matmul_bench.label(cfg)} {layout}{' bias' if bias else ''}"
+        out[key] = compile_kernel(invariant_matmul_variants._variant_kernel, sig, {
+            **ones, "BIAS": bias and cfg.split_k == 1, "IEEE": name == "fp32", "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "TMA": cfg.tma,
+            "B_KMAJOR": layout == "weight.t()", "PERSISTENT": cfg.persistent, "NUM_SMS": 132, "SPLIT": cfg.split_k},
+            cfg.num_warps, aligned=aligned, count=(r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor"),
+            num_stages=cfg.num_stages)
+
+    for cfg in sorted(configs, key=matmul_bench.label):
+        if cfg.tma or cfg.persistent or cfg.split_k > 1:
+            variant(cfg, "bf16", "weight.t()", False)
+        else:  # the sweep's plain alternatives run the default kernel
+            out[f"bf16 {matmul_bench.label(cfg)} weight.t() plain"] = plain_matmul(cfg, "bf16", "weight.t()", False)
+    both = invariant_matmul.Tiles(128, 64, 64, 8, 8, 4, tma=True, persistent=True)
+    variant(both, "bf16", "contiguous", True)
+    variant(invariant_matmul.Tiles(64, 32, 32, 8, 4, 3, tma=True, persistent=True), "fp32", "weight.t()", True)
+    for split in matmul_bench.SPLITS:
+        for bias in (False, True):
+            out[f"sum split{split}{' bias' if bias else ''}"] = compile_kernel(
+                invariant_matmul_variants._sum_splits_kernel,
+                {"part_ptr": "*fp32", "c_ptr": "*bf16", "bias_ptr": "*bf16", "M": "i32", "N": "i32",
+                 "stride_ps": "i32", "stride_pb": "i32", "stride_pm": "i32", "stride_cb": "i32", "stride_cm": "i32",
+                 "stride_biasm": "i32"},
+                {"stride_cn": 1, "stride_biasn": 1, "SPLIT": split, "BIAS": bias,
+                 "BLOCK_M": invariant_matmul_variants.SUM_BLOCK_M, "BLOCK_N": invariant_matmul_variants.SUM_BLOCK_N},
+                4, aligned=("N", "stride_ps", "stride_pb", "stride_pm", "stride_cb", "stride_cm", "stride_biasm"),
+                count=r"ld\.global(?:\.\w+)*\.v4")
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps({"gemv": gemv(), "attention": attention(), "sampling": sampling(), "matmul": matmul()}))
+    groups = sys.argv[1:] or ["gemv", "attention", "sampling", "matmul", "matmul_variants"]
+    print(json.dumps({group: globals()[group]() for group in groups}))

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from stages import invariant_matmul as im
+from stages import invariant_matmul_variants
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -110,5 +111,79 @@ def compiled() -> dict:
     return result
 
 
+VARIANTS = {  # the fp32 tiles (64 x 32 x 32) with each Hopper variant of stages/invariant_matmul_variants.py
+    "tma": im.Tiles(64, 32, 32, 8, 4, 3, tma=True),
+    "persistent": im.Tiles(64, 32, 32, 8, 4, 3, persistent=True),
+    "tma persistent": im.Tiles(64, 32, 32, 8, 4, 3, tma=True, persistent=True),
+    "split3": im.Tiles(64, 32, 32, 8, 4, 3, split_k=3),
+    "tma split2": im.Tiles(64, 32, 32, 8, 4, 3, tma=True, split_k=2),
+}
+
+
+def variants() -> dict:
+    """Per variant (K 200: 7 BLOCK_K tiles; split 3: chunks of 3, 3 and 1 tiles; persistent: 3 programs walking
+    the tiles): max relative error against float64 of mm with weight.t() (TMA: K-major descriptors) and with a
+    contiguous B (N-major), addmm with a 1-D bias, bmm (and a broadcast weight), out=, and an A column slice that
+    TMA cannot read; whether rows are bit-identical across 1, 3, 64 and 300 rows at several positions, shuffled
+    and within 2000 rows; the TMA flag of each launch of the first products (aligned, then the column slice)."""
+    launches: list[bool] = []
+    kernel = invariant_matmul_variants._variant_kernel
+
+    class Spy:  # records each launch's TMA flag
+        def __getitem__(self, grid):
+            run = kernel[grid]
+            return lambda *args, **kwargs: (launches.append(kwargs["TMA"]), run(*args, **kwargs))[1]
+
+    invariant_matmul_variants._variant_kernel = Spy()
+    n, k = 96, 200
+    a, w, bias = randn(300, k), randn(n, k) / k ** 0.5, randn(n)
+    ref = a.double() @ w.double().t()
+    a_wide = randn(300, k + 3)
+    a_slice = a_wide[:, 3:]  # starts 12 bytes in: not 16-byte aligned
+    slice_ref = a_slice.double() @ w.double().t()
+    batched_a, batched_b = randn(3, 37, 64), randn(3, 40, 64).transpose(1, 2)
+    result = {"errors": {}, "invariance": {}, "tma_launches": {}}
+    try:
+        for name, cfg in VARIANTS.items():
+            launches.clear()
+            full = im.mm(a, w.t(), config=cfg)
+            errors = {"mm": rel(full, ref)}
+            im.mm(a_slice, w.t(), config=cfg)
+            result["tma_launches"][name] = list(launches)
+            errors["mm column slice"] = rel(im.mm(a_slice, w.t(), config=cfg), slice_ref)
+            errors["mm contiguous B"] = rel(im.mm(a[:70], w.t().contiguous(), config=cfg), ref[:70])
+            full_bias = im.addmm(bias, a, w.t(), config=cfg)
+            errors["addmm"] = rel(full_bias, ref + bias.double())
+            errors["addmm.out"] = rel(im.addmm(bias, a[:5], w.t(), out=torch.empty(1, 1), config=cfg),
+                                      ref[:5] + bias.double())
+            errors["bmm"] = rel(im.bmm(batched_a, batched_b, config=cfg), batched_a.double() @ batched_b.double())
+            result["errors"][name] = errors
+            same = {}
+            for m in (1, 3, 64, 300):
+                for start in sorted({0, 131, 300 - m}):
+                    if start + m <= 300:
+                        rows = slice(start, start + m)
+                        same[f"mm rows {start}..{start + m - 1}"] = torch.equal(im.mm(a[rows], w.t(), config=cfg),
+                                                                                full[rows])
+                        same[f"addmm rows {start}..{start + m - 1}"] = torch.equal(
+                            im.addmm(bias, a[rows], w.t(), config=cfg), full_bias[rows])
+            perm = torch.randperm(300, generator=GEN)
+            same["mm shuffled"] = torch.equal(im.mm(a[perm], w.t(), config=cfg), full[perm])
+            same["mm 300 rows within 2000"] = torch.equal(im.mm(torch.cat([randn(1700, k), a]), w.t(), config=cfg)
+                                                          [1700:], full)
+            same["bmm entries"] = torch.equal(im.bmm(a.view(3, 100, k), w.t().expand(3, k, n), config=cfg)
+                                              .reshape(300, n), full)
+            result["invariance"][name] = same
+        # teeth: split-K sums the K tiles in another order than the one-chunk kernel (expected False), TMA loads
+        # the same numbers as pointer loads (expected True)
+        plain = im.mm(a, w.t(), config=im.Tiles(64, 32, 32, 8, 4, 3))
+        result["split3 equals one chunk"] = torch.equal(im.mm(a, w.t(), config=VARIANTS["split3"]), plain)
+        result["tma equals pointer loads"] = torch.equal(im.mm(a, w.t(), config=VARIANTS["tma"]), plain)
+    finally:
+        invariant_matmul_variants._variant_kernel = kernel
+    return result
+
+
 if __name__ == "__main__":
-    print(json.dumps({"products": products(), "invariance": invariance(), "compiled": compiled()}))
+    print(json.dumps({"products": products(), "invariance": invariance(), "compiled": compiled(),
+                      "variants": variants()}))

@@ -5,6 +5,8 @@ graphs): tests/stages/gpu/test_invariant_matmul_gpu.py."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,7 @@ def overridden() -> list[bool]:
     return [torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA") for op in OPS]
 
 
-@pytest.mark.slow  # Triton interpreter and Inductor in a subprocess: ~30 s on 2 cores
+@pytest.mark.slow  # Triton interpreter and Inductor in a subprocess: ~1 min on 2 cores
 def test_kernel_computes_the_product_and_rows_do_not_depend_on_the_batch():
     result = run_interpreted("invariant_matmul.py")
     assert set(result["products"]) == {"mm", "addmm", "mm.out", "addmm.out", "bmm", "bmm.out", "k0"}
@@ -34,6 +36,20 @@ def test_kernel_computes_the_product_and_rows_do_not_depend_on_the_batch():
     compiled = result["compiled"]
     assert compiled.pop("after destroy") == [True, 0]  # the Library destroyed: aten's CPU kernel again
     assert len(compiled) == 8 and all(v == [True, 1] for v in compiled.values()), compiled
+    # the Hopper variants (TMA descriptors, persistent programs, split-K with an in-order sum): close to float64 on
+    # every entry point, rows bit-identical across row counts and positions
+    variants = result["variants"]
+    assert set(variants["errors"]) == {"tma", "persistent", "tma persistent", "split3", "tma split2"}
+    for name, errors in variants["errors"].items():
+        assert len(errors) == 6 and max(errors.values()) <= 1e-6, (name, errors)
+    for name, same in variants["invariance"].items():
+        assert len(same) == 23 and all(same.values()), (name, same)
+    # TMA where asked and the operands allow (16-byte aligned), pointer loads for an A column slice that is not
+    assert variants["tma_launches"] == {"tma": [True, False], "persistent": [False, False],
+                                        "tma persistent": [True, False], "split3": [False, False],
+                                        "tma split2": [True, False]}
+    assert not variants["split3 equals one chunk"]  # split-K rounds differently: the equalities above have teeth
+    assert variants["tma equals pointer loads"]
 
 
 def test_enable_disable_are_refcounted_and_leave_cpu_tensors_alone():
@@ -65,12 +81,21 @@ def test_enable_disable_are_refcounted_and_leave_cpu_tensors_alone():
 
 
 def test_tiles_depend_on_n_k_and_dtype_only():
-    """The tile function takes no row count; on the 1.7B talker's widest products it leaves >= 64 column tiles
-    (programs at decode) and its tiles stay tensor-core sized."""
+    """The tile function takes no row count; on the 1.7B talker's products it leaves >= 32 column tiles (programs
+    at decode), its tiles stay tensor-core sized, and it picks none of the Hopper variants (the sweep decides)."""
+    assert list(inspect.signature(invariant_matmul.tiles).parameters) == ["n", "k", "dtype"]
     for n, k in ((4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (3072, 2048)):
         cfg = invariant_matmul.tiles(n, k, torch.bfloat16)
-        assert cfg.block_m == 64 and 32 <= cfg.block_n <= 128 and -(-n // cfg.block_n) >= 64, (n, k, cfg)
+        assert cfg.block_m in (64, 128) and 32 <= cfg.block_n <= 128 and -(-n // cfg.block_n) >= 32, (n, k, cfg)
+        assert (cfg.tma, cfg.persistent, cfg.split_k) == (False, False, 1), (n, k, cfg)
     assert invariant_matmul.tiles(1024, 3072, torch.bfloat16).block_n == 32
+
+
+def test_split_k_is_at_least_one_and_not_persistent():
+    with pytest.raises(ValueError, match="split_k"):
+        invariant_matmul.Tiles(64, 64, 64, 8, 4, 3, split_k=0)
+    with pytest.raises(ValueError, match="split_k"):
+        invariant_matmul.Tiles(64, 64, 64, 8, 4, 3, persistent=True, split_k=2)
 
 
 def test_addmm_other_than_beta_alpha_one_is_refused():

@@ -36,8 +36,28 @@ def test_invariant_matmul_compiles_for_sm90_without_spills(compiled):
     launches it (B = weight.t(), bias) and with a contiguous B: no spills, and bf16/fp16 on the tensor cores
     (wgmma; fp32 runs IEEE FMAs)."""
     result = compiled["matmul"]
-    # 3 tile configurations (BLOCK_N 32, 64, 128) for bf16 and fp16, 2 for fp32 (BLOCK_N <= 64), x 2 layouts
-    assert len(result) == 16
+    # 5 tile configurations (64x32x128, 64x64x128, 64x64x64, 128x64x64, 128x128x64) for bf16 and fp16, 2 for fp32
+    # (BLOCK_N 32 and 64), x 2 layouts
+    assert len(result) == 24
     for name, (registers, spill_bytes, wgmma) in result.items():
         assert 0 < registers <= 255 and spill_bytes == 0, (name, registers, spill_bytes)
         assert (wgmma > 0) == (not name.startswith("fp32")), (name, wgmma)
+
+
+def test_invariant_matmul_sweep_candidates_compile_for_sm90_without_spills(compiled):
+    """Every configuration the tile sweep times (bench.kernels.invariant_matmul.candidates: TMA loads through
+    device-side descriptors, persistent programs, split-K with its in-order sum, plain tiles), bf16 as nn.Linear
+    launches it, plus a contiguous-B TMA form with bias and an fp32 one: no spills, wgmma on bf16, TMA copies
+    (cp.async.bulk.tensor) exactly in the TMA variants, and the sum kernel's loads vectorized."""
+    result = compiled["matmul_variants"]
+    # 60 distinct candidates over the 12 products (10 of them plain), 2 extra TMA forms, 2 split counts x bias
+    assert len(result) == 66
+    assert sum(name.endswith("plain") for name in result) == 10
+    for name, (registers, spill_bytes, *counts) in result.items():
+        assert 0 < registers <= 255 and spill_bytes == 0, (name, registers, spill_bytes)
+        if name.startswith("sum"):
+            assert counts[0] > 0, (name, counts)  # 16-byte loads of the fp32 partials
+            continue
+        assert (counts[0] > 0) == name.startswith("bf16"), (name, counts)  # wgmma
+        if not name.endswith("plain"):
+            assert (counts[1] > 0) == (" tma" in name), (name, counts)  # TMA copies only where asked
