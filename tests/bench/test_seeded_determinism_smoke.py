@@ -18,7 +18,8 @@ def test_the_bench_prints_identical_codes_and_pcm_and_a_cost(tmp_path, monkeypat
     seeded_determinism.main()
     result = json.loads(out.read_text())
     assert result["alone_vs_batch"] == {"2": "identical", "5": "identical", "greedy_64": "identical"}
-    assert result["pcm_alone_vs_batch"] == {"2": "identical", "5": "identical"}
+    assert result["pcm_alone_vs_batch"] == {"2": "identical", "5": "identical",
+                                            **{f"row_{r}": "identical" for r in (0, 1, 15, 32, 63)}}
     assert set(result["throughput_cost"]) == {"talker", "code2wav"}
     for mode in ("deterministic", "default"):  # the closed loop produced frames, from steps and prefills
         sustained = result["talker_sustained"][mode]
