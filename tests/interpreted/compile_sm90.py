@@ -154,9 +154,9 @@ def matmul() -> dict:
 
 
 def matmul_variants() -> dict:
-    """Every configuration the tile sweep times (`bench.kernels.invariant_matmul.candidates` over the 1.7B
-    products: TMA, persistent and split-K variants; plain tiles on the default kernel), bf16, as nn.Linear launches
-    it (B = weight.t(); TMA: K-major descriptors); the TMA + persistent form of `tiles()`'s 4096 x 2048 choice also
+    """Per variant form the sweep times (`bench.kernels.invariant_matmul.candidates` over the 1.7B products: TMA,
+    persistent and split-K), its largest candidate, bf16, as nn.Linear launches it (B = weight.t(); TMA: K-major
+    descriptors); the TMA + persistent form of `tiles()`'s 4096 x 2048 choice also
     with a contiguous B (N-major descriptors) and a bias, and in fp32; the split-K sum per split count, with and
     without bias. Counts: wgmma and TMA (cp.async.bulk.tensor) instructions (the variant kernel), 16-byte loads
     (the sum)."""
@@ -181,11 +181,19 @@ def matmul_variants() -> dict:
             cfg.num_warps, aligned=aligned, count=(r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor"),
             num_stages=cfg.num_stages)
 
-    for cfg in sorted(configs, key=matmul_bench.label):
-        if cfg.tma or cfg.persistent or cfg.split_k > 1:
-            variant(cfg, "bf16", "weight.t()", False)
-        else:  # the sweep's plain alternatives run the default kernel
-            out[f"bf16 {matmul_bench.label(cfg)} weight.t() plain"] = plain_matmul(cfg, "bf16", "weight.t()", False)
+    # per variant form (TMA, persistent, split count) its candidate of the largest tiles and deepest pipeline (the
+    # most registers and shared memory; a candidate that still fails to build is skipped by the sweep itself): the
+    # plain candidates run the default kernel, whose configurations `matmul` checks
+    def size(c: invariant_matmul.Tiles) -> tuple:
+        return c.block_m * c.block_n * c.block_k, c.num_stages, matmul_bench.label(c)
+
+    largest: dict[tuple, invariant_matmul.Tiles] = {}
+    for cfg in configs:
+        form = (cfg.tma, cfg.persistent, cfg.split_k)
+        if (cfg.tma or cfg.persistent or cfg.split_k > 1) and (form not in largest or size(cfg) > size(largest[form])):
+            largest[form] = cfg
+    for cfg in sorted(largest.values(), key=matmul_bench.label):
+        variant(cfg, "bf16", "weight.t()", False)
     both = invariant_matmul.Tiles(128, 64, 64, 8, 8, 4, tma=True, persistent=True)
     variant(both, "bf16", "contiguous", True)
     variant(invariant_matmul.Tiles(64, 32, 32, 8, 4, 3, tma=True, persistent=True), "fp32", "weight.t()", True)
