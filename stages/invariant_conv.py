@@ -38,11 +38,11 @@ so they take stages/invariant_matmul.py's kernel when that is enabled too.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 
 import torch
+
+from stages.aten_override import AtenOverride
 
 SLAB_ELEMENTS = 1 << 27  # rows x (K + N) of one slab's product: 256 MiB of im2col + product output in bf16
 DEVICE_TYPES = ("cuda",)  # where `enable()` registers the override (tests: ("cpu",))
@@ -246,41 +246,7 @@ def _register(dispatch_key: str) -> torch.library.Library:
     return lib
 
 
-_lock = threading.Lock()
-_libraries: list[torch.library.Library] = []
-_users = 0
-
-
-def enable() -> None:
-    """Route aten::convolution on DEVICE_TYPES through `convolution` until the matching `disable()`."""
-    global _users
-    with _lock:
-        if _users == 0:
-            _libraries.extend(_register(t.upper()) for t in DEVICE_TYPES)
-        _users += 1
-
-
-def disable() -> None:
-    """Undo one `enable()`; the last one restores aten's kernels."""
-    global _users
-    with _lock:
-        if _users == 0:
-            raise RuntimeError("invariant_conv.disable() without a matching enable()")
-        _users -= 1
-        if _users == 0:
-            for lib in _libraries:
-                lib._destroy()
-            _libraries.clear()
-
-
-def enabled() -> bool:
-    return _users > 0
-
-
-@contextlib.contextmanager
-def invariant_conv():
-    enable()
-    try:
-        yield
-    finally:
-        disable()
+_switch = AtenOverride("invariant_conv", lambda: [_register(t.upper()) for t in DEVICE_TYPES])
+# Route aten::convolution on DEVICE_TYPES through `convolution` from `enable()` until the matching `disable()`
+# (refcounted; `invariant_conv()` is both as a context manager)
+enable, disable, enabled, invariant_conv = _switch.enable, _switch.disable, _switch.enabled, _switch.scope

@@ -32,12 +32,12 @@ aten::baddbmm (not invariant); addmm with beta or alpha other than 1 raises. CPU
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from stages import invariant_matmul_variants
+from stages.aten_override import AtenOverride
 
 try:
     import triton
@@ -240,45 +240,12 @@ def _register(dispatch_key: str) -> torch.library.Library:
     return lib
 
 
-_lock = threading.Lock()
-_library: torch.library.Library | None = None
-_users = 0
-
-
 def available() -> bool:
     """Whether the kernel can run here (Triton and a CUDA device)."""
     return triton is not None and torch.cuda.is_available()
 
 
-def enable() -> None:
-    """Route CUDA mm/addmm/bmm (and their .out forms) through the invariant kernel until the matching `disable()`."""
-    global _library, _users
-    with _lock:
-        if _users == 0:
-            _library = _register("CUDA")
-        _users += 1
-
-
-def disable() -> None:
-    """Undo one `enable()`; the last one restores aten's kernels."""
-    global _library, _users
-    with _lock:
-        if _users == 0:
-            raise RuntimeError("invariant_matmul.disable() without a matching enable()")
-        _users -= 1
-        if _users == 0:
-            _library._destroy()
-            _library = None
-
-
-def enabled() -> bool:
-    return _users > 0
-
-
-@contextlib.contextmanager
-def invariant_matmul():
-    enable()
-    try:
-        yield
-    finally:
-        disable()
+_switch = AtenOverride("invariant_matmul", lambda: [_register("CUDA")])
+# Route CUDA mm/addmm/bmm (and their .out forms) through the invariant kernel from `enable()` until the matching
+# `disable()` (refcounted; `invariant_matmul()` is both as a context manager)
+enable, disable, enabled, invariant_matmul = _switch.enable, _switch.disable, _switch.enabled, _switch.scope
