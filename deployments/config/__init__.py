@@ -90,8 +90,9 @@ class TalkerDeploymentConfig(_RuntimeOptions):
 
     deterministic: bool = Field(False, description=(
         "batch-invariant mode: a seeded request's codes and audio do not depend on what runs beside it (the engine's "
-        "`deterministic`: fixed decode and prefill shapes; Code2Wav decodes in fixed shapes too; the Talker never "
-        "decodes first chunks itself). Costs throughput: docs/serving.md, 'Deterministic mode'"))
+        "`deterministic`: batch-invariant products on CUDA, fixed shapes on CPU; Code2Wav decodes in fixed shapes "
+        "with its convolutions as products; the Talker never decodes first chunks itself). Costs throughput: "
+        "docs/serving.md, 'Deterministic mode'"))
 
     @field_validator("aliases")
     @classmethod
