@@ -193,15 +193,13 @@ def code2wav_checks(decoder, probe_codes: np.ndarray, batches: list[int], concur
     `by_row`: also the probe's PCM at these rows of full 64-row forwards vs alone (`pcm_by_row`)."""
     schedule = ChunkSchedule()
 
-    def chunks(request_id, codes):
-        return stream_chunks(schedule, request_id, codes)
-
     def streams(n, tag):
         rng = np.random.default_rng(n)
-        return [chunks(f"{tag}{i}", rng.integers(0, 2048, (len(probe_codes) + i % 7, 16))) for i in range(n)]
+        return [stream_chunks(schedule, f"{tag}{i}", rng.integers(0, 2048, (len(probe_codes) + i % 7, 16)))
+                for i in range(n)]
 
     def decode_probe(engine, others):
-        target, crowd, pcm = chunks(f"probe-{others}", probe_codes), streams(others, f"c{others}-"), []
+        target, crowd, pcm = stream_chunks(schedule, f"probe-{others}", probe_codes), streams(others, f"c{others}-"), []
         for k, chunk in enumerate(target):
             batch = [s[k] for s in crowd if k < len(s)]
             pcm.append(engine.decode([*batch[::2], chunk, *batch[1::2]])[len(batch[::2])])

@@ -34,6 +34,7 @@ def window_bucket(n: int) -> int:
             return b
     return -(-n // WINDOW_BUCKETS[-1]) * WINDOW_BUCKETS[-1]
 
+
 def conv_output_frames(frames: int) -> int:
     """Tokens the tower makes of `frames` mel frames (the official `_get_feat_extract_output_lengths`, whose
     window of 100 frames is hard-coded: 13 tokens per full window)."""
@@ -163,7 +164,7 @@ class AudioEncoder(nn.Module):
 
     @torch.inference_mode()
     def warm_windows(self, max_windows: int) -> int:
-        """The convolutions once at every window bucket up to `max_windows`' (cuDNN plans each new shape: here, not
+        """The convolutions once at every window bucket up to `max_windows` (cuDNN plans each new shape: here, not
         in a request's wait). -> buckets run."""
         chunk, weight = self.config.chunk_frames, self.conv2d1.weight
         buckets = [b for b in WINDOW_BUCKETS if b <= window_bucket(max_windows)]

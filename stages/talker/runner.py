@@ -152,12 +152,10 @@ class TalkerRunner:
         self.heads_in_attention = k.heads_in_attention and compile and self.use_kernel
         # decode kernel: a few rows' keys split over more programs (paged_attention.decode_splits)
         self.attention_splits = k.attention_splits and self.use_kernel
-        # deterministic: text rows projected in products of trailing_width rows (embed_text_rows), one decode
-        # attention tiling, the batched one (key blocks and warps set the softmax's summation order), and prefills
-        # of >= the smallest graphed batch (one prompt alone: torch.compile's size-1 variant, another kernel)
+        # deterministic: text rows projected in products of trailing_width rows (embed_text_rows), and one decode
+        # attention tiling, the batched one (key blocks and warps set the softmax's summation order)
         self.text_width = self.trailing_width if config.deterministic else 0
         self.decode_tiling = decode_tiling(128) if config.deterministic else None
-        self.min_prefill_rows = self.prefill_batch_buckets[0] if config.deterministic else 1
         # compiled CUDA path, sm_90+: few-row steps' Triton kernels launch with programmatic dependent launch
         self.pdl = config.pdl and compile and pdl_module.supported(dev)
         if compile:
@@ -306,7 +304,8 @@ class TalkerRunner:
         if key is not None:
             (nb, w), tw = key, self.trailing_width
         else:
-            nb, w, tw = (max(n, self.min_prefill_rows), round_up(width, _WIDTH_MULTIPLE),
+            # at least the smallest graphed batch (deterministic mode's is 2: no size-1 compiled variant)
+            nb, w, tw = (max(n, self.prefill_batch_buckets[0]), round_up(width, _WIDTH_MULTIPLE),
                          min(round_up(trailing, _WIDTH_MULTIPLE), self.max_text_rows))
         turn = self._host_stage.take()
         host = self._host_stage.buffers[turn]
