@@ -11,7 +11,6 @@ Same results as the official `Qwen3ForcedAligner.align` on the same batch (tests
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,8 +93,6 @@ class Aligner:
         compiles and the captures of the buckets that forwards of up to `max_pieces` pieces and `max_audio_s`
         seconds of padded audio meet. -> graphs captured so far."""
         self.align([np.zeros(SAMPLE_RATE, np.float32)], ["warm up"], SAMPLE_RATE)
-        # a forward's windows: a second of audio each, one more per piece for its partial last one
-        self.model.audio_tower.warm_windows(math.ceil(max_audio_s) + max_pieces)
         if self.runners is not None:
             self.runners.warm(max_pieces, max_audio_s)
         return self.graphs_captured()

@@ -22,18 +22,6 @@ from torch import nn
 
 from stages.aligner.config import AudioEncoderConfig
 
-# the convolutions' window counts (padded up to one of these; more: to a multiple of the largest): ~1.5x apart,
-# so a forward pads at most half its windows; `AudioEncoder.warm_windows` meets each before serving
-WINDOW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-
-
-def window_bucket(n: int) -> int:
-    """The window count a forward of `n` windows pads to."""
-    for b in WINDOW_BUCKETS:
-        if b >= n:
-            return b
-    return -(-n // WINDOW_BUCKETS[-1]) * WINDOW_BUCKETS[-1]
-
 
 def conv_output_frames(frames: int) -> int:
     """Tokens the tower makes of `frames` mel frames (the official `_get_feat_extract_output_lengths`, whose
@@ -162,17 +150,6 @@ class AudioEncoder(nn.Module):
         its norms, GELU and residual adds fused into a few kernels."""
         self.layer_fn = torch.compile(encoder_layer, dynamic=True, fullgraph=True)
 
-    @torch.inference_mode()
-    def warm_windows(self, max_windows: int) -> int:
-        """The convolutions once at every window bucket up to `max_windows` (cuDNN plans each new shape: here, not
-        in a request's wait). -> buckets run."""
-        chunk, weight = self.config.chunk_frames, self.conv2d1.weight
-        buckets = [b for b in WINDOW_BUCKETS if b <= window_bucket(max_windows)]
-        for b in buckets:
-            self._conv_windows(torch.zeros(1, self.config.num_mel_bins, b * chunk, device=weight.device,
-                                           dtype=weight.dtype), [b * chunk])
-        return len(buckets)
-
     def _conv_windows(self, features: torch.Tensor, frames: list[int]) -> tuple[torch.Tensor, list[int]]:
         """All windows of all rows through the convolutions at once -> (tokens of all rows in order [sum, d_model],
         token count per row).
@@ -192,18 +169,15 @@ class AudioEncoder(nn.Module):
                 picked.append(row * per_row + w)
                 lengths.append(min(chunk, n - start))
                 exact.append(len(starts) == 1)
+        longest = max(lengths)
         # every row cut into windows at once; frames past a row's own are zeros, as a copy of its windows pads them
         ends = torch.tensor(frames, device=features.device)
         in_row = torch.arange(width, device=features.device)[None, :] < ends[:, None]
         x = F.pad(torch.where(in_row[:, None, :], features, 0), (0, per_row * chunk - width))
         x = x.view(rows, mel, per_row, chunk).permute(0, 2, 1, 3).reshape(rows * per_row, 1, mel, chunk)
-        # the convolutions see few shapes (a new one costs cuDNN a plan in a request's wait): every window a full
-        # chunk wide, their number padded to `window_bucket` with empty windows whose outputs are dropped
-        windows = len(picked)
-        extra = window_bucket(windows) - windows
-        x = F.pad(x[torch.tensor(picked, device=features.device)], (0, 0, 0, 0, 0, 0, 0, extra))
-        length = torch.tensor(lengths + [chunk] * extra, device=features.device)
-        unpadded = torch.tensor(exact + [False] * extra, device=features.device)
+        x = x[torch.tensor(picked, device=features.device), ..., :longest]
+        length = torch.tensor(lengths, device=features.device)
+        unpadded = torch.tensor(exact, device=features.device)
         for conv in (self.conv2d1, self.conv2d2, self.conv2d3):
             x = F.gelu(conv(x))
             length = (length - 1) // 2 + 1
@@ -212,7 +186,6 @@ class AudioEncoder(nn.Module):
         n, c, f, t = x.shape
         # contiguous: as a view the product's rows would be 13 apart, which takes cuBLAS's slow unaligned kernels
         x = self.conv_out(x.permute(0, 3, 1, 2).contiguous().view(n, t, c * f)) + self.positions[:t].to(x.dtype)
-        x, length = x[:windows], length[:windows]
         valid = torch.arange(t, device=x.device)[None, :] < length[:, None]
         counts = [conv_output_frames(n) for n in frames]
         return x[valid], counts
