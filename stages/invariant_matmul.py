@@ -2,14 +2,14 @@
 
 cuBLAS picks its kernel (tile, split-K) from M, so a row's rounding depends on how many rows share the product; that
 is why deterministic mode fixes shapes (docs/talker_engine.md, "Deterministic mode"). Here the tile configuration is
-a function of (N, K, dtype) only (`tiles`), there is no split-K and no atomics, and the K loop runs in one fixed
-order: an output element is the fp32 sum of the same [BLOCK_K] dot products, in the same order, on the same MMA
-instructions, whether its row sits alone or at row 217 of 3000. Rows past M are masked loads (zeros) that no valid
+a function of (N, K, dtype) and M's bucket only (`tiles`; `SWEPT` says why M may pick tiles), split-K (where used)
+is fixed per (N, K) and summed in order, and the K loop runs in one fixed order: an output element is the fp32 sum
+of the same k16 MMA steps, in the same order, whether its row sits alone or at row 217 of 3000. Rows past M are masked loads (zeros) that no valid
 row reads. Bias (addmm) is added to the fp32 accumulator before the one rounding to the output dtype, as cuBLAS's
 epilogue does. fp32 runs in IEEE precision (no TF32, as torch.mm by default). `Tiles` can also select Hopper
 variants (TMA loads, persistent programs, a split-K fixed per (N, K) summed in order:
-stages/invariant_matmul_variants.py), invariant by the same construction, for the tile sweep to time; `tiles()`
-picks none of them yet.
+stages/invariant_matmul_variants.py), invariant by the same construction; `tiles()` takes them where the sweep
+found them faster.
 
 `enable()` / `disable()` (refcounted; `invariant_matmul()` is both as a context manager) register these kernels as
 the CUDA implementations of aten::mm, mm.out, addmm, addmm.out, bmm and bmm.out (a `torch.library.Library("aten",
@@ -63,23 +63,64 @@ class Tiles:
     split_k: int = 1  # K cut in this many chunks (fixed per (N, K)), fp32 partials summed in order by a 2nd kernel
 
     def __post_init__(self) -> None:
-        if self.split_k < 1 or self.split_k > 1 and self.persistent:
-            raise ValueError(f"Tiles: split_k must be >= 1 and split-K is not persistent (got {self})")
+        if self.split_k < 1 or self.split_k > 1 and (self.persistent or invariant_matmul_variants.SPLIT_GRANULE % self.block_k):
+            raise ValueError(f"Tiles: split_k must be >= 1, and split-K is not persistent and its BLOCK_K divides "
+                             f"{invariant_matmul_variants.SPLIT_GRANULE} (got {self})")
 
 
-def tiles(n: int, k: int, dtype: torch.dtype) -> Tiles:
-    """The tile configuration of an [M, K] x [K, N] product: a function of (N, K, dtype), never of M.
+ROW_BUCKETS = (64, 128, 256)  # a swept shape's tiles per row count: <= 64, <= 128, <= 256, more (prefill included)
 
-    One configuration serves decode (M 1-512: the weight's bytes decide) and prefill (M ~100-8000: compute). The
-    table is the H200 sweep's best per Talker product summed over 64, 256 and 512 rows (`python -m
-    bench.kernels.invariant_matmul --sweep`; docs/benchmarks.md): wide products (N >= 8192) take 128 x 128 tiles on
-    two warpgroups; N 4096 at K 2048 128 x 64; K 1024 (the code predictor) BLOCK_K 64; N <= 1024 BLOCK_N 32 (enough
-    programs at few rows); the rest 64 x 64 x 128. fp32 (IEEE: FMAs, not tensor cores; tests and references, not the
-    Talker's bf16 path) uses shorter tiles. tests/interpreted/compile_sm90.py checks that each configuration this
-    returns compiles for sm_90 without spills.
+
+def _t(bm: int, bn: int, bk: int, warps: int, stages: int, **variant) -> Tiles:
+    return Tiles(bm, bn, bk, 8, warps, stages, **variant)
+
+
+# The H200 sweep's fastest tiles per (N, K) of the 1.7B products and per row bucket, bf16/fp16, within the split count
+# fixed for that (N, K) (`python -m bench.kernels.invariant_matmul --sweep --tiles-table`; docs/benchmarks.md has the
+# run). Why tiles may follow the row count at all: on sm_90 a row's bits depend only on the K order (BLOCK_K-tile
+# by BLOCK_K-tile k16 MMA steps into an fp32 accumulator) and the split count, not on BLOCK_M/N/K, warps, stages,
+# TMA or a persistent grid: the sweep found every configuration of one split count bit-identical on every product,
+# and rejects a table that breaks this; tests/stages/gpu/test_invariant_matmul_gpu.py checks the rows across buckets.
+# Split counts: 4 where K is deep for few column tiles (the Talker's down projection, the code predictor's 2048- and
+# 3072-deep products), 1 elsewhere.
+SWEPT: dict[tuple[int, int], tuple[Tiles, Tiles, Tiles, Tiles]] = {
+    (1024, 2048): (_t(64, 32, 128, 4, 3, split_k=4), _t(64, 32, 128, 4, 3, split_k=4), _t(64, 64, 64, 4, 4, split_k=4),
+                   _t(64, 128, 64, 4, 4, split_k=4)),
+    (1024, 3072): (_t(64, 32, 128, 4, 3, split_k=4), _t(64, 64, 128, 4, 3, split_k=4), _t(64, 64, 128, 4, 3, split_k=4),
+                   _t(64, 128, 64, 4, 4, tma=True, split_k=4)),
+    (2048, 1024): (_t(64, 32, 128, 4, 3), _t(64, 32, 128, 4, 3), _t(64, 64, 128, 4, 3), _t(128, 64, 128, 8, 3)),
+    (2048, 2048): (_t(64, 32, 128, 4, 3), _t(64, 32, 128, 4, 3), _t(64, 64, 128, 4, 3),
+                   _t(64, 128, 128, 4, 3, tma=True)),
+    (2048, 6144): (_t(64, 32, 128, 4, 3, split_k=4), _t(64, 64, 128, 4, 3, split_k=4), _t(64, 128, 64, 4, 4, split_k=4),
+                   _t(128, 256, 64, 8, 4, split_k=4)),
+    (3072, 2048): (_t(64, 32, 128, 4, 3), _t(64, 32, 128, 4, 3), _t(64, 64, 128, 4, 3, tma=True),
+                   _t(64, 128, 64, 4, 4, tma=True)),
+    (4096, 1024): (_t(64, 32, 128, 4, 3), _t(64, 32, 128, 4, 3), _t(128, 64, 128, 8, 3), _t(64, 256, 64, 4, 4, tma=True)),
+    (4096, 2048): (_t(64, 32, 128, 4, 3), _t(64, 32, 128, 4, 3), _t(64, 64, 128, 4, 3, tma=True),
+                   _t(64, 256, 64, 4, 4, tma=True)),
+    (6144, 1024): (_t(64, 64, 128, 4, 3), _t(64, 32, 128, 4, 3), _t(64, 128, 64, 4, 4, tma=True),
+                   _t(128, 256, 64, 8, 4, tma=True)),
+    (12288, 2048): (_t(64, 32, 128, 4, 3), _t(64, 64, 64, 4, 4), _t(128, 256, 64, 8, 4, tma=True),
+                    _t(128, 128, 64, 8, 4, tma=True, persistent=True)),
+}
+
+
+def tiles(m: int, n: int, k: int, dtype: torch.dtype) -> Tiles:
+    """The tile configuration of an [M, K] x [K, N] product. Its split count (the one thing that sets a row's bits,
+    see `SWEPT`) is a function of (N, K, dtype) only; the tiles of a swept shape follow M's bucket (`ROW_BUCKETS`).
+
+    bf16 and fp16 products of a swept shape take `SWEPT`; other shapes (the 0.6B's, tests) one configuration for
+    every M, a rule fitted to an earlier sweep: wide products (N >= 8192) 128 x 128 tiles on two warpgroups; N 4096 at
+    K 2048 128 x 64; K 1024 BLOCK_K 64; N <= 1024 BLOCK_N 32 (enough programs at few rows); the rest 64 x 64 x 128.
+    fp32 (IEEE: FMAs, not tensor cores; tests and references, not the Talker's bf16 path) uses shorter tiles, and
+    Triton's interpreter (CPU tests) sums a BLOCK_K tile at once, so there BLOCK_K would change the bits: neither
+    follows M. tests/interpreted/compile_sm90.py checks that each configuration this returns compiles for sm_90
+    without spills.
     """
     if dtype == torch.float32:
         return Tiles(64, 32 if n <= 1024 else 64, 32, 8, 4, 3)
+    if (n, k) in SWEPT:
+        return SWEPT[(n, k)][sum(m > top for top in ROW_BUCKETS)]
     if n >= 8192:
         return Tiles(128, 128, 64, 8, 8, 3)
     if n >= 4096 and k >= 2048:
@@ -148,7 +189,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Ten
         return out.copy_(bias.expand(out.shape)) if bias is not None else out.zero_()
     if triton is None:
         raise RuntimeError("the invariant matmul needs Triton")
-    cfg = config or tiles(n, k, a.dtype)
+    cfg = config or tiles(m, n, k, a.dtype)
     bias_strides = bias.stride() if bias is not None else (0, 0)
     device = (torch.cuda.device(a.device) if a.is_cuda and a.device.index != torch.cuda.current_device()
               else contextlib.nullcontext())

@@ -1,6 +1,5 @@
-"""Hopper-oriented variants of the batch-invariant GEMM (stages/invariant_matmul.py), chosen by `Tiles` fields that
-the tile sweep (`python -m bench.kernels.invariant_matmul --sweep`) times; `tiles()` picks none of them until it
-has measured them.
+"""Hopper-oriented variants of the batch-invariant GEMM (stages/invariant_matmul.py), chosen by `Tiles` fields; the
+tile sweep (`python -m bench.kernels.invariant_matmul --sweep`) times them and `tiles()` takes those it found fastest.
 
 - `tma`: the operands' tiles arrive through TMA (device-side tensor descriptors, `tl.make_tensor_descriptor`: the
   copy engine fills shared memory asynchronously, out-of-bounds rows and columns read as zeros) instead of masked
@@ -13,7 +12,7 @@ has measured them.
 - `persistent`: min(SMs, tiles) programs, each walking the tiles pid, pid + SMs, ... in the grouped order (one
   flattened loop, so the next tile's loads overlap this tile's epilogue). Which program computes a tile changes
   nothing in what it computes: every tile runs the same K loop.
-- `split_k` S > 1: the K range cut in S chunks (a whole number of BLOCK_K tiles each, fixed by (K, S, BLOCK_K)),
+- `split_k` S > 1: the K range cut in S chunks (whole multiples of SPLIT_GRANULE columns, fixed by (K, S)),
   S programs per tile writing fp32 partials [S, B, M, N], then a second kernel summing them in the order 0..S-1,
   adding the bias and rounding once. No atomics: an element's sum is the same whatever M. For products with few
   tiles at decode (the code predictor's), where one tile per program leaves SMs idle.
@@ -33,6 +32,7 @@ except ImportError:  # CPU-only installs: stages/invariant_matmul.py refuses bef
 
 MAX_GRID_Y = 65535
 SUM_BLOCK_M, SUM_BLOCK_N = 16, 128  # the split-K sum's tile (elementwise: any tile gives the same bits)
+SPLIT_GRANULE = 128  # split-K chunks are whole multiples of this many K columns, whatever BLOCK_K (<= it, dividing it)
 INTERPRETER_SMS = 3  # CPU (Triton's interpreter): few "SMs", so every persistent program walks several tiles
 
 if triton is not None:
@@ -201,7 +201,10 @@ def launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tens
     if tma and a.is_cuda:
         triton.set_allocator(_scratch)
     split = cfg.split_k
-    chunk = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k  # whole BLOCK_K tiles (split 1: >= K)
+    # whole SPLIT_GRANULE multiples (split 1: >= K), so the chunks do not follow BLOCK_K (tiles of one split count
+    # give the same bits)
+    granule = SPLIT_GRANULE if split > 1 else cfg.block_k
+    chunk = triton.cdiv(triton.cdiv(k, split), granule) * granule
     bias_strides = bias.stride() if bias is not None else (0, 0)
     sms = _sm_count(a.device)
     per_launch = MAX_GRID_Y

@@ -138,15 +138,16 @@ def plain_matmul(cfg, name: str, layout: str, bias: bool) -> tuple[int, ...]:
 
 
 def matmul() -> dict:
-    """Every tile configuration `invariant_matmul.tiles` returns for the 1.7B and 0.6B products (talker, code
-    predictor, text projection, heads), per dtype, as nn.Linear launches it (B = weight.t(), with a bias) and with
+    """Every plain tile configuration `invariant_matmul.tiles` returns for the 1.7B and 0.6B products (talker, code
+    predictor, text projection, heads) at every row bucket, per dtype (its Hopper variants: `matmul_variants`), as nn.Linear launches it (B = weight.t(), with a bias) and with
     a contiguous B (bmm, mm of activations). The count is wgmma instructions (bf16/fp16: the tensor cores)."""
     shapes = [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (3072, 2048), (4096, 1024), (1024, 2048),
               (6144, 1024), (1024, 3072), (2048, 1024), (3072, 1024), (1024, 1024)]
     types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     out = {}
     for dtype, name in types.items():
-        for cfg in sorted({invariant_matmul.tiles(n, k, dtype) for n, k in shapes}, key=lambda t: t.block_n):
+        picked = {invariant_matmul.tiles(m, n, k, dtype) for n, k in shapes for m in (1, 100, 200, 4000)}
+        for cfg in sorted((c for c in picked if not (c.tma or c.persistent or c.split_k > 1)), key=repr):
             for layout, bias in (("weight.t()", True), ("contiguous", False)):
                 out[f"{name} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {layout}"] = \
                     plain_matmul(cfg, name, layout, bias)

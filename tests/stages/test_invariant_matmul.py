@@ -80,15 +80,20 @@ def test_enable_disable_are_refcounted_and_leave_cpu_tensors_alone():
     assert overridden() == before
 
 
-def test_tiles_depend_on_n_k_and_dtype_only():
-    """The tile function takes no row count; on the 1.7B talker's products it leaves >= 32 column tiles (programs
-    at decode), its tiles stay tensor-core sized, and it picks none of the Hopper variants (the sweep decides)."""
-    assert list(inspect.signature(invariant_matmul.tiles).parameters) == ["n", "k", "dtype"]
-    for n, k in ((4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (3072, 2048)):
-        cfg = invariant_matmul.tiles(n, k, torch.bfloat16)
-        assert cfg.block_m in (64, 128) and 32 <= cfg.block_n <= 128 and -(-n // cfg.block_n) >= 32, (n, k, cfg)
-        assert (cfg.tma, cfg.persistent, cfg.split_k) == (False, False, 1), (n, k, cfg)
-    assert invariant_matmul.tiles(1024, 3072, torch.bfloat16).block_n == 32
+def test_a_shapes_split_count_never_follows_the_row_count():
+    """A row's bits follow the K order and the split count alone (stages/invariant_matmul.py, `SWEPT`), so only those
+    must not depend on M: per swept shape one split count in every row bucket, and every bucket's tiles
+    tensor-core sized with >= 2 column tiles; unswept shapes and fp32 take one configuration for every M."""
+    for (n, k), per_bucket in invariant_matmul.SWEPT.items():
+        assert len(per_bucket) == len(invariant_matmul.ROW_BUCKETS) + 1, (n, k)
+        picked = {invariant_matmul.tiles(m, n, k, torch.bfloat16) for m in (1, 64, 65, 128, 129, 256, 257, 8192)}
+        assert picked == set(per_bucket), (n, k)
+        assert len({cfg.split_k for cfg in per_bucket}) == 1, (n, k)
+        for cfg in per_bucket:
+            assert cfg.block_m in (64, 128) and 32 <= cfg.block_n <= 256 and -(-n // cfg.block_n) >= 2, (n, k, cfg)
+            assert cfg.split_k == 1 or k // cfg.split_k >= 512, (n, k, cfg)
+    for n, k, dtype in ((1536, 896, torch.bfloat16), (4096, 2048, torch.float32), (200, 333, torch.float16)):
+        assert len({invariant_matmul.tiles(m, n, k, dtype) for m in (1, 100, 200, 4000)}) == 1, (n, k, dtype)
 
 
 def test_split_k_is_at_least_one_and_not_persistent():

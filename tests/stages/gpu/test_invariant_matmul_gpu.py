@@ -40,14 +40,20 @@ def test_products_match_an_fp32_reference(dtype, rtol, n, k):
             assert err <= rtol * max(scale, 1.0), (name, m, err, scale)
 
 
+# every swept shape (its tiles change with the row bucket: the rows must not) and the unswept one
+ROW_SHAPES = sorted(im.SWEPT) + [(200, 333)]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("n,k", ROW_SHAPES)
 def test_rows_are_bit_identical_across_row_counts_and_positions(dtype, n, k):
+    """Row counts in every bucket of `ROW_BUCKETS` (1-64, 65-128, 129-256, more) and at several positions give the
+    rows of one 2048-row product, bit for bit."""
     gen = torch.Generator(device="cuda").manual_seed(n * k)
     a, w, bias = randn(gen, 2048, k, dtype=dtype), randn(gen, n, k, dtype=dtype, scale=k ** -0.5), randn(gen, n,
                                                                                                        dtype=dtype)
     full, full_bias = im.mm(a, w.t()), im.addmm(bias, a, w.t())
-    for m in (1, 2, 3, 8, 64, 300, 512, 2048):
+    for m in (1, 2, 3, 8, 64, 65, 100, 128, 200, 256, 300, 512, 2048):
         for start in sorted({0, 7, 1000, 2048 - m}):
             if start + m <= 2048:
                 rows = slice(start, start + m)
