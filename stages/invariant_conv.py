@@ -42,6 +42,7 @@ import math
 
 import torch
 
+from stages import window_product
 from stages.aten_override import AtenOverride
 
 SLAB_ELEMENTS = 1 << 27  # rows x (K + N) of one slab's product: 256 MiB of im2col + product output in bf16
@@ -175,7 +176,11 @@ def _product(cols: torch.Tensor, w_kn: torch.Tensor, bias: torch.Tensor | None, 
 
 
 def _dense(x, w, bias, s, p, d, out_tm) -> None:
-    """groups == 1: per slab of output positions, im2col [rows, C k] @ [C k, O]."""
+    """groups == 1: on CUDA the windows straight from x (stages/window_product.py); elsewhere per slab of output
+    positions, im2col [rows, C k] @ [C k, O]."""
+    if window_product.available(x.device):  # [k, C, O] weight view; out as [B, I, T, 1, O]
+        window_product.windows_product(_rows(x), w.permute(2, 1, 0), bias, _rows_out(out_tm).unsqueeze(-2), s, d, p)
+        return
     w_ok, taps_first = _weight_kc(w)
     w_kn = w_ok.t()
     k = w.shape[-1]
@@ -188,6 +193,16 @@ def _dense(x, w, bias, s, p, d, out_tm) -> None:
         n = min(slab, out_len - t0)
         win = xp.narrow(-1, t0 * s, (n - 1) * s + span).unfold(-1, span, s)[..., ::d]  # [B, C, (other), n, k]
         _product(_columns(win, taps_first), w_kn, bias, out_tm.narrow(-2, t0, n))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, C, (other), L] as [B, C, I, L] (I = 1 for a 1-D convolution): the window kernel's layout."""
+    return x if x.dim() == 4 else x.unsqueeze(2)
+
+
+def _rows_out(out_tm: torch.Tensor) -> torch.Tensor:
+    """out_tm [B, (other), L_out, C_out] as [B, I, L_out, C_out]."""
+    return out_tm if out_tm.dim() == 4 else out_tm.unsqueeze(1)
 
 
 def _depthwise(x, w, bias, s, p, d, out_tm) -> None:
@@ -219,8 +234,11 @@ def _transposed(x, w, bias, s, p, out_tm) -> None:
     m = -(-k // s)
     out_len = out_tm.shape[-2]
     blocks = -(-(p + out_len) // s)
-    taps_first = x.stride(1) == 1  # the im2col copy reads channels contiguously from time-major inputs
     wp = _pad(w, 0, m * s - k).reshape(C, C_out, m, s).flip(2)  # [C, O, a, r]
+    if window_product.available(x.device):
+        _transposed_windows(x, wp, bias, s, p, out_tm, blocks)
+        return
+    taps_first = x.stride(1) == 1  # the im2col copy reads channels contiguously from time-major inputs
     w_kn = (wp.permute(2, 0, 3, 1) if taps_first else wp.permute(0, 2, 3, 1)).reshape(m * C, s * C_out)
     b = bias.repeat(s) if bias is not None else None
     xp = _pad(x, m - 1, blocks - x.shape[-1])  # blocks + m - 1 samples: window q is xp[q : q + m]
@@ -237,6 +255,23 @@ def _transposed(x, w, bias, s, p, out_tm) -> None:
             y = torch.addmm(b, cols, w_kn) if b is not None else torch.mm(cols, w_kn)
             y = y.view(*out_tm.shape[:-2], n * s, C_out)
             target.copy_(y.narrow(-2, first - q0 * s, end - first))
+
+
+def _transposed_windows(x, wp, bias, s, p, out_tm, blocks) -> None:
+    """The sub-pixel form through the window kernel: windows of m taps ending at each block, W' as [m, C, s x O].
+    When the kept positions start and end on block boundaries the blocks land in the output directly (windows
+    shifted by the p / s blocks cut); otherwise every block goes through a temporary and the kept span is copied."""
+    C, C_out, m = wp.shape[0], wp.shape[1], wp.shape[2]
+    w_jcn = wp.permute(2, 0, 3, 1).reshape(m, C, s * C_out)
+    out = _rows_out(out_tm)
+    out_len = out.shape[-2]
+    if p % s == 0 and out_len % s == 0:
+        window_product.windows_product(_rows(x), w_jcn, bias, out.unflatten(-2, (out_len // s, s)), 1, 1,
+                                       m - 1 - p // s)
+        return
+    full = torch.empty(*out.shape[:2], blocks, s, C_out, dtype=x.dtype, device=x.device)
+    window_product.windows_product(_rows(x), w_jcn, bias, full, 1, 1, m - 1)
+    out.copy_(full.flatten(2, 3).narrow(-2, p, out_len))
 
 
 # ---------------------------------------------------------------------------------------------- the switch

@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from bench.kernels import invariant_matmul as matmul_bench
-from stages import gemv_kernels, invariant_matmul, invariant_matmul_variants, sampling_kernel
+from stages import gemv_kernels, invariant_matmul, invariant_matmul_variants, sampling_kernel, window_product
 from stages.talker import paged_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -212,6 +212,29 @@ def matmul_variants() -> dict:
     return out
 
 
+def window_products() -> dict:
+    """The window kernel (stages/window_product.py) at the tiles `window_product.tiles` gives the released
+    decoder's convolutions (input channels 96 x 2^n and 1024, output columns 1 to 1536; the transposed ones' s x O),
+    bf16, channels-last input (the fused vocoder's) and channel-first: (registers, spills, wgmma instructions)."""
+    problems = {(c, n) for c in (96, 192, 384, 768, 1536, 1024) for n in (1, 96, 192, 384, 768, 1536)}
+    problems |= {(1536, 8 * 768), (768, 5 * 384), (384, 4 * 192), (192, 3 * 96), (1024, 2 * 1024)}
+    out = {}
+    sig = {name: "i32" for name in ("M", "N", "C", "TAPS", "T_OUT", "L", "INNER", "O", "sx_b", "sx_c", "sx_i",
+                                     "sx_l", "sw_j", "sw_c", "sw_n", "so_b", "so_i", "so_t", "so_r", "so_o",
+                                     "STEP", "DIL", "PAD")}
+    sig |= {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "bias_ptr": "*bf16"}
+    for cfg in sorted({window_product.tiles(c, n) for c, n in problems}, key=repr):
+        for layout in ("channels-last", "channel-first"):
+            ones = {"sx_c": 1, "so_o": 1} if layout == "channels-last" else {"sx_l": 1, "so_t": 1}
+            key = f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {layout}"
+            out[key] = compile_kernel(window_product._window_product_kernel,
+                                      {k: v for k, v in sig.items() if k not in ones}, {
+                **ones, "BIAS": True, "IEEE": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                "BLOCK_K": cfg.block_k, "GROUP_M": 8}, cfg.num_warps, count=r"wgmma\.mma_async",
+                num_stages=cfg.num_stages)
+    return out
+
+
 if __name__ == "__main__":
-    groups = sys.argv[1:] or ["gemv", "attention", "sampling", "matmul", "matmul_variants"]
+    groups = sys.argv[1:] or ["gemv", "attention", "sampling", "matmul", "matmul_variants", "window_products"]
     print(json.dumps({group: globals()[group]() for group in groups}))
