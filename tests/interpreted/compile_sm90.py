@@ -20,7 +20,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.kernels import invariant_matmul as matmul_bench
 from stages import gemv_kernels, invariant_matmul, invariant_matmul_variants, sampling_kernel, window_product
 from stages.talker import paged_attention
 
@@ -120,6 +119,11 @@ def sampling() -> dict:
         aligned=("stride_row", "V")) for v_p in (2048, 4096) for pdl in (False, True)}
 
 
+# (N, K) of the products: the 1.7B model's (talker, code predictor, text projection, heads: `SWEPT`'s shapes) and
+# the 0.6B's others (tests/stages/test_triton_compile.py counts the configurations tiles() picks over these)
+MATMUL_SHAPES = (*invariant_matmul.SWEPT, (3072, 1024), (1024, 1024))
+
+
 def plain_matmul(cfg, name: str, layout: str, bias: bool) -> tuple[int, ...]:
     """The invariant GEMM's own kernel (`_matmul_kernel`) in configuration `cfg`, dtype `name`, B as nn.Linear's
     weight.t() or contiguous: (registers, spill bytes, wgmma instructions)."""
@@ -138,15 +142,14 @@ def plain_matmul(cfg, name: str, layout: str, bias: bool) -> tuple[int, ...]:
 
 
 def matmul() -> dict:
-    """Every plain tile configuration `invariant_matmul.tiles` returns for the 1.7B and 0.6B products (talker, code
-    predictor, text projection, heads) at every row bucket, per dtype (its Hopper variants: `matmul_variants`), as nn.Linear launches it (B = weight.t(), with a bias) and with
-    a contiguous B (bmm, mm of activations). The count is wgmma instructions (bf16/fp16: the tensor cores)."""
-    shapes = [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (3072, 2048), (4096, 1024), (1024, 2048),
-              (6144, 1024), (1024, 3072), (2048, 1024), (3072, 1024), (1024, 1024)]
+    """Every plain tile configuration `invariant_matmul.tiles` returns for the 1.7B and 0.6B products (`MATMUL_SHAPES`)
+    at every row bucket, per dtype (its Hopper variants: `matmul_variants`), as nn.Linear launches it (B =
+    weight.t(), with a bias) and with a contiguous B (bmm, mm of activations). The count is wgmma instructions
+    (bf16/fp16: the tensor cores)."""
     types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     out = {}
     for dtype, name in types.items():
-        picked = {invariant_matmul.tiles(m, n, k, dtype) for n, k in shapes for m in (1, 100, 200, 4000)}
+        picked = {invariant_matmul.tiles(m, n, k, dtype) for n, k in MATMUL_SHAPES for m in (1, 100, 200, 4000)}
         for cfg in sorted((c for c in picked if not (c.tma or c.persistent or c.split_k > 1)), key=repr):
             for layout, bias in (("weight.t()", True), ("contiguous", False)):
                 out[f"{name} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {layout}"] = \
@@ -155,13 +158,13 @@ def matmul() -> dict:
 
 
 def matmul_variants() -> dict:
-    """Per variant form the sweep times (`bench.kernels.invariant_matmul.candidates` over the 1.7B products: TMA,
-    persistent and split-K), its largest candidate, bf16, as nn.Linear launches it (B = weight.t(); TMA: K-major
-    descriptors); the TMA + persistent form of `tiles()`'s 4096 x 2048 choice also
-    with a contiguous B (N-major descriptors) and a bias, and in fp32; the split-K sum per split count, with and
+    """Every Hopper-variant configuration `invariant_matmul.tiles` returns (the `SWEPT` entries with TMA loads, a
+    persistent grid or split-K), bf16, as nn.Linear launches it (B = weight.t(): K-major TMA descriptors; with a
+    bias, which split-K leaves to its sum); a TMA + persistent form also with a contiguous B (N-major descriptors)
+    and a bias, and in fp32; the split-K sum per split count of the table (and 2, which the sweep tries), with and
     without bias. Counts: wgmma and TMA (cp.async.bulk.tensor) instructions (the variant kernel), 16-byte loads
     (the sum)."""
-    configs = {cfg for _, n, k, _ in matmul_bench.SHAPES for cfg in matmul_bench.candidates(n, k)}
+    table = [cfg for per_bucket in invariant_matmul.SWEPT.values() for cfg in per_bucket]
     aligned = ("N", "K", "K_CHUNK", "stride_am", "stride_bn", "stride_bk", "stride_cm", "stride_ab", "stride_bb",
                "stride_cb", "stride_cs", "stride_biasm")
     out = {}
@@ -174,7 +177,9 @@ def matmul_variants() -> dict:
         ones = {"stride_ak": 1, "stride_cn": 1, "stride_biasn": 1}
         ones |= {"stride_bk": 1} if layout == "weight.t()" else {"stride_bn": 1}
         sig |= {"stride_bn": "i32"} if layout == "weight.t()" else {"stride_bk": "i32"}
-        key = f"{name} {matmul_bench.label(cfg)} {layout}{' bias' if bias else ''}"
+        flags = " tma" * cfg.tma + " persistent" * cfg.persistent + f" split{cfg.split_k}" * (cfg.split_k > 1)
+        key = (f"{name} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{flags} {layout}"
+               f"{' bias' if bias else ''}")
         out[key] = compile_kernel(invariant_matmul_variants._variant_kernel, sig, {
             **ones, "BIAS": bias and cfg.split_k == 1, "IEEE": name == "fp32", "BLOCK_M": cfg.block_m,
             "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "TMA": cfg.tma,
@@ -182,23 +187,13 @@ def matmul_variants() -> dict:
             cfg.num_warps, aligned=aligned, count=(r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor"),
             num_stages=cfg.num_stages)
 
-    # per variant form (TMA, persistent, split count) its candidate of the largest tiles and deepest pipeline (the
-    # most registers and shared memory; a candidate that still fails to build is skipped by the sweep itself): the
-    # plain candidates run the default kernel, whose configurations `matmul` checks
-    def size(c: invariant_matmul.Tiles) -> tuple:
-        return c.block_m * c.block_n * c.block_k, c.num_stages, matmul_bench.label(c)
-
-    largest: dict[tuple, invariant_matmul.Tiles] = {}
-    for cfg in configs:
-        form = (cfg.tma, cfg.persistent, cfg.split_k)
-        if (cfg.tma or cfg.persistent or cfg.split_k > 1) and (form not in largest or size(cfg) > size(largest[form])):
-            largest[form] = cfg
-    for cfg in sorted(largest.values(), key=matmul_bench.label):
-        variant(cfg, "bf16", "weight.t()", False)
+    # the table's plain configurations run the default kernel, whose configurations `matmul` checks
+    for cfg in sorted({cfg for cfg in table if cfg.tma or cfg.persistent or cfg.split_k > 1}, key=repr):
+        variant(cfg, "bf16", "weight.t()", True)
     both = invariant_matmul.Tiles(128, 64, 64, 8, 8, 4, tma=True, persistent=True)
     variant(both, "bf16", "contiguous", True)
     variant(invariant_matmul.Tiles(64, 32, 32, 8, 4, 3, tma=True, persistent=True), "fp32", "weight.t()", True)
-    for split in matmul_bench.SPLITS:
+    for split in sorted({cfg.split_k for cfg in table if cfg.split_k > 1} | {2}):
         for bias in (False, True):
             out[f"sum split{split}{' bias' if bias else ''}"] = compile_kernel(
                 invariant_matmul_variants._sum_splits_kernel,

@@ -5,8 +5,6 @@ graphs): tests/stages/gpu/test_invariant_matmul_gpu.py."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 import torch.nn.functional as F

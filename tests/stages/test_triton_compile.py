@@ -7,7 +7,9 @@ interpreter tests beside this one."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from stages import invariant_matmul
 from tests.triton_interpreter import run_interpreted
 
 pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: minutes on 2 cores
@@ -31,27 +33,38 @@ def test_decode_kernels_compile_for_sm90_without_spills(compiled):
             assert vector_loads > 0, (group, name)
 
 
+def _table_configs() -> tuple[set, set]:
+    """(plain, variant) configurations `invariant_matmul.tiles` returns in bf16 for compile_sm90.MATMUL_SHAPES (the
+    same expression: that script runs in the Triton venv) at a row count of each bucket."""
+    shapes = (*invariant_matmul.SWEPT, (3072, 1024), (1024, 1024))
+    picked = {invariant_matmul.tiles(m, n, k, torch.bfloat16) for n, k in shapes for m in (1, 100, 200, 4000)}
+    variants = {cfg for cfg in picked if cfg.tma or cfg.persistent or cfg.split_k > 1}
+    return picked - variants, variants
+
+
 def test_invariant_matmul_compiles_for_sm90_without_spills(compiled):
-    """Every tile configuration `invariant_matmul.tiles` picks for the 1.7B/0.6B products, per dtype, as nn.Linear
-    launches it (B = weight.t(), bias) and with a contiguous B: no spills, and bf16/fp16 on the tensor cores
-    (wgmma; fp32 runs IEEE FMAs)."""
+    """Every plain tile configuration `invariant_matmul.tiles` picks for the 1.7B/0.6B products at every row
+    bucket, per dtype, as nn.Linear launches it (B = weight.t(), bias) and with a contiguous B: no spills, and
+    bf16/fp16 on the tensor cores (wgmma; fp32 runs IEEE FMAs)."""
     result = compiled["matmul"]
-    # 5 tile configurations (64x32x128, 64x64x128, 64x64x64, 128x64x64, 128x128x64) for bf16 and fp16, 2 for fp32
-    # (BLOCK_N 32 and 64), x 2 layouts
-    assert len(result) == 24
+    plain, _ = _table_configs()
+    # bf16 and fp16 share the table; fp32 has two configurations (BLOCK_N 32 and 64); x 2 layouts
+    assert len(result) == 2 * (2 * len(plain) + 2)
     for name, (registers, spill_bytes, wgmma) in result.items():
         assert 0 < registers <= 255 and spill_bytes == 0, (name, registers, spill_bytes)
         assert (wgmma > 0) == (not name.startswith("fp32")), (name, wgmma)
 
 
-def test_invariant_matmul_sweep_candidates_compile_for_sm90_without_spills(compiled):
-    """Per variant form the tile sweep times (bench.kernels.invariant_matmul.candidates: TMA loads through
-    device-side descriptors, persistent programs, split-K with its in-order sum), its largest candidate, bf16 as
-    nn.Linear launches it, plus a contiguous-B TMA form with bias and an fp32 one: no spills, wgmma on bf16, TMA
-    copies (cp.async.bulk.tensor) exactly in the TMA variants, and the sum kernel's loads vectorized."""
+def test_invariant_matmul_hopper_variants_compile_for_sm90_without_spills(compiled):
+    """Every Hopper-variant configuration `tiles()` returns (`SWEPT`'s TMA loads through device-side descriptors,
+    persistent programs, split-K with its in-order sum), bf16 as nn.Linear launches it, plus a contiguous-B TMA
+    form with bias and an fp32 one: no spills, wgmma on bf16, TMA copies (cp.async.bulk.tensor) exactly in the TMA
+    variants, and the sum kernel's loads vectorized."""
     result = compiled["matmul_variants"]
-    # 7 forms (TMA, persistent, both; split 2 and 4, each with and without TMA), 2 extra TMA forms, 2 splits x bias
-    assert len(result) == 7 + 2 + 4
+    _, variants = _table_configs()
+    splits = {cfg.split_k for cfg in variants if cfg.split_k > 1} | {2}
+    # the table's variants, 2 extra TMA forms, the sum per split count x bias
+    assert len(result) == len(variants) + 2 + 2 * len(splits)
     for name, (registers, spill_bytes, *counts) in result.items():
         assert 0 < registers <= 255 and spill_bytes == 0, (name, registers, spill_bytes)
         if name.startswith("sum"):
@@ -59,3 +72,13 @@ def test_invariant_matmul_sweep_candidates_compile_for_sm90_without_spills(compi
             continue
         assert (counts[0] > 0) == name.startswith("bf16"), (name, counts)  # wgmma
         assert (counts[1] > 0) == (" tma" in name), (name, counts)  # TMA copies only where asked
+
+
+def test_window_product_compiles_for_sm90_without_spills(compiled):
+    """The deterministic Code2Wav's convolution kernel (stages/window_product.py) at every tile configuration
+    `window_product.tiles` picks for the released decoder, channels-last and channel-first input: no spills, on
+    the tensor cores."""
+    result = compiled["window_products"]
+    assert len(result) == 2 * 2  # two tile configurations (64 and 16 columns) x two layouts
+    for name, (registers, spill_bytes, wgmma) in result.items():
+        assert 0 < registers <= 255 and spill_bytes == 0 and wgmma > 0, (name, registers, spill_bytes, wgmma)
