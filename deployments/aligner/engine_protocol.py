@@ -32,6 +32,10 @@ class AlignerEngineProtocol(Protocol):
     def graphs_captured(self) -> int:
         """CUDA graphs captured so far (0 without graphs): one captured after `warm_up` was a shape it missed."""
 
+    def conv_shapes_seen(self) -> int:
+        """Distinct shapes the eager audio convolutions have run at (one new after `warm_up`: a new cuDNN problem
+        met in a request's wait)."""
+
     def functions_traced(self) -> int:
         """Functions torch.compile traced so far in this process (one traced after `warm_up`: a compile in a
         request's wait)."""

@@ -91,6 +91,7 @@ class AlignerStats:
     max_forward_s: float = 0.0
     late_graphs: int = 0
     late_traces: int = 0
+    late_conv_shapes: int = 0
 
     def add_prepared(self, seconds: float) -> None:
         self.prepared += 1
@@ -256,7 +257,8 @@ class AlignerServer:
 
     def _forward(self, pieces: list[Prepared]) -> list[list[Word]]:
         t0 = time.perf_counter()
-        graphs, traced = self._engine.graphs_captured(), self._engine.functions_traced()
+        graphs, traced, shapes = (self._engine.graphs_captured(), self._engine.functions_traced(),
+                                  self._engine.conv_shapes_seen())
         try:
             return self._engine.align_prepared([p.piece for p in pieces])
         finally:
@@ -266,11 +268,14 @@ class AlignerServer:
             late = self._engine.graphs_captured() - graphs if self._ready else 0
             traced = self._engine.functions_traced() - traced if self._ready else 0
             self._stats.late_graphs += late
+            shapes = self._engine.conv_shapes_seen() - shapes if self._ready else 0
             self._stats.late_traces += traced
+            self._stats.late_conv_shapes += shapes
             if late or traced or spent > C.ALIGNER_SLOW_FORWARD_S:  # a request waited for it: say what it was
                 self._log(f"a forward of {len(pieces)} pieces ({audio_s:.1f} s of audio, the longest "
                           f"{max(p.seconds for p in pieces):.1f} s) took {spent * 1e3:.0f} ms; {late} CUDA graphs "
-                          f"captured and {traced} functions traced by torch.compile in it")
+                          f"captured and {traced} functions traced by torch.compile in it, {shapes} convolution "
+                          f"shapes met for the first time")
             self._stats.add_forward(len(pieces), audio_s, spent, sum(t0 - p.since for p in pieces))
             self._metrics.batch_size.observe(len(pieces))
             self._metrics.seconds_per_audio_second.observe(spent / audio_s)

@@ -101,6 +101,10 @@ class Aligner:
         """CUDA graphs captured so far (0 without graphs)."""
         return 0 if self.runners is None else self.runners.captured
 
+    def conv_shapes_seen(self) -> int:
+        """Distinct (windows, frames) shapes the audio tower's eager convolutions have run at."""
+        return len(self.model.audio_tower.conv_shapes)
+
     def functions_traced(self) -> int:
         """Functions torch.compile traced so far in this process (Dynamo's count)."""
         from torch._dynamo.utils import counters

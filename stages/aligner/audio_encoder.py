@@ -113,6 +113,9 @@ class AudioEncoder(nn.Module):
         self.register_buffer("positions", None, persistent=False)
         self.reset_buffers()
         self.layer_fn = encoder_layer  # `compile_layers` makes it one compiled function for all layers
+        # (windows, frames) of the eager convolutions run so far: a new one is a new cuDNN problem (its plan, maybe
+        # a runtime-compiled kernel), a one-time cost the Aligner server reports when a request meets it
+        self.conv_shapes: set[tuple[int, int]] = set()
 
     def reset_buffers(self) -> None:
         """(Re)compute the sinusoid table; the loader calls this after materializing a meta-device model."""
@@ -176,6 +179,7 @@ class AudioEncoder(nn.Module):
         x = F.pad(torch.where(in_row[:, None, :], features, 0), (0, per_row * chunk - width))
         x = x.view(rows, mel, per_row, chunk).permute(0, 2, 1, 3).reshape(rows * per_row, 1, mel, chunk)
         x = x[torch.tensor(picked, device=features.device), ..., :longest]
+        self.conv_shapes.add((x.shape[0], x.shape[-1]))
         length = torch.tensor(lengths, device=features.device)
         unpadded = torch.tensor(exact, device=features.device)
         for conv in (self.conv2d1, self.conv2d2, self.conv2d3):
