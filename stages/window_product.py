@@ -44,7 +44,8 @@ def tiles(channels: int, columns: int) -> ConvTiles:
     """Tiles for C input channels and N = R x O output columns: a function of the weight's shape only (the row count
     never picks them). Rows are many (batch x samples): 128 per program; 64 columns (16 below 64: the 1-channel
     output convolution); 32 channels per K step (divides the decoder's 96 x 2^n). Larger tiles spill registers
-    (each program gathers its windows with per-element addresses; tests/interpreted/compile_sm90.py checks)."""
+    (each program gathers its windows with per-element addresses; tests/interpreted/compile_sm90.py checks). Not
+    swept yet: `python -m bench.kernels.window_product --tiles-table` times candidates over a decode's calls."""
     if columns >= 64:
         return ConvTiles(128, 64, 32, 8, 3)
     return ConvTiles(128, 16, 32, 4, 3)
