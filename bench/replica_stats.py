@@ -97,6 +97,7 @@ def aligner_summary(stats: dict) -> dict:
         "max_forward_ms": round(stats.get("max_forward_s", 0.0) * 1e3, 1),
         "late_graphs": stats.get("late_graphs", 0),
         "late_traces": stats.get("late_traces", 0),
+        "late_kernels": stats.get("late_kernels", 0),
         "late_conv_shapes": stats.get("late_conv_shapes", 0),
         "forward_ms_per_audio_s": round(stats["forward_s"] / stats["audio_s"] * 1e3, 3) if stats.get("audio_s") else None,
         "queue_wait_ms_per_piece": _mean_ms({}, stats, "queue_wait_s", "pieces"),

@@ -29,16 +29,11 @@ class AlignerEngineProtocol(Protocol):
         """One-time costs paid before serving forwards of up to `max_pieces` pieces and `max_audio_s` seconds of
         padded audio (blocking: on the server's device thread). -> graphs captured (0 without)."""
 
-    def graphs_captured(self) -> int:
-        """CUDA graphs captured so far (0 without graphs): one captured after `warm_up` was a shape it missed."""
-
-    def conv_shapes_seen(self) -> int:
-        """Distinct shapes the eager audio convolutions have run at (one new after `warm_up`: a new cuDNN problem
-        met in a request's wait)."""
-
-    def functions_traced(self) -> int:
-        """Functions torch.compile traced so far in this process (one traced after `warm_up`: a compile in a
-        request's wait)."""
+    def one_time_work(self) -> dict[str, int]:
+        """Counts of one-time work done so far, each one a request waited for when it moves after `warm_up`:
+        "graphs" (CUDA graphs captured: a shape the warm-up missed), "traces" (functions torch.compile traced in
+        this process), "kernels" (Triton kernels JIT-compiled in this process: a new specialization),
+        "conv_shapes" (distinct shapes the eager audio convolutions met: each a new cuDNN problem)."""
 
     def align_prepared(self, pieces: list[Any]) -> list[list[Word]]:
         """One batched forward of prepared pieces -> per piece its words with times in seconds (blocking: on the

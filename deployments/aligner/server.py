@@ -78,8 +78,8 @@ class AlignerStats:
     """A replica's counters since it started: pieces prepared and the seconds that took on the preparing threads;
     forwards, the pieces and audio seconds they timed and the seconds the device thread spent on them; the pieces'
     summed wait from prepared to their forward's start (a queue that grows says the device thread is the limit); the
-    longest forward, and the CUDA graphs captured and the functions torch.compile traced in forwards after the
-    warm-up (shapes it missed: each costs its forward the capture or the compile)."""
+    longest forward, and the one-time work in forwards after the warm-up (the engine's `one_time_work`: graphs
+    captured, functions traced, Triton kernels compiled, new convolution shapes; each cost a request's wait)."""
 
     prepared: int = 0
     prepare_s: float = 0.0
@@ -91,7 +91,15 @@ class AlignerStats:
     max_forward_s: float = 0.0
     late_graphs: int = 0
     late_traces: int = 0
+    late_kernels: int = 0
     late_conv_shapes: int = 0
+
+    def add_late(self, late: dict[str, int]) -> None:
+        """One forward's one-time work (the engine's `one_time_work` after minus before)."""
+        self.late_graphs += late.get("graphs", 0)
+        self.late_traces += late.get("traces", 0)
+        self.late_kernels += late.get("kernels", 0)
+        self.late_conv_shapes += late.get("conv_shapes", 0)
 
     def add_prepared(self, seconds: float) -> None:
         self.prepared += 1
@@ -257,25 +265,23 @@ class AlignerServer:
 
     def _forward(self, pieces: list[Prepared]) -> list[list[Word]]:
         t0 = time.perf_counter()
-        graphs, traced, shapes = (self._engine.graphs_captured(), self._engine.functions_traced(),
-                                  self._engine.conv_shapes_seen())
+        before = self._engine.one_time_work()
         try:
             return self._engine.align_prepared([p.piece for p in pieces])
         finally:
             self._last_progress = self._clock()
             spent = time.perf_counter() - t0
             audio_s = sum(p.seconds for p in pieces)
-            late = self._engine.graphs_captured() - graphs if self._ready else 0
-            traced = self._engine.functions_traced() - traced if self._ready else 0
-            self._stats.late_graphs += late
-            shapes = self._engine.conv_shapes_seen() - shapes if self._ready else 0
-            self._stats.late_traces += traced
-            self._stats.late_conv_shapes += shapes
-            if late or traced or spent > C.ALIGNER_SLOW_FORWARD_S:  # a request waited for it: say what it was
+            late = ({k: n - before.get(k, 0) for k, n in self._engine.one_time_work().items()} if self._ready
+                    else {})
+            self._stats.add_late(late)
+            # a request waited for it: say what it was (a new convolution shape alone is common and cheap)
+            if any(late.get(k) for k in ("graphs", "traces", "kernels")) or spent > C.ALIGNER_SLOW_FORWARD_S:
                 self._log(f"a forward of {len(pieces)} pieces ({audio_s:.1f} s of audio, the longest "
-                          f"{max(p.seconds for p in pieces):.1f} s) took {spent * 1e3:.0f} ms; {late} CUDA graphs "
-                          f"captured and {traced} functions traced by torch.compile in it, {shapes} convolution "
-                          f"shapes met for the first time")
+                          f"{max(p.seconds for p in pieces):.1f} s) took {spent * 1e3:.0f} ms; in it "
+                          f"{late.get('graphs', 0)} CUDA graphs captured, {late.get('traces', 0)} functions traced "
+                          f"by torch.compile, {late.get('kernels', 0)} Triton kernels compiled and "
+                          f"{late.get('conv_shapes', 0)} convolution shapes met for the first time")
             self._stats.add_forward(len(pieces), audio_s, spent, sum(t0 - p.since for p in pieces))
             self._metrics.batch_size.observe(len(pieces))
             self._metrics.seconds_per_audio_second.observe(spent / audio_s)

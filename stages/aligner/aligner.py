@@ -32,6 +32,7 @@ from stages.aligner.loader import load_forced_aligner, prompt_token_ids
 from stages.aligner.model import ForcedAligner
 from stages.aligner.timestamps import Word, words_from_classes
 from stages.aligner.words import split_words
+from stages import jit_compiles
 from stages.checkpoint import parse_dtype
 from stages.voice.audio import resample
 
@@ -72,6 +73,7 @@ class Aligner:
         # the head's classes cover this much audio; a longer waveform could not be timed past it
         self.max_seconds = self.config.classify_num * self.config.timestamp_segment_time / 1000.0
         self.runners: AlignerGraphs | None = None  # eager unless `load` sets graphs
+        jit_compiles.install()  # `one_time_work` counts the kernels compiled from here on
 
     @classmethod
     def load(cls, checkpoint: str | Path, device: torch.device | str = "cpu", dtype: str | torch.dtype = "float32",
@@ -101,15 +103,14 @@ class Aligner:
         """CUDA graphs captured so far (0 without graphs)."""
         return 0 if self.runners is None else self.runners.captured
 
-    def conv_shapes_seen(self) -> int:
-        """Distinct (windows, frames) shapes the audio tower's eager convolutions have run at."""
-        return len(self.model.audio_tower.conv_shapes)
-
-    def functions_traced(self) -> int:
-        """Functions torch.compile traced so far in this process (Dynamo's count)."""
+    def one_time_work(self) -> dict[str, int]:
+        """CUDA graphs captured, functions torch.compile traced (Dynamo's count, process-wide), Triton kernels
+        JIT-compiled (process-wide, stages/jit_compiles.py) and the (windows, frames) shapes the audio tower's
+        eager convolutions met, so far."""
         from torch._dynamo.utils import counters
 
-        return int(counters["stats"]["unique_graphs"])
+        return {"graphs": self.graphs_captured(), "traces": int(counters["stats"]["unique_graphs"]),
+                "kernels": jit_compiles.compiled(), "conv_shapes": len(self.model.audio_tower.conv_shapes)}
 
     def min_samples(self, sample_rate: int = SAMPLE_RATE) -> int:
         """The fewest samples at `sample_rate` that `align` takes: MIN_SAMPLES once resampled to 16 kHz (resampling

@@ -69,5 +69,5 @@ def test_the_aligner_implements_the_protocol():
             wanted = list(inspect.signature(member).parameters)
             assert list(inspect.signature(getattr(Aligner, name)).parameters)[:len(wanted)] == wanted
     assert _members(AlignerEngineProtocol) == {"max_seconds", "min_samples", "prepare_piece", "warm_up",
-                                               "graphs_captured", "functions_traced",
+                                               "one_time_work",
                                                "align_prepared"}
