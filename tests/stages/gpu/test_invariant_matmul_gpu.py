@@ -130,3 +130,19 @@ def test_variants_are_close_and_rows_bit_identical_also_in_a_graph(cfg, n, k):
     static.copy_(a[-64:])
     graph.replay()
     assert torch.equal(out, full_bias[-64:])
+
+
+def test_a_new_specialization_counts_as_one_jit_compile():
+    """stages/jit_compiles.py counts Triton's JIT compiles (the Aligner's `late_kernels`): a configuration no test
+    ran before compiles once, a second launch of it compiles nothing."""
+    from stages import jit_compiles
+
+    jit_compiles.install()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    a, w = randn(gen, 40, 96), randn(gen, 48, 96)
+    cfg = im.Tiles(32, 32, 32, 8, 2, 2)
+    before = jit_compiles.compiled()
+    im.mm(a, w.t(), config=cfg)
+    after = jit_compiles.compiled()
+    im.mm(a, w.t(), config=cfg)
+    assert after == before + 1 and jit_compiles.compiled() == after
