@@ -42,6 +42,8 @@ from stages.aten_override import AtenOverride
 try:
     import triton
     import triton.language as tl
+
+    from stages.invariant_matmul_variants import grouped_tile
 except ImportError:  # CPU-only installs: nothing to register a CUDA kernel for
     triton = None
 
@@ -144,14 +146,8 @@ if triton is not None:
     ):
         # grouped order: GROUP_M row tiles take each column tile in turn (which program computes a tile changes
         # nothing in what it computes)
-        pid = tl.program_id(0)
         batch = tl.program_id(1).to(tl.int64)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-        first_m = (pid // per_group) * GROUP_M
-        group_rows = min(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_rows
-        pid_n = (pid % per_group) // group_rows
+        pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)

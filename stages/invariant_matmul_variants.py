@@ -38,8 +38,10 @@ INTERPRETER_SMS = 3  # CPU (Triton's interpreter): few "SMs", so every persisten
 if triton is not None:
 
     @triton.jit
-    def _grouped(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
-        """(row tile, column tile) of `tile` in the grouped order: GROUP_M row tiles take each column tile in turn."""
+    def grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+        """(row tile, column tile) of `tile` in the grouped order: GROUP_M row tiles take each column tile in turn
+        (which program computes a tile changes nothing in what it computes; the window kernel of
+        stages/window_product.py walks its tiles the same way)."""
         per_group = GROUP_M * tiles_n
         first_m = (tile // per_group) * GROUP_M
         group_rows = min(tiles_m - first_m, GROUP_M)
@@ -123,12 +125,12 @@ if triton is not None:
         tiles_n = tl.cdiv(N, BLOCK_N)
         if PERSISTENT:
             for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=True):
-                pid_m, pid_n = _grouped(tile, tiles_m, tiles_n, GROUP_M)
+                pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
                 _tile(a_src, b_src, c_out, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi, stride_am, stride_ak,
                       stride_bk, stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn, BIAS, IEEE, BLOCK_M,
                       BLOCK_N, BLOCK_K, TMA, B_KMAJOR, SPLIT > 1)
         else:
-            pid_m, pid_n = _grouped(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
+            pid_m, pid_n = grouped_tile(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
             _tile(a_src, b_src, c_out, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi, stride_am, stride_ak, stride_bk,
                   stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn, BIAS, IEEE, BLOCK_M, BLOCK_N,
                   BLOCK_K, TMA, B_KMAJOR, SPLIT > 1)

@@ -27,6 +27,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from stages.invariant_matmul_variants import grouped_tile
 except ImportError:  # CPU-only installs: invariant_conv keeps im2col there
     triton = None
 
@@ -60,13 +62,7 @@ if triton is not None:
         BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-        first_m = (pid // per_group) * GROUP_M
-        group_rows = min(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_rows
-        pid_n = (pid % per_group) // group_rows
+        pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
