@@ -1,7 +1,8 @@
 """Runs under Triton's interpreter (tests/triton_interpreter.py): stages/invariant_conv.py with its CUDA path, the
 window kernel of stages/window_product.py, on CPU in fp32, the override registered for the CPU key. On every
 convolution of the tiny codec decoder, in each form its decode paths issue it (tests/stages/test_invariant_conv.py's
-`decoder_forms`), plus padded / strided / unaligned-crop cases: the max relative error against aten's convolution,
+`decoder_forms`, one per form, convolution type, dilated or not and k = 1 or not), plus padded / strided /
+unaligned-crop cases: the max relative error against aten's convolution,
 and whether a probe row's output is bit-identical alone and at rows 1, 3 and 7 of a batch of 8 beside other rows.
 Prints JSON."""
 
@@ -33,7 +34,13 @@ def main() -> None:
 
     window_product.windows_product = counted
     decoder = build_decoder(True, "cpu", torch.float32)
-    forms = decoder_forms(decoder)
+    forms, kinds = [], set()
+    for name, m, f in decoder_forms(decoder):  # one of each kind (the interpreter is slow): path x conv type x dilation
+        kind = (name.split(" ", 1)[1] if " " in name else "module", type(m).__name__, m.dilation[0] > 1,
+                m.kernel_size[0] == 1)
+        if kind not in kinds:
+            kinds.add(kind)
+            forms.append((name, m, f))
     extra = [  # padding, stride, a crop that is not a whole number of blocks
         ("conv k5 s2 p3 d1", nn.Conv1d(12, 20, 5, stride=2, padding=3)),
         ("conv k3 d2 p2", nn.Conv1d(40, 8, 3, dilation=2, padding=2, bias=False)),
