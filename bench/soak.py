@@ -2,8 +2,10 @@
 
 Each of `--concurrency` workers loops, picking one kind of work at random: a whole response in a random format,
 a raw stream, an SSE stream, a WebSocket context fed in pieces, a voice upload then a request in it then its
-delete (when a Base model is served: `configs/local_all.yaml`), and a share of the streams (`--disconnect`) are
-dropped mid-way by the client. The RSS of every Serve process on this host (replicas, proxy, controller) is
+delete (when a Base model is served: `configs/local_all.yaml`), a batch job of `--batch-items` items while fewer
+than `--batch-jobs` are unfinished (submitted; one task follows every job and downloads each item once it is done,
+or cancels a `--disconnect` share of them mid-way; jobs still unfinished at the end are cancelled and counted, not
+failed: they run only in the capacity the real-time traffic leaves), and a share of the streams (`--disconnect`) are dropped mid-way by the client. The RSS of every Serve process on this host (replicas, proxy, controller) is
 sampled every `--sample-s`; the report compares each process's RSS at the end of warm-up with its last sample.
 
     serve run configs/local_all.yaml &
@@ -29,7 +31,7 @@ import numpy as np
 import os
 
 FORMATS = ("wav", "pcm", "mp3", "flac", "opus", "aac", "mulaw", "alaw")
-KINDS = ("whole", "stream", "sse", "websocket", "voice")
+KINDS = ("whole", "stream", "sse", "websocket", "voice", "batch")
 
 
 def serve_processes() -> dict[int, str]:
@@ -94,6 +96,8 @@ class Soak:
         self.failures: list[str] = []
         self.failure_kinds: Counter[tuple[str, int]] = Counter()
         self.clip = _clip()
+        self.jobs: dict[str, bool] = {}  # batch job id -> cancel it mid-way
+        self.batch_items: Counter[str] = Counter()  # items downloaded / failed / cancelled / unfinished at the end
 
     def body(self, **fields) -> dict:
         return {"model": self.custom, "input": "Soak test sentence number %d." % random.randrange(10**6),
@@ -175,10 +179,62 @@ class Soak:
         async with s.delete(f"{self.args.url}/v1/audio/voices/{name}") as r:
             self.note("voice", r.status)
 
+    async def batch(self, s: aiohttp.ClientSession) -> None:
+        """Submit a job (its items in random formats); `follow_jobs` takes it from there."""
+        items = [self.body(response_format=random.choice(FORMATS)) for _ in range(self.args.batch_items)]
+        async with s.post(f"{self.args.url}/v1/audio/speech/batches", json={"requests": items}) as r:
+            answer = await r.text()
+            self.note("batch", r.status, answer[:200] if r.status >= 400 else "")
+            if r.status == 202:
+                self.jobs[json.loads(answer)["id"]] = random.random() < self.args.disconnect
+
+    async def follow_jobs(self, s: aiohttp.ClientSession, until: float) -> None:
+        """Every `--sample-s` / 10: each job's status; a finished job's items downloaded (a failed one's error
+        read), a job picked for it cancelled; at the end the unfinished ones cancelled and counted."""
+        while time.monotonic() < until or self.jobs:
+            ending = time.monotonic() >= until
+            for job, cancel in list(self.jobs.items()):
+                url = f"{self.args.url}/v1/audio/speech/batches/{job}"
+                if cancel or ending:
+                    async with s.delete(url) as r:
+                        self.note("batch", r.status, (await r.text())[:200])
+                    status = await self._job_status(s, url)
+                    self.batch_items["cancelled" if cancel else "unfinished_at_end"] += status.get("cancelled", 0)
+                    await self._download(s, url, status, ("completed", "failed"))
+                    del self.jobs[job]
+                    continue
+                status = await self._job_status(s, url)
+                if status.get("status") in ("completed", "failed"):
+                    await self._download(s, url, status, ("completed", "failed"))
+                    del self.jobs[job]
+            await asyncio.sleep(max(0.5, self.args.sample_s / 10))
+
+    async def _job_status(self, s: aiohttp.ClientSession, url: str) -> dict:
+        async with s.get(url) as r:
+            body = await r.json(content_type=None)
+            if r.status >= 400:  # a poll is not a request of its own unless it fails
+                self.note("batch", r.status, json.dumps(body)[:200])
+            return body if r.status == 200 else {}
+
+    async def _download(self, s: aiohttp.ClientSession, url: str, status: dict, states: tuple[str, ...]) -> None:
+        """Each item of a job: its audio (200) or its error (the status speech would have answered; a 5xx item
+        counts as a server failure), cancelled ones (409) left alone."""
+        for i in range(status.get("total", 0)):
+            async with s.get(f"{url}/items/{i}") as r:
+                data = await r.read()
+                if r.status == 200:
+                    self.batch_items["downloaded"] += 1
+                    self.note("batch", 200)
+                elif r.status != 409:  # 409: cancelled (or, for an ended job, never)
+                    self.batch_items["failed"] += 1
+                    self.note("batch", r.status, data[:200].decode(errors="replace"))
+
     async def worker(self, s: aiohttp.ClientSession, until: float) -> None:
         kinds = [k for k in KINDS if k != "voice" or self.base]
         while time.monotonic() < until:
             kind = random.choice(kinds)
+            if kind == "batch" and len(self.jobs) >= self.args.batch_jobs:
+                kind = "whole"  # enough jobs wait for idle capacity: a backlog that only grows measures nothing
             try:
                 if kind == "whole":
                     await self.whole(s)
@@ -186,6 +242,8 @@ class Soak:
                     await self.stream(s, kind == "sse")
                 elif kind == "websocket":
                     await self.websocket(s)
+                elif kind == "batch":
+                    await self.batch(s)
                 else:
                     await self.voice(s)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -201,7 +259,7 @@ def summarize(args, soak: Soak, samples: list[dict], warm: dict | None) -> dict:
     return {"url": args.url, "minutes": round(last["t_s"] / 60, 2), "concurrency": args.concurrency,
             "frames": args.frames, "requests": sum(soak.kinds.values()), "by_kind": dict(soak.kinds),
             "by_status": dict(soak.status), "errors_5xx": sum(n for st, n in soak.status.items() if int(st) >= 500),
-            "client_disconnects": soak.disconnects, "failures": soak.failures,
+            "client_disconnects": soak.disconnects, "batch_items": dict(soak.batch_items), "failures": soak.failures,
             "rss_growth_pct": growth, "rss_growth_pct_max": max(growth.values(), default=0.0),
             "gpu_mem_growth_pct": gpu_growth, "gpu_mem_growth_pct_max": max(gpu_growth, default=0.0),
             "replaced_processes": sorted(set(warm["rss_mib"]) ^ set(last["rss_mib"])),
@@ -218,6 +276,7 @@ async def run(args) -> dict:
         start = time.monotonic()
         until = start + args.minutes * 60
         workers = [asyncio.create_task(soak.worker(s, until)) for _ in range(args.concurrency)]
+        workers.append(asyncio.create_task(soak.follow_jobs(s, until)))
         samples, warm, pending = [], None, set(workers)
         while pending:
             left = until - time.monotonic()
@@ -244,6 +303,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--frames", type=int, default=24, help="frames per request (80 ms each)")
     ap.add_argument("--disconnect", type=float, default=0.1, help="share of streams the client drops mid-way")
+    ap.add_argument("--batch-items", type=int, default=3, help="items per batch job")
+    ap.add_argument("--batch-jobs", type=int, default=4, help="unfinished batch jobs at most (then other work)")
     ap.add_argument("--warmup-s", type=float, default=120, help="RSS growth counts from the first sample after this")
     ap.add_argument("--sample-s", type=float, default=30)
     ap.add_argument("--timeout", type=float, default=300)
