@@ -4,6 +4,8 @@
 # kill the busiest Talker replica, then a Code2Wav replica, then `serve deploy` a changed config, each under
 # $STREAMS long streams. From the repo root with .gpubundle carried:
 #   source .gpubundle/install_bundle.sh .gpubundle && STREAMS=512 bash bench/gpu_faults.sh
+# After bench/gpu_soak.sh on one GPU, against its server: CONFIG=configs/high_concurrency.yaml FAULTS=redeploy
+#   STREAMS=256 bash bench/gpu_faults.sh
 # Results: $OUT/faults_<fault>.json; the server stays up for a soak call after it (bench/soak.py).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$REPO"
@@ -11,8 +13,14 @@ OUT=${OUT:-bench/out/faults}; STREAMS=${STREAMS:-512}; FRAMES=${FRAMES:-400}; W=
 mkdir -p "$OUT"
 n=$(nvidia-smi -L | grep -c '^GPU')
 nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS control daemon started"
-RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 OUT="$OUT/setup" CONFIG=configs/replicas.yaml \
-  SET="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))" \
+# CONFIG=configs/high_concurrency.yaml (SET as that server was started: none on one GPU) reuses a server
+# bench/gpu_soak.sh left running: the setup is skipped when the same config is already up
+config=${CONFIG:-configs/replicas.yaml}
+set_args=${SET:-}
+if [ "$config" = configs/replicas.yaml ]; then
+  set_args="models.0.deployment_config.num_replicas=$n code2wav.deployment_config.num_replicas=$n ingress.deployment_config.autoscaling_config.min_replicas=$((4 * n))"
+fi
+RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1 OUT="$OUT/setup" CONFIG=$config SET="$set_args" \
   bash bench/gpu_serve_runbook.sh setup || exit 1
 for fault in ${FAULTS:-talker code2wav redeploy}; do
   extra=()
