@@ -43,7 +43,7 @@ try:
     import triton
     import triton.language as tl
 
-    from stages.invariant_matmul_variants import grouped_tile
+    from stages.invariant_matmul_variants import grouped_tile, output_tile
 except ImportError:  # CPU-only installs: nothing to register a CUDA kernel for
     triton = None
 
@@ -144,34 +144,13 @@ if triton is not None:
         BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        # grouped order: GROUP_M row tiles take each column tile in turn (which program computes a tile changes
-        # nothing in what it computes)
+        # one tile of this batch entry: the variants' tile with pointer loads over the whole K (no split-K), in the
+        # grouped order (which program computes a tile changes nothing in what it computes)
         batch = tl.program_id(1).to(tl.int64)
         pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        n_ok = rn < N
-        a_ptrs = a_ptr + batch * stride_ab + rm[:, None] * stride_am + rk[None, :] * stride_ak
-        b_ptrs = b_ptr + batch * stride_bb + rk[:, None] * stride_bk + rn[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # one order, whole K: no split-K
-            k_ok = rk < K - k0
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        ok = m_ok[:, None] & n_ok[None, :]
-        if BIAS:  # before the rounding, as addmm's epilogue
-            acc += tl.load(bias_ptr + rm[:, None] * stride_biasm + rn[None, :] * stride_biasn, mask=ok,
-                           other=0.0).to(tl.float32)
-        c_ptrs = c_ptr + batch * stride_cb + rm[:, None] * stride_cm + rn[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+        output_tile(a_ptr + batch * stride_ab, b_ptr + batch * stride_bb, c_ptr + batch * stride_cb, bias_ptr, pid_m,
+                    pid_n, M, N, 0, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_biasm,
+                    stride_biasn, BIAS, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, False, False, False)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,

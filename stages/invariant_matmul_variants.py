@@ -48,13 +48,14 @@ if triton is not None:
         return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
 
     @triton.jit
-    def _tile(a_src, b_src, c_ptr, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi,
+    def output_tile(a_src, b_src, c_ptr, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi,
               stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn,
               BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr, PARTIAL: tl.constexpr):
         """One [BLOCK_M, BLOCK_N] output tile over K in [k_lo, k_hi), BLOCK_K at a time in increasing K (a_src and
         b_src: descriptors with TMA, else pointers to this batch entry); stores the fp32 sum (PARTIAL) or the sum
-        plus bias rounded to c's dtype."""
+        plus bias rounded to c's dtype. The plain kernel (stages/invariant_matmul.py) is this with pointer loads over
+        the whole K."""
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -126,12 +127,12 @@ if triton is not None:
         if PERSISTENT:
             for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=True):
                 pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
-                _tile(a_src, b_src, c_out, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi, stride_am, stride_ak,
+                output_tile(a_src, b_src, c_out, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi, stride_am, stride_ak,
                       stride_bk, stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn, BIAS, IEEE, BLOCK_M,
                       BLOCK_N, BLOCK_K, TMA, B_KMAJOR, SPLIT > 1)
         else:
             pid_m, pid_n = grouped_tile(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
-            _tile(a_src, b_src, c_out, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi, stride_am, stride_ak, stride_bk,
+            output_tile(a_src, b_src, c_out, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi, stride_am, stride_ak, stride_bk,
                   stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn, BIAS, IEEE, BLOCK_M, BLOCK_N,
                   BLOCK_K, TMA, B_KMAJOR, SPLIT > 1)
 
