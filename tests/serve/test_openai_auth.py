@@ -173,13 +173,17 @@ def _socket(app: str, key: str | None = None, query: str = ""):
 
 
 def _speak_one(ws) -> dict:
-    ws.send(json.dumps({"type": "open", "context_id": "c", "model": "cv", "voice": "nova", "input": "Hi there.",
-                        "max_new_tokens": 4, "suppress_eos": True}))
-    ws.send(json.dumps({"type": "end", "context_id": "c"}))
-    while True:
-        message = ws.recv(timeout=120)
-        if isinstance(message, str) and json.loads(message)["type"] in ("done", "error"):
-            return json.loads(message)
+    """One utterance on `ws`, which it closes (an open socket would hold the app's deletion for its idle timeout)."""
+    try:
+        ws.send(json.dumps({"type": "open", "context_id": "c", "model": "cv", "voice": "nova", "input": "Hi there.",
+                            "max_new_tokens": 4, "suppress_eos": True}))
+        ws.send(json.dumps({"type": "end", "context_id": "c"}))
+        while True:
+            message = ws.recv(timeout=120)
+            if isinstance(message, str) and json.loads(message)["type"] in ("done", "error"):
+                return json.loads(message)
+    finally:
+        ws.close()
 
 
 def test_websocket_keys_by_header_query_or_first_message(app):

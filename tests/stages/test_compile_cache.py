@@ -1,6 +1,7 @@
 """CompileCache: a second process, with an empty local Inductor cache, compiles from the file the first wrote.
 
-Two subprocesses, each with its own TORCHINDUCTOR_CACHE_DIR (so the only shared thing is the cache file):
+Two subprocesses, each with its own TORCHINDUCTOR_CACHE_DIR (so the only shared thing is the cache file, and the
+built C++ kernels, which the later process is given to skip the compiler: `_with_kernels_of`):
 the first compiles and writes the file, the second loads it and must get an FX graph cache hit, not a
 compilation. CPU Inductor (needs a C++ compiler, as torch.compile on CPU does).
 """
@@ -57,8 +58,19 @@ def _python(script: str, args: list[str], inductor_dir: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _with_kernels_of(earlier: Path, inductor_dir: Path) -> Path:
+    """`inductor_dir` holding the C++ kernels an earlier process built (a later one skips the compiler) and none of
+    its Dynamo, AOTAutograd or FX graph caches: what a process started on it does not trace or compile again can
+    only come from the cache file."""
+    shutil.copytree(earlier, inductor_dir, ignore=lambda folder, names: [
+        n for n in names if Path(folder) == earlier and n in ("dynamo", "aotautograd", "fxgraph", "locks")])
+    return inductor_dir
+
+
 def _run(cache_dir: Path, inductor_dir: Path, dynamo: bool = True, rows: str = "1,4", mode: str = "grad",
-         dynamo_work: bool = True) -> dict:
+         dynamo_work: bool = True, kernels_of: Path | None = None) -> dict:
+    if kernels_of is not None:
+        _with_kernels_of(kernels_of, inductor_dir)
     return _python(SCRIPT, [str(cache_dir), "1" if dynamo else "0", rows, mode, "1" if dynamo_work else "0"],
                    inductor_dir)
 
@@ -70,7 +82,7 @@ def test_a_fresh_process_compiles_from_the_file(tmp_path):
     first = _run(tmp_path / "shared", tmp_path / "inductor-a", mode="code2wav")
     assert first["loaded"] is False and first["wrote"] is True
     assert first["misses"] >= 1 and first["traced"] == 2  # Dynamo traced both variants
-    second = _run(tmp_path / "shared", tmp_path / "inductor-b", mode="code2wav")
+    second = _run(tmp_path / "shared", tmp_path / "inductor-b", mode="code2wav", kernels_of=tmp_path / "inductor-a")
     assert second["loaded"] and not second["wrote"]
     # nothing compiled again, and (Dynamo's caching precompile) nothing traced again either
     assert second["misses"] == 0 and second["traced"] == 0, second
@@ -83,8 +95,8 @@ def four_then_one(tmp_path_factory) -> tuple[dict, dict, Path]:
     directory before starting its own third process."""
     tmp = tmp_path_factory.mktemp("four_then_one")
     first = _run(tmp / "shared", tmp / "inductor-a", rows="4")
-    second = _run(tmp / "shared", tmp / "inductor-b", rows="4,1")  # one row: a variant of its own
-    return first, second, tmp / "shared"
+    second = _run(tmp / "shared", tmp / "inductor-b", rows="4,1", kernels_of=tmp / "inductor-a")  # one row: new
+    return first, second, tmp
 
 
 def test_a_variant_the_file_lacks_is_traced_after_loading(tmp_path, four_then_one):
@@ -93,13 +105,13 @@ def test_a_variant_the_file_lacks_is_traced_after_loading(tmp_path, four_then_on
     from torch._dynamo import bytecode_transformation
 
     assert hasattr(bytecode_transformation, "_unique_id_counter"), "the counter CompileCache restarts is gone"
-    first, second, shared = four_then_one
+    first, second, earlier = four_then_one
     assert first["wrote"] and first["traced"] == 1
     assert second["loaded"] and second["traced"] == 1, second
     # it wrote the file again with both variants: the next start traces and compiles nothing
     assert second["wrote"]
-    shutil.copytree(shared, tmp_path / "shared")
-    third = _run(tmp_path / "shared", tmp_path / "inductor-c", rows="4,1")
+    shutil.copytree(earlier / "shared", tmp_path / "shared")
+    third = _run(tmp_path / "shared", tmp_path / "inductor-c", rows="4,1", kernels_of=earlier / "inductor-b")
     assert third["loaded"] and not third["wrote"] and third["traced"] == 0 and third["misses"] == 0, third
 
 
@@ -108,20 +120,21 @@ def test_a_rewritten_file_keeps_what_it_had(tmp_path, four_then_one):
     nothing: the rewrite after a new variant dropped the old variant's Inductor work (a served Talker's file went
     21.5 -> 3.7 MiB on an H100). Merged into the file, it stays: a later start that cannot use Dynamo's work (a
     guard that fails, a torch that drops it) traces both variants but compiles neither, in a fresh Inductor cache."""
-    first, second, shared = four_then_one
+    first, second, earlier = four_then_one
     assert first["wrote"] and first["misses"] == 1
     assert second["loaded"] and second["wrote"] and second["misses"] == 1  # the new variant only
-    shutil.copytree(shared, tmp_path / "shared")
+    shutil.copytree(earlier / "shared", tmp_path / "shared")
     (file,) = (tmp_path / "shared").glob("torch-compile-*.bin")
     assert contents(file)["inductor"][0] == 2  # both variants' graphs (`python -m stages.compile_cache` lists them)
-    third = _run(tmp_path / "shared", tmp_path / "inductor-c", rows="4,1", dynamo_work=False)
+    third = _run(tmp_path / "shared", tmp_path / "inductor-c", rows="4,1", dynamo_work=False,
+                 kernels_of=earlier / "inductor-b")
     assert third["loaded"] and third["traced"] == 2 and third["misses"] == 0 and third["hits"] == 2, third
 
 
 def test_without_dynamo_a_fresh_process_traces_again_but_compiles_nothing(tmp_path):
     first = _run(tmp_path / "shared", tmp_path / "inductor-a", dynamo=False)
     assert first["wrote"] and first["traced"] == 2
-    second = _run(tmp_path / "shared", tmp_path / "inductor-b", dynamo=False)
+    second = _run(tmp_path / "shared", tmp_path / "inductor-b", dynamo=False, kernels_of=tmp_path / "inductor-a")
     assert second["loaded"] and second["hits"] >= 1 and second["misses"] == 0 and second["traced"] == 2, second
     assert not second["wrote"]  # tracing again is not new work for a file without Dynamo's
 
@@ -162,6 +175,7 @@ def test_a_code2wav_engine_reuses_dynamos_work_from_its_file(tmp_path, tiny_cust
     assert first["traced"] >= 1
     (file,) = (tmp_path / "shared").glob("torch-compile-*.bin")
     assert "precompile" in contents(file), contents(file)
+    _with_kernels_of(tmp_path / "inductor-a", tmp_path / "inductor-b")
     second = run("inductor-b")
     assert second["traced"] == 0 and not second["wrote"], second
 
