@@ -1,8 +1,8 @@
 """`/v1/audio/speech/stream` under abuse: sockets without a context are closed after the idle timeout, and the
 sockets of an ingress replica (in all, and per client address) are capped while /health keeps answering.
 
-Each class deploys its own small app (the tiny CustomVoice checkpoint, the tiny codec) with the limits it tests set small,
-and removes it after. Every wait is for a message or a close frame, with a generous timeout.
+Each class deploys a small app (the tiny CustomVoice checkpoint, the tiny codec) with the limits it tests set small;
+classes with the same limits share it. Every wait is for a message or a close frame, with a generous timeout.
 """
 
 from __future__ import annotations
@@ -37,14 +37,29 @@ def _deploy(base_url: str, tiny_custom_voice, tmp_path_factory, **ingress) -> No
     wait_for(lambda: httpx.get(f"{base_url}/ready", timeout=10).status_code == 200, 120, 0.5, "/ready")
 
 
+@pytest.fixture(scope="module")
+def deployed(ray_cluster):
+    """The ingress settings of the app deployed now (None: none), so classes asking for the same keep it."""
+    from ray import serve
+
+    current: dict = {"ingress": None}
+    yield current
+    if current["ingress"] is not None:
+        serve.delete(APP_NAME)
+
+
 @pytest.fixture(scope="class")
-def app(request, ray_cluster, tiny_custom_voice, tmp_path_factory):
+def app(request, ray_cluster, deployed, tiny_custom_voice, tmp_path_factory):
     from ray import serve
 
     base_url = f"{ray_cluster}/{APP_NAME}"
-    _deploy(base_url, tiny_custom_voice, tmp_path_factory, **request.cls.INGRESS)
+    if deployed["ingress"] != request.cls.INGRESS:  # classes with the same limits share one deployment
+        if deployed["ingress"] is not None:
+            serve.delete(APP_NAME)
+            deployed["ingress"] = None
+        _deploy(base_url, tiny_custom_voice, tmp_path_factory, **request.cls.INGRESS)
+        deployed["ingress"] = request.cls.INGRESS
     yield base_url
-    serve.delete(APP_NAME)
 
 
 def _connect(base_url: str, source: str = "127.0.0.1"):
