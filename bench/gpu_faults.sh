@@ -12,6 +12,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$REPO"
 OUT=${OUT:-bench/out/faults}; STREAMS=${STREAMS:-512}; FRAMES=${FRAMES:-400}; W=${W:-/tmp/qwen3-serve-bench}
 mkdir -p "$OUT"
 n=$(nvidia-smi -L | grep -c '^GPU')
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && n=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)  # as gpu_soak.sh
+[ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "${CUDA_MPS_LOG_DIRECTORY:-/tmp}"
 nvidia-cuda-mps-control -d 2>/dev/null && echo "MPS control daemon started"
 # CONFIG=configs/high_concurrency.yaml (SET as that server was started: none on one GPU) reuses a server
 # bench/gpu_soak.sh left running: the setup is skipped when the same config is already up

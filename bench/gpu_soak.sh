@@ -10,6 +10,10 @@
 #   call 1: DETACH=1 MINUTES=20 bash bench/gpu_soak.sh   (setup, then the soak in its own session; returns at once)
 #   calls 2..n: WAIT_S=540 bash bench/gpu_soak.sh        (waits up to WAIT_S for the detached soak, then collects)
 # The detached soak writes under $SOAK_DIR (default /tmp/qwen3-soak) until a call collects it into $OUT.
+# On a host of several GPUs, the soak on one of them while other calls use the rest: every call of the soak (and
+# bench/gpu_faults.sh after it) exports the same CUDA_VISIBLE_DEVICES and an MPS pipe directory of that GPU's own,
+#   export CUDA_VISIBLE_DEVICES=0 CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-gpu0 CUDA_MPS_LOG_DIRECTORY=/tmp/mps-gpu0-log
+# so the MPS daemon it starts serves only that GPU and processes without those variables never connect to it.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"; cd "$REPO"
 OUT=${OUT:-bench/out/soak}; MINUTES=${MINUTES:-3}; CONCURRENCY=${CONCURRENCY:-256}; FRAMES=${FRAMES:-75}
@@ -18,6 +22,8 @@ mkdir -p "$OUT"
   python3 -c "import av; print('av', av.__version__)" 2>&1 | tail -1; nvidia-smi -L; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 n=$(nvidia-smi -L | grep -c '^GPU')
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && n=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
+[ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "${CUDA_MPS_LOG_DIRECTORY:-/tmp}"
 config=configs/high_concurrency.yaml; set_args=""
 if [ "$n" -gt 1 ]; then
   config=configs/replicas.yaml

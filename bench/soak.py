@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import io
 import json
+import os
 import random
 import time
 import wave
@@ -28,7 +28,6 @@ from collections import Counter
 
 import aiohttp
 import numpy as np
-import os
 
 FORMATS = ("wav", "pcm", "mp3", "flac", "opus", "aac", "mulaw", "alaw")
 KINDS = ("whole", "stream", "sse", "websocket", "voice", "batch")
@@ -64,13 +63,15 @@ def rss_mib() -> dict[str, float]:
 
 
 def gpu_mem_mib() -> list[float]:
-    """Memory used on each GPU of this host (nvidia-smi), none without one."""
+    """Memory used on each GPU the server may use (nvidia-smi; CUDA_VISIBLE_DEVICES's, when set, as the server was
+    started with: other GPUs of the host may run other work), none without one."""
     import shutil
     import subprocess
     if not shutil.which("nvidia-smi"):
         return []
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=30).stdout
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                          *(["-i", visible] if visible else [])], capture_output=True, text=True, timeout=30).stdout
     return [float(x) for x in out.split()]
 
 
