@@ -4,9 +4,11 @@ Each of `--concurrency` workers loops, picking one kind of work at random: a who
 a raw stream, an SSE stream, a WebSocket context fed in pieces, a voice upload then a request in it then its
 delete (when a Base model is served: `configs/local_all.yaml`), a batch job of `--batch-items` items while fewer
 than `--batch-jobs` are unfinished (submitted; one task follows every job and downloads each item once it is done,
-or cancels a `--disconnect` share of them mid-way; jobs still unfinished at the end are cancelled and counted, not
-failed: they run only in the capacity the real-time traffic leaves), and a share of the streams (`--disconnect`) are dropped mid-way by the client. The RSS of every Serve process on this host (replicas, proxy, controller) is
-sampled every `--sample-s`; the report compares each process's RSS at the end of warm-up with its last sample.
+or cancels a `--disconnect` share of them 1-10 s after submitting them; jobs still unfinished at the end are
+cancelled and counted, not failed: they run only in the capacity the real-time traffic leaves), and a share of the
+streams (`--disconnect`) are dropped mid-way by the client. The RSS of every Serve process on this host (replicas,
+proxy, controller) is sampled every `--sample-s`; the report compares each process's RSS at the end of warm-up with
+its last sample.
 
     serve run configs/local_all.yaml &
     python -m bench.soak --minutes 30 --out soak.json
@@ -97,11 +99,12 @@ class Soak:
         self.failures: list[str] = []
         self.failure_kinds: Counter[tuple[str, int]] = Counter()
         self.clip = _clip()
-        self.jobs: dict[str, bool] = {}  # batch job id -> cancel it mid-way
+        self.jobs: dict[str, float | None] = {}  # batch job id -> when to cancel it (monotonic), None: never
+        self.jobs_submitting = 0  # job POSTs in flight: they count against `--batch-jobs` before their answer
         self.batch_items: Counter[str] = Counter()  # items downloaded / failed / cancelled / unfinished at the end
 
     def body(self, **fields) -> dict:
-        return {"model": self.custom, "input": "Soak test sentence number %d." % random.randrange(10**6),
+        return {"model": self.custom, "input": f"Soak test sentence number {random.randrange(10**6)}.",
                 "voice": "vivian", "max_new_tokens": self.args.frames, "suppress_eos": True,
                 "seed": random.randrange(2**31), **fields}
 
@@ -183,41 +186,57 @@ class Soak:
     async def batch(self, s: aiohttp.ClientSession) -> None:
         """Submit a job (its items in random formats); `follow_jobs` takes it from there."""
         items = [self.body(response_format=random.choice(FORMATS)) for _ in range(self.args.batch_items)]
-        async with s.post(f"{self.args.url}/v1/audio/speech/batches", json={"requests": items}) as r:
-            answer = await r.text()
-            self.note("batch", r.status, answer[:200] if r.status >= 400 else "")
-            if r.status == 202:
-                self.jobs[json.loads(answer)["id"]] = random.random() < self.args.disconnect
+        self.jobs_submitting += 1
+        try:
+            async with s.post(f"{self.args.url}/v1/audio/speech/batches", json={"requests": items}) as r:
+                answer = await r.text()
+                self.note("batch", r.status, answer[:200] if r.status >= 400 else "")
+                if r.status == 202:  # a job picked for it is cancelled some seconds in, while its items run or wait
+                    cancel = random.random() < self.args.disconnect
+                    self.jobs[json.loads(answer)["id"]] = time.monotonic() + random.uniform(1, 10) if cancel else None
+        finally:
+            self.jobs_submitting -= 1
 
     async def follow_jobs(self, s: aiohttp.ClientSession, until: float) -> None:
         """Every `--sample-s` / 10: each job's status; a finished job's items downloaded (a failed one's error
         read), a job picked for it cancelled; at the end the unfinished ones cancelled and counted."""
-        while time.monotonic() < until or self.jobs:
+        while time.monotonic() < until or self.jobs or self.jobs_submitting:
             ending = time.monotonic() >= until
-            for job, cancel in list(self.jobs.items()):
-                url = f"{self.args.url}/v1/audio/speech/batches/{job}"
-                if cancel or ending:
-                    async with s.delete(url) as r:
-                        self.note("batch", r.status, (await r.text())[:200])
-                    status = await self._job_status(s, url)
-                    self.batch_items["cancelled" if cancel else "unfinished_at_end"] += status.get("cancelled", 0)
-                    await self._download(s, url, status, ("completed", "failed"))
-                    del self.jobs[job]
-                    continue
-                status = await self._job_status(s, url)
-                if status.get("status") in ("completed", "failed"):
-                    await self._download(s, url, status, ("completed", "failed"))
-                    del self.jobs[job]
+            for job, cancel_at in list(self.jobs.items()):
+                try:
+                    await self._follow(s, job, cancel_at, ending)
+                except (aiohttp.ClientError, TimeoutError) as e:  # the next poll tries again
+                    self.note("batch", 599, repr(e))
             await asyncio.sleep(max(0.5, self.args.sample_s / 10))
+
+    async def _follow(self, s: aiohttp.ClientSession, job: str, cancel_at: float | None, ending: bool) -> None:
+        url = f"{self.args.url}/v1/audio/speech/batches/{job}"
+        cancel = cancel_at is not None and time.monotonic() >= cancel_at
+        if cancel or ending:
+            async with s.delete(url) as r:
+                self.note("batch", r.status, (await r.text())[:200])
+            status = await self._job_status(s, url)
+            self.batch_items["cancelled" if cancel else "unfinished_at_end"] += status.get("cancelled", 0)
+            await self._download(s, url, status)
+            del self.jobs[job]
+            return
+        status = await self._job_status(s, url)
+        if status.get("status") in ("completed", "failed"):
+            await self._download(s, url, status)
+            del self.jobs[job]
 
     async def _job_status(self, s: aiohttp.ClientSession, url: str) -> dict:
         async with s.get(url) as r:
-            body = await r.json(content_type=None)
+            text = await r.text()
+            try:
+                body = json.loads(text)
+            except ValueError:  # a proxy's error page
+                body = {"body": text[:200]}
             if r.status >= 400:  # a poll is not a request of its own unless it fails
                 self.note("batch", r.status, json.dumps(body)[:200])
             return body if r.status == 200 else {}
 
-    async def _download(self, s: aiohttp.ClientSession, url: str, status: dict, states: tuple[str, ...]) -> None:
+    async def _download(self, s: aiohttp.ClientSession, url: str, status: dict) -> None:
         """Each item of a job: its audio (200) or its error (the status speech would have answered; a 5xx item
         counts as a server failure), cancelled ones (409) left alone."""
         for i in range(status.get("total", 0)):
@@ -234,7 +253,7 @@ class Soak:
         kinds = [k for k in KINDS if k != "voice" or self.base]
         while time.monotonic() < until:
             kind = random.choice(kinds)
-            if kind == "batch" and len(self.jobs) >= self.args.batch_jobs:
+            if kind == "batch" and len(self.jobs) + self.jobs_submitting >= self.args.batch_jobs:
                 kind = "whole"  # enough jobs wait for idle capacity: a backlog that only grows measures nothing
             try:
                 if kind == "whole":
@@ -247,7 +266,7 @@ class Soak:
                     await self.batch(s)
                 else:
                     await self.voice(s)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 self.note(kind, 599, repr(e))  # the connection failed: counted as a server failure
 
 
@@ -256,7 +275,7 @@ def summarize(args, soak: Soak, samples: list[dict], warm: dict | None) -> dict:
     warm = warm or samples[0]
     growth = {k: round((last["rss_mib"][k] / v - 1) * 100, 2) for k, v in warm["rss_mib"].items()
               if k in last["rss_mib"]}
-    gpu_growth = [round((b / a - 1) * 100, 2) for a, b in zip(warm["gpu_mem_mib"], last["gpu_mem_mib"]) if a]
+    gpu_growth = [round((b / a - 1) * 100, 2) for a, b in zip(warm["gpu_mem_mib"], last["gpu_mem_mib"], strict=True) if a]
     return {"url": args.url, "minutes": round(last["t_s"] / 60, 2), "concurrency": args.concurrency,
             "frames": args.frames, "requests": sum(soak.kinds.values()), "by_kind": dict(soak.kinds),
             "by_status": dict(soak.status), "errors_5xx": sum(n for st, n in soak.status.items() if int(st) >= 500),

@@ -1,11 +1,14 @@
-"""Batch-invariant convolutions: every convolution as im2col + one matrix product per time slab, so a batch row's
-output is computed the same way whatever row it sits in and whatever the other rows hold.
+"""Batch-invariant convolutions: every convolution as one product of its windows and its weight in an order fixed by
+the weight's shape, so a batch row's output is computed the same way whatever row it sits in and whatever the other
+rows hold. On CUDA the windows are read straight from the input by one Triton kernel (stages/window_product.py); on
+a CPU, and in float64, they are copied out (im2col) per time slab and multiplied by aten::mm/addmm.
 
 Why: cuDNN picks and tiles its kernels by the whole problem; at one fixed shape (Code2Wav's deterministic mode fixes
 every forward's shape) it still computed a row differently by its position in the batch (H200, bf16: rows 0, 1 and 4
 of a 64-row forward equal, rows 15, 32, 48 and 63 not, first at `decoder.0.conv`). A product of one shape computes
 its output rows alike (the primitive the Talker's deterministic mode relies on too), so here:
-- a convolution is im2col (`Tensor.unfold`, copied per slab into [rows x K]) times the weight viewed as [K, C_out]
+- a convolution is its windows times the weight viewed as [K, C_out]: on CUDA (tap, channel block) by (tap, channel
+  block) into one fp32 accumulator per output tile; elsewhere im2col (`Tensor.unfold`, copied per slab into [rows x K])
   (`torch.addmm`; the K order follows the weight's memory, so the view is free for channel-first and channels-last
   weights alike), the bias in the product's epilogue: one fp32 sum, rounded once, as cuDNN;
 - a depthwise convolution (groups == channels, the ConvNeXt block's) is k elementwise products summed in fp32 in a
@@ -15,9 +18,10 @@ its output rows alike (the primitive the Talker's deterministic mode relies on t
   sum_i x[q - i] W_i over the m = ceil(k / s) input samples that reach it, i.e. im2col of m taps times the weight
   rearranged to [(m, C_in), (s, C_out)]: one product whose columns are the block's s samples, no overlap-add, one
   rounding (the same multiply-adds as a GEMM + overlap-add of the k taps).
-Memory is bounded by slabs: each product covers all rows for `slab` consecutive output positions, `slab` a function
-of the problem's shape alone (rows x (K + N) elements <= SLAB_ELEMENTS; the last slab is shorter), so the slab
-boundaries, and with them every row's arithmetic, do not depend on a row's place or on the other rows' contents.
+The im2col form's memory is bounded by slabs: each product covers all rows for `slab` consecutive output positions,
+`slab` a function of the problem's shape alone (rows x (K + N) elements <= SLAB_ELEMENTS; the last slab is
+shorter), so the slab boundaries, and with them every row's arithmetic, do not depend on a row's place or on the
+other rows' contents.
 
 A 2-D convolution whose kernel, stride, padding and output padding are trivial (1, 1, 0, 0) along one axis is a 1-D
 one along the other (the fused vocoder's height-1 and (time / d, d) views); that axis rides along as rows. Shapes
@@ -32,8 +36,8 @@ F.conv1d/conv2d/conv_transpose1d/2d and nn.Conv*/ConvTranspose* (they all call a
 code: without max-autotune Inductor emits a convolution as `extern_kernels.convolution(...)`, a call of
 torch.convolution through the dispatcher at run time (so also inside CUDA-graph captures of it); a graph captured
 before `enable()` keeps the cuDNN kernels it recorded. Not covered, as for stages/invariant_matmul.py: Inductor's
-Triton conv templates (max-autotune only), `cpp_wrapper` and AOTInductor. The products go through aten::mm/addmm,
-so they take stages/invariant_matmul.py's kernel when that is enabled too.
+Triton conv templates (max-autotune only), `cpp_wrapper` and AOTInductor. The im2col form's products go through
+aten::mm/addmm, so they take stages/invariant_matmul.py's kernel when that is enabled too.
 """
 
 from __future__ import annotations
@@ -178,7 +182,7 @@ def _product(cols: torch.Tensor, w_kn: torch.Tensor, bias: torch.Tensor | None, 
 def _dense(x, w, bias, s, p, d, out_tm) -> None:
     """groups == 1: on CUDA the windows straight from x (stages/window_product.py); elsewhere per slab of output
     positions, im2col [rows, C k] @ [C k, O]."""
-    if window_product.available(x.device):  # [k, C, O] weight view; out as [B, I, T, 1, O]
+    if window_product.available(x):  # [k, C, O] weight view; out as [B, I, T, 1, O]
         window_product.windows_product(_rows(x), w.permute(2, 1, 0), bias, _rows_out(out_tm).unsqueeze(-2), s, d, p)
         return
     w_ok, taps_first = _weight_kc(w)
@@ -235,7 +239,7 @@ def _transposed(x, w, bias, s, p, out_tm) -> None:
     out_len = out_tm.shape[-2]
     blocks = -(-(p + out_len) // s)
     wp = _pad(w, 0, m * s - k).reshape(C, C_out, m, s).flip(2)  # [C, O, a, r]
-    if window_product.available(x.device):
+    if window_product.available(x):
         _transposed_windows(x, wp, bias, s, p, out_tm, blocks)
         return
     taps_first = x.stride(1) == 1  # the im2col copy reads channels contiguously from time-major inputs

@@ -4,12 +4,12 @@ cuBLAS picks its kernel (tile, split-K) from M, so a row's rounding depends on h
 is why deterministic mode fixes shapes (docs/talker_engine.md, "Deterministic mode"). Here the tile configuration is
 a function of (N, K, dtype) and M's bucket only (`tiles`; `SWEPT` says why M may pick tiles), split-K (where used)
 is fixed per (N, K) and summed in order, and the K loop runs in one fixed order: an output element is the fp32 sum
-of the same k16 MMA steps, in the same order, whether its row sits alone or at row 217 of 3000. Rows past M are masked loads (zeros) that no valid
-row reads. Bias (addmm) is added to the fp32 accumulator before the one rounding to the output dtype, as cuBLAS's
-epilogue does. fp32 runs in IEEE precision (no TF32, as torch.mm by default). `Tiles` can also select Hopper
-variants (TMA loads, persistent programs, a split-K fixed per (N, K) summed in order:
+of the same k16 MMA steps, in the same order, whether its row sits alone or at row 217 of 3000. Rows past M are
+masked loads (zeros) that no valid row reads. Bias (addmm) is added to the fp32 accumulator before the one rounding
+to the output dtype, as cuBLAS's epilogue does. fp32 runs in IEEE precision (no TF32, as torch.mm by default).
+`Tiles` can also select Hopper variants (TMA loads, persistent programs, a split-K fixed per (N, K) summed in order:
 stages/invariant_matmul_variants.py), invariant by the same construction; `tiles()` takes them where the sweep
-found them faster.
+found them faster, on sm_90.
 
 `enable()` / `disable()` (refcounted; `invariant_matmul()` is both as a context manager) register these kernels as
 the CUDA implementations of aten::mm, mm.out, addmm, addmm.out, bmm and bmm.out (a `torch.library.Library("aten",
@@ -32,6 +32,7 @@ aten::baddbmm (not invariant); addmm with beta or alpha other than 1 raises. CPU
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,13 +60,14 @@ class Tiles:
     group_m: int  # row tiles that walk the column tiles together (prefill: a weight tile is read while in L2)
     num_warps: int
     num_stages: int
-    # Hopper variants (stages/invariant_matmul_variants.py) for the tile sweep; the defaults are the kernel below
+    # Hopper variants (stages/invariant_matmul_variants.py), where `SWEPT` takes them; the defaults: the kernel below
     tma: bool = False  # operand tiles through TMA (device-side tensor descriptors)
     persistent: bool = False  # one program per SM, each walking tiles in a fixed order
     split_k: int = 1  # K cut in this many chunks (fixed per (N, K)), fp32 partials summed in order by a 2nd kernel
 
     def __post_init__(self) -> None:
-        if self.split_k < 1 or self.split_k > 1 and (self.persistent or invariant_matmul_variants.SPLIT_GRANULE % self.block_k):
+        granule = invariant_matmul_variants.SPLIT_GRANULE
+        if self.split_k < 1 or self.split_k > 1 and (self.persistent or granule % self.block_k):
             raise ValueError(f"Tiles: split_k must be >= 1, and split-K is not persistent and its BLOCK_K divides "
                              f"{invariant_matmul_variants.SPLIT_GRANULE} (got {self})")
 
@@ -107,12 +109,15 @@ SWEPT: dict[tuple[int, int], tuple[Tiles, Tiles, Tiles, Tiles]] = {
 }
 
 
-def tiles(m: int, n: int, k: int, dtype: torch.dtype) -> Tiles:
+def tiles(m: int, n: int, k: int, dtype: torch.dtype, sm90: bool = True) -> Tiles:
     """The tile configuration of an [M, K] x [K, N] product. Its split count (the one thing that sets a row's bits,
     see `SWEPT`) is a function of (N, K, dtype) only; the tiles of a swept shape follow M's bucket (`ROW_BUCKETS`).
 
-    bf16 and fp16 products of a swept shape take `SWEPT`; other shapes (the 0.6B's, tests) one configuration for
-    every M, a rule fitted to an earlier sweep: wide products (N >= 8192) 128 x 128 tiles on two warpgroups; N 4096 at
+    `sm90`: the product runs on a Hopper GPU, where `SWEPT` was measured and its bits proven tile-independent (the
+    launcher passes what it runs on; the table's tests ask for it on any machine). Elsewhere, and under Triton's
+    interpreter, swept shapes follow the rules below as every other shape does.
+    bf16 and fp16 products of a swept shape on sm_90 take `SWEPT`; other shapes (the 0.6B's, tests) one configuration
+    for every M, a rule fitted to an earlier sweep: wide products (N >= 8192) 128 x 128 tiles on two warpgroups; N 4096 at
     K 2048 128 x 64; K 1024 BLOCK_K 64; N <= 1024 BLOCK_N 32 (enough programs at few rows); the rest 64 x 64 x 128.
     fp32 (IEEE: FMAs, not tensor cores; tests and references, not the Talker's bf16 path) uses shorter tiles, and
     Triton's interpreter (CPU tests) sums a BLOCK_K tile at once, so there BLOCK_K would change the bits: neither
@@ -121,7 +126,7 @@ def tiles(m: int, n: int, k: int, dtype: torch.dtype) -> Tiles:
     """
     if dtype == torch.float32:
         return Tiles(64, 32 if n <= 1024 else 64, 32, 8, 4, 3)
-    if (n, k) in SWEPT:
+    if sm90 and (n, k) in SWEPT:
         return SWEPT[(n, k)][sum(m > top for top in ROW_BUCKETS)]
     if n >= 8192:
         return Tiles(128, 128, 64, 8, 8, 3)
@@ -153,6 +158,11 @@ if triton is not None:
                     stride_biasn, BIAS, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, False, False, False)
 
 
+@functools.cache
+def _is_sm90(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
 def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
             config: Tiles | None) -> torch.Tensor:
     """out[i] = a[i] @ b[i] (+ bias, [M, N]-broadcast) for 3-D a [B, M, K], b [B, K, N], out [B, M, N]."""
@@ -164,7 +174,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Ten
         return out.copy_(bias.expand(out.shape)) if bias is not None else out.zero_()
     if triton is None:
         raise RuntimeError("the invariant matmul needs Triton")
-    cfg = config or tiles(m, n, k, a.dtype)
+    cfg = config or tiles(m, n, k, a.dtype, sm90=a.is_cuda and _is_sm90(a.device.index))
     bias_strides = bias.stride() if bias is not None else (0, 0)
     device = (torch.cuda.device(a.device) if a.is_cuda and a.device.index != torch.cuda.current_device()
               else contextlib.nullcontext())

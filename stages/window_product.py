@@ -19,6 +19,7 @@ convolutions, and tests/interpreted/compile_sm90.py compiles its tiles for the H
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M", "T_OUT", "L", "INNER"])
     def _window_product_kernel(
-        x_ptr, w_ptr, out_ptr, bias_ptr, M, N, C, TAPS, T_OUT, L, INNER, O,
+        x_ptr, w_ptr, out_ptr, bias_ptr, M, N, C, TAPS, T_OUT, L, INNER, OUT_CH,
         sx_b, sx_c, sx_i, sx_l, sw_j, sw_c, sw_n, so_b, so_i, so_t, so_r, so_o, STEP, DIL, PAD,
         BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -91,39 +92,48 @@ if triton is not None:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, w, acc)
-        o = rn % O
+        o = rn % OUT_CH
         if BIAS:  # before the one rounding, as cuDNN's epilogue
             acc += tl.load(bias_ptr + o, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         rows = b.to(tl.int64) * so_b + inner.to(tl.int64) * so_i + t.to(tl.int64) * so_t
-        cols = (rn // O).to(tl.int64) * so_r + o.to(tl.int64) * so_o
+        cols = (rn // OUT_CH).to(tl.int64) * so_r + o.to(tl.int64) * so_o
         tl.store(out_ptr + rows[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
-def available(device: torch.device) -> bool:
-    """Whether the kernel runs on this device's tensors: CUDA with Triton, or any under Triton's interpreter (how
-    the CPU tests run it)."""
-    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what tl.dot takes into its fp32 accumulator
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the kernel runs on `x`: CUDA with Triton, or any device under Triton's interpreter (how the CPU tests
+    run it), in a dtype of DTYPES (float64 keeps im2col and its float64 products)."""
+    return (triton is not None and x.dtype in DTYPES
+            and (x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"))
 
 
 def windows_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, step: int,
                     dilation: int, pad: int, config: ConvTiles | None = None) -> torch.Tensor:
     """out [B, I, T, R, O] = the windows of x [B, C, I, L] (T of them, `step` apart, taps `dilation` apart, starting
     `pad` before position 0) times w [J, C, R * O] (+ bias [O]); any strides, one dtype."""
-    B, C, I, L = x.shape
+    B, C, inner, L = x.shape
     taps, _, n = w.shape
-    T, R, O = out.shape[2], out.shape[3], out.shape[4]
-    if w.shape[1] != C or R * O != n or out.shape[:2] != (B, I) or (bias is not None and bias.shape != (O,)):
+    T, R, out_ch = out.shape[2], out.shape[3], out.shape[4]
+    if (w.shape[1] != C or R * out_ch != n or out.shape[:2] != (B, inner)
+            or (bias is not None and bias.shape != (out_ch,))):
         raise ValueError(f"windows_product: shapes x {tuple(x.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}")
-    m = B * I * T
+    m = B * inner * T
     if out.numel() == 0:
         return out
     cfg = config or tiles(C, n)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _window_product_kernel[grid](
-        x, w, out, bias if bias is not None else out, m, n, C, taps, T, L, I, O,
-        x.stride(0), x.stride(1), x.stride(2), x.stride(3), *w.stride(), *out.stride(), step, dilation, pad,
-        BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    # Triton launches on the current device: that of x, if it is another
+    device = (torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device()
+              else contextlib.nullcontext())
+    with device:
+        _window_product_kernel[grid](
+            x, w, out, bias if bias is not None else out, m, n, C, taps, T, L, inner, out_ch,
+            x.stride(0), x.stride(1), x.stride(2), x.stride(3), *w.stride(), *out.stride(), step, dilation, pad,
+            BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return out

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from stages import jit_compiles
 from stages.aligner.audio_encoder import conv_output_frames
 from stages.aligner.config import (
     AUDIO_END_TOKEN,
@@ -32,7 +33,6 @@ from stages.aligner.loader import load_forced_aligner, prompt_token_ids
 from stages.aligner.model import ForcedAligner
 from stages.aligner.timestamps import Word, words_from_classes
 from stages.aligner.words import split_words
-from stages import jit_compiles
 from stages.checkpoint import parse_dtype
 from stages.voice.audio import resample
 

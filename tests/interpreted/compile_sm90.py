@@ -214,7 +214,7 @@ def window_products() -> dict:
     problems = {(c, n) for c in (96, 192, 384, 768, 1536, 1024) for n in (1, 96, 192, 384, 768, 1536)}
     problems |= {(1536, 8 * 768), (768, 5 * 384), (384, 4 * 192), (192, 3 * 96), (1024, 2 * 1024)}
     out = {}
-    sig = {name: "i32" for name in ("M", "N", "C", "TAPS", "T_OUT", "L", "INNER", "O", "sx_b", "sx_c", "sx_i",
+    sig = {name: "i32" for name in ("M", "N", "C", "TAPS", "T_OUT", "L", "INNER", "OUT_CH", "sx_b", "sx_c", "sx_i",
                                      "sx_l", "sw_j", "sw_c", "sw_n", "so_b", "so_i", "so_t", "so_r", "so_o",
                                      "STEP", "DIL", "PAD")}
     sig |= {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "bias_ptr": "*bf16"}
