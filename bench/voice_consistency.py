@@ -38,7 +38,7 @@ def split_at_pauses(pcm: np.ndarray, min_pause_s: float, min_piece_s: float = 0.
     starts, ends = edges[::2], edges[1::2]  # runs of zeros: [start, end)
     min_run = round(min_pause_s * SAMPLE_RATE)
     pieces, at = [], 0
-    for s, e in zip(starts, ends):
+    for s, e in zip(starts, ends, strict=False):  # a run still open at the end has no end edge
         if e - s >= min_run:
             pieces.append(pcm[at:s])
             at = e

@@ -64,4 +64,5 @@ def tiny_model_info(name: str, path: Path, aliases=()):
 
     return ModelInfo(name=name, aliases=tuple(aliases), config=ModelConfig.from_file(path / "config.json"),
                      generation=GenerationDefaults.from_file(path / "generation_config.json"),
-                     tokenizer=TextTokenizer(path), max_seq_len=512, max_text_rows=1024, fingerprint=name, default_max_new_tokens=300)
+                     tokenizer=TextTokenizer(path), max_seq_len=512, max_text_rows=1024, fingerprint=name,
+                     default_max_new_tokens=300)

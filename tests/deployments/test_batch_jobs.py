@@ -419,7 +419,7 @@ def test_replicas_opening_a_new_store_together_all_get_in(tmp_path):
         stores = [BatchStore(root), BatchStore(root, lease_s=0.3)]
         start, errors = threading.Barrier(2), []
 
-        def first_call(store: BatchStore, create: bool):
+        def first_call(store: BatchStore, create: bool, start=start, errors=errors):
             start.wait()
             try:
                 store.create_job([json.dumps(item())]) if create else store.counts()

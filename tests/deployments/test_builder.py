@@ -146,7 +146,7 @@ def test_replicas_config_is_high_concurrency_with_one_pair_per_gpu_raylet():
         a, b = one[name], many[name]
         assert b._deployment_config.num_replicas == 2 and b._replica_config.max_replicas_per_node == 1
         assert b.ray_actor_options == a.ray_actor_options
-        def strip(args):  # placement apart; Code2Wav keeps 2x the streams per GPU in state slots (streams land
+        def strip(args, name=name):  # placement apart; Code2Wav keeps 2x the streams per GPU in state slots (streams land
             # unevenly on N replicas: docs/benchmarks.md, "Scale-out on 4x H200: state slots")
             return [c.model_copy(update={"deployment_config": {}, **({"engine_kwargs": {}} if name == "Code2Wav"
                                                                      else {})})

@@ -88,8 +88,12 @@ class EngineIO:
     async def put(self, request_id: str, events) -> None:
         self.events.setdefault(request_id, []).extend(events)
         for e in events:
-            {"append": lambda: self.engine.append_text(request_id, e.text), "flush": lambda: self.engine.flush_text(
-                request_id), "end": lambda: self.engine.end_text(request_id)}[e.kind]()
+            if e.kind == "append":
+                self.engine.append_text(request_id, e.text)
+            elif e.kind == "flush":
+                self.engine.flush_text(request_id)
+            else:
+                self.engine.end_text(request_id)
 
     def close(self, request_id: str) -> None:
         self.closed.append(request_id)
@@ -158,7 +162,8 @@ def test_boundaries_and_audio_do_not_depend_on_how_the_text_arrives(engine, info
     _, by_char, _ = asyncio.run(speak(EngineIO(engine, info), list(TEXT)))
     for other in (by_word, by_char):
         assert [p.text for p in other] == [p.text for p in whole]
-        assert all(np.array_equal(a.audio, b.audio) and a.start_sample == b.start_sample for a, b in zip(other, whole))
+        assert all(np.array_equal(a.audio, b.audio) and a.start_sample == b.start_sample
+                   for a, b in zip(other, whole, strict=True))
 
 
 def test_a_short_context_is_one_request_with_the_contexts_own_seed(engine, info):

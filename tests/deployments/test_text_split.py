@@ -49,7 +49,8 @@ def test_a_text_that_fits_is_one_piece():
 
 
 def test_chinese_is_cut_at_cjk_sentence_and_clause_marks():
-    text = "今天天气很好。我们去公园散步，看到了很多花、草和树！你喜欢吗？第二段开始了；这是一个很长的句子，没有什么特别的意思。"
+    text = ("今天天气很好。我们去公园散步，看到了很多花、草和树！你喜欢吗？"
+            "第二段开始了；这是一个很长的句子，没有什么特别的意思。")
     pieces = split_text(text, _bytes_budget(45))  # 15 characters
     assert all(len(p.text.encode()) <= 45 for p in pieces)
     assert "".join(p.text for p in pieces) == text  # rejoined without spaces: nothing lost, nothing added

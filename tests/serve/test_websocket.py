@@ -320,8 +320,8 @@ def test_a_context_longer_than_one_talker_request_rolls_over_into_one_stream(cli
     runs = []
     for run in ("a", "b"):
         client.send(type="open", context_id=run, model="fake", voice="vivian", response_format="wav", seed=5)
-        assert client.until(lambda m: m.get("context_id") == run and m["type"] in ("opened", "error"))["type"] == \
-            "opened"
+        assert client.until(lambda m, run=run: m.get("context_id") == run
+                            and m["type"] in ("opened", "error"))["type"] == "opened"
         for word in text.split(" "):
             client.send(type="append", context_id=run, text=word + " ")
         client.send(type="end", context_id=run)

@@ -112,9 +112,9 @@ def test_a_row_is_bit_identical_at_any_position_beside_anything(decoder, cpu_ove
 @pytest.mark.slow  # Triton's interpreter in its venv
 def test_the_cuda_window_kernel_equals_aten_and_keeps_rows_apart():
     """The CUDA path (stages/window_product.py, no im2col) under Triton's interpreter, fp32 on CPU: one dense and
-    transposed convolution of the tiny decoder per decode form, dilation and kernel size, plus padding, stride, dilation, a 1-channel
-    output and crops that are not whole blocks, equal aten's within fp32 summation order; a probe row's output is
-    bit-identical alone and at rows 1, 3 and 7 of a batch of 8; nothing fell back to aten."""
+    transposed convolution of the tiny decoder per decode form, dilation and kernel size, plus padding, stride,
+    dilation, a 1-channel output and crops that are not whole blocks, equal aten's within fp32 summation order; a
+    probe row's output is bit-identical alone and at rows 1, 3 and 7 of a batch of 8; nothing fell back to aten."""
     result = run_interpreted("window_product.py")
     assert result["forms"] >= 15 and result["fallbacks"] == 0
     assert max(result["max_rel_err"].values()) <= 2e-6, result["max_rel_err"]

@@ -8,10 +8,11 @@ seeded request run again alone gives the same codes. What is printed (run with -
 batches of 8 and 64, the figure the docs cite.
 
 Deterministic mode (`deterministic=True`: on CUDA the batch-invariant products of stages/invariant_matmul.py with
-batched prefills and free decode buckets, fixed text projection widths; Code2Wav in fixed shapes) is asserted batch-invariant: the probe's codes alone equal its codes
-beside 7, 63, 255 and 511 others (sampled; half of them arriving while it runs) and beside 63 greedy, and its PCM
-alone equals its PCM decoded with 7, 63 and 255 other streams' chunks (bench/seeded_determinism.py holds the probes;
-`python -m bench.seeded_determinism` prints the same comparison on full-size shapes with the throughput cost).
+batched prefills and free decode buckets, fixed text projection widths; Code2Wav in fixed shapes) is asserted
+batch-invariant: the probe's codes alone equal its codes beside 7, 63, 255 and 511 others (sampled; half of them
+arriving while it runs) and beside 63 greedy, and its PCM alone equals its PCM decoded with 7, 63 and 255 other
+streams' chunks (bench/seeded_determinism.py holds the probes; `python -m bench.seeded_determinism` prints the same
+comparison on full-size shapes with the throughput cost).
 
 Marked `gpu`: `python -m pytest -m gpu -s tests/stages/gpu`, CPU CI skips it.
 """
