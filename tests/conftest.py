@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +13,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the serve home of this session (and of the Ray replicas it starts, which inherit the environment): no batch store,
+# voice or embedded checkpoint left by an earlier or interrupted run is resumed or read (tests/procs.serve_run gives
+# each `serve run` a fresh one of its own)
+if "QWEN3_TTS_SERVE_HOME" not in os.environ:
+    os.environ["QWEN3_TTS_SERVE_HOME"] = tempfile.mkdtemp(prefix="qwen3-tts-tests-home-")
+    atexit.register(shutil.rmtree, os.environ["QWEN3_TTS_SERVE_HOME"], True)
 
 
 @pytest.fixture(scope="session")

@@ -163,10 +163,13 @@ def test_concurrent_calls_share_forwards_with_the_aligners_answers(loop, aligner
     server.__del__()
 
 
-def test_a_forward_that_captured_graphs_after_the_warm_up_is_counted_and_logged(loop, checkpoint):
+def test_a_forward_that_captured_graphs_after_the_warm_up_is_counted_and_logged(loop, checkpoint, monkeypatch):
     """A shape the warm-up missed costs a request its capture (and, the first time, compiles): the replica counts
     the graphs captured in forwards once it is ready and logs what the forward held; the longest forward too. Its own
     aligner: the module's has met shapes in earlier tests, as the forwards that happened to form there decided."""
+    from deployments import constants as C
+
+    monkeypatch.setattr(C, "ALIGNER_SLOW_FORWARD_S", float("inf"))  # a loaded machine's slow forward logs too
     spy = Spy(Aligner.load(checkpoint))
     server = _server(loop, AlignerDeploymentConfig(device="cpu", warmup=False), spy)
     lines: list[str] = []

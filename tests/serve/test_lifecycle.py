@@ -63,9 +63,9 @@ def test_uploaded_voice_survives_an_ingress_restart(http, serve_app):
     assert http.post("/v1/audio/voices", json={"name": "xv", "audio_sample": clip}).json()["voice"][
         "x_vector_only_mode"]
 
-    listed = http.get("/v1/audio/voices").json()
-    assert {v["name"] for v in listed["uploaded_voices"]} == {"Me", "xv"}
-    assert "vivian" in listed["voices"] and sorted(listed["models"]["base"]["voices"]) == ["Me", "xv"]
+    listed = http.get("/v1/audio/voices").json()  # the session's voices dir: other tests' voices may be there
+    assert {"Me", "xv"} <= {v["name"] for v in listed["uploaded_voices"]}
+    assert "vivian" in listed["voices"] and {"Me", "xv"} <= set(listed["models"]["base"]["voices"])
 
     body = speech(model="base", voice="me", response_format="pcm", max_new_tokens=7, seed=11)
     before = http.post("/v1/audio/speech", json=body)

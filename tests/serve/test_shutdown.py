@@ -37,7 +37,7 @@ INGRESS_GRACE_S = GRACE_S + C.INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S  # the ingress'
 # the controller kills at the deadline (its loop: 0.1 s), the ingress learns of the death, a decode that waits
 # for a deleted Code2Wav gives up at its next probe (2 s), the client reads the end; generous for a loaded
 # 2-core machine and far below the requests' own deadline (300 s)
-MARGIN_S = 10.0
+MARGIN_S = 30.0
 ACTIVE_FRAMES = 400  # 20 s at the lc engine's 50 ms per step: still streaming when the lifecycle event comes
 
 

@@ -43,11 +43,12 @@ def test_events_arrive_in_order_and_a_take_waits_for_them(mailbox):
 
 def test_close_wakes_a_waiting_take_and_refuses_later_puts(mailbox):
     async def run():
+        before = await mailbox.open_boxes.remote()
         await mailbox.open.remote("r2")
         waiting = asyncio.ensure_future(mailbox.take.remote("r2"))
         await mailbox.close.remote("r2")
         return await waiting, await mailbox.put.remote("r2", [TextEvent("append", "late")]), \
-            await mailbox.take.remote("r2"), await mailbox.open_boxes.remote()
+            await mailbox.take.remote("r2"), before, await mailbox.open_boxes.remote()
 
-    taken, accepted, after, boxes = asyncio.run(run())
-    assert taken == [] and accepted is False and after == [] and boxes == 1  # r1 of the test above is open
+    taken, accepted, after, before, boxes = asyncio.run(run())
+    assert taken == [] and accepted is False and after == [] and boxes == before  # r2's box is gone
