@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from stages.contract import SAMPLES_PER_FRAME
-from tests.serve.conftest import PAUSE_SEED, engine_stats, pcm_of, speech, wait_for, wav_bytes
+from tests.serve.conftest import PAUSE_SEED, engine_stats, pcm_of, replica_pids, speech, wait_for, wav_bytes
 
 pytestmark = pytest.mark.serve
 
@@ -72,8 +72,12 @@ def test_uploaded_voice_survives_an_ingress_restart(http, serve_app):
     assert before.status_code == 200, before.text
     assert len(pcm_of(before.content)) == 7 * SAMPLES_PER_FRAME
 
+    old = set(replica_pids("TTSIngress"))
     _kill_ingress()  # Serve replaces the replica; the new one starts with empty caches
-    wait_for(lambda: _ready(base_url), 60, 0.25, "a new ingress replica")
+    # ray.kill returns before the process is gone: /ready could still be the old replica's answer
+    wait_for(lambda: not old & set(replica_pids("TTSIngress")) and replica_pids("TTSIngress"), 300, 0.25,
+             "the killed ingress replaced")
+    wait_for(lambda: _ready(base_url), 300, 0.25, "a new ingress replica")
     after = httpx.post(f"{base_url}/v1/audio/speech", json=body, timeout=120)
     assert after.status_code == 200, after.text
     # same voice, same seed: the same codes; the PCM within 1 LSB, since which chunks Code2Wav decodes together
