@@ -7,6 +7,8 @@ replica down (issue 13); a lone surrogate crashed the tokenizer with a 500.
 from __future__ import annotations
 
 import json
+import re
+import uuid
 
 import httpx
 import pytest
@@ -95,15 +97,30 @@ def test_undecodable_audio_message_has_no_library_internals(http):
     assert error["param"] == "ref_audio" and "0x" not in error["message"] and "<" not in error["message"]
 
 
+def _records_of(logs: str, ours: set[str]) -> list[str]:
+    """The log records (a header line and what follows it) of these request ids, and those of no request: a record
+    of another request (a late one of an earlier test, e.g. a killed replica's stream) is not this test's."""
+    records = re.split(r"\n(?=(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d{4}-\d\d-\d\d )", logs)
+    kept = []
+    for record in records:
+        head = record.split(" -- ", 1)[0].split()  # level, date, time, deployment, replica[, request id]
+        if len(head) < 6 or head[5] in ours:
+            kept.append(record)
+    return kept
+
+
 def test_client_errors_leave_no_traceback_in_the_server_logs(http):
-    before = {**replica_logs("TTSIngress"), **replica_logs("Talker_cv")}  # earlier tests' lines are not ours
+    before = {**replica_logs("TTSIngress"), **replica_logs("Talker_cv_")}  # earlier tests' lines are not ours
     bodies = [speech(top_k=2**63), speech(max_new_tokens=511), speech(input="a\ud800b"), speech(voice="nobody"),
               speech(model="nothing"), speech(input="")]
-    for body in bodies:
+    ours = {f"hostile-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(bodies))}
+    for body, request_id in zip(bodies, sorted(ours), strict=True):
         r = http.post("/v1/audio/speech", content=json.dumps(body).encode(),
-                      headers={"content-type": "application/json"})
+                      headers={"content-type": "application/json", "x-request-id": request_id})
         assert 400 <= r.status_code < 500, r.text[:300]
-    after = {**replica_logs("TTSIngress"), **replica_logs("Talker_cv")}
+    after = {**replica_logs("TTSIngress"), **replica_logs("Talker_cv_")}
     logs = "".join(text[len(before.get(path, "")):] for path, text in after.items())
     assert "400 voice_not_found: unknown voice" in logs  # each client error is one line in the ingress's log
-    assert "Traceback" not in logs, logs[logs.index("Traceback") - 2000:][:4000]
+    assert any(request_id in logs for request_id in ours)  # the records carry the ids the requests were sent with
+    mine = "".join(_records_of(logs, ours))
+    assert "Traceback" not in mine, mine[mine.index("Traceback") - 2000:][:4000]
