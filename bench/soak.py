@@ -275,7 +275,8 @@ def summarize(args, soak: Soak, samples: list[dict], warm: dict | None) -> dict:
     warm = warm or samples[0]
     growth = {k: round((last["rss_mib"][k] / v - 1) * 100, 2) for k, v in warm["rss_mib"].items()
               if k in last["rss_mib"]}
-    gpu_growth = [round((b / a - 1) * 100, 2) for a, b in zip(warm["gpu_mem_mib"], last["gpu_mem_mib"], strict=True) if a]
+    gpu_growth = [round((b / a - 1) * 100, 2) for a, b in zip(warm["gpu_mem_mib"], last["gpu_mem_mib"], strict=False)
+                  if a]  # a sample nvidia-smi missed is shorter: its GPUs are not compared
     return {"url": args.url, "minutes": round(last["t_s"] / 60, 2), "concurrency": args.concurrency,
             "frames": args.frames, "requests": sum(soak.kinds.values()), "by_kind": dict(soak.kinds),
             "by_status": dict(soak.status), "errors_5xx": sum(n for st, n in soak.status.items() if int(st) >= 500),

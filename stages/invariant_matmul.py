@@ -31,7 +31,6 @@ aten::baddbmm (not invariant); addmm with beta or alpha other than 1 raises. CPU
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -69,7 +68,7 @@ class Tiles:
         granule = invariant_matmul_variants.SPLIT_GRANULE
         if self.split_k < 1 or self.split_k > 1 and (self.persistent or granule % self.block_k):
             raise ValueError(f"Tiles: split_k must be >= 1, and split-K is not persistent and its BLOCK_K divides "
-                             f"{invariant_matmul_variants.SPLIT_GRANULE} (got {self})")
+                             f"{granule} (got {self})")
 
 
 ROW_BUCKETS = (64, 128, 256)  # a swept shape's tiles per row count: <= 64, <= 128, <= 256, more (prefill included)
@@ -176,9 +175,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Ten
         raise RuntimeError("the invariant matmul needs Triton")
     cfg = config or tiles(m, n, k, a.dtype, sm90=a.is_cuda and _is_sm90(a.device.index))
     bias_strides = bias.stride() if bias is not None else (0, 0)
-    device = (torch.cuda.device(a.device) if a.is_cuda and a.device.index != torch.cuda.current_device()
-              else contextlib.nullcontext())
-    with device:
+    with invariant_matmul_variants.on_device(a):
         if cfg.tma or cfg.persistent or cfg.split_k > 1:
             return invariant_matmul_variants.launch(a, b, out, bias, cfg)
         for b0 in range(0, batch, MAX_GRID_Y):

@@ -20,6 +20,7 @@ tile sweep (`python -m bench.kernels.invariant_matmul --sweep`) times them and `
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -35,6 +36,14 @@ SUM_BLOCK_M, SUM_BLOCK_N = 16, 128  # the split-K sum's tile (elementwise: any t
 SPLIT_GRANULE = 128  # split-K chunks are whole multiples of this many K columns, whatever BLOCK_K (<= it, dividing it)
 INTERPRETER_SMS = 3  # CPU (Triton's interpreter): few "SMs", so every persistent program walks several tiles
 
+
+def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: `t`'s for the launches in the block, where it is another (the
+    GEMM's and the window kernel's launchers)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
 if triton is not None:
 
     @triton.jit
@@ -49,9 +58,9 @@ if triton is not None:
 
     @triton.jit
     def output_tile(a_src, b_src, c_ptr, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi,
-              stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn,
-              BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr, PARTIAL: tl.constexpr):
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn,
+                    BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, TMA: tl.constexpr, B_KMAJOR: tl.constexpr, PARTIAL: tl.constexpr):
         """One [BLOCK_M, BLOCK_N] output tile over K in [k_lo, k_hi), BLOCK_K at a time in increasing K (a_src and
         b_src: descriptors with TMA, else pointers to this batch entry); stores the fp32 sum (PARTIAL) or the sum
         plus bias rounded to c's dtype. The plain kernel (stages/invariant_matmul.py) is this with pointer loads over
@@ -128,13 +137,13 @@ if triton is not None:
             for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=True):
                 pid_m, pid_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
                 output_tile(a_src, b_src, c_out, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi, stride_am, stride_ak,
-                      stride_bk, stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn, BIAS, IEEE, BLOCK_M,
-                      BLOCK_N, BLOCK_K, TMA, B_KMAJOR, SPLIT > 1)
+                            stride_bk, stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn, BIAS, IEEE,
+                            BLOCK_M, BLOCK_N, BLOCK_K, TMA, B_KMAJOR, SPLIT > 1)
         else:
             pid_m, pid_n = grouped_tile(tl.program_id(0), tiles_m, tiles_n, GROUP_M)
-            output_tile(a_src, b_src, c_out, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi, stride_am, stride_ak, stride_bk,
-                  stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn, BIAS, IEEE, BLOCK_M, BLOCK_N,
-                  BLOCK_K, TMA, B_KMAJOR, SPLIT > 1)
+            output_tile(a_src, b_src, c_out, bias_ptr, pid_m, pid_n, M, N, k_lo, k_hi, stride_am, stride_ak,
+                        stride_bk, stride_bn, stride_cm, stride_cn, stride_biasm, stride_biasn, BIAS, IEEE, BLOCK_M,
+                        BLOCK_N, BLOCK_K, TMA, B_KMAJOR, SPLIT > 1)
 
     @triton.jit(do_not_specialize=["M"])
     def _sum_splits_kernel(

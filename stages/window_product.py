@@ -19,7 +19,6 @@ convolutions, and tests/interpreted/compile_sm90.py compiles its tiles for the H
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from stages.invariant_matmul_variants import grouped_tile
+    from stages.invariant_matmul_variants import grouped_tile, on_device
 except ImportError:  # CPU-only installs: invariant_conv keeps im2col there
     triton = None
 
@@ -126,10 +125,7 @@ def windows_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
         return out
     cfg = config or tiles(C, n)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    # Triton launches on the current device: that of x, if it is another
-    device = (torch.cuda.device(x.device) if x.is_cuda and x.device.index != torch.cuda.current_device()
-              else contextlib.nullcontext())
-    with device:
+    with on_device(x):
         _window_product_kernel[grid](
             x, w, out, bias if bias is not None else out, m, n, C, taps, T, L, inner, out_ch,
             x.stride(0), x.stride(1), x.stride(2), x.stride(3), *w.stride(), *out.stride(), step, dilation, pad,
