@@ -200,6 +200,10 @@ async def load_model(options: _RuntimeOptions, source: CheckpointSource, log: Lo
     path = await asyncio.to_thread(checkpoint_location, source, log)
     device, dtype = resolve_device_dtype(options)
     configure_torch(options, device)
+    if options.engine_config_kwargs().get("deterministic") and device.startswith("cuda"):
+        from stages import row_invariant_products  # before the process's first product (the load runs some)
+
+        row_invariant_products.use_no_workspace()
     model = await asyncio.to_thread(Qwen3TTS.load, path, device, dtype, log=log, **parts)
     return model, device
 

@@ -1,5 +1,5 @@
 """A refcounted switch that routes aten ops to the project's own kernels while it is on (deterministic mode's
-batch-invariant products and convolutions: stages/invariant_matmul.py, stages/invariant_conv.py)."""
+batch-invariant convolutions: stages/invariant_conv.py)."""
 
 from __future__ import annotations
 

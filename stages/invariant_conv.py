@@ -35,9 +35,9 @@ implementation of aten::convolution for the device types in DEVICE_TYPES ("CUDA"
 F.conv1d/conv2d/conv_transpose1d/2d and nn.Conv*/ConvTranspose* (they all call aten::convolution) and torch.compile'd
 code: without max-autotune Inductor emits a convolution as `extern_kernels.convolution(...)`, a call of
 torch.convolution through the dispatcher at run time (so also inside CUDA-graph captures of it); a graph captured
-before `enable()` keeps the cuDNN kernels it recorded. Not covered, as for stages/invariant_matmul.py: Inductor's
-Triton conv templates (max-autotune only), `cpp_wrapper` and AOTInductor. The im2col form's products go through
-aten::mm/addmm, so they take stages/invariant_matmul.py's kernel when that is enabled too.
+before `enable()` keeps the cuDNN kernels it recorded. Not covered: Inductor's Triton conv templates (max-autotune
+only), `cpp_wrapper` and AOTInductor. The im2col form's products go through aten::mm/addmm: cuBLAS, whose rows a
+deterministic engine checks at start (stages/row_invariant_products.py).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ convolutions, and tests/interpreted/compile_sm90.py compiles its tiles for the H
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -27,8 +28,6 @@ import torch
 try:
     import triton
     import triton.language as tl
-
-    from stages.invariant_matmul_variants import grouped_tile, on_device
 except ImportError:  # CPU-only installs: invariant_conv keeps im2col there
     triton = None
 
@@ -42,18 +41,54 @@ class ConvTiles:
     num_stages: int
 
 
+# The H200 sweep's fastest tiles per (C, N) over a deterministic decode's calls of the released 1.7B decoder
+# (`python -m bench.kernels.window_product --streams 64 --sweep --tiles-table`; docs/benchmarks.md): 24% less time
+# than the fallback below summed over the decode. Any tiles fixed per (C, N) keep a row's bits apart from its batch.
+SWEPT = {
+    (96, 1): ConvTiles(128, 16, 32, 4, 3),
+    (96, 96): ConvTiles(128, 128, 32, 8, 3),
+    (192, 192): ConvTiles(256, 64, 32, 8, 3),
+    (192, 288): ConvTiles(256, 64, 32, 8, 3),
+    (256, 512): ConvTiles(128, 16, 64, 4, 3),
+    (384, 384): ConvTiles(128, 128, 32, 8, 3),
+    (384, 768): ConvTiles(128, 128, 32, 8, 3),
+    (512, 1024): ConvTiles(64, 64, 64, 4, 3),
+    (768, 768): ConvTiles(128, 128, 32, 8, 3),
+    (768, 1920): ConvTiles(128, 128, 32, 8, 3),
+    (1024, 1536): ConvTiles(64, 128, 32, 4, 3),
+    (1024, 2048): ConvTiles(64, 128, 32, 4, 3),
+}
+
+
 def tiles(channels: int, columns: int) -> ConvTiles:
     """Tiles for C input channels and N = R x O output columns: a function of the weight's shape only (the row count
-    never picks them). Rows are many (batch x samples): 128 per program; 64 columns (16 below 64: the 1-channel
-    output convolution); 32 channels per K step (divides the decoder's 96 x 2^n). Larger tiles spill registers
-    (each program gathers its windows with per-element addresses; tests/interpreted/compile_sm90.py checks). Not
-    swept yet: `python -m bench.kernels.window_product --tiles-table` times candidates over a decode's calls."""
+    never picks them): `SWEPT`'s where the sweep timed that problem; otherwise 128 rows per program (rows are many:
+    batch x samples), 64 columns (16 below 64: a 1-channel output convolution), 32 channels per K step (divides
+    the decoder's 96 x 2^n)."""
+    if (channels, columns) in SWEPT:
+        return SWEPT[(channels, columns)]
     if columns >= 64:
         return ConvTiles(128, 64, 32, 8, 3)
     return ConvTiles(128, 16, 32, 4, 3)
 
 
+def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: `t`'s for the launches in the block, where it is another."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 if triton is not None:
+
+    @triton.jit
+    def grouped_tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+        """(row tile, column tile) of `tile` in the grouped order: GROUP_M row tiles take each column tile in turn
+        (which program computes a tile changes nothing in what it computes)."""
+        per_group = GROUP_M * tiles_n
+        first_m = (tile // per_group) * GROUP_M
+        group_rows = min(tiles_m - first_m, GROUP_M)
+        return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
 
     @triton.jit(do_not_specialize=["M", "T_OUT", "L", "INNER"])
     def _window_product_kernel(

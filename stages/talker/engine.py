@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import queue
@@ -27,7 +26,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import ClassVar
 
-from stages import invariant_matmul
+from stages import row_invariant_products
 from stages.chunking import ChunkSchedule, StreamChunker
 from stages.contract import EngineOverloadedError, FinishReason, InvalidRequestError, SynthesisRequest
 from stages.qwen3_tts import Qwen3TTS
@@ -57,9 +56,10 @@ class TalkerEngine:
         config = config or TalkerEngineConfig()
         if model.talker is None:
             raise ValueError("TalkerEngine needs a model loaded with its talker")
-        # deterministic on CUDA: the process's products take the batch-invariant GEMM while the engine runs (_main)
-        self.invariant_products = (config.deterministic and model.device.type == "cuda"
-                                   and invariant_matmul.available())
+        # deterministic on CUDA: cuBLAS without a workspace, whose rows the setup checks (row_invariant_products)
+        self.invariant_products = config.deterministic and model.device.type == "cuda"
+        if self.invariant_products:
+            row_invariant_products.use_no_workspace()
         self.model, self.config = model, config.for_determinism(self.invariant_products)
         self._runner_factory = runner_factory
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -237,22 +237,21 @@ class TalkerEngine:
 
     # ------------------------------------------------------------------ device thread
     def _main(self, log: Callable[[str], None]) -> None:
-        with invariant_matmul.invariant_matmul() if self.invariant_products else contextlib.nullcontext():
-            try:
-                self._setup(log)
-            except BaseException as e:  # reported to start()
-                self._error = e
-                self._ready.set()
-                return
+        try:
+            self._setup(log)
+        except BaseException as e:  # reported to start()
+            self._error = e
             self._ready.set()
-            try:
-                self._loop()
-            except BaseException as e:  # a device-level fault: fail every stream loudly rather than hang them
-                self._error = e
-                logger.exception("talker engine failed")  # check_health reports it; Serve replaces the replica
-                self._end_all(e)
-                return
-            self._end_all(RuntimeError("talker engine shut down"))
+            return
+        self._ready.set()
+        try:
+            self._loop()
+        except BaseException as e:  # a device-level fault: fail every stream loudly rather than hang them
+            self._error = e
+            logger.exception("talker engine failed")  # check_health reports it; Serve replaces the replica
+            self._end_all(e)
+            return
+        self._end_all(RuntimeError("talker engine shut down"))
 
     def _setup(self, log: Callable[[str], None]) -> None:
         """Without `kv_cache_tokens`, the CUDA KV pool is sized after a warm-up, before capture (docs/talker_engine.md)."""
@@ -260,6 +259,8 @@ class TalkerEngine:
         cuda = model.device.type == "cuda"
         self.num_slots = cfg.max_num_seqs
         self._buckets = tuple(sorted({min(b, self.num_slots) for b in cfg.kernels.batch_buckets} | {self.num_slots}))
+        if self.invariant_products:  # before any compile or capture: refuse to start rather than drift
+            row_invariant_products.check(model.talker, self._buckets, model.device, model.dtype)
         compile_cache = talker_compile_cache(model, cfg)
         if cfg.compile and cuda:
             loaded = compile_cache is not None and compile_cache.load(log)

@@ -15,12 +15,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from stages import gemv_kernels, invariant_matmul, invariant_matmul_variants, sampling_kernel, window_product
+from stages import gemv_kernels, sampling_kernel, window_product
 from stages.talker import paged_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -119,100 +118,13 @@ def sampling() -> dict:
         aligned=("stride_row", "V")) for v_p in (2048, 4096) for pdl in (False, True)}
 
 
-# (N, K) of the products: the 1.7B model's (talker, code predictor, text projection, heads: `SWEPT`'s shapes) and
-# the 0.6B's others (tests/stages/test_triton_compile.py counts the configurations tiles() picks over these)
-MATMUL_SHAPES = (*invariant_matmul.SWEPT, (3072, 1024), (1024, 1024))
-
-
-def plain_matmul(cfg, name: str, layout: str, bias: bool) -> tuple[int, ...]:
-    """The invariant GEMM's own kernel (`_matmul_kernel`) in configuration `cfg`, dtype `name`, B as nn.Linear's
-    weight.t() or contiguous: (registers, spill bytes, wgmma instructions)."""
-    sig = {"a_ptr": f"*{name}", "b_ptr": f"*{name}", "c_ptr": f"*{name}", "bias_ptr": f"*{name}",
-           "M": "i32", "N": "i32", "K": "i32", "stride_ab": "i32", "stride_am": "i32",
-           "stride_bb": "i32", "stride_cb": "i32", "stride_cm": "i32", "stride_biasm": "i32"}
-    ones = {"stride_ak": 1, "stride_cn": 1, "stride_biasn": 1}  # the launcher specializes 1s
-    ones |= {"stride_bk": 1} if layout == "weight.t()" else {"stride_bn": 1}
-    sig |= {"stride_bn": "i32"} if layout == "weight.t()" else {"stride_bk": "i32"}
-    return compile_kernel(invariant_matmul._matmul_kernel, sig, {
-        **ones, "BIAS": bias, "IEEE": name == "fp32", "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-        "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m}, cfg.num_warps,
-        aligned=("N", "K", "stride_am", "stride_bn", "stride_bk", "stride_cm", "stride_ab", "stride_bb", "stride_cb",
-                 "stride_biasm"),
-        count=r"wgmma\.mma_async", num_stages=cfg.num_stages)
-
-
-def matmul() -> dict:
-    """Every plain tile configuration `invariant_matmul.tiles` returns for the 1.7B and 0.6B products (`MATMUL_SHAPES`)
-    at every row bucket, per dtype (its Hopper variants: `matmul_variants`), as nn.Linear launches it (B =
-    weight.t(), with a bias) and with a contiguous B (bmm, mm of activations). The count is wgmma instructions
-    (bf16/fp16: the tensor cores)."""
-    types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-    out = {}
-    for dtype, name in types.items():
-        picked = {invariant_matmul.tiles(m, n, k, dtype) for n, k in MATMUL_SHAPES for m in (1, 100, 200, 4000)}
-        for cfg in sorted((c for c in picked if not (c.tma or c.persistent or c.split_k > 1)), key=repr):
-            for layout, bias in (("weight.t()", True), ("contiguous", False)):
-                out[f"{name} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} {layout}"] = \
-                    plain_matmul(cfg, name, layout, bias)
-    return out
-
-
-def matmul_variants() -> dict:
-    """Every Hopper-variant configuration `invariant_matmul.tiles` returns (the `SWEPT` entries with TMA loads, a
-    persistent grid or split-K), bf16, as nn.Linear launches it (B = weight.t(): K-major TMA descriptors; with a
-    bias, which split-K leaves to its sum); a TMA + persistent form also with a contiguous B (N-major descriptors)
-    and a bias, and in fp32; the split-K sum per split count of the table (and 2, which the sweep tries), with and
-    without bias. Counts: wgmma and TMA (cp.async.bulk.tensor) instructions (the variant kernel), 16-byte loads
-    (the sum)."""
-    table = [cfg for per_bucket in invariant_matmul.SWEPT.values() for cfg in per_bucket]
-    aligned = ("N", "K", "K_CHUNK", "stride_am", "stride_bn", "stride_bk", "stride_cm", "stride_ab", "stride_bb",
-               "stride_cb", "stride_cs", "stride_biasm")
-    out = {}
-
-    def variant(cfg, name: str, layout: str, bias: bool) -> None:
-        sig = {"a_ptr": f"*{name}", "b_ptr": f"*{name}", "c_ptr": "*fp32" if cfg.split_k > 1 else f"*{name}",
-               "bias_ptr": f"*{name}", "M": "i32", "N": "i32", "K": "i32", "K_CHUNK": "i32", "stride_ab": "i32",
-               "stride_am": "i32", "stride_bb": "i32", "stride_cs": "i32", "stride_cb": "i32", "stride_cm": "i32",
-               "stride_biasm": "i32"}
-        ones = {"stride_ak": 1, "stride_cn": 1, "stride_biasn": 1}
-        ones |= {"stride_bk": 1} if layout == "weight.t()" else {"stride_bn": 1}
-        sig |= {"stride_bn": "i32"} if layout == "weight.t()" else {"stride_bk": "i32"}
-        flags = " tma" * cfg.tma + " persistent" * cfg.persistent + f" split{cfg.split_k}" * (cfg.split_k > 1)
-        key = (f"{name} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}{flags} {layout}"
-               f"{' bias' if bias else ''}")
-        out[key] = compile_kernel(invariant_matmul_variants._variant_kernel, sig, {
-            **ones, "BIAS": bias and cfg.split_k == 1, "IEEE": name == "fp32", "BLOCK_M": cfg.block_m,
-            "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "TMA": cfg.tma,
-            "B_KMAJOR": layout == "weight.t()", "PERSISTENT": cfg.persistent, "NUM_SMS": 132, "SPLIT": cfg.split_k},
-            cfg.num_warps, aligned=aligned, count=(r"wgmma\.mma_async", r"cp\.async\.bulk\.tensor"),
-            num_stages=cfg.num_stages)
-
-    # the table's plain configurations run the default kernel, whose configurations `matmul` checks
-    for cfg in sorted({cfg for cfg in table if cfg.tma or cfg.persistent or cfg.split_k > 1}, key=repr):
-        variant(cfg, "bf16", "weight.t()", True)
-    both = invariant_matmul.Tiles(128, 64, 64, 8, 8, 4, tma=True, persistent=True)
-    variant(both, "bf16", "contiguous", True)
-    variant(invariant_matmul.Tiles(64, 32, 32, 8, 4, 3, tma=True, persistent=True), "fp32", "weight.t()", True)
-    for split in sorted({cfg.split_k for cfg in table if cfg.split_k > 1} | {2}):
-        for bias in (False, True):
-            out[f"sum split{split}{' bias' if bias else ''}"] = compile_kernel(
-                invariant_matmul_variants._sum_splits_kernel,
-                {"part_ptr": "*fp32", "c_ptr": "*bf16", "bias_ptr": "*bf16", "M": "i32", "N": "i32",
-                 "stride_ps": "i32", "stride_pb": "i32", "stride_pm": "i32", "stride_cb": "i32", "stride_cm": "i32",
-                 "stride_biasm": "i32"},
-                {"stride_cn": 1, "stride_biasn": 1, "SPLIT": split, "BIAS": bias,
-                 "BLOCK_M": invariant_matmul_variants.SUM_BLOCK_M, "BLOCK_N": invariant_matmul_variants.SUM_BLOCK_N},
-                4, aligned=("N", "stride_ps", "stride_pb", "stride_pm", "stride_cb", "stride_cm", "stride_biasm"),
-                count=r"ld\.global(?:\.\w+)*\.v4")
-    return out
-
-
 def window_products() -> dict:
     """The window kernel (stages/window_product.py) at the tiles `window_product.tiles` gives the released
     decoder's convolutions (input channels 96 x 2^n and 1024, output columns 1 to 1536; the transposed ones' s x O),
     bf16, channels-last input (the fused vocoder's) and channel-first: (registers, spills, wgmma instructions)."""
     problems = {(c, n) for c in (96, 192, 384, 768, 1536, 1024) for n in (1, 96, 192, 384, 768, 1536)}
     problems |= {(1536, 8 * 768), (768, 5 * 384), (384, 4 * 192), (192, 3 * 96), (1024, 2 * 1024)}
+    problems |= set(window_product.SWEPT)
     out = {}
     sig = {name: "i32" for name in ("M", "N", "C", "TAPS", "T_OUT", "L", "INNER", "OUT_CH", "sx_b", "sx_c", "sx_i",
                                      "sx_l", "sw_j", "sw_c", "sw_n", "so_b", "so_i", "so_t", "so_r", "so_o",
@@ -231,5 +143,5 @@ def window_products() -> dict:
 
 
 if __name__ == "__main__":
-    groups = sys.argv[1:] or ["gemv", "attention", "sampling", "matmul", "matmul_variants", "window_products"]
+    groups = sys.argv[1:] or ["gemv", "attention", "sampling", "window_products"]
     print(json.dumps({group: globals()[group]() for group in groups}))

@@ -114,7 +114,7 @@ def test_config_fixes_the_shapes_without_invariant_products_and_leaves_the_defau
 
 
 def test_invariant_products_keep_batches_free_and_pin_the_row_dependent_kernels():
-    """CUDA (stages/invariant_matmul.py): prefills batch and decode uses its buckets, from 2 rows (torch.compile's
+    """CUDA (stages/row_invariant_products.py): prefills batch and decode uses its buckets, from 2 rows (torch.compile's
     size-1 variant is another kernel); the few-row GEMV path and attention key splits are off."""
     free = TalkerEngineConfig(max_num_seqs=48, deterministic=True).for_determinism(invariant_products=True)
     assert free.max_prefill_batch == 16 and min(free.prefill_batches) == 2 and len(free.prefill_batches) > 1

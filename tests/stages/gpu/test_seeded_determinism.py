@@ -7,8 +7,9 @@ flip a sampled token, after which the streams diverge (docs/talker_engine.md, "S
 seeded request run again alone gives the same codes. What is printed (run with -s): the first differing frame inside
 batches of 8 and 64, the figure the docs cite.
 
-Deterministic mode (`deterministic=True`: on CUDA the batch-invariant products of stages/invariant_matmul.py with
-batched prefills and free decode buckets, fixed text projection widths; Code2Wav in fixed shapes) is asserted
+Deterministic mode (`deterministic=True`: on CUDA cuBLAS without a workspace, each product's rows checked
+invariant at start (stages/row_invariant_products.py), with batched prefills and free decode buckets, fixed text
+projection widths; Code2Wav in fixed shapes) is asserted
 batch-invariant: the probe's codes alone equal its codes beside 7, 63, 255 and 511 others (sampled; half of them
 arriving while it runs) and beside 63 greedy, and its PCM alone equals its PCM decoded with 7, 63 and 255 other
 streams' chunks (bench/seeded_determinism.py holds the probes; `python -m bench.seeded_determinism` prints the same
