@@ -56,9 +56,8 @@ class TalkerEngine:
         config = config or TalkerEngineConfig()
         if model.talker is None:
             raise ValueError("TalkerEngine needs a model loaded with its talker")
-        # deterministic on CUDA: cuBLAS without a workspace, whose rows the setup checks (row_invariant_products)
         self.invariant_products = config.deterministic and model.device.type == "cuda"
-        if self.invariant_products:
+        if self.invariant_products:  # cuBLAS without a workspace, whose rows `_setup` checks
             row_invariant_products.use_no_workspace()
         self.model, self.config = model, config.for_determinism(self.invariant_products)
         self._runner_factory = runner_factory
