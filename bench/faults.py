@@ -8,7 +8,8 @@ Opens `--streams` long streams (raw PCM and, every fourth, SSE), waits until eve
 - `--fault code2wav`: kills one Code2Wav replica; every stream must complete (decode state is a cache); `max_gap_s`
   is the worst playback stall of any stream (arrival later than the audio already received would play out).
 - `--fault redeploy --config FILE`: the changed config's app deployed over the running one (Serve's Python API)
-  while the streams run; `cut` counts streams that did not receive all their audio.
+  while the streams run; `cut` counts streams that did not receive all their audio, `replicas_started` the Talker
+  and Code2Wav replicas the deploy started (an engine restarted on a full GPU is where a long stall comes from).
 
     python -m bench.faults --url http://127.0.0.1:8000 --fault talker --streams 256 --out talker_kill.json
 
@@ -182,6 +183,9 @@ async def main_async(args) -> dict:
                     break
                 await asyncio.sleep(0.5)
         await asyncio.gather(*tasks)
+        if args.fault == "redeploy":  # which engines the deploy restarted (on a full GPU a new replica waits for
+            # the old one to leave, and the streams with it)
+            report["replicas_started"] = {k: len(_replica_actors(n) - before[k]) for k, n in names.items()}
     outcomes: dict[str, int] = {}
     for s in streams:
         outcomes[s.outcome] = outcomes.get(s.outcome, 0) + 1

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from stages import row_invariant_products
 from stages.chunking import ChunkSchedule, StreamChunker
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig
 from stages.contract import SamplingParams, SynthesisRequest
@@ -246,6 +247,8 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"
+    if device == "cuda":  # before the first product (older torch reads it once): both modes then run without a
+        row_invariant_products.use_no_workspace()  # workspace, as fast as with one for these products
     ckpt = args.checkpoint
     if ckpt is None:
         ckpt = Path(args.workdir) / f"{args.size}-custom_voice{'-tiny' if args.tiny else ''}"

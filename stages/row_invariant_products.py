@@ -8,9 +8,10 @@ every row count from 1 to 2,048, with no measurable cost (docs/benchmarks.md). T
 a promise of its documentation, so a deterministic engine checks its own products on its own device before it
 serves (`check`) and refuses to start where a row's bits move.
 
-The workspace size is read when cuBLAS makes a workspace for a handle and stream, so `use_no_workspace` must run
-before the process's first product on the engine's device (the engines call it when they are constructed; a Serve
-replica constructs its engine before any product runs).
+Where torch sets the size at run time (`torch.backends.cuda.cublas_workspace_size`), `use_no_workspace` takes
+effect for the workspaces made after it; older torch reads `CUBLAS_WORKSPACE_CONFIG` once, at the process's first
+product, so there it must run before that: a Serve replica calls it before loading a deterministic model
+(deployments/loading.py), the engines when they are constructed, and `check` tells if it came too late.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class ProductsNotRowInvariant(RuntimeError):
 def use_no_workspace() -> None:
     """cuBLAS without a workspace from here on in this process (no split-K reduction pass)."""
     os.environ[WORKSPACE_ENV] = NO_WORKSPACE
+    set_size = getattr(torch.backends.cuda, "cublas_workspace_size", None)
+    if set_size is not None and torch.cuda.is_available():
+        set_size(0)  # takes precedence over the environment, for the workspaces made from here on
 
 
 def product_shapes(module: nn.Module) -> set[tuple[int, int, bool]]:
