@@ -99,6 +99,7 @@ def aligner_summary(stats: dict) -> dict:
         "late_traces": stats.get("late_traces", 0),
         "late_kernels": stats.get("late_kernels", 0),
         "late_conv_shapes": stats.get("late_conv_shapes", 0),
+        "late_spectrogram_shapes": stats.get("late_spectrogram_shapes", 0),
         "forward_ms_per_audio_s": round(stats["forward_s"] / stats["audio_s"] * 1e3, 3) if stats.get("audio_s") else None,
         "queue_wait_ms_per_piece": _mean_ms({}, stats, "queue_wait_s", "pieces"),
     }

@@ -33,7 +33,8 @@ class AlignerEngineProtocol(Protocol):
         """Counts of one-time work done so far, each one a request waited for when it moves after `warm_up`:
         "graphs" (CUDA graphs captured: a shape the warm-up missed), "traces" (functions torch.compile traced in
         this process), "kernels" (Triton kernels JIT-compiled in this process: a new specialization),
-        "conv_shapes" (distinct shapes the eager audio convolutions met: each a new cuDNN problem)."""
+        "conv_shapes" (distinct shapes the eager audio convolutions met: each a new cuDNN problem),
+        "spectrogram_shapes" (distinct spectrogram shapes: on CUDA each a new cuFFT plan)."""
 
     def align_prepared(self, pieces: list[Any]) -> list[list[Word]]:
         """One batched forward of prepared pieces -> per piece its words with times in seconds (blocking: on the

@@ -93,6 +93,7 @@ class AlignerStats:
     late_traces: int = 0
     late_kernels: int = 0
     late_conv_shapes: int = 0
+    late_spectrogram_shapes: int = 0
 
     def add_late(self, late: dict[str, int]) -> None:
         """One forward's one-time work (the engine's `one_time_work` after minus before)."""
@@ -100,6 +101,7 @@ class AlignerStats:
         self.late_traces += late.get("traces", 0)
         self.late_kernels += late.get("kernels", 0)
         self.late_conv_shapes += late.get("conv_shapes", 0)
+        self.late_spectrogram_shapes += late.get("spectrogram_shapes", 0)
 
     def add_prepared(self, seconds: float) -> None:
         self.prepared += 1
@@ -280,8 +282,9 @@ class AlignerServer:
                 self._log(f"a forward of {len(pieces)} pieces ({audio_s:.1f} s of audio, the longest "
                           f"{max(p.seconds for p in pieces):.1f} s) took {spent * 1e3:.0f} ms; in it "
                           f"{late.get('graphs', 0)} CUDA graphs captured, {late.get('traces', 0)} functions traced "
-                          f"by torch.compile, {late.get('kernels', 0)} Triton kernels compiled and "
-                          f"{late.get('conv_shapes', 0)} convolution shapes met for the first time")
+                          f"by torch.compile, {late.get('kernels', 0)} Triton kernels compiled, "
+                          f"{late.get('conv_shapes', 0)} convolution and {late.get('spectrogram_shapes', 0)} "
+                          "spectrogram (cuFFT) shapes met for the first time")
             self._stats.add_forward(len(pieces), audio_s, spent, sum(t0 - p.since for p in pieces))
             self._metrics.batch_size.observe(len(pieces))
             self._metrics.seconds_per_audio_second.observe(spent / audio_s)

@@ -73,6 +73,8 @@ class Aligner:
         # the head's classes cover this much audio; a longer waveform could not be timed past it
         self.max_seconds = self.config.classify_num * self.config.timestamp_segment_time / 1000.0
         self.runners: AlignerGraphs | None = None  # eager unless `load` sets graphs
+        # (waveforms, frames) of the spectrograms computed so far: on CUDA a new one is a new cuFFT plan
+        self.spectrogram_shapes: set[tuple[int, int]] = set()
         jit_compiles.install()  # `one_time_work` counts the kernels compiled from here on
 
     @classmethod
@@ -105,12 +107,13 @@ class Aligner:
 
     def one_time_work(self) -> dict[str, int]:
         """CUDA graphs captured, functions torch.compile traced (Dynamo's count, process-wide), Triton kernels
-        JIT-compiled (process-wide, stages/jit_compiles.py) and the (windows, frames) shapes the audio tower's
-        eager convolutions met, so far."""
+        JIT-compiled (process-wide, stages/jit_compiles.py), the (windows, frames) shapes the audio tower's
+        eager convolutions met and the spectrogram shapes (cuFFT plans on CUDA), so far."""
         from torch._dynamo.utils import counters
 
         return {"graphs": self.graphs_captured(), "traces": int(counters["stats"]["unique_graphs"]),
-                "kernels": jit_compiles.compiled(), "conv_shapes": len(self.model.audio_tower.conv_shapes)}
+                "kernels": jit_compiles.compiled(), "conv_shapes": len(self.model.audio_tower.conv_shapes),
+                "spectrogram_shapes": len(self.spectrogram_shapes)}
 
     def min_samples(self, sample_rate: int = SAMPLE_RATE) -> int:
         """The fewest samples at `sample_rate` that `align` takes: MIN_SAMPLES once resampled to 16 kHz (resampling
@@ -150,6 +153,7 @@ class Aligner:
         if not pieces:
             raise ValueError("nothing to align: the batch is empty")
         features, frames = log_mel_batch([p.waveform for p in pieces], self.config.audio.num_mel_bins, self.device)
+        self.spectrogram_shapes.add((features.shape[0], features.shape[-1]))
         start, pad, end = self.ids[AUDIO_START_TOKEN], self.ids[AUDIO_PAD_TOKEN], self.ids[AUDIO_END_TOKEN]
         rows = [[start, *[pad] * conv_output_frames(n), end, *p.text_ids] for p, n in zip(pieces, frames, strict=True)]
         longest = max(len(r) for r in rows)

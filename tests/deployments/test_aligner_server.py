@@ -182,6 +182,7 @@ def test_a_forward_that_captured_graphs_after_the_warm_up_is_counted_and_logged(
     assert 0 < stats["max_forward_s"] <= stats["forward_s"]
     assert stats["late_traces"] == 0  # the CPU aligner compiles nothing
     assert stats["late_conv_shapes"] == 2  # no warm-up ran: each request met its own window length first
+    assert stats["late_spectrogram_shapes"] == 2  # and its own spectrogram length (a cuFFT plan on CUDA)
     assert len(lines) == 1 and "in it 3 CUDA graphs captured, 0 functions traced" in lines[0] and "1 pieces" in lines[0]
     server.__del__()
 
