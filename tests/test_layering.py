@@ -23,6 +23,7 @@ DEPLOYMENTS_MAY_IMPORT = frozenset({
     "stages.talker.engine_config",  # the engine's defaults (max_num_seqs), torch-free
     "stages.code2wav.engine_config",  # the engine's defaults (max_batch_size, stateful), torch-free
     "stages.qwen3_tts",  # loading a checkpoint
+    "stages.row_invariant_products",  # a deterministic replica's cuBLAS setting, before its model loads
     "stages.random_checkpoint",  # writing the embedded default
     "stages.talker.engine",  # DEFAULT_ENGINE_CLS
     "stages.code2wav.engine",  # DEFAULT_ENGINE_CLS
