@@ -36,8 +36,8 @@ F.conv1d/conv2d/conv_transpose1d/2d and nn.Conv*/ConvTranspose* (they all call a
 code: without max-autotune Inductor emits a convolution as `extern_kernels.convolution(...)`, a call of
 torch.convolution through the dispatcher at run time (so also inside CUDA-graph captures of it); a graph captured
 before `enable()` keeps the cuDNN kernels it recorded. Not covered: Inductor's Triton conv templates (max-autotune
-only), `cpp_wrapper` and AOTInductor. The im2col form's products go through aten::mm/addmm: cuBLAS, whose rows a
-deterministic engine checks at start (stages/row_invariant_products.py).
+only), `cpp_wrapper` and AOTInductor. The im2col form's products go through aten::mm/addmm (BLAS, at shapes that
+follow the forward's alone).
 """
 
 from __future__ import annotations

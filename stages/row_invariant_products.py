@@ -3,7 +3,8 @@
 With a workspace, cuBLAS may split a product's K dimension across programs and add the parts in a second pass when
 rows are few, so a row's rounding depends on how many rows share the product (on the H200 the code predictor's
 down projection did so at up to 128 rows). Without one (`CUBLAS_WORKSPACE_CONFIG=:0:0`, which also caps cuBLASLt's
-workspace) that reduction is gone, and on the H200 every product of the 1.7B model gave each row the same bits at
+workspace while torch shares one workspace between them, its default; `use_no_workspace` also sets cuBLASLt's
+to 0 where torch can) that reduction is gone, and on the H200 every product of the 1.7B model gave each row the same bits at
 every row count from 1 to 2,048, with no measurable cost (docs/benchmarks.md). That is what this cuBLAS does, not
 a promise of its documentation, so a deterministic engine checks its own products on its own device before it
 serves (`check`) and refuses to start where a row's bits move.
@@ -11,7 +12,7 @@ serves (`check`) and refuses to start where a row's bits move.
 Where torch sets the size at run time (`torch.backends.cuda.cublas_workspace_size`), `use_no_workspace` takes
 effect for the workspaces made after it; older torch reads `CUBLAS_WORKSPACE_CONFIG` once, at the process's first
 product, so there it must run before that: a Serve replica calls it before loading a deterministic model
-(deployments/loading.py), the engines when they are constructed, and `check` tells if it came too late.
+(deployments/loading.py), the Talker engine when it is constructed, and `check` tells if it came too late.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from stages.layers import DecoderLayer
 
 WORKSPACE_ENV = "CUBLAS_WORKSPACE_CONFIG"
 NO_WORKSPACE = ":0:0"
-# row counts checked besides the engine's own: lone and odd rows, partial and whole tiles, prefill-sized products
-CHECK_ROWS = (1, 2, 3, 5, 7, 12, 31, 64, 100, 127, 200, 333, 640, 1000, 2048, 4096)
+# row counts checked besides the engine's own (decode buckets, the code predictor's first pass at twice them, prefill
+# graphs): odd rows, partial and whole tiles, eager prefills; not 1, which a deterministic engine never runs (cuBLAS
+# may take another kernel there) unless the engine asks for it
+CHECK_ROWS = (2, 3, 5, 7, 12, 31, 64, 100, 127, 200, 333, 640, 1000, 2048, 4096)
 
 
 class ProductsNotRowInvariant(RuntimeError):
@@ -38,9 +41,11 @@ class ProductsNotRowInvariant(RuntimeError):
 def use_no_workspace() -> None:
     """cuBLAS without a workspace from here on in this process (no split-K reduction pass)."""
     os.environ[WORKSPACE_ENV] = NO_WORKSPACE
-    set_size = getattr(torch.backends.cuda, "cublas_workspace_size", None)
-    if set_size is not None and torch.cuda.is_available():
-        set_size(0)  # takes precedence over the environment, for the workspaces made from here on
+    if torch.cuda.is_available():  # where torch sets them at run time (they take precedence over the environment,
+        for name in ("cublas_workspace_size", "cublaslt_workspace_size"):  # for the workspaces made from here on)
+            set_size = getattr(torch.backends.cuda, name, None)
+            if set_size is not None:
+                set_size(0)
 
 
 def product_shapes(module: nn.Module) -> set[tuple[int, int, bool]]:

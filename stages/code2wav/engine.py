@@ -27,7 +27,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from stages import invariant_conv, row_invariant_products
+from stages import invariant_conv
 from stages.code2wav import compiled, fast
 from stages.code2wav.engine_config import Code2WavEngineConfig
 from stages.code2wav.model import Code2WavDecoder
@@ -116,8 +116,6 @@ class Code2WavEngine:
         if self.deterministic:  # convolution algorithms chosen by shape alone, never by timing (the process's flags)
             torch.backends.cudnn.benchmark = False
             torch.backends.cudnn.deterministic = True
-            if self.device.type == "cuda":  # the decoder's products: cuBLAS without a workspace, checked in warmup
-                row_invariant_products.use_no_workspace()
         # deterministic: the decode's convolutions as products (stages/invariant_conv.py), rerouted while the engine
         # decodes or captures (a captured graph keeps them); cuDNN computes a row by its place in the batch
         self.invariant_convs = self.deterministic and invariant_conv.covers(self.device)
@@ -133,9 +131,6 @@ class Code2WavEngine:
         """Capture the CUDA graphs (CUDA + `cuda_graphs`), else run one small eager decode. Returns seconds."""
         with self._lock, self._convolutions():
             t0 = time.perf_counter()
-            if self.deterministic and self.device.type == "cuda":
-                row_invariant_products.check(self.decoder, [b * t for b, t in self.graph_shapes()], self.device,
-                                             self.dtype)
             cache = self.compile_cache()
             if cache is not None:
                 cache.load(log)

@@ -112,8 +112,7 @@ class TalkerEngine:
             raise RuntimeError("talker engine thread is not running")
         stats = self.stats()
         idle_for = time.monotonic() - self._progress_at
-        # parked requests may hold every slot while they wait for text (they time out): no device is stuck then
-        pending = stats.running or (stats.waiting and not stats.parked)
+        pending = stats.running or (stats.waiting and not stats.parked)  # parked ones wait for text, not the device
         if pending and idle_for > self.config.stall_timeout_s:
             raise RuntimeError(f"talker engine made no progress for {idle_for:.0f} s with work pending")
 
@@ -259,7 +258,8 @@ class TalkerEngine:
         self.num_slots = cfg.max_num_seqs
         self._buckets = tuple(sorted({min(b, self.num_slots) for b in cfg.kernels.batch_buckets} | {self.num_slots}))
         if self.invariant_products:  # before any compile or capture: refuse to start rather than drift
-            row_invariant_products.check(model.talker, self._buckets, model.device, model.dtype)
+            row_invariant_products.check(model.talker, {*self._buckets, *(2 * b for b in self._buckets), *(
+                b * w for b in cfg.prefill_batches for w in cfg.prefill_widths)}, model.device, model.dtype)
         compile_cache = talker_compile_cache(model, cfg)
         if cfg.compile and cuda:
             loaded = compile_cache is not None and compile_cache.load(log)
