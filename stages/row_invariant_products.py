@@ -3,11 +3,11 @@
 With a workspace, cuBLAS may split a product's K dimension across programs and add the parts in a second pass when
 rows are few, so a row's rounding depends on how many rows share the product (on the H200 the code predictor's
 down projection did so at up to 128 rows). Without one (`CUBLAS_WORKSPACE_CONFIG=:0:0`, which also caps cuBLASLt's
-workspace while torch shares one workspace between them, its default; `use_no_workspace` also sets cuBLASLt's
-to 0 where torch can) that reduction is gone, and on the H200 every product of the 1.7B model gave each row the same bits at
-every row count from 1 to 2,048, with no measurable cost (docs/benchmarks.md). That is what this cuBLAS does, not
-a promise of its documentation, so a deterministic engine checks its own products on its own device before it
-serves (`check`) and refuses to start where a row's bits move.
+while torch shares one workspace between them, its default; `use_no_workspace` sets cuBLASLt's to 0 too where torch
+can) that reduction is gone, and on the H200 every product of the 1.7B model gave each row the same bits at every
+row count from 1 to 2,048, with no measurable cost (docs/benchmarks.md). That is what this cuBLAS does, not a
+promise of its documentation, so a deterministic engine checks its own products on its own device before it serves
+(`check`) and refuses to start where a row's bits move.
 
 Where torch sets the size at run time (`torch.backends.cuda.cublas_workspace_size`), `use_no_workspace` takes
 effect for the workspaces made after it; older torch reads `CUBLAS_WORKSPACE_CONFIG` once, at the process's first

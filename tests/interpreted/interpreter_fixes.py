@@ -24,8 +24,9 @@ interpreter._patch_lang_tensor = _patch_lang_tensor_numpy2
 
 # The interpreter's tl.dot is NumPy's matmul, whose BLAS (OpenBLAS's kernels for some CPUs, e.g. AMD EPYC) can round
 # a row differently by its position in the block: the row-invariance checks would then test the BLAS, not the
-# kernel. Products of fp32 operands are taken in float64 (exact products, sums whose order no longer shows after
-# the rounding to the output dtype); other dtypes as before.
+# kernel. Products of fp32 operands are taken in float64 (exact products; a different summation order moves the
+# float64 sum by ~1e-16, which the rounding to fp32 shows only on a rounding boundary, ~1 element in 2^29); other
+# dtypes as before.
 _create_dot = interpreter.InterpreterBuilder.create_dot
 
 
