@@ -7,9 +7,10 @@ Opens `--streams` long streams (raw PCM and, every fourth, SSE), waits until eve
   killed replica held. `ready_after_s`: until Serve reports every Talker replica RUNNING again.
 - `--fault code2wav`: kills one Code2Wav replica; every stream must complete (decode state is a cache); `max_gap_s`
   is the worst playback stall of any stream (arrival later than the audio already received would play out).
-- `--fault redeploy --config FILE`: the changed config's app deployed over the running one (Serve's Python API)
-  while the streams run; `cut` counts streams that did not receive all their audio, `replicas_started` the Talker
-  and Code2Wav replicas the deploy started (an engine restarted on a full GPU is where a long stall comes from).
+- `--fault redeploy --config FILE`: `serve deploy FILE` (a changed config) while the streams run; `cut` counts
+  streams that did not receive all their audio, `replicas_started` the Talker and Code2Wav replicas the deploy
+  started: an `args` change rolls every deployment (Serve versions an app by its `args`), a change of Serve's
+  options in the config's `deployments:` section starts none (docs/serving.md "Changing a running app").
 
     python -m bench.faults --url http://127.0.0.1:8000 --fault talker --streams 256 --out talker_kill.json
 
@@ -129,20 +130,27 @@ def _kill_replica(app: str, name: str, replica: str | None) -> str:
     return target
 
 
-def _redeploy(config_path: str, app: str) -> float:
-    """The changed config's application deployed over the running one through Serve's Python API (`serve deploy`
-    needs the dashboard's REST agent, which a `serve run` cluster may lack): Serve rolls the replicas whose options
-    changed. -> seconds until the updated application runs."""
-    import yaml
+def _redeploy(config_path: str, app: str, timeout_s: float) -> float:
+    """`serve deploy` of the changed config, as an operator deploys it (the declarative path: Serve versions the
+    app by its import path, runtime env and `args`, so an `args` change rolls every deployment while a change of
+    Serve's own options in the config's `deployments:` section updates replicas in place). -> seconds until
+    the app runs the new config (every deployment HEALTHY again)."""
+    import os
+    import subprocess
+
     from ray import serve
 
-    from deployments.builder import build_app
-
-    with open(config_path) as f:
-        spec = next(a for a in yaml.safe_load(f)["applications"] if a["name"] == app)
+    env = dict(os.environ)
+    if os.path.exists(os.path.expanduser("~/.ray/auth_token")) and env.get("RAY_AUTH_MODE") != "disabled":
+        env["RAY_AUTH_MODE"] = "token"  # a cluster that wrote a token wants it from the CLI too
     t0 = time.monotonic()
-    serve.run(build_app(spec["args"]), name=app, route_prefix=spec.get("route_prefix", "/"))
-    return round(time.monotonic() - t0, 1)
+    subprocess.run(["serve", "deploy", config_path], check=True, env=env, capture_output=True, timeout=timeout_s)
+    while time.monotonic() - t0 < timeout_s:
+        status = serve.status().applications[app]
+        if status.status == "RUNNING" and all(d.status == "HEALTHY" for d in status.deployments.values()):
+            return round(time.monotonic() - t0, 1)
+        time.sleep(0.5)
+    raise TimeoutError(f"{app} did not run the new config within {timeout_s:g} s")
 
 
 async def main_async(args) -> dict:
@@ -173,7 +181,7 @@ async def main_async(args) -> dict:
         elif args.fault == "code2wav":
             report["killed"] = _kill_replica(args.app, names["code2wav"], None)
         else:
-            report["redeploy_s"] = await asyncio.to_thread(_redeploy, args.config, args.app)
+            report["redeploy_s"] = await asyncio.to_thread(_redeploy, args.config, args.app, args.timeout)
         ready_after = None
         if args.fault in ("talker", "code2wav"):
             name = names[args.fault]
@@ -183,8 +191,7 @@ async def main_async(args) -> dict:
                     break
                 await asyncio.sleep(0.5)
         await asyncio.gather(*tasks)
-        if args.fault == "redeploy":  # which engines the deploy restarted (on a full GPU a new replica waits for
-            # the old one to leave, and the streams with it)
+        if args.fault == "redeploy":  # which engines the deploy restarted (a restarted engine is a stall)
             report["replicas_started"] = {k: len(_replica_actors(n) - before[k]) for k, n in names.items()}
     outcomes: dict[str, int] = {}
     for s in streams:

@@ -1,13 +1,12 @@
 """An engine replica's Python heap after its warm-up: collected once, frozen, and long collections logged.
 
-Loading, compiling and capturing leave hundreds of thousands of long-lived Python objects (torch.compile's graphs
-and guards, Triton's kernels, the CUDA graphs' wrappers) and garbage in reference cycles. Without a collection
-after its warm-up, a served Aligner's first forward stalled for seconds (docs/benchmarks.md has the probe: the
-stall went with `gc.collect()` + `gc.freeze()` after the warm-up), and every later full collection walks all of those
-objects while it holds the interpreter, which pauses the engine's thread and so every stream of the replica.
-`settle_after_warm_up` collects once, while no request waits, and moves the survivors to the permanent generation,
-which later collections skip. `watch_collections` logs any collection that held the interpreter longer than a
-threshold, so that such a pause is seen in the replica's log rather than guessed from a gap.
+Loading, compiling and capturing leave close to a million long-lived Python objects in a GPU engine replica
+(torch.compile's graphs and guards, Triton's kernels, the CUDA graphs' wrappers) and tens of thousands of
+unreachable ones in reference cycles. A full collection walks all of them while it holds the interpreter (about
+half a second: docs/serving.md), which pauses the engine's thread and so every stream of the replica. `settle_after_warm_up`
+collects once, while no request waits, and moves the survivors to the permanent generation (`gc.freeze`), which
+later collections skip. `watch_collections` logs any collection that held the interpreter longer than a
+threshold, so that such a pause shows in the replica's log rather than being guessed from a gap.
 """
 
 from __future__ import annotations

@@ -95,8 +95,15 @@ class Aligner:
     def warm_up(self, max_pieces: int, max_audio_s: float) -> int:
         """Pay the one-time costs before serving: a first forward (mel filters, kernels) and, with graphs, the
         compiles and the captures of the buckets that forwards of up to `max_pieces` pieces and `max_audio_s`
-        seconds of padded audio meet. -> graphs captured so far."""
+        seconds of padded audio meet. -> graphs captured so far.
+
+        The first forwards are one piece and then three of unequal lengths: a batch of several rows takes other
+        kernel variants in the eager front end (the spectrogram's strided magnitudes), and on CUDA, which loads
+        kernels when first used, the first such forward after the warm-up stalled for seconds."""
         self.align([np.zeros(SAMPLE_RATE, np.float32)], ["warm up"], SAMPLE_RATE)
+        rng = np.random.default_rng(0)
+        self.align([(rng.standard_normal(int(s * SAMPLE_RATE)) * 0.1).astype(np.float32) for s in (1.0, 2.5, 6.0)],
+                   ["warm up"] * 3, SAMPLE_RATE)
         if self.runners is not None:
             self.runners.warm(max_pieces, max_audio_s)
         return self.graphs_captured()
