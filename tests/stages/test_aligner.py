@@ -131,3 +131,15 @@ def test_warm_shapes_cover_the_forwards_a_server_makes():
     assert text == sorted(text, reverse=True)  # largest first: the shared buffers are allocated once
     small_tower, small_text = warm_shapes(cfg, 4, 40.0)
     assert max(n for n, _ in small_tower) == 16 and max(r for r, _ in small_text) == 4
+
+
+def test_the_warm_up_runs_a_forward_of_several_unequal_pieces(aligner):
+    """A batch of several rows of unequal lengths takes other kernels in the eager front end than one row (the
+    spectrogram of a zero-padded batch, windows of several lengths); on CUDA each is loaded on first use, so the
+    warm-up runs one such forward rather than leaving it to a request's wait."""
+    aligner.spectrogram_shapes.clear()
+    aligner.model.audio_tower.conv_shapes.clear()
+    aligner.warm_up(8, 60.0)
+    rows = sorted(n for n, _ in aligner.spectrogram_shapes)
+    assert rows[0] == 1 and rows[-1] >= 3
+    assert max(windows for windows, _ in aligner.model.audio_tower.conv_shapes) > 1  # several windows in one batch
