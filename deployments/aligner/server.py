@@ -32,7 +32,6 @@ from deployments.aligner.engine_protocol import AlignerEngineProtocol
 from deployments.coalescing import Coalescer
 from deployments.config import AlignerDeploymentConfig
 from deployments.errors import APIError
-from deployments.heap import settle_after_warm_up, watch_collections
 from deployments.loading import (
     Log,
     aligner_location,
@@ -172,8 +171,6 @@ class AlignerServer:
             graphs = await self._on_thread(self._engine.warm_up, self._config.max_batch_size,
                                            self._config.max_batch_audio_s)
             log(f"warmed up in {time.perf_counter() - t0:.2f} s ({graphs} CUDA graphs captured)")
-        settle_after_warm_up(log)
-        watch_collections(log)
         self._metrics = AlignerMetrics()
         self._ready = True
         log(f"ready: pieces up to {self._engine.max_seconds:g} s, forwards of up to {self._config.max_batch_size} "

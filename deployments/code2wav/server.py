@@ -28,7 +28,6 @@ from deployments.audio.formats import float_to_pcm16
 from deployments.coalescing import Coalescer
 from deployments.code2wav.engine_protocol import Code2WavEngineProtocol
 from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig
-from deployments.heap import settle_after_warm_up, watch_collections
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import DecodedChunk, talker_decoded
 from deployments.metrics import Code2WavMetrics
@@ -112,8 +111,6 @@ class Code2WavServer:
                       for i, n in enumerate(lengths)]  # final: a stateful engine keeps no slot for them
             await self._on_thread(self._engine.decode, chunks)
             log(f"warm-up decode of lengths {lengths} done in {time.perf_counter() - t0:.2f} s")
-        settle_after_warm_up(log)
-        watch_collections(log)
         self._replica = this_replica() if stateful else None  # where the answers say a stream's state is
         self._metrics = Code2WavMetrics()
         log(f"ready on {device} ({model.dtype}), batches of up to {cfg.max_batch_size} chunks"

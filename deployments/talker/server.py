@@ -25,7 +25,6 @@ from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
 from deployments.errors import replica_failed
-from deployments.heap import settle_after_warm_up, watch_collections
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.messages import GenerateOptions, LiveAdmitted, ModelInfo
 from deployments.metrics import TalkerMetrics
@@ -104,8 +103,6 @@ class TalkerServer:
             t0 = time.perf_counter()
             await self._warmup()
             log(f"[talker] warm-up request done in {time.perf_counter() - t0:.2f} s")
-        settle_after_warm_up(log)
-        watch_collections(log)
         self._metrics = TalkerMetrics(cfg.name)
         self._metrics_task = asyncio.get_running_loop().create_task(self._refresh_metrics())
         log(f"[talker] {cfg.name} ready: {model.config.task.value} on {device} ({model.dtype})")
