@@ -97,9 +97,9 @@ class Aligner:
         compiles and the captures of the buckets that forwards of up to `max_pieces` pieces and `max_audio_s`
         seconds of padded audio meet. -> graphs captured so far.
 
-        The first forwards are one piece and then three of unequal lengths: a batch of several rows takes other
-        kernel variants in the eager front end (the spectrogram's strided magnitudes), and on CUDA, which loads
-        kernels when first used, the first such forward after the warm-up stalled for seconds."""
+        The first forwards are one piece and then three of unequal lengths: a batch of several rows meets other
+        kernels and convolution problems in the eager front end than one row does, and whatever one of them costs
+        the first time (loading a kernel, picking a cuDNN engine) is paid here rather than in a request's wait."""
         self.align([np.zeros(SAMPLE_RATE, np.float32)], ["warm up"], SAMPLE_RATE)
         rng = np.random.default_rng(0)
         self.align([(rng.standard_normal(int(s * SAMPLE_RATE)) * 0.1).astype(np.float32) for s in (1.0, 2.5, 6.0)],

@@ -44,7 +44,10 @@ def log_mel_batch(waveforms: list[np.ndarray], num_mel_bins: int = 128, device: 
     wav = torch.from_numpy(padded).to(device)
     window = torch.hann_window(N_FFT, device=device)
     stft = torch.stft(wav, N_FFT, HOP_LENGTH, window=window, return_complex=True)
-    magnitudes = stft[..., :-1].abs() ** 2
+    # |z|^2 as re^2 + im^2 on real views, not `abs() ** 2`: CUDA builds of PyTorch compute a complex abs with a
+    # kernel compiled at run time (NVRTC, its "jiterator") for each new launch variant, seconds in a request's wait
+    parts = torch.view_as_real(stft[..., :-1])
+    magnitudes = parts[..., 0] ** 2 + parts[..., 1] ** 2
     filters = torch.from_numpy(mel_filters(num_mel_bins)).to(device, torch.float32)
     log_spec = torch.clamp(filters.T @ magnitudes, min=1e-10).log10()
     floor = log_spec.max(dim=2, keepdim=True)[0].max(dim=1, keepdim=True)[0] - 8.0
