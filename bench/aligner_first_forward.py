@@ -5,8 +5,9 @@
 Loads the aligner as a served replica does (bf16, compiled kernels, CUDA graphs), runs the server's warm-up, then
 forwards of `--pieces` six-second pieces in that order, each timed (front end = spectrogram and prompts, then the
 whole forward). While a forward runs, every `--stack-every` seconds Python's faulthandler writes every thread's stack
-to stderr: a forward that stalls shows the line it stalled on. Prints one JSON line per forward. Run it with
-`CUDA_MODULE_LOADING=EAGER` to tell a kernel loaded on first use from any other one-time work.
+to stderr: a forward that stalls shows the line it stalled on. Prints one JSON line per forward. Run it first on a
+fresh machine: kernels PyTorch compiles at run time are kept in a cache on disk (`~/.cache/torch/kernels`), so a
+second process may not pay what the first one did.
 """
 
 from __future__ import annotations
