@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Word timestamps on one GPU (docs/results/timestamps_h200.json):
-#   1. the aligner alone (bench/aligner_cost.py): ms of its time per second of speech, 6 s pieces, batch 1-64;
+#   1. the aligner alone: its first forwards after the warm-up (bench/aligner_first_forward.py: one-time work in a
+#      request's wait) and its cost (bench/aligner_cost.py: ms per second of speech, 6 s pieces, batch 1-64);
 #   2. the fastest one-GPU recipe (configs/high_concurrency.yaml, MPS, throughput-optimized Serve, HAProxy, 4 ingress
 #      replicas) with a full-size random-weight aligner beside Code2Wav (docs/aligner.md "Configs": each Aligner replica
 #      0.05 GPU, Code2Wav the rest of its half, $ALIGNER_REPLICAS replicas), then bench.loadgen over SSE with fixed 6 s outputs: 64 streams with timestamps (how long after
 #      its audio each timestamps event came), 256 streams without, 256 with.
 # From the repo root with .gpubundle carried:
 #   source .gpubundle/install_bundle.sh .gpubundle && bash bench/gpu_timestamps.sh
-# Results in $OUT: aligner_cost.json, ts64/, plain256/, ts256/ (bench.loadgen results), stats_after_ts64.json and
+# Results in $OUT: first_forward.jsonl (+ _stacks.log), aligner_cost.json, ts64/, plain256/, ts256/ (bench.loadgen results), stats_after_ts64.json and
 # stats_after_ts256.json (bench.replica_stats: where the Aligner's time went), timestamps.json (the
 # fields of docs/results/timestamps_h200.json but `parity_full_size`), serve_errors.log. SKIP_COST=1 skips step 1;
 # STAGGER_S=1.5 starts the streams over 1.5 s (about one request's time) instead of all at once.
@@ -20,6 +21,10 @@ mkdir -p "$OUT"
 export PYTHONPATH="$REPO:${PYTHONPATH:-}"
 [ -f "$ALIGNER/model.safetensors" ] || python3 -m stages.aligner.random_checkpoint "$ALIGNER" --device cuda > /dev/null
 if [ -z "${SKIP_COST:-}" ]; then
+  # first: kernels PyTorch compiles at run time are cached on disk, so only a fresh machine's first process shows them
+  echo "=== the first forwards after the warm-up $(date -u +%FT%TZ)"
+  timeout 240 python3 -m bench.aligner_first_forward --checkpoint "$ALIGNER" > "$OUT/first_forward.jsonl" \
+    2> "$OUT/first_forward_stacks.log"; cat "$OUT/first_forward.jsonl"
   echo "=== aligner cost $(date -u +%FT%TZ)"
   timeout 150 python3 -m bench.aligner_cost --checkpoint "$ALIGNER" --seconds 6 --batches 1,8,32,64 \
     --out "$OUT/aligner_cost.json" 2>&1 | tail -3
@@ -55,6 +60,9 @@ def point(name):
     p = out / name / "results.json"
     return json.loads(p.read_text())["points"][-1] if p.exists() else {}
 cost = json.loads((out / "aligner_cost.json").read_text()) if (out / "aligner_cost.json").exists() else {}
+first = out / "first_forward.jsonl"  # the warm-up, then each forward's time: a one-time cost shows in the first
+first_forwards = [json.loads(line) for line in first.read_text().splitlines() if line.startswith("{")] \
+    if first.exists() else []
 def aligner(name):  # the Aligner replicas' summaries (prepare, forward, wait) since start, after that load
     p = out / name
     return json.loads(p.read_text()).get("aligner") if p.exists() else None
@@ -70,7 +78,7 @@ result = {
     "ts_lag_p95_ms_64": (ts64.get("timestamps_lag_ms") or {}).get("p95"),
     "audio_s_per_s_with_ts_256": ts256.get("audio_s_per_s"),
     "audio_s_per_s_without_ts_256": plain.get("audio_s_per_s"),
-    "details": {"aligner_cost": cost,
+    "details": {"aligner_cost": cost, "first_forwards": first_forwards,
                 "aligner_replicas": {"after_ts64": aligner("stats_after_ts64.json"),
                                      "after_ts256": aligner("stats_after_ts256.json")},
                 "failed": {k: p.get("failed") for k, p in
