@@ -144,6 +144,7 @@ def _redeploy(config_path: str, app: str, timeout_s: float) -> tuple[float, str]
     env = dict(os.environ)
     if os.path.exists(os.path.expanduser("~/.ray/auth_token")) and env.get("RAY_AUTH_MODE") != "disabled":
         env["RAY_AUTH_MODE"] = "token"  # a cluster that wrote a token wants it from the CLI too
+    deployed_before = serve.status().applications[app].last_deployed_time_s
     t0 = time.monotonic()
     try:
         deployed = subprocess.run(["serve", "deploy", config_path], env=env, capture_output=True, text=True,
@@ -164,7 +165,9 @@ def _redeploy(config_path: str, app: str, timeout_s: float) -> tuple[float, str]
         via = "serve.run"
     while time.monotonic() - t0 < timeout_s:
         status = serve.status().applications[app]
-        if status.status == "RUNNING" and all(d.status == "HEALTHY" for d in status.deployments.values()):
+        # the new config taken (its deploy time moved on), then applied: every deployment HEALTHY again
+        if (status.last_deployed_time_s > deployed_before and status.status == "RUNNING"
+                and all(d.status == "HEALTHY" for d in status.deployments.values())):
             return round(time.monotonic() - t0, 1), via
         time.sleep(0.5)
     raise TimeoutError(f"{app} did not run the new config within {timeout_s:g} s")
