@@ -10,7 +10,7 @@ Opens `--streams` long streams (raw PCM and, every fourth, SSE), waits until eve
 - `--fault redeploy --config FILE`: `serve deploy FILE` (a changed config) while the streams run; `cut` counts
   streams that did not receive all their audio, `replicas_started` the Talker and Code2Wav replicas the deploy
   started: an `args` change rolls every deployment (Serve versions an app by its `args`), a change of Serve's
-  options in the config's `deployments:` section starts none (docs/serving.md "Changing a running app").
+  options in the config's `deployments:` section starts none (docs/serving.md, "What a redeploy restarts").
 
     python -m bench.faults --url http://127.0.0.1:8000 --fault talker --streams 256 --out talker_kill.json
 
@@ -149,26 +149,30 @@ def _redeploy(config_path: str, app: str, timeout_s: float) -> tuple[float, str]
     try:
         deployed = subprocess.run(["serve", "deploy", config_path], env=env, capture_output=True, text=True,
                                   timeout=timeout_s)
-        failure = deployed.stderr.strip()[-300:] if deployed.returncode else ""
+        failure = (deployed.stderr.strip() or deployed.stdout.strip())[-300:] if deployed.returncode else ""
     except FileNotFoundError as e:  # no `serve` CLI on PATH
         failure = str(e)
-    via = "serve deploy"
-    if failure:
+    if failure and not any(w in failure for w in ("onnect", "No such file", "not found")):
+        raise RuntimeError(f"serve deploy {config_path} failed: {failure}")  # the config or the cluster refused it
+    if failure:  # no dashboard agent (or CLI) to deploy through
         import yaml
 
         from deployments.builder import build_app
 
-        print(f"serve deploy failed ({failure}); deploying through serve.run")
+        print(f"serve deploy could not reach the cluster ({failure}); deploying through serve.run")
         with open(config_path) as f:
             spec = next(a for a in yaml.safe_load(f)["applications"] if a["name"] == app)
+        # returns once the app runs; serve.run does not move `last_deployed_time_s`
         serve.run(build_app(spec["args"]), name=app, route_prefix=spec.get("route_prefix", "/"))
-        via = "serve.run"
+        return round(time.monotonic() - t0, 1), "serve.run"
     while time.monotonic() - t0 < timeout_s:
         status = serve.status().applications[app]
+        if status.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"{app} failed to deploy the new config: {status.message}")
         # the new config taken (its deploy time moved on), then applied: every deployment HEALTHY again
         if (status.last_deployed_time_s > deployed_before and status.status == "RUNNING"
                 and all(d.status == "HEALTHY" for d in status.deployments.values())):
-            return round(time.monotonic() - t0, 1), via
+            return round(time.monotonic() - t0, 1), "serve deploy"
         time.sleep(0.5)
     raise TimeoutError(f"{app} did not run the new config within {timeout_s:g} s")
 

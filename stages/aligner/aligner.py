@@ -97,13 +97,16 @@ class Aligner:
         compiles and the captures of the buckets that forwards of up to `max_pieces` pieces and `max_audio_s`
         seconds of padded audio meet. -> graphs captured so far.
 
-        The first forwards are one piece and then three of unequal lengths: a batch of several rows meets other
-        kernels and convolution problems in the eager front end than one row does, and whatever one of them costs
-        the first time (loading a kernel, picking a cuDNN engine) is paid here rather than in a request's wait."""
+        The first forwards are one piece and then (bounds allowing) three of unequal lengths: a batch of several
+        rows lays its tensors out differently in the eager front end than one row does, and a kernel built or
+        chosen for a layout the first time it is met (the spectrogram's power was a run-time compiled complex abs,
+        seconds in a request's wait) is then met here."""
         self.align([np.zeros(SAMPLE_RATE, np.float32)], ["warm up"], SAMPLE_RATE)
-        rng = np.random.default_rng(0)
-        self.align([(rng.standard_normal(int(s * SAMPLE_RATE)) * 0.1).astype(np.float32) for s in (1.0, 2.5, 6.0)],
-                   ["warm up"] * 3, SAMPLE_RATE)
+        lengths = [s for s in (1.0, 2.5, 6.0) if s <= self.max_seconds][:max_pieces]
+        if len(lengths) > 1 and len(lengths) * max(lengths) <= max_audio_s:  # a forward the server may make
+            rng = np.random.default_rng(0)
+            self.align([(rng.standard_normal(int(s * SAMPLE_RATE)) * 0.1).astype(np.float32) for s in lengths],
+                       ["warm up"] * len(lengths), SAMPLE_RATE)
         if self.runners is not None:
             self.runners.warm(max_pieces, max_audio_s)
         return self.graphs_captured()

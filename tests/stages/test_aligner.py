@@ -134,12 +134,15 @@ def test_warm_shapes_cover_the_forwards_a_server_makes():
 
 
 def test_the_warm_up_runs_a_forward_of_several_unequal_pieces(aligner):
-    """A batch of several rows of unequal lengths takes other kernels in the eager front end than one row (the
-    spectrogram of a zero-padded batch, windows of several lengths); on CUDA each is loaded on first use, so the
-    warm-up runs one such forward rather than leaving it to a request's wait."""
+    """A batch of several rows of unequal lengths lays out the eager front end's tensors differently from one row
+    (the spectrogram of a zero-padded batch, windows of several lengths); a kernel built or chosen for a layout the
+    first time it is met is met in the warm-up, not in a request's wait. Within the server's bounds only."""
     aligner.spectrogram_shapes.clear()
     aligner.model.audio_tower.conv_shapes.clear()
     aligner.warm_up(8, 60.0)
     rows = sorted(n for n, _ in aligner.spectrogram_shapes)
     assert rows[0] == 1 and rows[-1] >= 3
     assert max(windows for windows, _ in aligner.model.audio_tower.conv_shapes) > 1  # several windows in one batch
+    aligner.spectrogram_shapes.clear()
+    aligner.warm_up(1, 60.0)  # a server that forwards one piece at a time makes no multi-piece forward
+    assert {n for n, _ in aligner.spectrogram_shapes} == {1}
