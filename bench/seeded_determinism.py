@@ -247,8 +247,10 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bfloat16" if device == "cuda" else "float32"
-    if device == "cuda":  # before the first product (older torch reads it once): both modes then run without a
-        row_invariant_products.use_no_workspace()  # workspace, as fast as with one for these products
+    if device == "cuda":
+        # before the first product (older torch reads the setting once): both modes then run without a workspace,
+        # as fast as with one for these products
+        row_invariant_products.use_no_workspace()
     ckpt = args.checkpoint
     if ckpt is None:
         ckpt = Path(args.workdir) / f"{args.size}-custom_voice{'-tiny' if args.tiny else ''}"

@@ -41,8 +41,10 @@ class ProductsNotRowInvariant(RuntimeError):
 def use_no_workspace() -> None:
     """cuBLAS without a workspace from here on in this process (no split-K reduction pass)."""
     os.environ[WORKSPACE_ENV] = NO_WORKSPACE
-    if torch.cuda.is_available():  # where torch sets them at run time (they take precedence over the environment,
-        for name in ("cublas_workspace_size", "cublaslt_workspace_size"):  # for the workspaces made from here on)
+    if torch.cuda.is_available():
+        # where torch sets the sizes at run time, they take precedence over the environment for workspaces made
+        # from here on
+        for name in ("cublas_workspace_size", "cublaslt_workspace_size"):
             set_size = getattr(torch.backends.cuda, name, None)
             if set_size is not None:
                 set_size(0)
