@@ -57,6 +57,17 @@ class HeadNorm:
         return self.q_weight, self.k_weight, cos, sin, self.eps, cos.stride(0)
 
 
+@dataclass(frozen=True)
+class DecodeTiling:
+    """How `paged_decode_attention` walks a row's keys: `keys` per iteration, `warps` per program, `stages` tiles
+    fetched ahead, and on tensor cores (`_paged_decode_dot_kernel`) or CUDA cores (`_paged_decode_kernel`)."""
+
+    keys: int
+    warps: int
+    stages: int = 2
+    tensor_cores: bool = False
+
+
 def _head_args(head_norm: HeadNorm | None, q: torch.Tensor) -> tuple:
     """HeadNorm.args, or placeholders (q's pointer, never read) for a kernel without the head prologue."""
     return head_norm.args() if head_norm is not None else (q, q, q, q, 0.0, 0)
@@ -177,6 +188,87 @@ if triton is not None:
             tl.store(ml_ptr + part * 2 + 1, l_sum, mask=g_ok)
 
     @triton.jit
+    def _paged_decode_dot_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, kn_ptr, vn_ptr, sm_scale,
+        qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps, part_ptr, ml_ptr,
+        stride_qb, stride_qh, stride_kblock, stride_kt, stride_kh, stride_tb, stride_len, stride_ob, stride_oh,
+        stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
+        GROUP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
+        WRITE: tl.constexpr, HEADS: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr = 1,
+        PDL: tl.constexpr = False,
+    ):
+        """`_paged_decode_kernel`'s math on tensor cores: a GQA group's query heads are the rows of a 16-row
+        tile (the smallest MMA; the rows past GROUP are zeros, never stored), so q k^T and p v are matrix
+        products whose K/V tiles Triton's pipeliner fetches asynchronously `num_stages` tiles ahead. In bf16,
+        q k^T multiplies bf16 operands exactly into fp32 sums and p v runs in tf32 (p rounded to 10 mantissa
+        bits, v exact), closer to the fp32 math than bf16 probabilities; fp32 caches use IEEE products."""
+        if PDL:
+            pdl.begin()
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq_len = tl.load(lens_ptr + row * stride_len)
+        g = tl.arange(0, 16)
+        d = tl.arange(0, D)
+        last = seq_len - 1
+        if SPLITS == 1:
+            lo = 0
+            hi = seq_len
+            holds_last = True
+        else:
+            split = tl.program_id(2)
+            chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK) * BLOCK
+            lo = split * chunk
+            hi = tl.minimum(lo + chunk, seq_len)
+            holds_last = (last >= lo) & (last < hi)
+        if WRITE:
+            if holds_last:
+                _store_new_kv(k_ptr, v_ptr, table_ptr, kn_ptr, vn_ptr, kw_ptr, cos_ptr, sin_ptr, eps, row, kv_head,
+                              last, stride_kblock, stride_kt, stride_kh, stride_tb, stride_knb, stride_knh,
+                              stride_vnb, stride_vnh, stride_cb, D, PAGE, HEADS)
+        g_ok = g < GROUP
+        heads = kv_head * GROUP + g
+        q_offs = row * stride_qb + heads[:, None] * stride_qh + d[None, :]
+        if HEADS:  # [16, D] in the cache's dtype, as the eager head math rounds it
+            q = _head_norm_rope(q_ptr, q_offs, d[None, :], qw_ptr, cos_ptr + row * stride_cb, sin_ptr + row * stride_cb,
+                                eps, g_ok[:, None], D)
+        else:
+            q = tl.load(q_ptr + q_offs, mask=g_ok[:, None], other=0.0)
+        m = tl.full([16], float("-inf"), tl.float32)
+        l_sum = tl.zeros([16], tl.float32)
+        acc = tl.zeros([16, D], tl.float32)
+        for start in range(lo, hi, BLOCK):
+            n = start + tl.arange(0, BLOCK)
+            n_ok = n < hi
+            block = tl.load(table_ptr + row * stride_tb + n // PAGE, mask=n_ok, other=0)
+            offs = (block * stride_kblock + (n % PAGE) * stride_kt)[:, None] + kv_head * stride_kh + d[None, :]
+            k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0)  # [N, D]
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(n_ok[None, :], s * sm_scale, float("-inf"))  # [16, N]
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="tf32")
+            acc = acc * alpha[:, None] + pv
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            m = m_new
+        if SPLITS == 1:
+            out = acc / l_sum[:, None]
+            tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        else:
+            part = (row * tl.num_programs(1) * GROUP + heads) * SPLITS + split
+            tl.store(part_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
+            tl.store(ml_ptr + part * 2, m, mask=g_ok)
+            tl.store(ml_ptr + part * 2 + 1, l_sum, mask=g_ok)
+
+    @triton.jit
     def _combine_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, SPLITS: tl.constexpr, D: tl.constexpr,
                                PDL: tl.constexpr = False):
         """One (row, head): softmax-weighted merge of its SPLITS partial results (acc, running max m, sum l)."""
@@ -201,9 +293,7 @@ def paged_decode_attention(
     block_table: torch.Tensor,  # [B, blocks_per_seq] int64
     seq_lens: torch.Tensor,  # [B] int64, >= 1
     block_size: int,
-    keys_per_iteration: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int = 2,
+    tiling: DecodeTiling | None = None,  # None: by the batch (decode_tiling)
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_lens - 1
     head_norm: HeadNorm | None = None,  # q and the new key as projected: the kernel norms and rotates them (new_kv)
     splits: int = 1,  # programs per (row, KV head), each over a share of the keys, then merged (`decode_splits`)
@@ -226,9 +316,7 @@ def paged_decode_attention(
     The split that holds the last position stores the new key/value; a split past the row's keys is empty.
     Same math, another summation order: fp32 equal to ~1e-7, not bit for bit."""
     assert splits >= 1 and splits & (splits - 1) == 0, splits
-    default_keys, default_warps = decode_tiling(q.shape[0])
-    keys_per_iteration = keys_per_iteration or default_keys
-    num_warps = num_warps or default_warps
+    tiling = tiling or decode_tiling(q.shape[0])
     b, n_heads, d = q.shape
     n_kv = k_pool.shape[1]
     group = n_heads // n_kv
@@ -242,14 +330,17 @@ def paged_decode_attention(
         ml = torch.empty(b, n_heads, splits, 2, device=q.device, dtype=torch.float32)
     else:
         part = ml = q  # never read
-    _paged_decode_kernel[(b, n_kv, splits)](
-        q, k_pool, v_pool, out, block_table, seq_lens, kn, vn, d ** -0.5, *head_ptrs, eps, part, ml,
-        q.stride(0), q.stride(1), block_size * k_pool.stride(0), k_pool.stride(0), k_pool.stride(1),
-        block_table.stride(0), 1, out.stride(0), out.stride(1), *new_strides, stride_cb,
-        GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d, BLOCK=keys_per_iteration, PAGE=block_size,
-        WRITE=new_kv is not None, HEADS=head_norm is not None, SPLITS=splits, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, **launch_args(pdl),
-    )
+    args = (q, k_pool, v_pool, out, block_table, seq_lens, kn, vn, d ** -0.5, *head_ptrs, eps, part, ml,
+            q.stride(0), q.stride(1), block_size * k_pool.stride(0), k_pool.stride(0), k_pool.stride(1),
+            block_table.stride(0), 1, out.stride(0), out.stride(1), *new_strides, stride_cb)
+    shared = dict(GROUP=group, D=d, BLOCK=tiling.keys, PAGE=block_size, WRITE=new_kv is not None,
+                  HEADS=head_norm is not None, SPLITS=splits, PDL=pdl, num_warps=tiling.warps,
+                  num_stages=tiling.stages, **launch_args(pdl))
+    if tiling.tensor_cores:
+        assert group <= 16, group
+        _paged_decode_dot_kernel[(b, n_kv, splits)](*args, IEEE=q.dtype == torch.float32, **shared)
+    else:
+        _paged_decode_kernel[(b, n_kv, splits)](*args, GROUP_P=max(2, triton.next_power_of_2(group)), **shared)
     if splits > 1:
         _combine_splits_kernel[(b, n_heads)](part, ml, out, out.stride(0), out.stride(1), SPLITS=splits, D=d, PDL=pdl,
                                              num_warps=1, **launch_args(pdl))
@@ -265,9 +356,9 @@ def decode_splits(rows: int, n_kv: int, programs: int = 128) -> int:
     return splits
 
 
-def decode_tiling(rows: int) -> tuple[int, int]:
-    """(keys per iteration, num_warps) of `paged_decode_attention` for a batch of `rows` (its docstring says why)."""
-    return (16 if rows >= 64 else 32), (1 if rows >= 128 else 2 if rows >= 64 else 4)
+def decode_tiling(rows: int) -> DecodeTiling:
+    """`paged_decode_attention`'s tiling for a batch of `rows` (its docstring says why)."""
+    return DecodeTiling(16 if rows >= 64 else 32, 1 if rows >= 128 else 2 if rows >= 64 else 4)
 
 
 def _new_kv_args(new_kv: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor) -> tuple:

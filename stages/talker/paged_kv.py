@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from stages.config import TransformerConfig
 from stages.talker.engine_config import TalkerEngineConfig
-from stages.talker.paged_attention import HeadNorm, decode_splits, paged_decode_attention
+from stages.talker.paged_attention import DecodeTiling, HeadNorm, decode_splits, paged_decode_attention
 
 
 class PagedKVCache:
@@ -74,9 +74,9 @@ class DecodeContext:
     """
 
     def __init__(self, cache: PagedKVCache, positions: torch.Tensor, attn_len: int, kernel: bool,
-                 split_keys: bool = False, pdl: bool = False, tiling: tuple[int, int] | None = None):
+                 split_keys: bool = False, pdl: bool = False, tiling: DecodeTiling | None = None):
         b = positions.shape[0]
-        self.tiling = tiling or (None, None)  # (keys per iteration, warps); None: by the batch (decode_tiling)
+        self.tiling = tiling  # None: by the batch (decode_tiling)
         self.cache, self.positions, self.kernel = cache, positions, kernel
         self.pdl = pdl and kernel  # the kernel launches with programmatic dependent launch (stages/pdl.py)
         self.splits = decode_splits(b, cache.k.shape[2]) if kernel and split_keys else 1
@@ -103,7 +103,7 @@ class DecodeContext:
         if self.kernel:  # the kernel stores the new k/v at position seq_lens - 1 = positions itself
             out = paged_decode_attention(q[:, :, 0], kl, vl, self.table, self.seq_lens, self.cache.block_size,
                                          new_kv=(k[:, :, 0], v[:, :, 0]), head_norm=head_norm, splits=self.splits,
-                                         pdl=self.pdl, keys_per_iteration=self.tiling[0], num_warps=self.tiling[1])
+                                         pdl=self.pdl, tiling=self.tiling)
             return out.reshape(b, 1, heads * d)
         assert head_norm is None, "the gather path attends over rotated q/k"
         kl.index_copy_(0, self.write_index, k[:, :, 0])

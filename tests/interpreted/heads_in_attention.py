@@ -13,7 +13,12 @@ import torch
 from stages.config import TransformerConfig
 from stages.layers import LayerKernels, Rotary, attention_inputs, attention_output_and_mlp, heads_norm_rope
 from stages.talker import contiguous_kv
-from stages.talker.paged_attention import HeadNorm, contiguous_decode_attention, paged_decode_attention
+from stages.talker.paged_attention import (
+    DecodeTiling,
+    HeadNorm,
+    contiguous_decode_attention,
+    paged_decode_attention,
+)
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from tests.kernel_reference import forwards, random_stack
 
@@ -45,7 +50,7 @@ def kernel_alone() -> dict:
                                        new_kv=(k_rot[:, :, 0], v_ref[:, :, 0]))
         else:  # keys_per_iteration 4: several tiles per row; split4 over 9 / 7 / 3 keys: tiles 0-3, 4-7, 8 (the
             # new key in the third split), 0-3, 4-6 and two empty splits, 0-2 and three empty ones
-            o = paged_decode_attention(q_raw[:, :, 0], k_pool, v_pool, table, lens, page, keys_per_iteration=4,
+            o = paged_decode_attention(q_raw[:, :, 0], k_pool, v_pool, table, lens, page, tiling=DecodeTiling(4, 4),
                                        new_kv=(k_raw[:, :, 0], v_raw[:, :, 0]),
                                        head_norm=HeadNorm(qn_w, kn_w, EPS, cos, sin),
                                        splits=int(name[5:]) if name.startswith("split") else 1)
@@ -57,8 +62,8 @@ def kernel_alone() -> dict:
         result[f"paged_{name}_stored_k"] = (stored[name] - stored["reference"]).abs().max().item()
     # reading only (no new key), 8 splits of one 4-key tile at most: every row has empty splits
     k_pool = stored["reference"]
-    plain = paged_decode_attention(q_rot[:, :, 0], k_pool, k_pool, table, lens, page, keys_per_iteration=4)
-    split = paged_decode_attention(q_rot[:, :, 0], k_pool, k_pool, table, lens, page, keys_per_iteration=4, splits=8)
+    plain = paged_decode_attention(q_rot[:, :, 0], k_pool, k_pool, table, lens, page, tiling=DecodeTiling(4, 4))
+    split = paged_decode_attention(q_rot[:, :, 0], k_pool, k_pool, table, lens, page, tiling=DecodeTiling(4, 4), splits=8)
     result["paged_split8_read_only"] = (split - plain).abs().max().item()
     # contiguous cache: 2 new positions (the code predictor's first pass), one call each
     cos2, sin2 = rotary(torch.arange(2).expand(b, 2), torch.float32)

@@ -59,16 +59,20 @@ def _run(engine, requests, stagger=False):
     return asyncio.run(main())
 
 
+@pytest.mark.parametrize("kernel", ["by-batch", "tensor-cores"])
 @pytest.mark.parametrize("write", [False, True], ids=["read", "store-new-kv"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("b,splits", [(37, 1), (96, 1), (256, 1),  # the three tilings (rows < 64, < 128, >= 128)
                                       (1, 16), (4, 4), (8, 2)])  # attention_splits' batches (decode_splits)
-def test_paged_kernel_matches_gather_attention(dtype, atol, b, splits, write):
+def test_paged_kernel_matches_gather_attention(dtype, atol, b, splits, write, kernel):
     """The Triton paged decode attention against gather + SDPA on scattered blocks and uneven lengths. With
     `write`, the kernel also stores each row's new key/value at its last position (what the engine runs): the
     pool must then equal an index_copy of them, bit for bit. With `splits`, each row's keys are split over that
-    many programs (only the one holding the last position stores the new key: a race otherwise)."""
-    from stages.talker.paged_attention import paged_decode_attention
+    many programs (only the one holding the last position stores the new key: a race otherwise). `kernel`: the
+    engine's tiling for the batch (decode_tiling), or the tensor-core kernel at every batch."""
+    from stages.talker.paged_attention import DecodeTiling, paged_decode_attention
+
+    tiling = DecodeTiling(64, 4, 3, tensor_cores=True) if kernel == "tensor-cores" else None
 
     torch.manual_seed(0)
     heads, n_kv, d, page, blocks = 16, 8, 128, 16, 8000
@@ -86,17 +90,18 @@ def test_paged_kernel_matches_gather_attention(dtype, atol, b, splits, write):
         last = lens - 1
         index = table[torch.arange(b, device="cuda"), last // page] * page + last % page
         expected_k, expected_v = k_pool.clone().index_copy_(0, index, k_new), v_pool.clone().index_copy_(0, index, v_new)
-        out = paged_decode_attention(q, k_pool, v_pool, table, lens, page, new_kv=(k_new, v_new), splits=splits)
+        out = paged_decode_attention(q, k_pool, v_pool, table, lens, page, tiling, new_kv=(k_new, v_new),
+                                     splits=splits)
         assert torch.equal(k_pool, expected_k) and torch.equal(v_pool, expected_v)
     else:
-        out = paged_decode_attention(q, k_pool, v_pool, table, lens, page, splits=splits)
+        out = paged_decode_attention(q, k_pool, v_pool, table, lens, page, tiling, splits=splits)
     keys = torch.arange(per * page, device="cuda")
     index = table[:, keys // page] * page + keys % page  # [b, L]
     k, v = k_pool[index].float().transpose(1, 2), v_pool[index].float().transpose(1, 2)
     mask = (keys[None, :] < lens[:, None])[:, None, None, :]
     ref = F.scaled_dot_product_attention(q.float().reshape(b, n_kv, heads // n_kv, d), k, v, attn_mask=mask)
     err = (out.float() - ref.reshape(b, heads, d)).abs().max().item()
-    print(f"paged kernel vs gather, {dtype}, {b} rows, {splits} splits, write {write}: max abs err {err:.2e}")
+    print(f"paged kernel ({kernel}) vs gather, {dtype}, {b} rows, {splits} splits, write {write}: max abs err {err:.2e}")
     assert err <= atol
 
 

@@ -1,0 +1,23 @@
+"""The decode attention kernel on tensor cores against the CUDA-core kernel and exact attention, on CPU under
+Triton's interpreter (tests/triton_interpreter.py, tests/interpreted/decode_attention.py). On CUDA:
+tests/stages/gpu/test_talker_engine_gpu.py (bf16; the engine against the reference generator)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.triton_interpreter import run_interpreted
+
+pytestmark = pytest.mark.slow  # a Triton interpreter subprocess
+
+
+def test_tensor_core_decode_kernel_equals_exact_attention():
+    """fp32: rows of several key tiles (partial last tile, shuffled pages), one or two query heads per KV head, keys
+    split over 1-4 programs: both kernels within fp32 rounding of float64 attention; with the new key stored and
+    q/k's head norm and RoPE in the kernel, the tensor-core kernel's output and stored key/value equal the CUDA-core
+    kernel's."""
+    result = run_interpreted("decode_attention.py")
+    for group, errors in result.items():
+        for name, err in errors.items():
+            assert err <= 2e-6, (group, name, err)
+        assert {"tensor_cores_splits4", "tensor_cores_split4_step_vs_cuda_cores"} <= set(errors), group
