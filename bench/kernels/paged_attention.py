@@ -21,6 +21,7 @@ from stages.talker.paged_attention import (
     DecodeTiling,
     HeadNorm,
     contiguous_decode_attention,
+    contiguous_tiling,
     decode_splits,
     decode_tiling,
     paged_decode_attention,
@@ -118,10 +119,12 @@ def main() -> None:
         v = torch.randn_like(k)
         q = torch.randn(b, heads, d, device="cuda", dtype=torch.bfloat16)
         rows_idx, n = torch.arange(b, device="cuda")[:, None], torch.tensor([16], device="cuda")
-        timings = {w: round(time_us(functools.partial(contiguous_decode_attention, q, k, v, rows_idx, n, w)), 2)
-                   for w in (1, 2, 4, 8)}
-        print(f"contiguous (code predictor), batch {b}, 16 keys: us by num_warps {timings}", flush=True)
-        rows.append(dict(contiguous=True, batch=b, keys=16, us_by_warps=timings))
+        timings = {f"{'tc' if tc else 'cc'} w{w}": round(time_us(functools.partial(
+            contiguous_decode_attention, q, k, v, rows_idx, n, DecodeTiling(16, w, tensor_cores=tc))), 2)
+            for tc in (False, True) for w in (1, 2, 4, 8)}
+        print(f"contiguous (code predictor), batch {b}, 16 keys: us by kernel and num_warps {timings}; "
+              f"contiguous_tiling: {contiguous_tiling(b)}", flush=True)
+        rows.append(dict(contiguous=True, batch=b, keys=16, us_by_tiling=timings))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from stages.talker.paged_attention import HeadNorm, contiguous_decode_attention, kernel_available
+from stages.talker.paged_attention import DecodeTiling, HeadNorm, contiguous_decode_attention, kernel_available
 
 
 class ContiguousKV:
@@ -22,9 +22,11 @@ class ContiguousKV:
     KERNEL_MAX_ROWS = 4  # on CUDA, forwards of at most this many new rows use the decode kernel (decode_attention)
 
     def __init__(self, num_layers: int, batch: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device | str, decode_kernel: bool = True, pdl: bool = False):
+                 dtype: torch.dtype, device: torch.device | str, decode_kernel: bool = True, pdl: bool = False,
+                 tiling: DecodeTiling | None = None):
         shape = (batch, num_kv_heads, max_len, head_dim)
         self.pdl = pdl  # the decode kernel launches with programmatic dependent launch (stages/pdl.py)
+        self.tiling = tiling  # the decode kernel's; None: by the batch (contiguous_tiling)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # one-position decode steps on CUDA: the Triton decode kernel (stages/talker/paged_attention.py)
@@ -73,7 +75,7 @@ class ContiguousKV:
         and k are the projections before the head norm and RoPE, which the kernel applies."""
         s = q.shape[2]
         rows = [contiguous_decode_attention(q[:, :, i], self.k[layer_idx], self.v[layer_idx], self._rows,
-                                            self._lengths[self.length + i + 1:self.length + i + 2],
+                                            self._lengths[self.length + i + 1:self.length + i + 2], self.tiling,
                                             new_kv=(k[:, :, i], v[:, :, i]),
                                             head_norm=head_norm.at(i) if head_norm is not None else None,
                                             pdl=self.pdl)

@@ -12,14 +12,17 @@ from stages.contract import NUM_CODEBOOKS
 from stages.sampling import SamplingTensors, select_tokens
 from stages.talker.contiguous_kv import ContiguousKV
 from stages.talker.model import Talker
+from stages.talker.paged_attention import DecodeTiling
 
 
-def new_code_predictor_cache(talker: Talker, batch: int, pdl: bool = False) -> ContiguousKV:
-    """`pdl`: its decode kernel launches with programmatic dependent launch (stages/pdl.py)."""
+def new_code_predictor_cache(talker: Talker, batch: int, pdl: bool = False,
+                             tiling: DecodeTiling | None = None) -> ContiguousKV:
+    """`pdl`: its decode kernel launches with programmatic dependent launch (stages/pdl.py); `tiling`: the kernel's
+    (None: by the batch)."""
     cp = talker.config.code_predictor.transformer
     w = talker.codec_head.weight
     return ContiguousKV(cp.num_hidden_layers, batch, cp.num_key_value_heads, cp.head_dim, NUM_CODEBOOKS,
-                        dtype=w.dtype, device=w.device, pdl=pdl)
+                        dtype=w.dtype, device=w.device, pdl=pdl, tiling=tiling)
 
 
 def predict_frame_codes(

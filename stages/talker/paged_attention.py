@@ -1,16 +1,18 @@
-"""Decode attention over a paged KV pool (one query position per row), as one Triton kernel on CUDA.
+"""Decode attention over a paged KV pool (one query position per row), as Triton kernels on CUDA.
 
 One program per (row, KV head) walks the row's blocks through its block-table row, with an online softmax
 over `seq_lens[row]` keys: it reads exactly the keys the row has (no length bucket, no gathered copy),
-and all query heads of a GQA group share each key/value load. Shape-static launch (grid = rows x KV
-heads; lengths come from a device tensor), so it is captured inside the decode step's CUDA graph.
+and all query heads of a GQA group share each key/value load. Shape-static launch (grid = rows x KV heads;
+lengths come from a device tensor), so it is captured inside the decode step's CUDA graph.
+
+Two kernels share that walk: the paged cache's runs q k^T and p v on tensor cores (the group's query heads as
+the rows of a 16-row tile), which lets Triton fetch K/V tiles ahead asynchronously; the CUDA-core one, each
+product an fp32 sum in registers, serves a contiguous per-row cache ([B, n_kv, L, D],
+`contiguous_decode_attention`, each row one block of L positions): the code predictor's (<= 16 keys), where
+SDPA's flash kernel, tiled for 64-128 keys, took 51 us per call at batch 256 on an H100 (23% of the decode step).
 
 The reference math is the gather + SDPA path in `DecodeContext` (stages/talker/paged_kv.py); the GPU
 tests compare the two (fp32 and bf16 tolerances are stated there).
-
-The same kernel serves a contiguous per-row cache ([B, n_kv, L, D], `contiguous_decode_attention`): each
-row is one block of L positions. That is the code predictor's cache (<= 16 keys), where SDPA's flash
-kernel, tiled for 64-128 keys, took 51 us per call at batch 256 on an H100 (23% of the decode step).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class HeadNorm:
 @dataclass(frozen=True)
 class DecodeTiling:
     """How `paged_decode_attention` walks a row's keys: `keys` per iteration, `warps` per program, `stages` tiles
-    fetched ahead, and on tensor cores (`_paged_decode_dot_kernel`) or CUDA cores (`_paged_decode_kernel`)."""
+    fetched ahead, and on tensor cores (`_paged_decode_dot_kernel`, the paged cache's) or CUDA cores
+    (`_paged_decode_kernel`, the code predictor's contiguous cache of <= 16 keys, and the sweep's comparison)."""
 
     keys: int
     warps: int
@@ -305,10 +308,11 @@ def paged_decode_attention(
     the caller would otherwise do with two copy kernels per layer. With `head_norm`, q and the new key are the
     projections before the head norm and RoPE, which the kernel applies (the key as stored is the rotated one).
 
-    Tiling (`decode_tiling`; `python -m bench.kernels.paged_attention` sweeps it): from 64 rows up, 16 keys per
-    iteration and one warp per program (two below 128 rows): many small programs keep more K/V loads in flight than
-    few wide ones; below 64 rows the call is launch-bound and 32 keys x 4 warps do as well in graphs (figures:
-    docs/benchmarks.md, "Frame speed (issue 12)" and "Few-row GEMVs on by default").
+    Tiling (`decode_tiling`; `python -m bench.kernels.paged_attention` sweeps it): on tensor cores at every batch,
+    where the CUDA-core kernel (one warp per program, 16 keys per iteration, its best) moved less than 3.2 TB/s
+    from 256 rows up: from 64 rows up 64 keys per iteration, 2 warps, 3 tiles fetched ahead; below, 32 keys and 4
+    warps, the keys of a few rows split over more programs (figures: docs/benchmarks.md, "The Aligner's stall
+    gone; decode attention on tensor cores").
 
     With `splits` > 1 (a power of two) each (row, KV head) is `splits` programs over consecutive whole tiles of
     its keys, writing unnormalized partials that a second kernel merges ("flash decoding"): at a few rows the
@@ -358,7 +362,7 @@ def decode_splits(rows: int, n_kv: int, programs: int = 128) -> int:
 
 def decode_tiling(rows: int) -> DecodeTiling:
     """`paged_decode_attention`'s tiling for a batch of `rows` (its docstring says why)."""
-    return DecodeTiling(16 if rows >= 64 else 32, 1 if rows >= 128 else 2 if rows >= 64 else 4)
+    return DecodeTiling(64, 2, 3, tensor_cores=True) if rows >= 64 else DecodeTiling(32, 4, 2, tensor_cores=True)
 
 
 def _new_kv_args(new_kv: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor) -> tuple:
@@ -376,13 +380,14 @@ def contiguous_decode_attention(
     v: torch.Tensor,
     rows: torch.Tensor,  # [B, 1] int64: arange(B), each row its own block
     seq_len: torch.Tensor,  # [1] int64: keys every row attends to (the same for all rows)
-    num_warps: int = 4,
+    tiling: DecodeTiling | None = None,  # warps, stages and kernel (its keys per iteration: by L); None: by the batch
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # [B, n_kv, D] each: stored at position seq_len - 1
     head_norm: HeadNorm | None = None,  # as in paged_decode_attention, for this call's position (HeadNorm.at)
     pdl: bool = False,  # as in paged_decode_attention
 ) -> torch.Tensor:
     """-> [B, H, D]: softmax(q k^T / sqrt(D)) v over the first seq_len keys of each row (with `new_kv`, stored
     first at position seq_len - 1, and `head_norm`, as in `paged_decode_attention`)."""
+    tiling = tiling or contiguous_tiling(q.shape[0])
     b, n_heads, d = q.shape
     n_kv, length = k.shape[1], k.shape[2]
     group = n_heads // n_kv
@@ -391,12 +396,21 @@ def contiguous_decode_attention(
     kn, vn, new_strides = _new_kv_args(new_kv, q)
     assert head_norm is None or new_kv is not None
     *head_ptrs, eps, stride_cb = _head_args(head_norm, q)
-    _paged_decode_kernel[(b, n_kv)](
-        q, k, v, out, rows, seq_len, kn, vn, d ** -0.5, *head_ptrs, eps, q, q,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(2), k.stride(1), rows.stride(0), 0,
-        out.stride(0), out.stride(1), *new_strides, stride_cb,
-        GROUP=group, GROUP_P=max(2, triton.next_power_of_2(group)), D=d,
-        BLOCK=min(32, max(16, triton.next_power_of_2(length))), PAGE=length, WRITE=new_kv is not None,
-        HEADS=head_norm is not None, PDL=pdl, num_warps=num_warps, **launch_args(pdl),
-    )
+    args = (q, k, v, out, rows, seq_len, kn, vn, d ** -0.5, *head_ptrs, eps, q, q,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(2), k.stride(1), rows.stride(0), 0,
+            out.stride(0), out.stride(1), *new_strides, stride_cb)
+    shared = dict(GROUP=group, D=d, BLOCK=min(32, max(16, triton.next_power_of_2(length))), PAGE=length,
+                  WRITE=new_kv is not None, HEADS=head_norm is not None, PDL=pdl, num_warps=tiling.warps,
+                  num_stages=tiling.stages, **launch_args(pdl))
+    if tiling.tensor_cores:
+        _paged_decode_dot_kernel[(b, n_kv)](*args, IEEE=q.dtype == torch.float32, **shared)
+    else:
+        _paged_decode_kernel[(b, n_kv)](*args, GROUP_P=max(2, triton.next_power_of_2(group)), **shared)
     return out
+
+
+def contiguous_tiling(rows: int) -> DecodeTiling:
+    """`contiguous_decode_attention`'s tiling for a batch of `rows`: one warp per program from 64 rows up, two below
+    (<= 16 keys a row: many small programs keep the most loads in flight; figures: docs/benchmarks.md, "The
+    Aligner's stall gone; decode attention on tensor cores")."""
+    return DecodeTiling(16, 1 if rows >= 64 else 2)

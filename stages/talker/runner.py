@@ -48,7 +48,7 @@ from stages.talker.frame import (
     record_step,
     step_talker_input,
 )
-from stages.talker.paged_attention import decode_tiling, kernel_available
+from stages.talker.paged_attention import contiguous_tiling, decode_tiling, kernel_available
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from stages.talker.prompt_plan import NONE, embed_rows, embed_text_rows
 from stages.talker.staging import Admission, HostRing, IntStage, SlotParams, Staging, round_up, write_stage
@@ -152,10 +152,11 @@ class TalkerRunner:
         self.heads_in_attention = k.heads_in_attention and compile and self.use_kernel
         # decode kernel: a few rows' keys split over more programs (paged_attention.decode_splits)
         self.attention_splits = k.attention_splits and self.use_kernel
-        # deterministic: text rows projected in products of trailing_width rows (embed_text_rows), and one decode
-        # attention tiling, the batched one (key blocks and warps set the softmax's summation order)
+        # deterministic: text rows projected in products of trailing_width rows (embed_text_rows), and one tiling
+        # per decode attention kernel, the batched one (key blocks and warps set the softmax's summation order)
         self.text_width = self.trailing_width if config.deterministic else 0
         self.decode_tiling = decode_tiling(128) if config.deterministic else None
+        self.contiguous_tiling = contiguous_tiling(128) if config.deterministic else None
         # compiled CUDA path, sm_90+: few-row steps' Triton kernels launch with programmatic dependent launch
         self.pdl = config.pdl and compile and pdl_module.supported(dev)
         if compile:
@@ -414,9 +415,8 @@ class TalkerRunner:
         self._record_step(self.out[:b], c0, codes, next_c0)
 
     def cp_cache(self, b: int):
-        if b not in self.cp_caches:
-            self.cp_caches[b] = new_code_predictor_cache(self.talker, b, pdl=self.pdl_at(b))
-        return self.cp_caches[b]
+        cache = self.cp_caches.get(b) or new_code_predictor_cache(self.talker, b, self.pdl_at(b), self.contiguous_tiling)
+        return self.cp_caches.setdefault(b, cache)
 
     def pdl_at(self, b: int) -> bool:
         """Whether a decode step of b rows launches its Triton kernels with PDL (`pdl` on): only the launch-bound

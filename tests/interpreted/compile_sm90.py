@@ -92,6 +92,16 @@ def attention() -> dict:
                 {"GROUP": 2, "GROUP_P": 2, "D": 128, "BLOCK": block, "PAGE": page, "WRITE": write, "HEADS": heads,
                  "SPLITS": 1},
                 warps, aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
+    # the paged cache's kernel on tensor cores at decode_tiling's two tilings (>= 64 rows, below), as the step
+    # calls it (new key/value stored, head prologue), and below 64 rows with keys split (batch 1, 8) and PDL
+    tc_variants = [((64, 2, 3), 1, False), ((32, 4, 2), 1, False), ((32, 4, 2), 16, False), ((32, 4, 2), 2, False),
+                   ((32, 4, 2), 16, True), ((32, 4, 2), 1, True)]
+    for (block, warps, stages), splits, pdl in tc_variants:
+        out[f"tensor cores block{block} warps{warps} stages{stages} splits{splits}{' pdl' if pdl else ''}"] = \
+            compile_kernel(paged_attention._paged_decode_dot_kernel, sig,
+                           {"GROUP": 2, "D": 128, "BLOCK": block, "PAGE": 16, "WRITE": True, "HEADS": True,
+                            "IEEE": False, "SPLITS": splits, "PDL": pdl}, warps, num_stages=stages,
+                           aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
     # keys split over several programs (attention_splits: batch 1 and 8 of decode_splits), and their merge; PDL:
     # the step's launch mode with `pdl` (batch 1: 16 splits; the code predictor's contiguous cache: no splits)
     for splits, pdl in ((2, False), (16, False), (16, True), (1, True)):

@@ -1,8 +1,8 @@
 """Runs under Triton's interpreter (tests/triton_interpreter.py): the decode attention kernel on tensor cores
 (`DecodeTiling(tensor_cores=True)`, stages/talker/paged_attention.py) against the CUDA-core kernel and against
 float64 softmax attention, over rows of several key tiles (a partial last tile, keys on shuffled pages), with and
-without split keys, with the new key stored and q/k's head norm and RoPE applied in the kernel. fp32 (IEEE
-products). Prints the max errors as JSON."""
+without split keys, with the new key stored and q/k's head norm and RoPE applied in the kernel; and both kernels
+on the code predictor's contiguous cache. fp32 (IEEE products). Prints the max errors as JSON."""
 
 from __future__ import annotations
 
@@ -12,21 +12,21 @@ import interpreter_fixes  # noqa: F401  (first: before any kernel runs)
 import torch
 
 from stages.layers import Rotary
-from stages.talker.paged_attention import DecodeTiling, HeadNorm, paged_decode_attention
+from stages.talker.paged_attention import DecodeTiling, HeadNorm, contiguous_decode_attention, paged_decode_attention
 
 D, EPS, PAGE = 16, 1e-6, 4
 TENSOR_CORES = DecodeTiling(16, 4, tensor_cores=True)
 CUDA_CORES = DecodeTiling(16, 4)
 
 
-def exact(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, lens: torch.Tensor
-          ) -> torch.Tensor:
+def exact(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+          page: int = PAGE) -> torch.Tensor:
     """float64 softmax(q k^T / sqrt(D)) v over each row's keys, read through its block table."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // k_pool.shape[1]
     for row, n in enumerate(lens.tolist()):
         idx = torch.arange(n)
-        tokens = table[row, idx // PAGE] * PAGE + idx % PAGE
+        tokens = table[row, idx // page] * page + idx % page
         k = k_pool[tokens].double().repeat_interleave(group, 1).transpose(0, 1)  # [H, n, D]
         v = v_pool[tokens].double().repeat_interleave(group, 1).transpose(0, 1)
         w = torch.softmax(q[row].double()[:, None] @ k.transpose(1, 2) / D ** 0.5, -1)  # [H, 1, n]
@@ -67,10 +67,33 @@ def case(heads: int, n_kv: int, lens: list[int], gen: torch.Generator) -> dict:
     return result
 
 
+def contiguous(gen: torch.Generator) -> dict:
+    """The code predictor's contiguous cache ([B, n_kv, 16, D], every row at the same length): both kernels against
+    float64 attention, storing the new key/value at the last position."""
+    b, heads, n_kv, length = 3, 4, 2, 16
+    rows = torch.arange(b)[:, None]
+    q = torch.randn(b, heads, D, generator=gen)
+    new_kv = (torch.randn(b, n_kv, D, generator=gen), torch.randn(b, n_kv, D, generator=gen))
+    base = torch.randn(b, n_kv, length, D, generator=gen)
+    result = {}
+    for n in (1, 9, 16):
+        for name, tensor_cores in (("cuda_cores", False), ("tensor_cores", True)):
+            k, v = base.clone(), base.clone() * 0.5
+            got = contiguous_decode_attention(q, k, v, rows, torch.tensor([n]),
+                                              DecodeTiling(16, 2, tensor_cores=tensor_cores), new_kv=new_kv)
+            pool_k, pool_v = (t.transpose(1, 2).reshape(b * length, n_kv, D) for t in (k, v))
+            # each row one page of `length` positions
+            expected = exact(q, pool_k, pool_v, torch.arange(b)[:, None], torch.full((b,), n), page=length)
+            result[f"{name}_keys{n}"] = (got.double() - expected).abs().max().item()
+            result[f"{name}_keys{n}_stored"] = (k[:, :, n - 1] - new_kv[0]).abs().max().item()
+    return result
+
+
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
     result = {"gqa2": case(4, 2, [37, 20, 5, 16], gen),  # 3 tiles with a partial one; one tile; exactly one tile
-              "gqa1": case(2, 2, [33, 1], gen)}  # a group of one query head; a row of one key
+              "gqa1": case(2, 2, [33, 1], gen),  # a group of one query head; a row of one key
+              "contiguous": contiguous(gen)}
     print(json.dumps(result))
 
 

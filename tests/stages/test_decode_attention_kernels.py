@@ -15,9 +15,12 @@ def test_tensor_core_decode_kernel_equals_exact_attention():
     """fp32: rows of several key tiles (partial last tile, shuffled pages), one or two query heads per KV head, keys
     split over 1-4 programs: both kernels within fp32 rounding of float64 attention; with the new key stored and
     q/k's head norm and RoPE in the kernel, the tensor-core kernel's output and stored key/value equal the CUDA-core
-    kernel's."""
+    kernel's; and both kernels on the code predictor's contiguous cache."""
     result = run_interpreted("decode_attention.py")
     for group, errors in result.items():
         for name, err in errors.items():
             assert err <= 2e-6, (group, name, err)
-        assert {"tensor_cores_splits4", "tensor_cores_split4_step_vs_cuda_cores"} <= set(errors), group
+    for group in ("gqa2", "gqa1"):
+        assert {"tensor_cores_splits4", "tensor_cores_split4_step_vs_cuda_cores"} <= set(result[group]), group
+    # the code predictor's contiguous cache: both kernels at 1, 9 and 16 keys, the new key stored
+    assert len(result["contiguous"]) == 12
