@@ -21,22 +21,6 @@ if "QWEN3_TTS_SERVE_HOME" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["QWEN3_TTS_SERVE_HOME"], True)
 
 
-TESTS = Path(__file__).resolve().parent
-RAY_DIRS = ("serve", "browser", "deployments")  # tests that start Ray or build on its cluster
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command): every test in tests/serve,
-    tests/browser and tests/deployments runs in one worker, one after another as without xdist (one session cluster
-    and Serve app, each `serve run` alone, /tmp/ray/session_latest the running cluster's); the others spread over
-    the workers beside them."""
-    group = pytest.mark.xdist_group("ray")
-    for item in items:
-        parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
-        if parts[0] in RAY_DIRS:
-            item.add_marker(group)
-
-
 @pytest.fixture(scope="session")
 def tiny_ckpt_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny_checkpoints")
