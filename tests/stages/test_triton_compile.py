@@ -6,6 +6,8 @@ interpreter tests beside this one."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from stages import window_product
@@ -16,7 +18,11 @@ pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: min
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    return run_interpreted("compile_sm90.py", interpret=False)
+    """Every group's variants, compiled in two processes at once (Triton's compiler and ptxas use one core each)."""
+    shares = (("gemv",), ("attention", "sampling", "window_products"))
+    with ThreadPoolExecutor(len(shares)) as pool:
+        results = pool.map(lambda groups: run_interpreted("compile_sm90.py", *groups, interpret=False), shares)
+        return {group: variants for result in results for group, variants in result.items()}
 
 
 def test_decode_kernels_compile_for_sm90_without_spills(compiled):
