@@ -64,13 +64,15 @@ def main() -> None:
     ap.add_argument("--keys", default="160,420", help="keys per row (prompt + frames so far)")
     ap.add_argument("--split-batches", default="1,2,4,8", help="batches of the splits sweep")
     ap.add_argument("--split-keys", default="160,420,1000,2000", help="keys per row in the splits sweep")
-    ap.add_argument("--kernels", default="cuda_cores,tensor_cores", help="which kernels' tilings to sweep")
+    ap.add_argument("--kernels", default="cuda_cores,tensor_cores",
+                    help="which kernels' tilings to sweep on the paged cache (none: the contiguous cache's sweep only)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
     heads, n_kv, d, page = HEADS, N_KV, D, PAGE
     rows = []
-    for b, keys in itertools.product(map(int, args.batches.split(",")), map(int, args.keys.split(","))):
+    paged_sweep = itertools.product(map(int, args.batches.split(",")), map(int, args.keys.split(",")))
+    for b, keys in paged_sweep if tilings(args.kernels) else ():
         q, k_pool, v_pool, table, lens = paged_inputs(b, keys)
         ref = paged_decode_attention(q, k_pool, v_pool, table, lens, page)
         nbytes = 2 * b * keys * n_kv * d * 2
