@@ -5,9 +5,9 @@ over `seq_lens[row]` keys: it reads exactly the keys the row has (no length buck
 and all query heads of a GQA group share each key/value load. Shape-static launch (grid = rows x KV heads;
 lengths come from a device tensor), so it is captured inside the decode step's CUDA graph.
 
-Two kernels share that walk: the paged cache's runs q k^T and p v on tensor cores (the group's query heads as
-the rows of a 16-row tile), which lets Triton fetch K/V tiles ahead asynchronously; the CUDA-core one, each
-product an fp32 sum in registers, serves a contiguous per-row cache ([B, n_kv, L, D],
+The kernel runs q k^T and p v on tensor cores for the paged cache (the group's query heads as the rows of a
+16-row tile), which lets Triton fetch K/V tiles ahead asynchronously, and on CUDA cores, each product an fp32 sum
+in registers, for a contiguous per-row cache ([B, n_kv, L, D],
 `contiguous_decode_attention`, each row one block of L positions): the code predictor's (<= 16 keys), where
 SDPA's flash kernel, tiled for 64-128 keys, took 51 us per call at batch 256 on an H100 (23% of the decode step).
 
@@ -62,8 +62,8 @@ class HeadNorm:
 @dataclass(frozen=True)
 class DecodeTiling:
     """How `paged_decode_attention` walks a row's keys: `keys` per iteration, `warps` per program, `stages` tiles
-    fetched ahead, and on tensor cores (`_paged_decode_dot_kernel`, the paged cache's) or CUDA cores
-    (`_paged_decode_kernel`, the code predictor's contiguous cache of <= 16 keys, and the sweep's comparison)."""
+    fetched ahead, and on tensor cores (the paged cache's) or CUDA cores (the code predictor's contiguous cache of
+    <= 16 keys, and the sweep's comparison)."""
 
     keys: int
     warps: int
@@ -127,8 +127,13 @@ if triton is not None:
         stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
         WRITE: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr = 1,
-        PDL: tl.constexpr = False,
+        PDL: tl.constexpr = False, TENSOR_CORES: tl.constexpr = False, IEEE: tl.constexpr = False,
     ):
+        """With TENSOR_CORES, q k^T and p v are matrix products: the group's query heads are the rows of a
+        GROUP_P = 16 tile (the smallest MMA; the rows past GROUP are zeros, never stored), which also lets Triton's
+        pipeliner fetch K/V tiles ahead asynchronously. In bf16, q k^T multiplies bf16 operands exactly into fp32
+        sums and p v runs in tf32 (p rounded to 10 mantissa bits, v exact), closer to the fp32 math than bf16
+        probabilities; fp32 caches (IEEE) use IEEE products. Otherwise each product is an fp32 sum in registers."""
         if PDL:  # programmatic dependent launch: the next kernel may launch now; wait for the previous one's writes
             pdl.begin()
         row = tl.program_id(0)
@@ -155,11 +160,13 @@ if triton is not None:
         g_ok = g < GROUP
         heads = kv_head * GROUP + g
         q_offs = row * stride_qb + heads[:, None] * stride_qh + d[None, :]
-        if HEADS:
+        if HEADS:  # [G, D] in the cache's dtype, as the eager head math rounds it
             q = _head_norm_rope(q_ptr, q_offs, d[None, :], qw_ptr, cos_ptr + row * stride_cb, sin_ptr + row * stride_cb,
-                                eps, g_ok[:, None], D).to(tl.float32)  # [G, D]
+                                eps, g_ok[:, None], D)
         else:
-            q = tl.load(q_ptr + q_offs, mask=g_ok[:, None], other=0.0).to(tl.float32)  # [G, D]
+            q = tl.load(q_ptr + q_offs, mask=g_ok[:, None], other=0.0)
+        if not TENSOR_CORES:
+            q = q.to(tl.float32)
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_sum = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, D], tl.float32)
@@ -169,15 +176,24 @@ if triton is not None:
             block = tl.load(table_ptr + row * stride_tb + n // PAGE, mask=n_ok, other=0)
             offs = (block * stride_kblock + (n % PAGE) * stride_kt)[:, None] + kv_head * stride_kh + d[None, :]
             k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0)  # [N, D]
-            k = k.to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale  # [G, N]
-            s = tl.where(n_ok[None, :], s, float("-inf"))
+            if not TENSOR_CORES:
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            elif IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(n_ok[None, :], s * sm_scale, float("-inf"))  # [G, N]
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0)
-            v = v.to(tl.float32)  # [N, D]
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0).to(tl.float32)  # [N, D]
+            if not TENSOR_CORES:
+                pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            elif IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p, v, input_precision="tf32")
+            acc = acc * alpha[:, None] + pv
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             m = m_new
         if SPLITS == 1:
@@ -186,87 +202,6 @@ if triton is not None:
                      out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
         else:  # unnormalized partials; `_combine_splits_kernel` merges a row's splits (an empty one: m = -inf)
             part = (row * tl.num_programs(1) * GROUP + heads) * SPLITS + split  # [G]: [B, H, SPLITS] index
-            tl.store(part_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
-            tl.store(ml_ptr + part * 2, m, mask=g_ok)
-            tl.store(ml_ptr + part * 2 + 1, l_sum, mask=g_ok)
-
-    @triton.jit
-    def _paged_decode_dot_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, kn_ptr, vn_ptr, sm_scale,
-        qw_ptr, kw_ptr, cos_ptr, sin_ptr, eps, part_ptr, ml_ptr,
-        stride_qb, stride_qh, stride_kblock, stride_kt, stride_kh, stride_tb, stride_len, stride_ob, stride_oh,
-        stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cb,
-        GROUP: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
-        WRITE: tl.constexpr, HEADS: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr = 1,
-        PDL: tl.constexpr = False,
-    ):
-        """`_paged_decode_kernel`'s math on tensor cores: a GQA group's query heads are the rows of a 16-row
-        tile (the smallest MMA; the rows past GROUP are zeros, never stored), so q k^T and p v are matrix
-        products whose K/V tiles Triton's pipeliner fetches asynchronously `num_stages` tiles ahead. In bf16,
-        q k^T multiplies bf16 operands exactly into fp32 sums and p v runs in tf32 (p rounded to 10 mantissa
-        bits, v exact), closer to the fp32 math than bf16 probabilities; fp32 caches use IEEE products."""
-        if PDL:
-            pdl.begin()
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        seq_len = tl.load(lens_ptr + row * stride_len)
-        g = tl.arange(0, 16)
-        d = tl.arange(0, D)
-        last = seq_len - 1
-        if SPLITS == 1:
-            lo = 0
-            hi = seq_len
-            holds_last = True
-        else:
-            split = tl.program_id(2)
-            chunk = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK) * BLOCK
-            lo = split * chunk
-            hi = tl.minimum(lo + chunk, seq_len)
-            holds_last = (last >= lo) & (last < hi)
-        if WRITE:
-            if holds_last:
-                _store_new_kv(k_ptr, v_ptr, table_ptr, kn_ptr, vn_ptr, kw_ptr, cos_ptr, sin_ptr, eps, row, kv_head,
-                              last, stride_kblock, stride_kt, stride_kh, stride_tb, stride_knb, stride_knh,
-                              stride_vnb, stride_vnh, stride_cb, D, PAGE, HEADS)
-        g_ok = g < GROUP
-        heads = kv_head * GROUP + g
-        q_offs = row * stride_qb + heads[:, None] * stride_qh + d[None, :]
-        if HEADS:  # [16, D] in the cache's dtype, as the eager head math rounds it
-            q = _head_norm_rope(q_ptr, q_offs, d[None, :], qw_ptr, cos_ptr + row * stride_cb, sin_ptr + row * stride_cb,
-                                eps, g_ok[:, None], D)
-        else:
-            q = tl.load(q_ptr + q_offs, mask=g_ok[:, None], other=0.0)
-        m = tl.full([16], float("-inf"), tl.float32)
-        l_sum = tl.zeros([16], tl.float32)
-        acc = tl.zeros([16, D], tl.float32)
-        for start in range(lo, hi, BLOCK):
-            n = start + tl.arange(0, BLOCK)
-            n_ok = n < hi
-            block = tl.load(table_ptr + row * stride_tb + n // PAGE, mask=n_ok, other=0)
-            offs = (block * stride_kblock + (n % PAGE) * stride_kt)[:, None] + kv_head * stride_kh + d[None, :]
-            k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0)  # [N, D]
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(n_ok[None, :], s * sm_scale, float("-inf"))  # [16, N]
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0)
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="tf32")
-            acc = acc * alpha[:, None] + pv
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            m = m_new
-        if SPLITS == 1:
-            out = acc / l_sum[:, None]
-            tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-        else:
-            part = (row * tl.num_programs(1) * GROUP + heads) * SPLITS + split
             tl.store(part_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None])
             tl.store(ml_ptr + part * 2, m, mask=g_ok)
             tl.store(ml_ptr + part * 2 + 1, l_sum, mask=g_ok)
@@ -340,15 +275,19 @@ def paged_decode_attention(
     shared = dict(GROUP=group, D=d, BLOCK=tiling.keys, PAGE=block_size, WRITE=new_kv is not None,
                   HEADS=head_norm is not None, SPLITS=splits, PDL=pdl, num_warps=tiling.warps,
                   num_stages=tiling.stages, **launch_args(pdl))
-    if tiling.tensor_cores:
-        assert group <= 16, group
-        _paged_decode_dot_kernel[(b, n_kv, splits)](*args, IEEE=q.dtype == torch.float32, **shared)
-    else:
-        _paged_decode_kernel[(b, n_kv, splits)](*args, GROUP_P=max(2, triton.next_power_of_2(group)), **shared)
+    _paged_decode_kernel[(b, n_kv, splits)](*args, **shared, **_kernel_choice(tiling, group, q.dtype))
     if splits > 1:
         _combine_splits_kernel[(b, n_heads)](part, ml, out, out.stride(0), out.stride(1), SPLITS=splits, D=d, PDL=pdl,
                                              num_warps=1, **launch_args(pdl))
     return out
+
+
+def _kernel_choice(tiling: DecodeTiling, group: int, dtype: torch.dtype) -> dict:
+    """The kernel's constexprs for `tiling`: on tensor cores a 16-row q tile (IEEE products for fp32 caches)."""
+    if tiling.tensor_cores:
+        assert group <= 16, group
+        return dict(GROUP_P=16, TENSOR_CORES=True, IEEE=dtype == torch.float32)
+    return dict(GROUP_P=max(2, triton.next_power_of_2(group)))
 
 
 def decode_splits(rows: int, n_kv: int, programs: int = 128) -> int:
@@ -402,15 +341,12 @@ def contiguous_decode_attention(
     shared = dict(GROUP=group, D=d, BLOCK=min(32, max(16, triton.next_power_of_2(length))), PAGE=length,
                   WRITE=new_kv is not None, HEADS=head_norm is not None, PDL=pdl, num_warps=tiling.warps,
                   num_stages=tiling.stages, **launch_args(pdl))
-    if tiling.tensor_cores:
-        _paged_decode_dot_kernel[(b, n_kv)](*args, IEEE=q.dtype == torch.float32, **shared)
-    else:
-        _paged_decode_kernel[(b, n_kv)](*args, GROUP_P=max(2, triton.next_power_of_2(group)), **shared)
+    _paged_decode_kernel[(b, n_kv)](*args, **shared, **_kernel_choice(tiling, group, q.dtype))
     return out
 
 
 def contiguous_tiling(rows: int) -> DecodeTiling:
-    """`contiguous_decode_attention`'s tiling for a batch of `rows`: one warp per program from 64 rows up, two below
-    (<= 16 keys a row: many small programs keep the most loads in flight; figures: docs/benchmarks.md, "The
-    Aligner's stall gone; decode attention on tensor cores")."""
-    return DecodeTiling(16, 1 if rows >= 64 else 2)
+    """`contiguous_decode_attention`'s tiling for a batch of `rows` (<= 16 keys a row): from 64 rows up on CUDA
+    cores with one warp per program (many small programs keep the most loads in flight), below on tensor cores with
+    four (figures: docs/benchmarks.md, "The Aligner's stall gone; decode attention on tensor cores")."""
+    return DecodeTiling(16, 1) if rows >= 64 else DecodeTiling(16, 4, tensor_cores=True)

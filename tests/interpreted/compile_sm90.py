@@ -98,9 +98,9 @@ def attention() -> dict:
                    ((32, 4, 2), 16, True), ((32, 4, 2), 1, True)]
     for (block, warps, stages), splits, pdl in tc_variants:
         out[f"tensor cores block{block} warps{warps} stages{stages} splits{splits}{' pdl' if pdl else ''}"] = \
-            compile_kernel(paged_attention._paged_decode_dot_kernel, sig,
-                           {"GROUP": 2, "D": 128, "BLOCK": block, "PAGE": 16, "WRITE": True, "HEADS": True,
-                            "IEEE": False, "SPLITS": splits, "PDL": pdl}, warps, num_stages=stages,
+            compile_kernel(paged_attention._paged_decode_kernel, sig,
+                           {"GROUP": 2, "GROUP_P": 16, "D": 128, "BLOCK": block, "PAGE": 16, "WRITE": True,
+                            "HEADS": True, "SPLITS": splits, "PDL": pdl, "TENSOR_CORES": True}, warps, num_stages=stages,
                            aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
     # keys split over several programs (attention_splits: batch 1 and 8 of decode_splits), and their merge; PDL:
     # the step's launch mode with `pdl` (batch 1: 16 splits; the code predictor's contiguous cache: no splits)
