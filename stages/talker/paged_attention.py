@@ -346,7 +346,7 @@ def contiguous_decode_attention(
 
 
 def contiguous_tiling(rows: int) -> DecodeTiling:
-    """`contiguous_decode_attention`'s tiling for a batch of `rows` (<= 16 keys a row): from 64 rows up on CUDA
-    cores with one warp per program (many small programs keep the most loads in flight), below on tensor cores with
-    four (figures: docs/benchmarks.md, "The Aligner's stall gone; decode attention on tensor cores")."""
-    return DecodeTiling(16, 1) if rows >= 64 else DecodeTiling(16, 4, tensor_cores=True)
+    """`contiguous_decode_attention`'s tiling for a batch of `rows` (<= 16 keys a row): on CUDA cores, one warp per
+    program from 64 rows up (many small programs keep the most loads in flight), two below (figures:
+    docs/benchmarks.md, "The Aligner's stall gone; decode attention on tensor cores")."""
+    return DecodeTiling(16, 1 if rows >= 64 else 2)
