@@ -116,7 +116,7 @@ class TalkerEngineConfig:
         `invariant_products` (CUDA: cuBLAS without a workspace, each product's rows checked invariant to the row
         count at start: stages/row_invariant_products.py): batches stay free; pinned are the few paths that pick a
         kernel or a split by the row count: no few-row GEMV path (another kernel up to `gemv_rows` rows), no
-        attention key splits, one decode attention tiling (the runner's), and no batch of one (torch.compile
+        attention key splits, one tiling per decode attention cache (the runner's), and no batch of one (torch.compile
         compiles a size of 1 as its own variant).
         Otherwise (CPU: BLAS kernels follow the shape) the shapes are fixed: every decode step at max_num_seqs
         rows, one attention length bucket (the gather path's keys: max_seq_len), prefills of one prompt each
