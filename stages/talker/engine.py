@@ -71,7 +71,7 @@ class TalkerEngine:
         # add commands not yet drained (counted as waiting): one counter per writing thread, so no update is lost
         self._adds_sent = 0  # event-loop side
         self._adds_drained = 0  # engine thread
-        self._progress_at = time.monotonic()  # last step/admission (heartbeat for check_health)
+        self._progress_at, self._idle = time.monotonic(), False  # check_health's heartbeat; idle: no work, none owed
         self.num_slots = 0
         self.graph_capture_seconds = 0.0
         self._thread: threading.Thread | None = None
@@ -110,10 +110,10 @@ class TalkerEngine:
             raise RuntimeError(f"talker engine failed: {self._error!r}")
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError("talker engine thread is not running")
-        stats = self.stats()
+        stats, waiting_for_work = self.stats(), self._idle  # read before the heartbeat: the loop sets it first
         idle_for = time.monotonic() - self._progress_at
         pending = stats.running or (stats.waiting and not stats.parked)  # parked ones wait for text, not the device
-        if pending and idle_for > self.config.stall_timeout_s:
+        if pending and not waiting_for_work and idle_for > self.config.stall_timeout_s:
             raise RuntimeError(f"talker engine made no progress for {idle_for:.0f} s with work pending")
 
     # ------------------------------------------------------------------ API (event-loop side)
@@ -142,10 +142,8 @@ class TalkerEngine:
         if seq.request.max_frames < 1:
             raise InvalidRequestError("max_new_tokens must be >= 1")
         if seq.max_positions > self.config.max_seq_len:
-            raise InvalidRequestError(
-                f"request too long: prompt of {seq.prompt_len} positions + {seq.request.max_frames} frames exceeds "
-                f"the engine's max_seq_len {self.config.max_seq_len}"
-            )
+            raise InvalidRequestError(f"request too long: prompt of {seq.prompt_len} positions + {seq.request.max_frames}"
+                                      f" frames exceeds the engine's max_seq_len {self.config.max_seq_len}")
         sched = self.scheduler
         if sched is not None and not sched.can_ever_fit(seq):
             raise InvalidRequestError("request needs more KV than the engine has")
@@ -311,7 +309,9 @@ class TalkerEngine:
         if block:  # idle; requests waiting for text may time out meanwhile
             expiry_at = self._live.expiry_at
             timeout = expiry_at - time.monotonic() if expiry_at < float("inf") else None
+            self._idle = True  # until the heartbeat restarts: a request queued meanwhile is no stall
             self._wake.wait(None if timeout is None else max(timeout, 0.0))
+            self._progress_at, self._idle = time.monotonic(), False
         self._wake.clear()
         sched = self.scheduler
         for kind, payload in self._queued_commands():

@@ -372,3 +372,48 @@ def test_stats_while_the_runner_is_still_being_built(model):
         release.set()
         starter.join()
         engine.shutdown()
+
+
+class GatedRunner(FakeRunner):
+    """A FakeRunner whose admissions wait for `gate` (set by the test), signalling `entered` first: a prefill that
+    takes as long as the test wants."""
+
+    entered = threading.Event()
+    gate = threading.Event()
+
+    def admit(self, batch) -> None:
+        GatedRunner.entered.set()
+        GatedRunner.gate.wait(60)
+        super().admit(batch)
+
+
+def test_a_request_reaching_an_idle_engine_is_not_taken_for_a_stall(model, prompt):
+    """The heartbeat restarts when work reaches an engine that waited for some: a request arriving after longer
+    idleness than `stall_timeout_s` is healthy while its prefill runs (Serve would otherwise replace the replica and
+    fail the stream), and a prefill that itself takes longer than `stall_timeout_s` is still a stall."""
+    import time
+
+    stall_s = 0.5
+    GatedRunner.entered.clear()
+    GatedRunner.gate.clear()
+    engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=2, stall_timeout_s=stall_s,
+                                                    kernels={"exact_prefill": False}), GatedRunner)
+    engine.start(log=lambda _m: None)
+    try:
+        time.sleep(2 * stall_s)  # idle for longer than the stall timeout (a sleep lasts at least this long)
+        engine.check_health()
+
+        async def main():
+            stream = engine.add_request(SynthesisRequest("late", prompt, max_frames=3, seed=1))
+            assert await asyncio.to_thread(GatedRunner.entered.wait, 60)
+            engine.check_health()  # its prefill is running: work pending, but the idle time before it is no stall
+            await asyncio.sleep(2 * stall_s)  # the prefill now takes longer than the stall timeout
+            with pytest.raises(RuntimeError, match="made no progress"):
+                engine.check_health()
+            GatedRunner.gate.set()
+            return [c async for c in stream], stream.finish_reason
+        chunks, reason = asyncio.run(main())
+    finally:
+        GatedRunner.gate.set()
+        engine.shutdown()
+    assert reason == FinishReason.LENGTH and sum(c.num_new for c in chunks) == 3
