@@ -28,7 +28,7 @@ from stages.talker.paged_attention import (
 )
 
 HEADS, N_KV, D, PAGE = 16, 8, 128, 16  # the 1.7B talker's attention
-SPLIT_TENSOR_CORES = DecodeTiling(32, 4, 2, tensor_cores=True)  # the tensor-core tiling of the splits sweep
+FEW_ROWS_CUDA_CORES = DecodeTiling(32, 4)  # the CUDA-core kernel's best tiling below 64 rows (the splits sweep's)
 
 
 def paged_inputs(b: int, keys: int) -> tuple[torch.Tensor, ...]:
@@ -91,8 +91,9 @@ def main() -> None:
         results.sort(key=lambda r: r["us"])
         engine = decode_tiling(b)
         default = next((r for r in results if DecodeTiling(r["block"], r["warps"], r["stages"], r["tensor_cores"])
-                        == engine), results[0])
-        print(f"batch {b}, {keys} keys: engine's tiling {default['us']} us ({default['gb_s']} GB/s); best " + ", ".join(
+                        == engine), None)  # None: the engine's tiling was not among the swept ones
+        engines = f"{default['us']} us ({default['gb_s']} GB/s)" if default else "not swept"
+        print(f"batch {b}, {keys} keys: engine's tiling {engines}; best " + ", ".join(
                   f"{'tc' if r['tensor_cores'] else 'cc'} {r['block']}/{r['warps']}/{r['stages']} {r['us']} us "
                   f"({r['gb_s']} GB/s)" for r in results[:4]), flush=True)
         rows.append(dict(batch=b, keys=keys, default=default, best=results[:6]))
@@ -103,7 +104,7 @@ def main() -> None:
         angle = torch.rand(b, 1, 1, d, device="cuda")
         head_norm = HeadNorm(ones, ones, 1e-6, angle.cos().bfloat16(), angle.sin().bfloat16())
         ref = paged_decode_attention(q, k_pool, v_pool, table, lens, page, new_kv=new_kv, head_norm=head_norm)
-        for tiling in [decode_tiling(b)] * ("cuda_cores" in args.kernels) + [SPLIT_TENSOR_CORES] * (
+        for tiling in [FEW_ROWS_CUDA_CORES] * ("cuda_cores" in args.kernels) + [decode_tiling(b)] * (
                 "tensor_cores" in args.kernels):
             step_call = functools.partial(paged_decode_attention, q, k_pool, v_pool, table, lens, page, tiling,
                                           new_kv=new_kv, head_norm=head_norm)  # as the decode step calls it
