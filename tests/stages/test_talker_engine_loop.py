@@ -387,27 +387,48 @@ class GatedRunner(FakeRunner):
         super().admit(batch)
 
 
-def test_a_request_reaching_an_idle_engine_is_not_taken_for_a_stall(model, prompt):
+class SteppedClock:
+    """The engine module's `time` with a monotonic clock the test moves (`advance`); everything else real."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._time, self.now = time, 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name: str):
+        return getattr(self._time, name)
+
+
+def test_a_request_reaching_an_idle_engine_is_not_taken_for_a_stall(model, prompt, monkeypatch):
     """The heartbeat restarts when work reaches an engine that waited for some: a request arriving after longer
     idleness than `stall_timeout_s` is healthy while its prefill runs (Serve would otherwise replace the replica and
-    fail the stream), and a prefill that itself takes longer than `stall_timeout_s` is still a stall."""
-    import time
+    fail the stream), and a prefill that itself takes longer than `stall_timeout_s` is still a stall. The engine's
+    monotonic clock is the test's, so no wall-clock margin is involved."""
+    from stages.talker import engine as engine_module
 
-    stall_s = 2.0  # the margin a loaded 2-core CI has between the prefill starting and the first check
+    clock = SteppedClock()
+    monkeypatch.setattr(engine_module, "time", clock)
+    stall_s = 60.0
     GatedRunner.entered.clear()
     GatedRunner.gate.clear()
     engine = TalkerEngine(model, TalkerEngineConfig(max_seq_len=256, max_num_seqs=2, stall_timeout_s=stall_s,
                                                     kernels={"exact_prefill": False}), GatedRunner)
     engine.start(log=lambda _m: None)
     try:
-        time.sleep(2 * stall_s)  # idle for longer than the stall timeout (a sleep lasts at least this long)
+        clock.advance(10 * stall_s)  # idle for longer than the stall timeout
         engine.check_health()
 
         async def main():
             stream = engine.add_request(SynthesisRequest("late", prompt, max_frames=3, seed=1))
             assert await asyncio.to_thread(GatedRunner.entered.wait, 60)
             engine.check_health()  # its prefill is running: work pending, but the idle time before it is no stall
-            await asyncio.sleep(2 * stall_s)  # the prefill now takes longer than the stall timeout
+            clock.advance(2 * stall_s)  # the prefill now takes longer than the stall timeout
             with pytest.raises(RuntimeError, match="made no progress"):
                 engine.check_health()
             GatedRunner.gate.set()
