@@ -137,12 +137,29 @@ if triton is not None:
         tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y.to(dt).to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
+# One row (batch 1, where the GEMVs are most of a step): the H200 sweep's fastest tiling of the 1.7B model's products
+# that is not the rule's below, by (N, K, SwiGLU) (`python -m bench.kernels.gemv --rows 1 --warps 4,8`; figures:
+# docs/benchmarks.md, "GEMV tilings swept on the H200"). The talker's products gain 10-14% each, the code
+# predictor's two narrow ones (o, gate/up) 4-6%.
+SWEPT_ONE_ROW = {
+    (4096, 2048, False): (8, 512, 4),  # talker q/k/v
+    (6144, 2048, True): (16, 256, 4),  # talker gate/up
+    (2048, 6144, False): (4, 1024, 4),  # talker down
+    (1024, 2048, False): (2, 1024, 4),  # code predictor o
+    (3072, 1024, True): (4, 128, 4),  # code predictor gate/up
+    (1024, 3072, False): (4, 1024, 4),  # code predictor down
+}
+
+
 def tiling(m: int, n: int, k: int, swiglu: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for m rows times an [n, k] weight. Narrow, long tiles: 4 output rows (8 with
-    SwiGLU) by 512 columns, so each program's loop runs few, large loads (`python -m bench.kernels.gemv` sweeps
-    them; the figures: docs/benchmarks.md, "Few-row GEMVs on by default"). The product tile (rows x BLOCK_N x
-    BLOCK_K, twice with SwiGLU) stays <= 8192 values, which ptxas fits in registers without spills for sm_90 at
-    every shape of the 1.7B and 0.6B layers (tests/interpreted/compile_sm90.py)."""
+    """(BLOCK_N, BLOCK_K, num_warps) for m rows times an [n, k] weight: at one row the sweep's where it has one
+    (`SWEPT_ONE_ROW`), otherwise narrow, long tiles: 4 output rows (8 with SwiGLU) by 512 columns, so each program's
+    loop runs few, large loads (`python -m bench.kernels.gemv` sweeps them; the figures: docs/benchmarks.md,
+    "Few-row GEMVs on by default"). The product tile (rows x BLOCK_N x BLOCK_K, twice with SwiGLU) stays <= 8192
+    values, which ptxas fits in registers without spills for sm_90 at every shape of the 1.7B and 0.6B layers
+    (tests/interpreted/compile_sm90.py)."""
+    if m == 1 and (n, k, swiglu) in SWEPT_ONE_ROW:
+        return SWEPT_ONE_ROW[(n, k, swiglu)]
     rows = triton.next_power_of_2(m)
     block_n = 8 if swiglu else 4
     block_k = max(32, min(512, 8192 // (block_n * rows * (2 if swiglu else 1))))

@@ -275,16 +275,18 @@ def paged_decode_attention(
     shared = dict(GROUP=group, D=d, BLOCK=tiling.keys, PAGE=block_size, WRITE=new_kv is not None,
                   HEADS=head_norm is not None, SPLITS=splits, PDL=pdl, num_warps=tiling.warps,
                   num_stages=tiling.stages, **launch_args(pdl))
-    _paged_decode_kernel[(b, n_kv, splits)](*args, **shared, **_kernel_choice(tiling, group, q.dtype))
+    _paged_decode_kernel[(b, n_kv, splits)](*args, **shared, **_kernel_choice(tiling, group, q.dtype, d))
     if splits > 1:
         _combine_splits_kernel[(b, n_heads)](part, ml, out, out.stride(0), out.stride(1), SPLITS=splits, D=d, PDL=pdl,
                                              num_warps=1, **launch_args(pdl))
     return out
 
 
-def _kernel_choice(tiling: DecodeTiling, group: int, dtype: torch.dtype) -> dict:
-    """The kernel's constexprs for `tiling`: on tensor cores a 16-row q tile (IEEE products for fp32 caches)."""
-    if tiling.tensor_cores:
+def _kernel_choice(tiling: DecodeTiling, group: int, dtype: torch.dtype, head_dim: int) -> dict:
+    """The kernel's constexprs for `tiling`: on tensor cores a 16-row q tile (IEEE products for fp32 caches). A
+    tensor-core product needs >= 16 along its reduced axis, so heads narrower than 16 (test-size models: the tiny
+    code predictor's 8) run on CUDA cores whatever the tiling says."""
+    if tiling.tensor_cores and head_dim >= 16:
         assert group <= 16, group
         return dict(GROUP_P=16, TENSOR_CORES=True, IEEE=dtype == torch.float32)
     return dict(GROUP_P=max(2, triton.next_power_of_2(group)))
@@ -341,12 +343,13 @@ def contiguous_decode_attention(
     shared = dict(GROUP=group, D=d, BLOCK=min(32, max(16, triton.next_power_of_2(length))), PAGE=length,
                   WRITE=new_kv is not None, HEADS=head_norm is not None, PDL=pdl, num_warps=tiling.warps,
                   num_stages=tiling.stages, **launch_args(pdl))
-    _paged_decode_kernel[(b, n_kv)](*args, **shared, **_kernel_choice(tiling, group, q.dtype))
+    _paged_decode_kernel[(b, n_kv)](*args, **shared, **_kernel_choice(tiling, group, q.dtype, d))
     return out
 
 
 def contiguous_tiling(rows: int) -> DecodeTiling:
-    """`contiguous_decode_attention`'s tiling for a batch of `rows` (<= 16 keys a row): on CUDA cores, one warp per
-    program from 64 rows up (many small programs keep the most loads in flight), two below (figures:
-    docs/benchmarks.md, "The Aligner's stall gone; decode attention on tensor cores")."""
-    return DecodeTiling(16, 1 if rows >= 64 else 2)
+    """`contiguous_decode_attention`'s tiling for a batch of `rows` (<= 16 keys a row): from 64 rows up on CUDA
+    cores, one warp per program (many small programs keep the most loads in flight); below, where a call is its
+    launch and one load's latency, on tensor cores with four warps (figures: docs/benchmarks.md, "The Aligner's
+    stall gone; decode attention on tensor cores")."""
+    return DecodeTiling(16, 1) if rows >= 64 else DecodeTiling(16, 4, tensor_cores=True)

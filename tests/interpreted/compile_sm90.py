@@ -93,9 +93,10 @@ def attention() -> dict:
                  "SPLITS": 1},
                 warps, aligned=tuple(n for n in sig if n.startswith("stride_") and n not in ("stride_tb", "stride_len")))
     # the paged cache's kernel on tensor cores at decode_tiling's two tilings (>= 64 rows, below), as the step
-    # calls it (new key/value stored, head prologue), and below 64 rows with keys split (batch 1, 8) and PDL
+    # calls it (new key/value stored, head prologue), and below 64 rows with keys split (batch 1, 8) and PDL; the
+    # code predictor's contiguous cache below 64 rows (contiguous_tiling: 16 keys, 4 warps), with and without PDL
     tc_variants = [((64, 2, 3), 1, False), ((32, 4, 2), 1, False), ((32, 4, 2), 16, False), ((32, 4, 2), 2, False),
-                   ((32, 4, 2), 16, True), ((32, 4, 2), 1, True)]
+                   ((32, 4, 2), 16, True), ((32, 4, 2), 1, True), ((16, 4, 2), 1, False), ((16, 4, 2), 1, True)]
     for (block, warps, stages), splits, pdl in tc_variants:
         out[f"tensor cores block{block} warps{warps} stages{stages} splits{splits}{' pdl' if pdl else ''}"] = \
             compile_kernel(paged_attention._paged_decode_kernel, sig,

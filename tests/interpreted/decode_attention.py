@@ -12,7 +12,13 @@ import interpreter_fixes  # noqa: F401  (first: before any kernel runs)
 import torch
 
 from stages.layers import Rotary
-from stages.talker.paged_attention import DecodeTiling, HeadNorm, contiguous_decode_attention, paged_decode_attention
+from stages.talker.paged_attention import (
+    DecodeTiling,
+    HeadNorm,
+    _kernel_choice,
+    contiguous_decode_attention,
+    paged_decode_attention,
+)
 
 D, EPS, PAGE = 16, 1e-6, 4
 TENSOR_CORES = DecodeTiling(16, 4, tensor_cores=True)
@@ -29,7 +35,7 @@ def exact(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: to
         tokens = table[row, idx // page] * page + idx % page
         k = k_pool[tokens].double().repeat_interleave(group, 1).transpose(0, 1)  # [H, n, D]
         v = v_pool[tokens].double().repeat_interleave(group, 1).transpose(0, 1)
-        w = torch.softmax(q[row].double()[:, None] @ k.transpose(1, 2) / D ** 0.5, -1)  # [H, 1, n]
+        w = torch.softmax(q[row].double()[:, None] @ k.transpose(1, 2) / q.shape[-1] ** 0.5, -1)  # [H, 1, n]
         out[row] = (w @ v)[:, 0]
     return out
 
@@ -67,9 +73,10 @@ def case(heads: int, n_kv: int, lens: list[int], gen: torch.Generator) -> dict:
     return result
 
 
-def contiguous(gen: torch.Generator) -> dict:
+def contiguous(gen: torch.Generator, D: int = D) -> dict:
     """The code predictor's contiguous cache ([B, n_kv, 16, D], every row at the same length): both kernels against
-    float64 attention, storing the new key/value at the last position."""
+    float64 attention, storing the new key/value at the last position. Heads narrower than 16 (the tiny code
+    predictor's 8) run on CUDA cores whichever kernel the tiling asks for."""
     b, heads, n_kv, length = 3, 4, 2, 16
     rows = torch.arange(b)[:, None]
     q = torch.randn(b, heads, D, generator=gen)
@@ -93,7 +100,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     result = {"gqa2": case(4, 2, [37, 20, 5, 16], gen),  # 3 tiles with a partial one; one tile; exactly one tile
               "gqa1": case(2, 2, [33, 1], gen),  # a group of one query head; a row of one key
-              "contiguous": contiguous(gen)}
+              "contiguous": contiguous(gen), "contiguous_head_dim8": contiguous(gen, 8),
+              "tensor_cores_by_head_dim": {str(d): _kernel_choice(TENSOR_CORES, 2, torch.bfloat16, d).get(
+                  "TENSOR_CORES", False) for d in (8, 16, 128)}}
     print(json.dumps(result))
 
 
