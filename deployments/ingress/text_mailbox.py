@@ -3,10 +3,13 @@
 A live request is one streaming `Talker.generate_live` call, but its text keeps arriving after the call
 started, and a later Serve call could reach another Talker replica (Serve routes each call on its own). So
 each ingress replica owns one small Ray actor, its mailbox: the ingress puts each context's text events in
-it, and the Talker replica that runs the request awaits them (`take` returns as soon as there is something,
-a long poll, not a timer). Ray runs one caller's calls to an actor in submission order, so a context's
-events arrive in the order the client sent them. The mailbox dies with the ingress replica that owns it;
-the Talker's `take` then fails and the request ends (its client is gone too).
+it, and the Talker replica that runs the request takes them. A Talker replica takes the events of all its
+requests from one mailbox in one long poll (`take_many`: it returns as soon as any of them has something, not
+on a timer), so a replica speaking many live contexts makes one actor call per batch of text, not one per
+event and context; `wake` ends a waiting poll early when the replica's set of requests grows. Ray runs one
+caller's calls to an actor in submission order, so a context's events arrive in the order the client sent
+them. The mailbox dies with the ingress replica that owns it; the Talker's poll then fails and its requests
+end (their clients are gone too).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class TextEvent:
 class _Box:
     def __init__(self) -> None:
         self.events: list[TextEvent] = []
-        self.arrived = asyncio.Event()
+        self.taker: str | None = None  # the Talker poll that last asked for this box (woken by its puts)
 
 
 @ray.remote(num_cpus=0)
@@ -38,6 +41,7 @@ class TextMailbox:
 
     def __init__(self) -> None:
         self._boxes: dict[str, _Box] = {}
+        self._takers: dict[str, asyncio.Event] = {}  # by taker key: set when a box it asked for changes
 
     def open(self, request_id: str) -> None:
         self._boxes.setdefault(request_id, _Box())
@@ -48,23 +52,42 @@ class TextMailbox:
         if box is None:
             return False
         box.events.extend(events)
-        box.arrived.set()
+        self._notify(box.taker)
         return True
 
-    async def take(self, request_id: str) -> list[TextEvent]:
-        """Every event queued for the request, as soon as there is one; [] once the box is closed."""
-        box = self._boxes.get(request_id)
-        if box is None:
-            return []
-        await box.arrived.wait()
-        events, box.events = box.events, []
-        box.arrived.clear()
-        return events
+    async def take_many(self, taker: str, request_ids: list[str]) -> dict[str, list[TextEvent]]:
+        """The queued events of those of `request_ids` that have some, and [] for each whose box is closed (or
+        was never opened), as soon as there is one of either; {} when `wake(taker)` ends the wait first.
+        `taker`: the caller's key (one per Talker replica and mailbox), whose wake-ups this call waits on."""
+        arrived = self._takers.setdefault(taker, asyncio.Event())
+        for request_id in request_ids:
+            if (box := self._boxes.get(request_id)) is not None:
+                box.taker = taker
+        while True:
+            out = {}
+            for request_id in request_ids:
+                box = self._boxes.get(request_id)
+                if box is None:
+                    out[request_id] = []
+                elif box.events:
+                    out[request_id], box.events = box.events, []
+            if out or arrived.is_set():
+                arrived.clear()
+                return out
+            await arrived.wait()
+
+    def wake(self, taker: str) -> None:
+        """End `taker`'s waiting `take_many` (or its next one) with what it has: it asks again for a new set."""
+        self._takers.setdefault(taker, asyncio.Event()).set()
 
     def close(self, request_id: str) -> None:
         box = self._boxes.pop(request_id, None)
         if box is not None:
-            box.arrived.set()  # a waiting `take` returns what is left (or [])
+            self._notify(box.taker)  # a waiting `take_many` returns [] for it
+
+    def _notify(self, taker: str | None) -> None:
+        if taker is not None and (arrived := self._takers.get(taker)) is not None:
+            arrived.set()
 
     def open_boxes(self) -> int:
         return len(self._boxes)

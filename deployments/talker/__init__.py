@@ -3,4 +3,5 @@
     server.py               `TalkerServer`: the Serve shim over one talker engine (streams codec chunks)
     engine_protocol.py      `TalkerEngineProtocol`: what the server needs of an engine (real or fake)
     first_chunk_decoder.py  `FirstChunkDecoder`: the replica decodes streams' first chunks itself while lightly loaded
+    text_pump.py            `LiveTextPump`: live contexts' text from an ingress replica's mailbox, one poll for all
 """

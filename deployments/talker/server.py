@@ -30,10 +30,10 @@ from deployments.messages import GenerateOptions, LiveAdmitted, ModelInfo
 from deployments.metrics import TalkerMetrics
 from deployments.talker.engine_protocol import EngineStream, TalkerEngineProtocol
 from deployments.talker.first_chunk_decoder import FirstChunkDecoder
+from deployments.talker.text_pump import LiveTextPump
 from stages.chunking import ChunkSchedule
 from stages.contract import (
     CodecChunk,
-    InvalidRequestError,
     SamplingParams,
     SynthesisRequest,
     TaskType,
@@ -71,6 +71,7 @@ class TalkerServer:
         self._metrics_task: asyncio.Task | None = None
         self._metrics: TalkerMetrics | None = None
         self._open: dict[str, EngineStream] = {}  # the streams of requests in this replica, by request id
+        self._text_pumps: dict[object, LiveTextPump] = {}  # live requests' text, by the mailbox it comes from
 
     async def start(self) -> None:
         """Load the checkpoint, start the engine (KV sizing, graph capture), warm up with one real request."""
@@ -141,7 +142,8 @@ class TalkerServer:
 
         `request.prompt` has no text (`stages.prompts.build_live_prompt`); the text comes from `mailbox` (the
         calling ingress replica's `TextMailbox`, deployments/ingress/text_mailbox.py), where the ingress puts the
-        context's append/flush/end events; a task here takes them as they arrive and hands them to the engine,
+        context's append/flush/end events; this replica's pump for that mailbox (deployments/talker/text_pump.py)
+        takes them as they arrive, with those of its other requests there, and hands them to the engine,
         which waits for text without stepping the request. Cancelling ends it as for `generate`. The first item is
         `LiveAdmitted` (the engine took the request), then its chunks.
         """
@@ -149,7 +151,11 @@ class TalkerServer:
         with tracer.start_as_current_span("talker.admission", attributes={"tts.engine_request_id": request.request_id}):
             stream = self._engine.open_request(request, self._schedule_for(options),
                                                idle_timeout_s=options.text_idle_timeout_s)
-        pump = asyncio.get_running_loop().create_task(self._pump_text(request.request_id, mailbox))
+        # the text: one pump per mailbox takes the events of all this replica's requests from it in one poll
+        pump = self._text_pumps.get(mailbox)
+        if pump is None:
+            pump = self._text_pumps[mailbox] = LiveTextPump(self._engine, mailbox)
+        pump.add(request.request_id)
         self._open[request.request_id] = stream
         try:
             yield LiveAdmitted(request.request_id)
@@ -157,29 +163,10 @@ class TalkerServer:
                 yield chunk
         finally:
             self._open.pop(request.request_id, None)
-            pump.cancel()
+            pump.remove(request.request_id)
+            if not pump.requests:
+                self._text_pumps.pop(mailbox, None)
             await stream.aclose()
-
-    async def _pump_text(self, request_id: str, mailbox) -> None:
-        """Mailbox -> engine for one live request, until its `end` (or until it ends: then appends refuse)."""
-        engine = self._engine
-        try:
-            while events := await mailbox.take.remote(request_id):
-                for event in events:
-                    if event.kind == "append":
-                        engine.append_text(request_id, event.text)
-                    elif event.kind == "flush":
-                        engine.flush_text(request_id)
-                    else:
-                        engine.end_text(request_id)
-                        return
-        except InvalidRequestError:  # the request ended first (max_frames, error): text after it is moot
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the mailbox is gone: its ingress replica, and so the client, are gone
-            logger.warning(f"live text of {request_id} lost (its ingress is gone?): {e!r}")
-        engine.abort(request_id)  # the box was closed (the ingress ended the context) or lost
 
     async def _leaving(self, stream, started: float, request_id: str) -> AsyncGenerator[CodecChunk, None]:
         """The engine's chunks of one request as they leave this replica (chunks 0 and 1 via `_early_chunk`).

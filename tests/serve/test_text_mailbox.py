@@ -1,4 +1,5 @@
-"""deployments/ingress/text_mailbox.py on a real Ray cluster: events in order, a waiting take wakes on put and on close."""
+"""deployments/ingress/text_mailbox.py and deployments/talker/text_pump.py on a real Ray cluster: events in order,
+a waiting poll wakes on put, close and wake; one Talker-side pump feeds several requests from one mailbox."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import pytest
 
 from deployments.ingress.text_mailbox import TextEvent, new_mailbox
+from deployments.talker.text_pump import LiveTextPump
+from stages.contract import InvalidRequestError
 
 pytestmark = pytest.mark.serve
 
@@ -20,35 +23,115 @@ def mailbox(ray_cluster):
     ray.kill(box)
 
 
-def test_events_arrive_in_order_and_a_take_waits_for_them(mailbox):
+def test_events_arrive_in_order_and_a_poll_waits_for_them(mailbox):
     async def run():
         await mailbox.open.remote("r1")
-        waiting = asyncio.ensure_future(mailbox.take.remote("r1"))  # nothing queued yet: it waits
+        waiting = asyncio.ensure_future(mailbox.take_many.remote("t1", ["r1"]))  # nothing queued yet: it waits
         await asyncio.sleep(0)
         assert not waiting.done()
         for i in range(20):  # one call each, as the ingress sends them
             assert await mailbox.put.remote("r1", [TextEvent("append", f"w{i} ")])
-        first = await waiting
-        rest = []
-        while len(first) + len(rest) < 20:
-            rest += await mailbox.take.remote("r1")
+        events = (await waiting)["r1"]
+        while len(events) < 20:
+            events += (await mailbox.take_many.remote("t1", ["r1"]))["r1"]
         await mailbox.put.remote("r1", [TextEvent("flush"), TextEvent("end")])
-        tail = await mailbox.take.remote("r1")
-        return first + rest, tail
+        return events, await mailbox.take_many.remote("t1", ["r1"])
 
     events, tail = asyncio.run(run())
     assert [e.text for e in events] == [f"w{i} " for i in range(20)]
-    assert [e.kind for e in tail] == ["flush", "end"]
+    assert list(tail) == ["r1"] and [e.kind for e in tail["r1"]] == ["flush", "end"]
 
 
-def test_close_wakes_a_waiting_take_and_refuses_later_puts(mailbox):
+def test_one_poll_returns_every_request_with_text_and_only_those(mailbox):
+    async def run():
+        for rid in ("a", "b", "c"):
+            await mailbox.open.remote(rid)
+        await mailbox.put.remote("a", [TextEvent("append", "x")])
+        await mailbox.put.remote("c", [TextEvent("append", "y"), TextEvent("append", "z")])
+        return await mailbox.take_many.remote("t2", ["a", "b", "c"])
+
+    taken = asyncio.run(run())
+    assert {rid: [e.text for e in events] for rid, events in taken.items()} == {"a": ["x"], "c": ["y", "z"]}
+
+
+def test_close_and_wake_end_a_waiting_poll(mailbox):
     async def run():
         before = await mailbox.open_boxes.remote()
         await mailbox.open.remote("r2")
-        waiting = asyncio.ensure_future(mailbox.take.remote("r2"))
+        waiting = asyncio.ensure_future(mailbox.take_many.remote("t3", ["r2"]))
         await mailbox.close.remote("r2")
-        return await waiting, await mailbox.put.remote("r2", [TextEvent("append", "late")]), \
-            await mailbox.take.remote("r2"), before, await mailbox.open_boxes.remote()
+        closed = await waiting
+        accepted = await mailbox.put.remote("r2", [TextEvent("append", "late")])
+        await mailbox.open.remote("r3")
+        waiting = asyncio.ensure_future(mailbox.take_many.remote("t3", ["r3"]))
+        await mailbox.wake.remote("t3")
+        woken = await waiting
+        await mailbox.close.remote("r3")
+        return closed, accepted, woken, await mailbox.take_many.remote("t3", ["never-opened"]), before, \
+            await mailbox.open_boxes.remote()
 
-    taken, accepted, after, before, boxes = asyncio.run(run())
-    assert taken == [] and accepted is False and after == [] and boxes == before  # r2's box is gone
+    closed, accepted, woken, unknown, before, boxes = asyncio.run(run())
+    assert closed == {"r2": []} and accepted is False  # r2's box is gone: [] for it, later puts refused
+    assert woken == {}  # woken with nothing: the caller asks again (for a new set of requests)
+    assert unknown == {"never-opened": []} and boxes == before
+
+
+class _Engine:
+    """The engine's text side as the pump calls it: what each request received, in order."""
+
+    def __init__(self):
+        self.received: dict[str, list[str]] = {}
+        self.ended_requests: set[str] = set()
+        self.changed = asyncio.Event()
+
+    def _note(self, request_id: str, what: str) -> None:
+        if request_id in self.ended_requests:
+            raise InvalidRequestError(f"request {request_id!r} has ended")
+        self.received.setdefault(request_id, []).append(what)
+        self.changed.set()
+
+    def append_text(self, request_id, text):
+        self._note(request_id, text)
+
+    def flush_text(self, request_id):
+        self._note(request_id, "<flush>")
+
+    def end_text(self, request_id):
+        self._note(request_id, "<end>")
+
+    def abort(self, request_id):
+        self._note(request_id, "<abort>")
+
+    async def until(self, predicate) -> None:
+        while not predicate():
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), 60)
+
+
+def test_one_pump_feeds_every_request_of_a_mailbox_in_order(mailbox):
+    """A request added while the pump's poll waits for another's text gets its own text at once (the add wakes the
+    poll); each request's events reach the engine in order; `end` and a closed box end a request's text."""
+    engine = _Engine()
+
+    async def run():
+        pump = LiveTextPump(engine, mailbox)
+        await mailbox.open.remote("p1")
+        pump.add("p1")
+        await mailbox.put.remote("p1", [TextEvent("append", "one")])
+        await engine.until(lambda: engine.received.get("p1") == ["one"])
+        await mailbox.open.remote("p2")  # the pump now waits on p1 alone
+        await mailbox.put.remote("p2", [TextEvent("append", "two")])
+        pump.add("p2")
+        await engine.until(lambda: "p2" in engine.received)
+        for i in range(10):
+            await mailbox.put.remote("p1", [TextEvent("append", f"a{i}")])
+            await mailbox.put.remote("p2", [TextEvent("append", f"b{i}")])
+        await mailbox.put.remote("p1", [TextEvent("flush"), TextEvent("end"), TextEvent("append", "after end")])
+        await mailbox.close.remote("p2")  # the ingress ended p2's context: the engine aborts it
+        await engine.until(lambda: engine.received["p2"][-1] == "<abort>" and engine.received["p1"][-1] == "<end>")
+        assert pump.requests == frozenset()  # both ended here: the pump stopped polling
+        return pump
+
+    asyncio.run(run())
+    assert engine.received["p1"] == ["one", *(f"a{i}" for i in range(10)), "<flush>", "<end>"]
+    assert engine.received["p2"] == ["two", *(f"b{i}" for i in range(10)), "<abort>"]

@@ -1,0 +1,86 @@
+"""LiveTextPump: one Talker replica's live requests' text, from one ingress replica's mailbox into the engine.
+
+Each live request's text arrives in the `TextMailbox` of the ingress replica that holds its WebSocket context
+(deployments/ingress/text_mailbox.py). A replica speaking many live contexts used to await one `take` per
+request and event; a pump instead holds every request of this replica that reads from one mailbox and asks for
+all of their events in one long poll (`take_many`), so the replica's event loop makes one actor call per batch
+of text, however many contexts share the mailbox. A request added while a poll waits wakes it (`wake`), so its
+text is asked for at once. A closed box (the ingress ended the context) or a lost mailbox (its ingress replica
+is gone, and with it the client) aborts the request in the engine, as an ended request's stream would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from stages.contract import InvalidRequestError
+
+logger = logging.getLogger("ray.serve")
+
+
+class LiveTextPump:
+    """The live requests of one Talker replica whose text comes from one mailbox. Event-loop side only."""
+
+    def __init__(self, engine, mailbox):
+        """`engine`: the replica's engine (`append_text`, `flush_text`, `end_text`, `abort`); `mailbox`: a
+        `TextMailbox` actor handle."""
+        self._engine, self._mailbox = engine, mailbox
+        self._taker = uuid.uuid4().hex  # this pump's key in the mailbox: its polls and their wake-ups
+        self._requests: set[str] = set()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def requests(self) -> frozenset[str]:
+        return frozenset(self._requests)
+
+    def add(self, request_id: str) -> None:
+        """Take `request_id`'s text from now on (its box is open: the ingress opened it before the call)."""
+        self._requests.add(request_id)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        else:  # a poll for the other requests may be waiting: end it, so the next one asks for this one too
+            self._mailbox.wake.remote(self._taker)
+
+    def remove(self, request_id: str) -> None:
+        """The request ended here (its stream closed): its text is moot. The poll stops with the last one."""
+        self._requests.discard(request_id)
+        if not self._requests and self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        try:
+            while self._requests:
+                taken = await self._mailbox.take_many.remote(self._taker, sorted(self._requests))
+                for request_id, events in taken.items():
+                    if request_id in self._requests:
+                        self._deliver(request_id, events)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the mailbox is gone: its ingress replica, and so the clients, are gone
+            logger.warning(f"live text of {len(self._requests)} request(s) lost (their ingress is gone?): {e!r}")
+            for request_id in list(self._requests):
+                self._requests.discard(request_id)
+                self._engine.abort(request_id)
+
+    def _deliver(self, request_id: str, events) -> None:
+        """Hand one request's events to the engine; [] means its box was closed (the ingress ended it)."""
+        engine = self._engine
+        if not events:
+            self._requests.discard(request_id)
+            engine.abort(request_id)
+            return
+        try:
+            for event in events:
+                if event.kind == "append":
+                    engine.append_text(request_id, event.text)
+                elif event.kind == "flush":
+                    engine.flush_text(request_id)
+                else:
+                    engine.end_text(request_id)
+                    self._requests.discard(request_id)  # nothing follows `end`
+                    return
+        except InvalidRequestError:  # the request ended first (max_frames, error): text after it is moot
+            self._requests.discard(request_id)
