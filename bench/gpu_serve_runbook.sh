@@ -11,8 +11,8 @@
 #   closed  closed-loop sweep c = $CONCURRENCY (stops at the first level with failures)
 #   open    open-loop Poisson sweep r = $RATES (same stop rule)
 #   live    the WebSocket with live text (python -m bench.live): $LIVE_CONNECTIONS connections at once, each
-#           speaking $LIVE_UTTERANCES utterances fed a word every 100 ms; put it before `closed`, which takes
-#           the budget that is left
+#           speaking $LIVE_UTTERANCES utterances fed a word every 100 ms, then the replicas' engine counters
+#           (results/live/replica_stats.json); put it before `closed`, which takes the budget that is left
 #   all     setup closed open, splitting the remaining budget between the two sweeps
 #   collect copy results into $OUT (also done after each sweep); stop: shut the server down
 #   stats   every Talker and Code2Wav replica's engine counters since start (step times, batch, continued / fresh
@@ -357,6 +357,9 @@ live() {
   say "live text over the WebSocket: connections ${LIVE_CONNECTIONS:-1,64}, ${LIVE_UTTERANCES:-3} utterances each"
   timeout $(( $(left) - 30 )) python3 -m bench.live --url "$URL" --connections "${LIVE_CONNECTIONS:-1,64}" \
     --utterances "${LIVE_UTTERANCES:-3}" --frames "$MAX_NEW_TOKENS" --out "$dir"
+  # the engines' counters since start, i.e. the warm-up and this live load when it runs first (admission waits,
+  # first chunks, parks): where live text's first audio goes, apart from the closed and open sweeps
+  timeout 90 python3 -m bench.replica_stats --out "$dir/replica_stats.json" || say "no replica stats after live"
   collect
 }
 
