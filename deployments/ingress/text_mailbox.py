@@ -80,6 +80,13 @@ class TextMailbox:
         """End `taker`'s waiting `take_many` (or its next one) with what it has: it asks again for a new set."""
         self._takers.setdefault(taker, asyncio.Event()).set()
 
+    def release(self, taker: str) -> None:
+        """`taker` polls no more (its replica speaks no request from here now): forget it, ending a poll of its that
+        is still waiting (one its caller stopped awaiting)."""
+        arrived = self._takers.pop(taker, None)
+        if arrived is not None:
+            arrived.set()
+
     def close(self, request_id: str) -> None:
         box = self._boxes.pop(request_id, None)
         if box is not None:
@@ -91,6 +98,9 @@ class TextMailbox:
 
     def open_boxes(self) -> int:
         return len(self._boxes)
+
+    def takers(self) -> int:
+        return len(self._takers)
 
 
 def new_mailbox():

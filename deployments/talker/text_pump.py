@@ -44,11 +44,13 @@ class LiveTextPump:
             self._mailbox.wake.remote(self._taker)
 
     def remove(self, request_id: str) -> None:
-        """The request ended here (its stream closed): its text is moot. The poll stops with the last one."""
+        """The request ended here (its stream closed): its text is moot. The poll stops with the last one, and the
+        mailbox forgets this pump (the server makes a new one for the next request from it)."""
         self._requests.discard(request_id)
         if not self._requests and self._task is not None:
             self._task.cancel()
             self._task = None
+            self._mailbox.release.remote(self._taker)
 
     async def _run(self) -> None:
         try:

@@ -110,10 +110,12 @@ class _Engine:
 
 def test_one_pump_feeds_every_request_of_a_mailbox_in_order(mailbox):
     """A request added while the pump's poll waits for another's text gets its own text at once (the add wakes the
-    poll); each request's events reach the engine in order; `end` and a closed box end a request's text."""
+    poll); each request's events reach the engine in order; `end` and a closed box end a request's text; once its
+    requests are gone the mailbox holds nothing of the pump (its memory stays bounded by the replicas polling)."""
     engine = _Engine()
 
     async def run():
+        takers_before = await mailbox.takers.remote()
         pump = LiveTextPump(engine, mailbox)
         await mailbox.open.remote("p1")
         pump.add("p1")
@@ -130,7 +132,13 @@ def test_one_pump_feeds_every_request_of_a_mailbox_in_order(mailbox):
         await mailbox.close.remote("p2")  # the ingress ended p2's context: the engine aborts it
         await engine.until(lambda: engine.received["p2"][-1] == "<abort>" and engine.received["p1"][-1] == "<end>")
         assert pump.requests == frozenset()  # both ended here: the pump stopped polling
-        return pump
+        pump.remove("p1")  # as the server does when their streams close: the mailbox forgets the pump
+        pump.remove("p2")
+        for _ in range(600):  # `release` is sent without waiting for it: until the mailbox has run it
+            if await mailbox.takers.remote() == takers_before:
+                break
+            await asyncio.sleep(0.1)
+        assert await mailbox.takers.remote() == takers_before
 
     asyncio.run(run())
     assert engine.received["p1"] == ["one", *(f"a{i}" for i in range(10)), "<flush>", "<end>"]
