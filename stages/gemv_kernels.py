@@ -139,8 +139,8 @@ if triton is not None:
 
 # One row (batch 1, where the GEMVs are most of a step): the H200 sweep's fastest tiling of the 1.7B model's products
 # where it is not the rule's below, by (N, K, SwiGLU) (`python -m bench.kernels.gemv --rows 1 --warps 4,8`; figures:
-# docs/benchmarks.md, "One-row GEMVs tiled for the H200"). Narrower tiles where N is small (more programs in
-# flight), longer ones where K is long (fewer loop trips); the rule below was chosen on an H100.
+# docs/benchmarks.md, "One-row GEMVs tiled for the H200"). Wider tiles where N is large, narrower where it is
+# small (enough programs in flight), longer where K is long (fewer loop trips); the rule below was chosen on an H100.
 SWEPT_ONE_ROW = {
     (4096, 2048, False): (8, 512, 4),  # talker q/k/v
     (6144, 2048, True): (16, 256, 4),  # talker gate/up
