@@ -55,7 +55,7 @@ class LiveTextPump:
     async def _run(self) -> None:
         try:
             while self._requests:
-                taken = await self._mailbox.take_many.remote(self._taker, sorted(self._requests))
+                taken = await self._mailbox.take_many.remote(self._taker, list(self._requests))
                 for request_id, events in taken.items():
                     if request_id in self._requests:
                         self._deliver(request_id, events)

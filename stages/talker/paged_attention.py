@@ -5,11 +5,11 @@ over `seq_lens[row]` keys: it reads exactly the keys the row has (no length buck
 and all query heads of a GQA group share each key/value load. Shape-static launch (grid = rows x KV heads;
 lengths come from a device tensor), so it is captured inside the decode step's CUDA graph.
 
-The kernel runs q k^T and p v on tensor cores for the paged cache (the group's query heads as the rows of a
-16-row tile), which lets Triton fetch K/V tiles ahead asynchronously, and on CUDA cores, each product an fp32 sum
-in registers, for a contiguous per-row cache ([B, n_kv, L, D],
-`contiguous_decode_attention`, each row one block of L positions): the code predictor's (<= 16 keys), where
-SDPA's flash kernel, tiled for 64-128 keys, took 51 us per call at batch 256 on an H100 (23% of the decode step).
+The kernel runs q k^T and p v on tensor cores (the group's query heads as the rows of a 16-row tile, which lets
+Triton fetch K/V tiles ahead asynchronously) or on CUDA cores (each product an fp32 sum in registers), as the
+tiling says. The same walk serves a contiguous per-row cache ([B, n_kv, L, D], `contiguous_decode_attention`, each
+row one block of L positions): the code predictor's (<= 16 keys), where SDPA's flash kernel, tiled for 64-128
+keys, took 51 us per call at batch 256 on an H100 (23% of the decode step).
 
 The reference math is the gather + SDPA path in `DecodeContext` (stages/talker/paged_kv.py); the GPU
 tests compare the two (fp32 and bf16 tolerances are stated there).
@@ -62,8 +62,8 @@ class HeadNorm:
 @dataclass(frozen=True)
 class DecodeTiling:
     """How `paged_decode_attention` walks a row's keys: `keys` per iteration, `warps` per program, `stages` tiles
-    fetched ahead, and on tensor cores (the paged cache's) or CUDA cores (the code predictor's contiguous cache of
-    <= 16 keys, and the sweep's comparison)."""
+    fetched ahead, and on tensor cores or CUDA cores (`decode_tiling` and `contiguous_tiling` choose by the batch;
+    heads narrower than 16 always run on CUDA cores)."""
 
     keys: int
     warps: int

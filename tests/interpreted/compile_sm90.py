@@ -83,8 +83,8 @@ def attention() -> dict:
                           "stride_ob", "stride_oh", "stride_knb", "stride_knh", "stride_vnb", "stride_vnh", "stride_cb"),
                          "i32")
     out = {}
-    # the paged tilings (batch >= 128, >= 64, below) and the contiguous cache's (16 positions), with and without
-    # the new-K/V store and the head prologue
+    # CUDA-core tilings (the contiguous cache's from 64 rows up: 16 keys x 1 warp; the others the sweep's and the
+    # narrow-head fallback's), with and without the new-K/V store and the head prologue
     for block, warps, page in ((16, 1, 16), (16, 2, 16), (32, 4, 16), (16, 4, 16)):
         for write, heads in ((False, False), (True, False), (True, True)):
             out[f"block{block} warps{warps} page{page} write{write} heads{heads}"] = compile_kernel(

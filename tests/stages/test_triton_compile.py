@@ -29,8 +29,9 @@ def test_decode_kernels_compile_for_sm90_without_spills(compiled):
     result = {group: compiled[group] for group in ("gemv", "attention", "sampling")}
     # 10 products (8 layer products, the head, the input projection) x (4 row counts + 1 row with PDL); 4
     # CUDA-core attention tilings x 3 (plain, new-K/V store, + head prologue) + split kernel and merge at
-    # 2 and 16 splits and at 16 with PDL, + PDL without splits (no merge), + 6 tensor-core variants (2 tilings,
-    # splits 2 / 16 / 16 with PDL, PDL alone); 2 vocab sizes x (plain, PDL)
+    # 2 and 16 splits and at 16 with PDL, + PDL without splits (no merge), + 8 tensor-core variants (2 tilings,
+    # splits 2 / 16 / 16 with PDL, PDL alone; the contiguous cache's below 64 rows, plain and PDL); 2 vocab sizes x
+    # (plain, PDL)
     assert [len(result[k]) for k in ("gemv", "attention", "sampling")] == [50, 27, 4]
     for group, variants in result.items():
         for name, (registers, spill_bytes, vector_loads) in variants.items():
