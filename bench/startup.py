@@ -2,12 +2,15 @@
 before they answer /ready (load the checkpoint, size the KV pool, compile, capture graphs, one warm-up
 request), with the engine configuration of `configs/high_concurrency.yaml`.
 
-    python -m bench.startup --checkpoint CKPT [--compile-cache-dir DIR] [--out startup.json]
+    python -m bench.startup --checkpoint CKPT [--compile-cache-dir DIR] [--profile] [--out startup.json]
 
 Every log line of the engines is kept with its time since the process started, so the JSON says where the
 time went (e.g. "compiling fused kernels" -> "captured 17/17 decode graphs"). In a served start the two
 replicas load in parallel, each in its own process; here they run one after the other, and `ready_s` of the
-served start is about Ray's start-up plus the slower of the two.
+served start is about Ray's start-up plus the slower of the two. The Talker's phases include its first-chunk
+decoder (a small compiled Code2Wav engine of its own: deployments/talker/first_chunk_decoder.py), as a served
+Talker starts it before it is ready. `--profile` adds where the compile time went (bench/compile_profile.py:
+the project's Triton kernels' JIT compiles, Inductor's autotuning, Dynamo's phase timers).
 
 For a cold start set TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR to empty directories and give an empty
 --compile-cache-dir; for a start "from the cache file" delete those two directories but keep the file.
@@ -26,6 +29,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from bench.compile_profile import CompileProfile  # noqa: E402
+from deployments.talker.first_chunk_decoder import engine_config as first_chunk_config  # noqa: E402
 from stages.chunking import ChunkSchedule  # noqa: E402
 from stages.code2wav.engine import Code2WavEngine, Code2WavEngineConfig  # noqa: E402
 from stages.contract import SamplingParams, SynthesisRequest  # noqa: E402
@@ -60,8 +65,10 @@ def main() -> None:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--kv-cache-tokens", type=int, default=262144)
     ap.add_argument("--no-code2wav", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also report where the compile time went")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    profile = CompileProfile().install() if args.profile else None
     log = Timeline()
     log(f"imports done (torch {torch.__version__}) in {IMPORTED_S:.2f} s")
     phases = {"import": IMPORTED_S}
@@ -88,10 +95,14 @@ def main() -> None:
 
     frames = asyncio.run(one())
     phases["talker_warmup_request"] = log.mark(f"talker warm-up done ({frames} frames)") - t
+    # the schedule of configs/high_concurrency.yaml: first chunk 1 frame, doubling to 25, 25 frames of context
+    schedule = ChunkSchedule(first_chunk_frames=1, steady_chunk_frames=25, left_context_frames=25)
     if not args.no_code2wav:
         t = log.lines[-1][0]
-        # the schedule of configs/high_concurrency.yaml: first chunk 1 frame, doubling to 25, 25 frames of context
-        schedule = ChunkSchedule(first_chunk_frames=1, steady_chunk_frames=25, left_context_frames=25)
+        config, _, _ = first_chunk_config(schedule, compile=cuda, compile_cache_dir=args.compile_cache_dir)
+        Code2WavEngine(model.decoder, config).warmup(log)
+        phases["first_chunk_decoder_start"] = log.mark("first-chunk decoder graphs captured") - t
+        t = log.lines[-1][0]
         c2w = Code2WavEngine(model.decoder, Code2WavEngineConfig(
             max_batch_size=64, max_frames_per_forward=4096, stateful=True, state_slots=576,
             length_buckets=tuple(schedule.graph_lengths(stateful=True))))
@@ -100,13 +111,16 @@ def main() -> None:
     engine.shutdown()
     total = log.lines[-1][0]
     print(json.dumps({k: round(v, 2) for k, v in phases.items()}))
+    compile_report = profile.report() if profile else None
+    if compile_report:
+        print(json.dumps(compile_report, indent=1))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({
             "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "compile_cache_dir": args.compile_cache_dir, "phases_s": {k: round(v, 2) for k, v in phases.items()},
-            "total_s": total, "timeline": log.lines}, indent=1))
+            "total_s": total, "compile_profile": compile_report, "timeline": log.lines}, indent=1))
 
 
 if __name__ == "__main__":
