@@ -4,7 +4,9 @@ Each connection speaks utterances one after another: `open`, then one word every
 (0.1 s, an LLM writing ~13 tokens/s), then `end`. Per utterance: time from the first word sent to the first
 audio received, and whether it plays gap-free (a player that starts at its first audio and plays in real
 time never falls more than 100 ms behind: bench/loadgen/metrics.py). Per level (connections at once):
-p50/p95 of that time, the gap-free share, audio-s/s.
+p50/p95 of that time, the gap-free share, audio-s/s, and where the server's part of it went: each context's
+`done` carries its first audio's stages from its first text (`first_audio_ms`, deployments/first_audio_timing.py),
+here as p50/p95 per stage, with `client_side` the rest of the client's time (the socket both ways).
 
     python -m bench.live --url http://127.0.0.1:8000 --connections 1,64 --utterances 4 --out results/live
 """
@@ -34,6 +36,7 @@ class Utterance:
     finish_reason: str | None = None
     error: str | None = None
     arrivals: list[tuple[float, float]] = field(default_factory=list)  # (arrival, audio seconds) per frame
+    stages_ms: dict[str, float] = field(default_factory=dict)  # the server's first audio by stage (its `done`)
 
 
 async def _utterance(ws, cid: str, text: str, args) -> Utterance:
@@ -62,6 +65,7 @@ async def _utterance(ws, cid: str, text: str, args) -> Utterance:
             message = json.loads(raw)
             if message["type"] == "done":
                 u.finish_reason = message["finish_reason"]
+                u.stages_ms = message.get("first_audio_ms", {})
                 break
             if message["type"] == "error":
                 u.error = message["error"]["message"]
@@ -73,6 +77,8 @@ async def _utterance(ws, cid: str, text: str, args) -> Utterance:
         u.first_audio_s = u.arrivals[0][0] - t0
         u.audio_s = sum(a for _, a in u.arrivals)
         u.max_deficit_s = continuity([t for t, _ in u.arrivals], [a for _, a in u.arrivals]).max_deficit_s
+        if "total" in u.stages_ms:
+            u.stages_ms["client_side"] = u.first_audio_s * 1000 - u.stages_ms["total"]
     u.arrivals = []
     return u
 
@@ -97,11 +103,15 @@ async def run_level(url: str, connections: int, texts: list[str], args) -> dict:
     # each connection's first utterance apart: a cost paid once per connection (or replica) shows here
     opening = Stats.of(r[0].first_audio_s * 1000 for r in results if r and r[0].first_audio_s is not None)
     gap_free = [u.max_deficit_s <= CONTINUITY_THRESHOLD_S for u in ok]
+    names = list(dict.fromkeys(name for u in ok for name in u.stages_ms))  # path order, as the server sent them
+    stages = {name: {"p50": st.p50, "p95": st.p95}
+              for name in names if (st := Stats.of(u.stages_ms[name] for u in ok if name in u.stages_ms)).n}
     return {
         "connections": connections, "utterances": len(utterances), "errors": len(utterances) - len(ok),
         "first_word_to_audio_ms": asdict(first), "first_utterance_of_connection_ms": asdict(opening),
         "gap_free_share": sum(gap_free) / len(gap_free) if gap_free else None,
         "audio_s_per_s": sum(u.audio_s for u in ok) / wall, "wall_s": wall,
+        "first_audio_stages_ms": stages,
         "error_examples": sorted({u.error for u in utterances if u.error})[:3],
     }
 
@@ -141,8 +151,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"{lv['first_word_to_audio_ms']['p95'] or 0:.0f} | {(lv['gap_free_share'] or 0) * 100:.0f}% | "
                 f"{lv['audio_s_per_s']:.1f} | {lv['errors']} |" for lv in levels]
         (args.out / "live.md").write_text("| connections | first word -> audio p50 / p95 (ms) | gap-free | "
-                                          "audio-s/s | errors |\n|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
+                                          "audio-s/s | errors |\n|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n"
+                                          + _stages_table(levels))
     return 0
+
+
+def _stages_table(levels: list[dict]) -> str:
+    """The first audio by stage, p50 / p95 ms per level (the server's stages, then the client's rest)."""
+    names = list(dict.fromkeys(name for lv in levels for name in lv["first_audio_stages_ms"]))
+    if not names:
+        return ""
+    rows = []
+    for lv in levels:
+        cells = [f"{st['p50']:.1f} / {st['p95']:.1f}" if (st := lv["first_audio_stages_ms"].get(name)) else "-"
+                 for name in names]
+        rows.append(f"| {lv['connections']} | " + " | ".join(cells) + " |")
+    return ("\nFirst audio by stage from the first text (the contexts' `done`: deployments/first_audio_timing.py), "
+            "p50 / p95 ms:\n\n| connections | " + " | ".join(names) + " |\n|---:|" + "---:|" * len(names) + "\n"
+            + "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

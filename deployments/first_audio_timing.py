@@ -10,6 +10,13 @@ clocks: exact on one machine, off by the nodes' clock skew across machines (a ne
 
 The header is standard (W3C Server-Timing: browsers' developer tools show it; `bench.loadgen` collects it per
 request), and each stage is also a histogram, `tts_first_audio_stage_ms{stage}`, in the Ray dashboard.
+
+A live context (WebSocket) times its first audio from its first text instead (`live`): its Talker request started
+when the context opened and waits for text, so its path is the text's way in (the ingress's mailbox, the Talker
+replica's poll of it: `to_talker_text`, from a fourth Talker stamp, the first text handed to its engine), then the
+same hops as a request's from the Talker on, and `respond` up to the first audio message sent. Its stages go to the
+client in the context's `done` message (docs/websocket.md), not to the histogram: their `talker` and `total` mean
+something else than a request's.
 With the `object_ref` transport the ingress never reads the chunk, so the Talker's and Code2Wav's stamps are
 unknown and their stages merge into `talker_and_back`; a first chunk the Talker decoded has no Code2Wav stages.
 """
@@ -22,16 +29,18 @@ from dataclasses import dataclass
 STAGES: dict[str, str] = {
     "ingress": "arrival at the ingress to its Talker call: validation, routing, tokenization, voice",
     "to_talker": "the call's hop to a Talker replica, until its generate runs",
-    "talker": "in the Talker replica: engine admission, prefill and the first chunk's frames",
+    "to_talker_text": "live: the first text's way from the ingress to the Talker's engine (its mailbox, the poll)",
+    "talker": "in the Talker replica: engine admission, prefill and the first chunk's frames (live: from its first "
+              "text, which includes waiting for the text that makes its first frames final)",
     "talker_decode": "the Talker decoding the first chunk itself (deployments/talker/first_chunk_decoder.py; ~0 if not)",
     "to_ingress": "the first codec chunk's hop back to the ingress",
     "to_code2wav": "the ingress's decode batching and the hop to a Code2Wav replica",
     "code2wav_queue": "waiting in Code2Wav for the decoder (the batch before it)",
     "code2wav": "the decode batch that held the first chunk",
     "from_code2wav": "the first PCM's hop back to the ingress",
-    "respond": "the ingress, from the first PCM to its response",
+    "respond": "the ingress, from the first PCM to its response (live: to the first audio message sent)",
     "talker_and_back": "object_ref transport: to_talker .. to_ingress (their stamps are not read)",
-    "total": "arrival at the ingress to its response",
+    "total": "arrival at the ingress to its response (live: its first text's arrival to its first audio sent)",
 }
 
 
@@ -47,23 +56,46 @@ class FirstAudioTiming:
     arrived: float
     talker_called: float | None = None
     chunk_received: float | None = None
-    talker: tuple[float, ...] = ()  # (generate started, first chunk cut, first chunk yielded): CodecChunk.stamps
+    # (generate started, first chunk cut, first chunk yielded[, live: first text handed to the engine]):
+    # CodecChunk.stamps
+    talker: tuple[float, ...] = ()
     decoded_received: float | None = None
     code2wav: tuple[float, ...] = ()  # (call arrived, batch started, batch ended): DecodedChunk.stamps
     responded: float | None = None
+    live: bool = False  # a live context's: `arrived` is its first text's arrival, set when that text comes
 
     def stages_ms(self) -> dict[str, float]:
         """The stages that this request's stamps determine, in ms, in path order (plus `total`)."""
+        if self.live:
+            return self._stages_ms(self._live_marks())
         marks: list[tuple[str, float | None]] = [("ingress", self.talker_called)]
         if len(self.talker) == 3:
             marks += [("to_talker", self.talker[0]), ("talker", self.talker[1]), ("talker_decode", self.talker[2]),
                       ("to_ingress", self.chunk_received)]
         else:
             marks.append(("talker_and_back", self.chunk_received))
+        return self._stages_ms(marks + self._code2wav_marks())
+
+    def _live_marks(self) -> list[tuple[str, float | None]]:
+        """The Talker's stamps from its first text on (without that stamp, `talker` runs from the text's arrival
+        here); the request's admission and prefill happened before the text came."""
+        marks: list[tuple[str, float | None]] = []
+        if len(self.talker) == 4:
+            marks.append(("to_talker_text", self.talker[3]))
+        if len(self.talker) >= 3:
+            marks += [("talker", self.talker[1]), ("talker_decode", self.talker[2]), ("to_ingress", self.chunk_received)]
+        else:
+            marks.append(("talker_and_back", self.chunk_received))
+        return marks + self._code2wav_marks()
+
+    def _code2wav_marks(self) -> list[tuple[str, float | None]]:
+        marks: list[tuple[str, float | None]] = []
         if len(self.code2wav) == 3:
             marks += [("to_code2wav", self.code2wav[0]), ("code2wav_queue", self.code2wav[1]),
                       ("code2wav", self.code2wav[2]), ("from_code2wav", self.decoded_received)]
-        marks.append(("respond", self.responded))
+        return marks + [("respond", self.responded)]
+
+    def _stages_ms(self, marks: list[tuple[str, float | None]]) -> dict[str, float]:
         stages, last = {}, self.arrived
         for name, t in marks:
             if t is None:  # a stamp missing (e.g. a failed request): the stages after it are not determined

@@ -153,7 +153,8 @@ class CodecChunk:
     context: int
     final: bool = False
     finish_reason: FinishReason | None = None
-    # wall times the serving path stamps on a stream's first chunk (deployments/first_audio_timing.py)
+    # wall times the serving path stamps on a stream's first chunk (deployments/first_audio_timing.py): generate
+    # started, first chunk cut, first chunk left[, live: its first text reached the engine]
     stamps: tuple[float, ...] = ()
     # int16 PCM of the new frames when the Talker decoded the chunk itself (deployments/talker/first_chunk_decoder.py)
     pcm: np.ndarray | None = None

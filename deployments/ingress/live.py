@@ -32,8 +32,10 @@ from ray.actor import ActorHandle
 from ray.exceptions import TaskCancelledError
 from starlette.websockets import WebSocketDisconnect
 
+from deployments import first_audio_timing
 from deployments.audio.encoders import AsyncStreamEncoder
 from deployments.errors import APIError, bad_request
+from deployments.first_audio_timing import FirstAudioTiming
 from deployments.ingress.api_keys import SPEECH, ApiKey
 from deployments.ingress.auth import Auth, websocket_token
 from deployments.ingress.http_guard import OpenWork
@@ -82,6 +84,13 @@ logger = logging.getLogger("ray.serve")
 
 
 
+def _note_first_text(ctx: _Context) -> None:
+    """The context's first text: its first audio is timed from here (both clocks: the metric's and the stages')."""
+    if ctx.first_text_at is None:
+        ctx.first_text_at = time.perf_counter()
+        ctx.timing.arrived = first_audio_timing.now()
+
+
 @dataclass
 class _Context:
     id: str
@@ -100,6 +109,8 @@ class _Context:
     record: RequestRecord | None = None  # its log line (deployments/ingress/request_log.py)
     admission: Admission | None = None  # its slot under its key's limits
     timestamps: ResponseTimestamps | None = None  # its word times, when its `open` asked for them
+    # its first audio's stages from its first text (deployments/first_audio_timing.py), sent with its `done`
+    timing: FirstAudioTiming = field(default_factory=lambda: FirstAudioTiming(arrived=0.0, live=True))
 
 
 class LiveSession:
@@ -235,7 +246,7 @@ class LiveSession:
         if text:
             ctx.text.append(text)
             ctx.chars += len(text)
-            ctx.first_text_at = ctx.first_text_at or time.perf_counter()
+            _note_first_text(ctx)
             await ctx.pieces.append(text)
         if isinstance(message, LiveFlush):
             await ctx.pieces.flush()
@@ -271,6 +282,7 @@ class LiveSession:
             record.end("rejected", 429)
             return
         model, pieces, admission = "-", None, None
+        timing = FirstAudioTiming(arrived=0.0, live=True)  # `arrived`: set by its first text
         body = body.with_default_format(self._limits.default_response_format)
         try:
             if self._auth is not None:  # the key's limits, across replicas (deployments/ingress/rate_limits.py)
@@ -289,7 +301,7 @@ class LiveSession:
             check_request(body, info, self._ingress.args)
             await self._ingress.check_timestamps(body)
             voice = await self._ingress.voice_prompt(body, info, voice_choice)
-            io = MailboxPieces(self._ingress, self._mailbox, body, info, voice_choice, voice)
+            io = MailboxPieces(self._ingress, self._mailbox, body, info, voice_choice, voice, timing)
             pieces = LivePieces(io, request_id, info.tokenizer, info.max_text_rows, self._limits.long_form,
                                 body.max_new_tokens, on_cut=lambda k, frames: self._outcomes.frame_cap_cut(
                                     info.name, f"piece {k + 1} of live context {request_id}", frames))
@@ -303,7 +315,7 @@ class LiveSession:
             await self._error(cid, self._outcomes.failed(exc, model, True, record), final=True)
             return
         ctx = _Context(cid, request_id, model, body, info, pieces, record=record, admission=admission,
-                       timestamps=self._ingress.timestamps(body, pieces.piece_text))
+                       timestamps=self._ingress.timestamps(body, pieces.piece_text), timing=timing)
         self._contexts[cid] = ctx
         self._outcomes.stream_opened(model)
         # `opened` once the Talker took the request (_speak): one beyond its queue gets only a final error. Text
@@ -311,7 +323,8 @@ class LiveSession:
         ctx.task = asyncio.get_running_loop().create_task(self._speak(ctx))
         if body.input:
             ctx.text.append(body.input)
-            ctx.chars, ctx.first_text_at = len(body.input), time.perf_counter()
+            ctx.chars = len(body.input)
+            _note_first_text(ctx)
             await pieces.append(body.input)
 
     # ------------------------------------------------------------------ a context's audio
@@ -331,6 +344,7 @@ class LiveSession:
                     await self._send_bytes(audio_frame(ctx.id, data))
                     if not audio_sent and ctx.first_text_at is not None:
                         audio_sent = True
+                        ctx.timing.responded = first_audio_timing.now()
                         self._outcomes.first_stream_audio(ctx.model, ctx.first_text_at)
                         ctx.record.first_audio(since=ctx.first_text_at)
                 if ts is not None:
@@ -379,9 +393,12 @@ class LiveSession:
     def _done(self, ctx: _Context, finish_reason: str) -> dict:
         frames = ctx.pieces.frames
         input_tokens = len(ctx.info.tokenizer.encode("".join(ctx.text))) if ctx.text else 0
-        return {"type": "done", "context_id": ctx.id, "finish_reason": finish_reason,
+        done = {"type": "done", "context_id": ctx.id, "finish_reason": finish_reason,
                 "usage": usage(input_tokens, frames),
                 "audio_seconds": round(ctx.pieces.samples / SAMPLE_RATE / ctx.body.speed, 3)}
+        if ctx.timing.responded is not None:
+            done["first_audio_ms"] = {stage: round(ms, 2) for stage, ms in ctx.timing.stages_ms().items()}
+        return done
 
     async def _close_all(self) -> None:
         self._closing = True

@@ -37,6 +37,7 @@ from typing import Protocol
 import numpy as np
 
 from deployments.config import LongFormSettings
+from deployments.first_audio_timing import FirstAudioTiming
 from deployments.ingress.long_form import silence
 from deployments.ingress.long_text import FRAMES_PER_CHAR, estimated_frames, pause_after, piece_seed
 from deployments.ingress.request_builder import VoiceChoice
@@ -78,10 +79,13 @@ class MailboxPieces:
     """A context's pieces' Talker live requests (`PieceIO`): each with the
     context's voice (one prompt for all), sampling and instructions, piece k's seed derived from the context's."""
 
-    def __init__(self, ingress, mailbox, body: LiveOpen, info: ModelInfo, choice: VoiceChoice, voice):
-        """`ingress`: its `start_live` (deployments/ingress/server.py); `mailbox`: the replica's TextMailbox."""
+    def __init__(self, ingress, mailbox, body: LiveOpen, info: ModelInfo, choice: VoiceChoice, voice,
+                 timing: FirstAudioTiming | None = None):
+        """`ingress`: its `start_live` (deployments/ingress/server.py); `mailbox`: the replica's TextMailbox;
+        `timing`: the context's first audio's stamps (its first piece's, which speaks first)."""
         self._ingress, self._mailbox = ingress, mailbox
         self._body, self._info, self._choice, self._voice = body, info, choice, voice
+        self._timing = timing
 
     async def start(self, index: int, request_id: str) -> StartedPiece:
         body, info = self._body, self._info
@@ -89,7 +93,8 @@ class MailboxPieces:
         try:
             _, fits, chunks = self._ingress.start_live(
                 body.model_copy(update={"seed": piece_seed(body.seed, index)}), info, self._choice, self._voice,
-                request_id, self._mailbox, body.idle_timeout_s, body.max_new_tokens)
+                request_id, self._mailbox, body.idle_timeout_s, body.max_new_tokens,
+                timing=self._timing if index == 0 else None)
         except BaseException:
             self._mailbox.close.remote(request_id)
             raise

@@ -188,16 +188,18 @@ class TTSIngress:
 
     def start_live(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, voice, request_id: str,
                    mailbox, idle_timeout_s: float | None = None, frame_cap: int | None = None,
+                   timing: FirstAudioTiming | None = None,
                    ) -> tuple[SynthesisRequest, int, AsyncIterator[DecodedChunk]]:
         """One live request of a WebSocket context (deployments/ingress/live_pieces.py): the engine's request, the
         frames that fit it (`max_seq_len`; its cap had the client set none), and its decoded-chunk pipeline (nothing
-        runs until its first item is awaited); its text comes through `mailbox`. `frame_cap`: at most this many."""
+        runs until its first item is awaited); its text comes through `mailbox`. `frame_cap`: at most this many;
+        `timing`: its first chunk's hops are stamped there (the context's first audio)."""
         synthesis, options = build_request(body.model_copy(update={"max_new_tokens": None}), info, voice_choice, voice,
                                            self._args, request_id, live=True, idle_timeout_s=idle_timeout_s)
         fits = synthesis.max_frames
         if frame_cap is not None:
             synthesis = dataclasses.replace(synthesis, max_frames=min(fits, frame_cap))
-        return synthesis, fits, self._pipeline(info, synthesis, options, mailbox)
+        return synthesis, fits, self._pipeline(info, synthesis, options, mailbox, timing)
 
     def _pipeline(self, info: ModelInfo, synthesis: SynthesisRequest, options: GenerateOptions, mailbox=None,
                   timing: FirstAudioTiming | None = None) -> AsyncIterator[DecodedChunk]:

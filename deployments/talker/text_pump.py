@@ -7,6 +7,9 @@ all of their events in one long poll (`take_many`), so the replica's event loop 
 of text, however many contexts share the mailbox. A request added while a poll waits wakes it (`wake`), so its
 text is asked for at once. A closed box (the ingress ended the context) or a lost mailbox (its ingress replica
 is gone, and with it the client) aborts the request in the engine, as an ended request's stream would.
+
+The pump notes when each request's first text reached the engine (`first_text_at`): the live first audio's
+`to_talker_text` stage ends there (deployments/first_audio_timing.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import asyncio
 import logging
 import uuid
 
+from deployments import first_audio_timing
 from stages.contract import InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
@@ -29,6 +33,7 @@ class LiveTextPump:
         self._engine, self._mailbox = engine, mailbox
         self._taker = uuid.uuid4().hex  # this pump's key in the mailbox: its polls and their wake-ups
         self._requests: set[str] = set()
+        self._first_text: dict[str, float] = {}  # request -> wall time its first text was handed to the engine
         self._task: asyncio.Task | None = None
 
     @property
@@ -43,10 +48,15 @@ class LiveTextPump:
         else:  # a poll for the other requests may be waiting: end it, so the next one asks for this one too
             self._mailbox.wake.remote(self._taker)
 
+    def first_text_at(self, request_id: str) -> float | None:
+        """When the request's first text was handed to the engine (`first_audio_timing.now()`; None: not yet)."""
+        return self._first_text.get(request_id)
+
     def remove(self, request_id: str) -> None:
         """The request ended here (its stream closed): its text is moot. The poll stops with the last one, and the
         mailbox forgets this pump (the server makes a new one for the next request from it)."""
         self._requests.discard(request_id)
+        self._first_text.pop(request_id, None)
         if not self._requests and self._task is not None:
             self._task.cancel()
             self._task = None
@@ -78,6 +88,7 @@ class LiveTextPump:
             for event in events:
                 if event.kind == "append":
                     engine.append_text(request_id, event.text)
+                    self._first_text.setdefault(request_id, first_audio_timing.now())
                 elif event.kind == "flush":
                     engine.flush_text(request_id)
                 else:

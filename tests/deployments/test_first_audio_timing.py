@@ -57,3 +57,22 @@ def test_parsing_takes_durations_only():
     assert parse_server_timing('cache;desc="hit", db;dur=53.2, app;dur=x, total;desc=t;dur=7') == {"db": 53.2,
                                                                                                  "total": 7.0}
     assert parse_server_timing("") == {}
+
+
+def test_a_live_contexts_first_audio_runs_from_its_first_text():
+    """The live request started before its text (admission and prefill are not its first audio's), so its stages
+    start at the first text's arrival: its way to the engine, then the request's hops from the Talker on."""
+    timing = FirstAudioTiming(arrived=0.0, live=True, talker_called=99.0)  # the request started at the open
+    timing.arrived = 100.0  # the first text
+    timing.talker = (99.001, 100.150, 100.151, 100.020)  # started, cut, left, first text in the engine
+    timing.chunk_received, timing.decoded_received = 100.152, 100.160
+    timing.code2wav = (100.154, 100.155, 100.159)
+    timing.responded = 100.1605
+    stages = timing.stages_ms()
+    expected = {"to_talker_text": 20, "talker": 130, "talker_decode": 1, "to_ingress": 1, "to_code2wav": 2,
+                "code2wav_queue": 1, "code2wav": 4, "from_code2wav": 1, "respond": 0.5, "total": 160.5}
+    assert list(stages) == list(expected) and stages == pytest.approx(expected, abs=1e-6)
+    assert set(stages) <= set(STAGES)
+    timing.talker = timing.talker[:3]  # no text stamp (the text came before the pump knew the request)
+    assert list(timing.stages_ms())[:2] == ["talker", "talker_decode"]
+    assert timing.stages_ms()["talker"] == pytest.approx(150)

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from deployments import first_audio_timing
 from deployments.ingress.text_mailbox import TextEvent, new_mailbox
 from deployments.talker.text_pump import LiveTextPump
 from stages.contract import InvalidRequestError
@@ -119,8 +120,12 @@ def test_one_pump_feeds_every_request_of_a_mailbox_in_order(mailbox):
         pump = LiveTextPump(engine, mailbox)
         await mailbox.open.remote("p1")
         pump.add("p1")
+        assert pump.first_text_at("p1") is None
+        put_at = first_audio_timing.now()
         await mailbox.put.remote("p1", [TextEvent("append", "one")])
         await engine.until(lambda: engine.received.get("p1") == ["one"])
+        first_p1 = pump.first_text_at("p1")  # when "one" reached the engine (a live first audio's stamp)
+        assert first_p1 is not None and put_at <= first_p1 <= first_audio_timing.now()
         await mailbox.open.remote("p2")  # the pump now waits on p1 alone
         await mailbox.put.remote("p2", [TextEvent("append", "two")])
         pump.add("p2")
@@ -132,8 +137,10 @@ def test_one_pump_feeds_every_request_of_a_mailbox_in_order(mailbox):
         await mailbox.close.remote("p2")  # the ingress ended p2's context: the engine aborts it
         await engine.until(lambda: engine.received["p2"][-1] == "<abort>" and engine.received["p1"][-1] == "<end>")
         assert pump.requests == frozenset()  # both ended here: the pump stopped polling
+        assert pump.first_text_at("p1") == first_p1  # its first text's, not a later one's
         pump.remove("p1")  # as the server does when their streams close: the mailbox forgets the pump
         pump.remove("p2")
+        assert pump.first_text_at("p1") is None and pump.first_text_at("p2") is None  # nothing kept of them
         for _ in range(600):  # `release` is sent without waiting for it: until the mailbox has run it
             if await mailbox.takers.remote() == takers_before:
                 break

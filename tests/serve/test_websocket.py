@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from deployments.first_audio_timing import STAGES
 from deployments.ingress.schemas import parse_audio_frame
 from stages.contract import SAMPLES_PER_FRAME
 from tests.serve.conftest import engine_stats, wait_for, wav_bytes
@@ -104,6 +105,7 @@ def test_text_appended_token_by_token_speaks_like_the_whole_text(client):
     assert whole["type"] == "done", whole
     assert whole["finish_reason"] == "length" and whole["usage"]["output_tokens"] == 8
     assert whole["usage"]["input_tokens"] > 5 and whole["audio_seconds"] == pytest.approx(0.64)
+    _assert_first_audio_stages(whole)
 
     assert client.open("pieces")["type"] == "opened"
     for ch in TEXT:
@@ -111,6 +113,7 @@ def test_text_appended_token_by_token_speaks_like_the_whole_text(client):
     client.send(type="end", context_id="pieces")
     pieces = client.done("pieces")
     assert pieces["type"] == "done" and pieces["usage"] == whole["usage"]
+    _assert_first_audio_stages(pieces)
     a, b = client.pcm("whole"), client.pcm("pieces")
     assert a.size == b.size == 8 * SAMPLES_PER_FRAME
     # the same codes; the chunks are cut at other frames (a live context's chunk ends where its text does), and a
@@ -118,6 +121,18 @@ def test_text_appended_token_by_token_speaks_like_the_whole_text(client):
     # (docs/code2wav.md section 3; larger on this tiny random decoder): 128 of int16's 32,768 is 0.4% of full scale
     diff = np.abs(a.astype(np.int32) - b)
     assert diff.max() <= 128 and diff.mean() < 4, ("piecewise text spoke different audio", diff.max(), diff.mean())
+
+
+def _assert_first_audio_stages(done: dict) -> None:
+    """A context's `done` says where its first audio went, hop by hop from its first text (one machine: every
+    stage is a difference of one clock)."""
+    stages = done["first_audio_ms"]
+    names = list(stages)
+    assert set(names) <= set(STAGES), names
+    # the text's way in, then the Talker's hops, (Code2Wav's, unless the Talker decoded the first chunk), the reply
+    assert names[:4] == ["to_talker_text", "talker", "talker_decode", "to_ingress"] and names[-2:] == ["respond", "total"]
+    assert all(ms >= 0 for ms in stages.values()), stages
+    assert sum(ms for name, ms in stages.items() if name != "total") == pytest.approx(stages["total"], abs=0.05)
 
 
 def _open_parked(client, context_id: str, frames: int, text: str) -> None:
@@ -247,6 +262,14 @@ def test_live_benchmark_measures_an_utterance(base_url):
     assert level["utterances"] == 2 and level["errors"] == 0, level
     assert level["first_word_to_audio_ms"]["n"] == 2 and level["first_word_to_audio_ms"]["p50"] > 0
     assert level["audio_s_per_s"] > 0 and level["gap_free_share"] is not None
+    # where the first audio went: the server's stages from each context's `done`, then the client's rest
+    stages = level["first_audio_stages_ms"]
+    assert list(stages)[:2] == ["to_talker_text", "talker"] and list(stages)[-2:] == ["total", "client_side"]
+    assert stages["total"]["p50"] <= level["first_word_to_audio_ms"]["max"]
+    assert all(st["p50"] is not None and st["p50"] >= 0 for st in stages.values()), stages
+    from bench.live import _stages_table
+
+    assert "| 1 | " in _stages_table([level]) and "to_talker_text" in _stages_table([level])
 
 
 def _ingress_stats() -> dict:
