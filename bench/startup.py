@@ -64,6 +64,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--kv-cache-tokens", type=int, default=262144)
+    # a served replica's torch thread count: Ray sets it to the replica's num_cpus (configs/high_concurrency.yaml: the
+    # Talker 2, Code2Wav 1); the compile-cache file is keyed by it (stages/compile_cache.py), so with these counts
+    # this start's file is the one a served start of that config loads
+    ap.add_argument("--talker-threads", type=int, default=2, help="torch threads while the Talker starts")
+    ap.add_argument("--code2wav-threads", type=int, default=1, help="torch threads while Code2Wav starts")
     ap.add_argument("--no-code2wav", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also report where the compile time went")
     ap.add_argument("--out", default=None)
@@ -73,6 +78,7 @@ def main() -> None:
     log(f"imports done (torch {torch.__version__}) in {IMPORTED_S:.2f} s")
     phases = {"import": IMPORTED_S}
 
+    torch.set_num_threads(args.talker_threads)
     t = log.mark("load talker")
     cuda = torch.cuda.is_available()  # CPU: a smoke run (no compile, no graphs)
     model = Qwen3TTS.load(args.checkpoint, device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
@@ -102,6 +108,7 @@ def main() -> None:
         config, _, _ = first_chunk_config(schedule, compile=cuda, compile_cache_dir=args.compile_cache_dir)
         Code2WavEngine(model.decoder, config).warmup(log)
         phases["first_chunk_decoder_start"] = log.mark("first-chunk decoder graphs captured") - t
+        torch.set_num_threads(args.code2wav_threads)
         t = log.lines[-1][0]
         c2w = Code2WavEngine(model.decoder, Code2WavEngineConfig(
             max_batch_size=64, max_frames_per_forward=4096, stateful=True, state_slots=576,
@@ -119,7 +126,9 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({
             "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "compile_cache_dir": args.compile_cache_dir, "phases_s": {k: round(v, 2) for k, v in phases.items()},
+            "compile_cache_dir": args.compile_cache_dir,
+            "torch_threads": {"talker": args.talker_threads, "code2wav": args.code2wav_threads},
+            "phases_s": {k: round(v, 2) for k, v in phases.items()},
             "total_s": total, "compile_profile": compile_report, "timeline": log.lines}, indent=1))
 
 

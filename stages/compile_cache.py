@@ -2,22 +2,24 @@
 first warm-up, so later starts (another replica, a restarted pod, a new machine reading the same shared
 directory) skip Inductor's code generation and Triton's kernel compilation.
 
-It stores PyTorch's portable cache artifacts (`torch.compiler.save_cache_artifacts`: the FX graph, autotuning
-and Triton kernel caches of everything compiled in the process) and, with Dynamo's caching precompile on (what
-`load` turns on), Dynamo's own work too: each compiled function's guards and bytecode, so a start from the file
-does not trace the functions again. Tracing was what a start from the file still spent its time on: ~40
-compiled variants (talker and code predictor, batch 1 and wider, one row, two and prompt widths), 35 s of the
-talker's start on an H100 (bench/startup.py). That mode drops guards on globals (which function a name refers
-to), so the file name keys the source of the compiled code as well as the torch, Triton and CUDA versions, the
-GPU and the model's shapes: an incompatible file is never offered; a file that is not useful is harmless
-(PyTorch checks its own cache keys entry by entry). A start that loaded the file and compiled something it lacked
-(a shape variant, a kernel option the key does not name) writes it again with both, so the next start has all of
-it: PyTorch's own save returns only what this process recorded (a variant served by Dynamo's loaded work records
-nothing, so its Inductor and AOTAutograd artifacts were dropped from a rewritten file: 21.5 -> 3.7 MiB on an H100),
-and `save` merges it into the file as it is then (`_merged`), so a file only grows. Writes are atomic: replicas
-starting together may race, and the last complete file wins (it holds what it read, and what its writer added).
-Two engines whose compiled functions see different shapes must not share a file (Dynamo's work for a function is
-one artifact, and each would replace the other's): the key names what decides the shapes (`model_key`).
+It stores PyTorch's portable cache artifacts (`torch.compiler.save_cache_artifacts`: the FX graph, autotuning and
+Triton kernel caches of everything compiled in the process) and, with Dynamo's caching precompile on (what `load`
+turns on), Dynamo's own work too: each compiled function's guards and bytecode, so a start from the file does not
+trace the functions again. Tracing was what a start from the file still spent its time on: ~40 compiled variants
+(talker and code predictor, batch 1 and wider, one row, two and prompt widths), 35 s of the talker's start on an H100
+(bench/startup.py). That mode drops guards on globals (which function a name refers to), so the file name keys the
+source of the compiled code as well as the torch, Triton and CUDA versions, the GPU, the model's shapes and torch's
+intra-op thread count (Dynamo guards every compiled variant on the process's global state, the thread count included:
+work traced under another count fails its guards and is traced and compiled again; Ray sets a replica's count to its
+`num_cpus`): an incompatible file is never offered; a file that is not useful is harmless (PyTorch checks its own
+cache keys entry by entry). A start that loaded the file and compiled something it lacked (a shape variant, a kernel
+option the key does not name) writes it again with both, so the next start has all of it: PyTorch's own save returns
+only what this process recorded (a variant served by Dynamo's loaded work records nothing, so its Inductor and
+AOTAutograd artifacts were dropped from a rewritten file: 21.5 -> 3.7 MiB on an H100), and `save` merges it into the
+file as it is then (`_merged`), so a file only grows. Writes are atomic: replicas starting together may race, and the
+last complete file wins (it holds what it read, and what its writer added). Two engines whose compiled functions see
+different shapes must not share a file (Dynamo's work for a function is one artifact, and each would replace the
+other's): the key names what decides the shapes (`model_key`).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class CompileCache:
         key = {
             "torch": torch.__version__, "triton": getattr(triton, "__version__", None), "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type, "code": code,
-            "dynamo": dynamo, **model_key,
+            "dynamo": dynamo, "torch_threads": torch.get_num_threads(), **model_key,
         }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return cls(Path(directory).expanduser() / f"torch-compile-{digest}.bin", dynamo)

@@ -224,6 +224,15 @@ def test_a_broken_file_is_skipped_and_keys_differ(tmp_path):
     assert keyed.path != cache.path
     # a file without Dynamo's work is another file
     assert CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "a"}, dynamo=False).path != cache.path
+    # and so is one written under another torch thread count (Dynamo's global-state guard holds the count: a
+    # replica, whose count Ray sets to its num_cpus, would trace and compile all of that file's work again)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "a"}).path != cache.path
+    finally:
+        torch.set_num_threads(threads)
+    assert CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "a"}).path == cache.path
     cache.path.write_bytes(b"not a cache")
     logs: list[str] = []
     assert cache.load(logs.append) is False and not cache.loaded
