@@ -11,14 +11,15 @@ clocks: exact on one machine, off by the nodes' clock skew across machines (a ne
 The header is standard (W3C Server-Timing: browsers' developer tools show it; `bench.loadgen` collects it per
 request), and each stage is also a histogram, `tts_first_audio_stage_ms{stage}`, in the Ray dashboard.
 
+With the `object_ref` transport the ingress never reads the chunk, so the Talker's and Code2Wav's stamps are
+unknown and their stages merge into `talker_and_back`; a first chunk the Talker decoded has no Code2Wav stages.
+
 A live context (WebSocket) times its first audio from its first text instead (`live`): its Talker request started
 when the context opened and waits for text, so its path is the text's way in (the ingress's mailbox, the Talker
 replica's poll of it: `to_talker_text`, from a fourth Talker stamp, the first text handed to its engine), then the
 same hops as a request's from the Talker on, and `respond` up to the first audio message sent. Its stages go to the
 client in the context's `done` message (docs/websocket.md), not to the histogram: their `talker` and `total` mean
 something else than a request's.
-With the `object_ref` transport the ingress never reads the chunk, so the Talker's and Code2Wav's stamps are
-unknown and their stages merge into `talker_and_back`; a first chunk the Talker decoded has no Code2Wav stages.
 """
 
 from __future__ import annotations
