@@ -23,7 +23,8 @@
 # startup: bench.startup twice (the engines' start phase by phase, high_concurrency.yaml's engine config): cold
 # (empty Inductor/Triton caches and compile-cache dir), then from the compile-cache dir alone (the file and the
 # Triton cache the replicas keep beside it; Inductor's cache deleted: a new machine sharing the serve home's cache
-# dir); both under py-spy if PYSPY=path/to/py-spy.
+# dir); both under py-spy if PYSPY=path/to/py-spy; the cold one with --profile (where its compile time went, in
+# startup_cold.json: the project's Triton kernels, Inductor's autotuning, Dynamo's phases).
 # No Ray needed (nothing to carry). Results (logs, JSON) land in $OUT; the random 1.7B checkpoint in $W.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
@@ -98,7 +99,8 @@ for step in $STEPS; do
               # Triton's cache under the compile-cache dir, as the replicas keep it (deployments/constants.py)
               export TORCHINDUCTOR_CACHE_DIR=$S/inductor TRITON_CACHE_DIR=$S/cc/triton
               ${PYSPY:+$PYSPY record -r 50 --format speedscope -o "$OUT/startup_cold.speedscope" --} \
-                python3 -m bench.startup --checkpoint "$CKPT" --compile-cache-dir $S/cc --out "$OUT/startup_cold.json" \
+                python3 -m bench.startup --checkpoint "$CKPT" --compile-cache-dir $S/cc --profile \
+                --out "$OUT/startup_cold.json" \
                 2>&1 | tee "$OUT/startup_cold.log" | grep -E "^\[\+|^\{" | grep -vE "captured [0-9]+/" | tail -30
               rm -rf $S/inductor
               ${PYSPY:+$PYSPY record -r 50 --format speedscope -o "$OUT/startup_cached.speedscope" --} \
