@@ -101,10 +101,10 @@ def main() -> None:
 
     frames = asyncio.run(one())
     phases["talker_warmup_request"] = log.mark(f"talker warm-up done ({frames} frames)") - t
-    # the schedule of configs/high_concurrency.yaml: first chunk 1 frame, doubling to 25, 25 frames of context
-    schedule = ChunkSchedule(first_chunk_frames=1, steady_chunk_frames=25, left_context_frames=25)
     if not args.no_code2wav:
         t = log.lines[-1][0]
+        # the schedule of configs/high_concurrency.yaml: first chunk 1 frame, doubling to 25, 25 frames of context
+        schedule = ChunkSchedule(first_chunk_frames=1, steady_chunk_frames=25, left_context_frames=25)
         config, _, _ = first_chunk_config(schedule, compile=cuda, compile_cache_dir=args.compile_cache_dir)
         Code2WavEngine(model.decoder, config).warmup(log)
         phases["first_chunk_decoder_start"] = log.mark("first-chunk decoder graphs captured") - t

@@ -99,6 +99,8 @@ class _Context:
     body: LiveOpen
     info: ModelInfo  # its model: the tokenizer (usage counts the text's tokens at the end)
     pieces: LivePieces
+    # its first audio's stages from its first text (deployments/first_audio_timing.py), sent with its `done`
+    timing: FirstAudioTiming
     text: list[str] = field(default_factory=list)
     chars: int = 0
     ended: bool = False  # `end` received: no more text
@@ -109,8 +111,6 @@ class _Context:
     record: RequestRecord | None = None  # its log line (deployments/ingress/request_log.py)
     admission: Admission | None = None  # its slot under its key's limits
     timestamps: ResponseTimestamps | None = None  # its word times, when its `open` asked for them
-    # its first audio's stages from its first text (deployments/first_audio_timing.py), sent with its `done`
-    timing: FirstAudioTiming = field(default_factory=lambda: FirstAudioTiming(arrived=0.0, live=True))
 
 
 class LiveSession:
@@ -314,8 +314,8 @@ class LiveSession:
                 await pieces.aclose()
             await self._error(cid, self._outcomes.failed(exc, model, True, record), final=True)
             return
-        ctx = _Context(cid, request_id, model, body, info, pieces, record=record, admission=admission,
-                       timestamps=self._ingress.timestamps(body, pieces.piece_text), timing=timing)
+        ctx = _Context(cid, request_id, model, body, info, pieces, timing, record=record, admission=admission,
+                       timestamps=self._ingress.timestamps(body, pieces.piece_text))
         self._contexts[cid] = ctx
         self._outcomes.stream_opened(model)
         # `opened` once the Talker took the request (_speak): one beyond its queue gets only a final error. Text

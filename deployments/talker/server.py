@@ -15,7 +15,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import numpy as np
@@ -159,8 +159,10 @@ class TalkerServer:
         self._open[request.request_id] = stream
         try:
             yield LiveAdmitted(request.request_id)
-            async for chunk in self._leaving(stream, started, request.request_id,
-                                             first_text=lambda: pump.first_text_at(request.request_id)):
+            async for chunk in self._leaving(stream, started, request.request_id):
+                # the live first audio's `to_talker_text` ends where its first text reached the engine
+                if chunk.seq == 0 and (text_in := pump.first_text_at(request.request_id)) is not None:
+                    chunk = dataclasses.replace(chunk, stamps=(*chunk.stamps, text_in))
                 yield chunk
         finally:
             self._open.pop(request.request_id, None)
@@ -169,18 +171,16 @@ class TalkerServer:
                 self._text_pumps.pop(mailbox, None)
             await stream.aclose()
 
-    async def _leaving(self, stream, started: float, request_id: str,
-                       first_text: Callable[[], float | None] | None = None) -> AsyncGenerator[CodecChunk, None]:
+    async def _leaving(self, stream, started: float, request_id: str) -> AsyncGenerator[CodecChunk, None]:
         """The engine's chunks of one request as they leave this replica (chunks 0 and 1 via `_early_chunk`).
         The `talker.first_chunk` span runs from the admission to the first chunk leaving (queue, prefill, its
-        frames, and its decode when this replica decodes it). `first_text` (live): when its first text reached
-        the engine, the first chunk's fourth stamp."""
+        frames, and its decode when this replica decodes it)."""
         first = None
         span = tracer.start_span("talker.first_chunk", attributes={"tts.engine_request_id": request_id})
         try:
             async for chunk in stream:
                 if chunk.seq <= 1:
-                    chunk = await self._early_chunk(chunk, started, first, first_text)
+                    chunk = await self._early_chunk(chunk, started, first)
                     if first is None:
                         span.set_attributes({"tts.frames": chunk.num_new, "tts.decoded_here": chunk.pcm is not None})
                         span.end()
@@ -190,18 +190,13 @@ class TalkerServer:
             if first is None:  # failed or cancelled before its first chunk
                 span.end()
 
-    async def _early_chunk(self, chunk: CodecChunk, started: float, first: CodecChunk | None,
-                           first_text: Callable[[], float | None] | None = None) -> CodecChunk:
+    async def _early_chunk(self, chunk: CodecChunk, started: float, first: CodecChunk | None) -> CodecChunk:
         """A stream's chunk 0 or 1 as it leaves: with its PCM when this replica decodes it (lightly loaded:
-        deployments/talker/first_chunk_decoder.py); the first also with this replica's times (Server-Timing;
-        a live request's with when its first text reached the engine)."""
+        deployments/talker/first_chunk_decoder.py); the first also with this replica's times (Server-Timing)."""
         cut, decoder, pcm = first_audio_timing.now(), self._first_decoder, None
         if decoder is not None and decoder.takes(chunk, self._engine.stats().running, first):
             pcm = await decoder.decode(chunk)
-        stamps = ()
-        if chunk.seq == 0:
-            text_in = first_text() if first_text is not None else None
-            stamps = (started, cut, first_audio_timing.now()) + ((text_in,) if text_in is not None else ())
+        stamps = (started, cut, first_audio_timing.now()) if chunk.seq == 0 else ()
         return dataclasses.replace(chunk, pcm=pcm, stamps=stamps)
 
     def _schedule_for(self, options: GenerateOptions) -> ChunkSchedule:
