@@ -27,7 +27,7 @@
 # `path=value` overrides of the config's args, e.g. "models.0.engine_kwargs.max_num_seqs=128"), SIZE (1.7b),
 # KIND (custom_voice), MAX_NEW_TOKENS (75 = 6 s of audio), CONCURRENCY, RATES, CLOSED_MIN / CLOSED_PER_LEVEL
 # (requests per closed point: max(min, k x c)), OPEN_MIN / OPEN_SECONDS (per open point: max(min, s x r)),
-# LOADGEN_PROCESSES (1: worker processes of bench.loadgen reading the streams), STAGGER_S (closed points: the
+# LOADGEN_PROCESSES (1: worker processes of bench.loadgen and bench.live reading the streams), STAGGER_S (closed points: the
 # streams' starts spread over this many seconds; default all at once), READY_TIMEOUT_S (420),
 # PORT (8000), RAY_PORT (6379, split placement), GPU_RESOURCES (split placement: the custom resource each GPU's
 # raylet advertises, in GPU order, e.g. "gpu_0 gpu_0 gpu_1 gpu_1": two Talker GPUs, two Code2Wav GPUs; default
@@ -285,7 +285,8 @@ stage_setup() {
   for _ in $(seq 1 50); do [ -s "$W/serve.pid" ] && break; sleep 0.2; done
   local t=$(( $(left) - 60 )); [ "$t" -gt "$READY_TIMEOUT_S" ] && t=$READY_TIMEOUT_S
   python3 -m bench.loadgen.ready --url "$URL" --timeout "$t" --pid "$(cat "$W/serve.pid")" --log "$W/serve.log" \
-    --fail-on "Failed to update the deployments" --fail-on "Deploying app 'tts' failed"
+    --fail-on "Failed to update the deployments" --fail-on "Deploying app 'tts' failed" \
+    --warm-begin "first-chunk decoder building" --warm-end "first-chunk decoder (ready|not built)"
   local rc=$?
   # a server that never got ready is stopped too: its replicas would hold the GPUs (and an MPS daemon's quit)
   if [ $rc -ne 0 ]; then say "server not ready (rc $rc); serve.log tail:"; tail -n 60 "$W/serve.log"; collect; stop_server; exit 5; fi
@@ -356,7 +357,8 @@ live() {
   local dir="$W/results/live"; rm -rf "$dir"; mkdir -p "$dir"
   say "live text over the WebSocket: connections ${LIVE_CONNECTIONS:-1,64}, ${LIVE_UTTERANCES:-3} utterances each"
   timeout $(( $(left) - 30 )) python3 -m bench.live --url "$URL" --connections "${LIVE_CONNECTIONS:-1,64}" \
-    --utterances "${LIVE_UTTERANCES:-3}" --frames "$MAX_NEW_TOKENS" --out "$dir"
+    --utterances "${LIVE_UTTERANCES:-3}" --frames "$MAX_NEW_TOKENS" --processes "${LOADGEN_PROCESSES:-1}" \
+    --pieces "${LIVE_PIECES:-leading-space}" --out "$dir"
   # the engines' counters since start, i.e. the warm-up and this live load when it runs first (admission waits,
   # first chunks, parks): where live text's first audio goes, apart from the closed and open sweeps
   timeout 90 python3 -m bench.replica_stats --out "$dir/replica_stats.json" || say "no replica stats after live"

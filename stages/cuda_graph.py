@@ -3,6 +3,12 @@
 The warm-up runs settle what must not happen inside a capture (kernel loading, cuBLAS/cuDNN plans, the caching
 allocator's first blocks). Every engine that replays graphs captures through this: the Talker's decode and prefill
 steps, Code2Wav's decoder, the aligner's transformers.
+
+Captures are thread-local (CUDA's `cudaStreamCaptureModeThreadLocal`): only the capturing thread is barred from the
+calls that would break its capture. Another thread of the process may run device work meanwhile, on its own streams
+(never the capture's side stream): the Talker's first-chunk decoder is built while the replica's engine already
+serves (deployments/talker/first_chunk_decoder.py), and the engine's syncs and allocations must not fail that build,
+nor the build's capture fail the engine.
 """
 
 from __future__ import annotations
@@ -30,6 +36,6 @@ def capture_graph(fn: Callable[[], T], pool, stream: torch.cuda.Stream, free_cac
     if free_cached:
         torch.cuda.empty_cache()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = fn()
     return graph, out

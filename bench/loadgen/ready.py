@@ -5,6 +5,11 @@
 
 Exit status: 0 ready, 1 timed out, 2 the process `--pid` exited first, 3 `--log` shows a `--fail-on` line
 (a replica constructor raised: Serve would retry it forever).
+
+`--warm-begin B --warm-end E` (with `--log`): after ready, also wait (within the timeout) until the log has as many
+lines matching E as lines matching B, and print "warm after N s": work a replica starts after it is ready (the
+Talker's first-chunk decoder, deployments/talker/first_chunk_decoder.py) has ended, so that a measurement of first
+audio sees the served path at its fastest. Not warm within the timeout is reported, not a failure.
 """
 
 from __future__ import annotations
@@ -74,6 +79,24 @@ def wait_ready(url: str, timeout_s: float, pid: int | None = None, log: Path | N
         time.sleep(POLL_S)  # polling a remote endpoint: nothing to await
 
 
+def wait_warm(log: Path, begin: str, end: str, start: float, timeout_s: float) -> bool:
+    """After ready: until `log` has as many `end` lines as `begin` lines (regular expressions)."""
+    import re
+
+    b, e = re.compile(begin), re.compile(end)
+    while True:
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        begun, ended = sum(bool(b.search(x)) for x in lines), sum(bool(e.search(x)) for x in lines)
+        elapsed = time.monotonic() - start
+        if ended >= begun:
+            print(f"warm after {elapsed:.0f} s ({ended} of {begun} begun ended)", flush=True)
+            return True
+        if elapsed > timeout_s:
+            print(f"not warm after {timeout_s:.0f} s ({ended} of {begun} begun ended)", flush=True)
+            return False
+        time.sleep(POLL_S)  # a file another process appends to: nothing to await
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -81,8 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pid", type=int, default=None, help="fail as soon as this process exits")
     ap.add_argument("--log", type=Path, default=None, help="the server's log, scanned for --fail-on")
     ap.add_argument("--fail-on", action="append", default=[], help="a log substring that means failure")
+    ap.add_argument("--warm-begin", default=None, help="a log regex: a replica began work after ready")
+    ap.add_argument("--warm-end", default=None, help="a log regex: that work ended (see above)")
     args = ap.parse_args(argv)
-    return wait_ready(args.url, args.timeout, args.pid, args.log, args.fail_on)
+    start = time.monotonic()
+    rc = wait_ready(args.url, args.timeout, args.pid, args.log, args.fail_on)
+    if rc == 0 and args.log is not None and args.warm_begin and args.warm_end:
+        wait_warm(args.log, args.warm_begin, args.warm_end, start, args.timeout)
+    return rc
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ would take GPU time from every running stream's step, and Code2Wav batches them 
 cheaply. With `count_pending` the decodes pending here (asked, not yet answered) count as running requests too:
 streams that arrive one by one are decoded here at a load where a burst of arrivals (a hundred first chunks cut by
 one step) leaves all but the first few to Code2Wav's larger batches.
+
+Built beside the serving engine, not before the replica is ready: its graphs (and their compiles: the longest part
+of a cold start after the engine's own, docs/benchmarks.md "Where a cold start's time goes") are a shortcut, not a
+part of the serving path. Until `build` has finished, `takes` says no and Code2Wav decodes every chunk.
 """
 
 from __future__ import annotations
@@ -80,9 +84,21 @@ class FirstChunkDecoder:
         self._batches: Coalescer[CodecChunk, np.ndarray] = Coalescer(self._decode_batch, max_batch=max_batch)
         self._log = log
         self.decoded = 0  # chunks decoded here
+        self.ready = False  # `build` finished: chunks are taken
 
-    def start(self) -> None:
-        """Graphs for the first-chunk shapes and the stream the decodes run on (blocking: call off the loop)."""
+    async def build(self) -> None:
+        """Build off the event loop while the replica serves; a build that fails leaves every chunk to Code2Wav."""
+        self._log("[talker] first-chunk decoder building beside the serving engine (Code2Wav decodes every chunk "
+                  "until it is ready)")
+        try:
+            await asyncio.to_thread(self._start)
+        except Exception as e:  # noqa: BLE001 - a shortcut that failed to build must not take the replica down
+            self._log(f"[talker] first-chunk decoder not built ({e!r}): Code2Wav decodes every first chunk")
+            return
+        self.ready = True
+
+    def _start(self) -> None:
+        """Graphs for the first-chunk shapes and the stream the decodes run on (blocking)."""
         import torch
 
         if self._engine.device.type == "cuda":
@@ -94,10 +110,12 @@ class FirstChunkDecoder:
                   f"<= {self.max_frames} frames and their chunk 1, while <= {self.max_running} requests run)")
 
     def takes(self, chunk: CodecChunk, running: int, first: CodecChunk | None) -> bool:
-        """Whether `chunk` is decoded here: a stream's first chunk (no context, at most the configured frames)
+        """Whether `chunk` is decoded here (once built): a stream's first chunk (no context, at most the configured frames)
         while at most `max_running` requests run (with `count_pending`, requests and pending decodes); its chunk 1
         when the first was (`first`: the stream's first chunk as it left, with `pcm` if decoded here) and its
         context is every frame before it (whatever is pending: the first chunk's audio must be followed)."""
+        if not self.ready:
+            return False
         if chunk.seq == 0:
             load = running + (self.pending if self.count_pending else 0)
             return chunk.context == 0 and 0 < chunk.num_new <= self.max_frames and load <= self.max_running

@@ -68,6 +68,7 @@ class TalkerServer:
         self._model = None
         self._info: ModelInfo | None = None
         self._first_decoder: FirstChunkDecoder | None = None
+        self._first_decoder_build: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
         self._metrics: TalkerMetrics | None = None
         self._open: dict[str, EngineStream] = {}  # the streams of requests in this replica, by request id
@@ -93,7 +94,8 @@ class TalkerServer:
                                                     compile=cfg.first_chunk_decode_compile
                                                     and self._engine.config.compile,
                                                     compile_cache_dir=engine_kwargs.get("compile_cache_dir"))
-            await asyncio.to_thread(self._first_decoder.start)
+            # built while the replica serves (first chunks go to Code2Wav meanwhile): not on the way to ready
+            self._first_decoder_build = asyncio.get_running_loop().create_task(self._first_decoder.build())
         self._info = ModelInfo(
             name=cfg.name, aliases=tuple(cfg.aliases), config=model.config, generation=model.generation,
             tokenizer=model.tokenizer, max_seq_len=int(self._engine.config.max_seq_len),
@@ -114,6 +116,13 @@ class TalkerServer:
 
     async def ready(self) -> bool:
         return self._engine is not None and self._engine.ready
+
+    async def first_chunk_decoder_built(self) -> bool:
+        """Wait until this replica's first-chunk decoder is built; whether it takes chunks (False: it has none, or
+        its build failed)."""
+        if self._first_decoder_build is not None:
+            await asyncio.shield(self._first_decoder_build)
+        return self._first_decoder is not None and self._first_decoder.ready
 
     async def generate(
         self, request: SynthesisRequest, options: GenerateOptions | None = None

@@ -68,6 +68,7 @@ def decoding_talker(loop, tiny_custom_voice):
                                     first_chunk_decode_max_running=1)
     server = TalkerServer.sync_init(config, STREAMING)
     loop.run_until_complete(server.start())
+    assert loop.run_until_complete(server.first_chunk_decoder_built()) is True  # built beside the ready replica
     yield server
     server.__del__()
 
@@ -293,7 +294,7 @@ def test_chunks_the_talker_decodes_continue_exactly_into_code2wavs(loop, decodin
     """Talker-decoded chunks 0 and 1 + Code2Wav's decode of the rest == Code2Wav decoding the whole stream."""
     from deployments.ingress.decode_batcher import DecodeBatcher
 
-    before = decoding_talker._first_decoder.decoded  # (its start-up warm-up request decoded one)
+    before = decoding_talker._first_decoder.decoded
     stats_before = loop.run_until_complete(decoding_talker.engine_stats())["first_chunk_decoder"]
     chunks = loop.run_until_complete(_collect(decoding_talker.generate(_request(decoding_talker, 13, rid="fc"))))
     plain = loop.run_until_complete(_collect(talker.generate(_request(talker, 13, rid="fc-plain"))))
@@ -412,6 +413,7 @@ def test_the_first_chunk_decoder_compiles_where_the_talkers_engine_does(loop, ti
     server = TalkerServer.sync_init(config, STREAMING)
     loop.run_until_complete(server.start())
     try:
+        assert loop.run_until_complete(server.first_chunk_decoder_built()) is True
         engine = server._first_decoder._engine
         assert engine.config.compile is True and engine.config.compile_cache_dir == str(tmp_path)
         assert engine.compiled is False and not list(tmp_path.iterdir())
@@ -421,9 +423,59 @@ def test_the_first_chunk_decoder_compiles_where_the_talkers_engine_does(loop, ti
                                  STREAMING)
     loop.run_until_complete(off.start())
     try:
+        assert loop.run_until_complete(off.first_chunk_decoder_built()) is True
         assert off._first_decoder._engine.config.compile is False
     finally:
         off.__del__()
+
+
+def test_the_talker_serves_before_its_first_chunk_decoder_is_built(loop, tiny_custom_voice, monkeypatch):
+    """The first-chunk decoder is built beside the ready replica: until then every chunk leaves undecoded (Code2Wav
+    decodes it), after it the first chunks are decoded here; a build that fails leaves the replica serving."""
+    import threading
+
+    from deployments.talker.first_chunk_decoder import FirstChunkDecoder
+    from deployments.talker.server import TalkerServer
+
+    release, building = threading.Event(), threading.Event()
+    real_start = FirstChunkDecoder._start
+
+    def held_start(self):
+        building.set()
+        assert release.wait(60), "the test never released the build"
+        real_start(self)
+
+    monkeypatch.setattr(FirstChunkDecoder, "_start", held_start)
+    config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1, warmup=False,
+                                    engine_kwargs={"max_num_seqs": 2, "max_seq_len": 64},
+                                    first_chunk_decode_max_running=1)
+    server = TalkerServer.sync_init(config, STREAMING)
+    try:
+        loop.run_until_complete(server.start())
+        assert loop.run_until_complete(server.ready()) is True
+        assert loop.run_until_complete(asyncio.to_thread(building.wait, 60))  # the build has begun and waits
+        early = loop.run_until_complete(_collect(server.generate(_request(server, 5, rid="early"))))
+        assert len(early) >= 2 and all(c.pcm is None for c in early)  # all to Code2Wav
+        release.set()
+        assert loop.run_until_complete(server.first_chunk_decoder_built()) is True
+        later = loop.run_until_complete(_collect(server.generate(_request(server, 5, rid="later"))))
+        assert later[0].pcm is not None and later[0].pcm.size == later[0].num_new * SAMPLES_PER_FRAME
+    finally:
+        release.set()
+        server.__del__()
+
+    def failing_start(self):
+        raise RuntimeError("no room for the decoder's graphs")
+
+    monkeypatch.setattr(FirstChunkDecoder, "_start", failing_start)
+    failed = TalkerServer.sync_init(config, STREAMING)
+    try:
+        loop.run_until_complete(failed.start())
+        assert loop.run_until_complete(failed.first_chunk_decoder_built()) is False
+        chunks = loop.run_until_complete(_collect(failed.generate(_request(failed, 5, rid="after-failure"))))
+        assert chunks[-1].final and all(c.pcm is None for c in chunks)
+    finally:
+        failed.__del__()
 
 
 def test_a_loaded_talker_leaves_first_chunks_to_code2wav(loop, decoding_talker):

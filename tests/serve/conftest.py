@@ -160,6 +160,9 @@ def serve_app(ray_cluster, file_server, tiny_custom_voice, tiny_base, tiny_voice
     import httpx
 
     wait_for(lambda: httpx.get(f"{ray_cluster}/ready", timeout=10).status_code == 200, 120, 0.5, "/ready")
+    # cv's first-chunk decoder is built after its replica is ready: the tests of where first audio goes need it
+    built = serve.get_deployment_handle("Talker:cv", app_name=APP).first_chunk_decoder_built.remote()
+    assert built.result(timeout_s=120) is True
     return ray_cluster, args
 
 

@@ -256,7 +256,8 @@ def test_live_benchmark_measures_an_utterance(base_url):
 
     from bench.live import run_level
 
-    args = types.SimpleNamespace(model="cv", voice="vivian", frames=4, word_interval_s=0.01, utterances=2)
+    args = types.SimpleNamespace(model="cv", voice="vivian", frames=4, word_interval_s=0.01, utterances=2,
+                                 pieces="leading-space")
     url = base_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
     level = asyncio.run(run_level(url, 1, ["Hello there, listener.", "A second short utterance."], args))
     assert level["utterances"] == 2 and level["errors"] == 0, level
@@ -270,6 +271,12 @@ def test_live_benchmark_measures_an_utterance(base_url):
     from bench.live import _stages_table
 
     assert "| 1 | " in _stages_table([level]) and "to_talker_text" in _stages_table([level])
+    # spread over worker processes that start together: the same measurements, each worker's loop lag with them
+    spread = asyncio.run(run_level(url, 2, ["Hello there, listener."], types.SimpleNamespace(
+        **{**vars(args), "pieces": "trailing-space"}, processes=2)))
+    assert spread["processes"] == 2 and spread["utterances"] == 4 and spread["errors"] == 0, spread
+    assert spread["first_word_to_audio_ms"]["n"] == 4 and spread["client_loop_lag_ms"]["max"] >= 0
+    assert list(spread["first_audio_stages_ms"])[-2:] == ["total", "client_side"]
 
 
 def _ingress_stats() -> dict:

@@ -112,6 +112,19 @@ def test_the_last_word_is_held_back_until_the_next_starts(trained_tokenizer):
     assert list(piece.ids) == tok.encode(" quick") and s.pending_text == " brown"
 
 
+def test_a_piece_that_ends_with_a_space_releases_its_last_word_at_once(trained_tokenizer):
+    """Pieces sent as "word " (a client that ends each at a word boundary) are final as they arrive: only the
+    space waits, since it joins the next word; " word" pieces (an LLM's tokens) wait for the next one."""
+    tok = trained_tokenizer
+    s = TextStream(tok)
+    first = s.append("the ")
+    assert first is not None and s.pending_text == " "
+    piece = s.append("quick ")
+    assert list(piece.ids) == tok.encode(" quick") and s.pending_text == " "
+    ids = list(first.ids) + list(piece.ids) + list(s.flush().ids)
+    assert tuple(ids) == tok.target_ids("the quick ")[1]  # the whole text's ids
+
+
 def test_nothing_is_released_while_blank_and_a_blank_flush_is_dropped(tiny_tokenizer):
     s = TextStream(tiny_tokenizer)
     assert s.append("  \n ") is None and s.flush() is None and s.segment == 0  # dropped: nothing to speak
