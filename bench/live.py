@@ -3,12 +3,13 @@
 Each connection speaks utterances one after another: `open`, then one word every `--word-interval-s`
 (0.1 s, an LLM writing ~13 tokens/s), then `end`. Words go as an LLM's tokens (" word"), so the server holds each
 last word until the next begins (it could still grow: stages/text_stream.py), and first audio includes one word
-interval; `--pieces trailing-space` sends "word " instead, as a client that cuts its text at word ends would. Per utterance: time from the first word sent to the first
-audio received, and whether it plays gap-free (a player that starts at its first audio and plays in real
-time never falls more than 100 ms behind: bench/loadgen/metrics.py). Per level (connections at once):
-p50/p95 of that time, the gap-free share, audio-s/s, and where the server's part of it went: each context's
-`done` carries its first audio's stages from its first text (`first_audio_ms`, deployments/first_audio_timing.py),
-here as p50/p95 per stage, with `client_side` the rest of the client's time (the socket both ways).
+interval; `--pieces trailing-space` sends "word " instead, as a client that cuts its text at word ends would.
+Per utterance: time from the first word sent to the first audio received, and whether it plays gap-free (a player
+that starts at its first audio and plays in real time never falls more than 100 ms behind: bench/loadgen/metrics.py).
+Per level (connections at once): p50/p95 of that time, the gap-free share, audio-s/s, and where the server's part of
+it went: each context's `done` carries its first audio's stages from its first text (`first_audio_ms`,
+deployments/first_audio_timing.py), here as p50/p95 per stage, with `client_side` the rest of the client's time (the
+socket both ways).
 
 `--processes N` spreads a level's connections over N worker processes that start together: one event loop reading
 128 sockets' audio falls behind, and its lag lands in `client_side` and in the gap-free share (a frame read late
@@ -119,7 +120,7 @@ def _worker(url: str, first: int, count: int, texts: list[str], args: dict, barr
     barrier.wait()  # every worker (and the parent's clock) starts together
     try:
         out.put((first, *asyncio.run(_connections(url, first, count, texts, types.SimpleNamespace(**args)))))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent, which would otherwise wait forever
+    except BaseException as e:  # reported by the parent, which would otherwise wait forever
         out.put((first, e, []))
 
 

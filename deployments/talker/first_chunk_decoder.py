@@ -92,7 +92,7 @@ class FirstChunkDecoder:
                   "until it is ready)")
         try:
             await asyncio.to_thread(self._start)
-        except Exception as e:  # noqa: BLE001 - a shortcut that failed to build must not take the replica down
+        except Exception as e:  # a shortcut that failed to build must not take the replica down
             self._log(f"[talker] first-chunk decoder not built ({e!r}): Code2Wav decodes every first chunk")
             return
         self.ready = True
