@@ -9,7 +9,7 @@ that starts at its first audio and plays in real time never falls more than 100 
 Per level (connections at once): p50/p95 of that time, the gap-free share, audio-s/s, and where the server's part of
 it went: each context's `done` carries its first audio's stages from its first text (`first_audio_ms`,
 deployments/first_audio_timing.py), here as p50/p95 per stage, with `client_side` the rest of the client's time (the
-socket both ways).
+socket both ways) and `open`, the part of it the server spent on the context's `open` before it read the first word.
 
 `--processes N` spreads a level's connections over N worker processes that start together: one event loop reading
 128 sockets' audio falls behind, and its lag lands in `client_side` and in the gap-free share (a frame read late
@@ -47,6 +47,7 @@ class Utterance:
     error: str | None = None
     arrivals: list[tuple[float, float]] = field(default_factory=list)  # (arrival, audio seconds) per frame
     stages_ms: dict[str, float] = field(default_factory=dict)  # the server's first audio by stage (its `done`)
+    open_ms: float | None = None  # the server's handling of the `open`, before it read the first word
 
 
 async def _utterance(ws, cid: str, text: str, args) -> Utterance:
@@ -77,6 +78,7 @@ async def _utterance(ws, cid: str, text: str, args) -> Utterance:
             if message["type"] == "done":
                 u.finish_reason = message["finish_reason"]
                 u.stages_ms = message.get("first_audio_ms", {})
+                u.open_ms = message.get("open_ms")
                 break
             if message["type"] == "error":
                 u.error = message["error"]["message"]
@@ -90,6 +92,8 @@ async def _utterance(ws, cid: str, text: str, args) -> Utterance:
         u.max_deficit_s = continuity([t for t, _ in u.arrivals], [a for _, a in u.arrivals]).max_deficit_s
         if "total" in u.stages_ms:
             u.stages_ms["client_side"] = u.first_audio_s * 1000 - u.stages_ms["total"]
+            if u.open_ms is not None:  # part of client_side: the first word waited unread while the open ran
+                u.stages_ms["open"] = u.open_ms
     u.arrivals = []
     return u
 

@@ -16,7 +16,8 @@ unknown and their stages merge into `talker_and_back`; a first chunk the Talker 
 
 A live context (WebSocket) times its first audio from its first text instead (`live`): its Talker request started
 when the context opened and waits for text, so its path is the text's way in (the ingress's mailbox, the Talker
-replica's poll of it: `to_talker_text`, from a fourth Talker stamp, the first text handed to its engine), then the
+replica's poll of it: `to_talker_text`, from a fourth Talker stamp, the first text handed to its engine; before it
+`to_talker_call`, the part of that way spent before the request's call started in the Talker), then the
 same hops as a request's from the Talker on, and `respond` up to the first audio message sent. Its stages go to the
 client in the context's `done` message (docs/websocket.md), not to the histogram: their `talker` and `total` mean
 something else than a request's.
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 STAGES: dict[str, str] = {
     "ingress": "arrival at the ingress to its Talker call: validation, routing, tokenization, voice",
     "to_talker": "the call's hop to a Talker replica, until its generate runs",
+    "to_talker_call": "live: the first text waiting for its request's call to start in a Talker replica (0 when the "
+                      "call, made at the context's open, started before the text came)",
     "to_talker_text": "live: the first text's way from the ingress to the Talker's engine (its mailbox, the poll)",
     "talker": "in the Talker replica: engine admission, prefill and the first chunk's frames (live: from its first "
               "text, which includes waiting for the text that makes its first frames final)",
@@ -82,7 +85,8 @@ class FirstAudioTiming:
         here); the request's admission and prefill happened before the text came."""
         marks: list[tuple[str, float | None]] = []
         if len(self.talker) == 4:
-            marks.append(("to_talker_text", self.talker[3]))
+            # a burst of opens can start the Talker's side of a request after its first text reached the ingress
+            marks += [("to_talker_call", max(self.arrived, self.talker[0])), ("to_talker_text", self.talker[3])]
         if len(self.talker) >= 3:
             marks += [("talker", self.talker[1]), ("talker_decode", self.talker[2]), ("to_ingress", self.chunk_received)]
         else:

@@ -111,6 +111,7 @@ class _Context:
     record: RequestRecord | None = None  # its log line (deployments/ingress/request_log.py)
     admission: Admission | None = None  # its slot under its key's limits
     timestamps: ResponseTimestamps | None = None  # its word times, when its `open` asked for them
+    open_ms: float = 0.0  # its `open` message's handling, during which this socket's next message waits unread
 
 
 class LiveSession:
@@ -281,7 +282,7 @@ class LiveSession:
                                             "open on this connection", code="too_many_contexts"), final=True)
             record.end("rejected", 429)
             return
-        model, pieces, admission = "-", None, None
+        model, pieces, admission, opening = "-", None, None, time.perf_counter()
         timing = FirstAudioTiming(arrived=0.0, live=True)  # `arrived`: set by its first text
         body = body.with_default_format(self._limits.default_response_format)
         try:
@@ -315,7 +316,8 @@ class LiveSession:
             await self._error(cid, self._outcomes.failed(exc, model, True, record), final=True)
             return
         ctx = _Context(cid, request_id, model, body, info, pieces, timing, record=record, admission=admission,
-                       timestamps=self._ingress.timestamps(body, pieces.piece_text))
+                       timestamps=self._ingress.timestamps(body, pieces.piece_text),
+                       open_ms=(time.perf_counter() - opening) * 1000)
         self._contexts[cid] = ctx
         self._outcomes.stream_opened(model)
         # `opened` once the Talker took the request (_speak): one beyond its queue gets only a final error. Text
@@ -398,6 +400,7 @@ class LiveSession:
                 "audio_seconds": round(ctx.pieces.samples / SAMPLE_RATE / ctx.body.speed, 3)}
         if ctx.timing.responded is not None:
             done["first_audio_ms"] = {stage: round(ms, 2) for stage, ms in ctx.timing.stages_ms().items()}
+            done["open_ms"] = round(ctx.open_ms, 2)
         return done
 
     async def _close_all(self) -> None:

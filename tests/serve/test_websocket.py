@@ -130,7 +130,8 @@ def _assert_first_audio_stages(done: dict) -> None:
     names = list(stages)
     assert set(names) <= set(STAGES), names
     # the text's way in, then the Talker's hops, (Code2Wav's, unless the Talker decoded the first chunk), the reply
-    assert names[:4] == ["to_talker_text", "talker", "talker_decode", "to_ingress"] and names[-2:] == ["respond", "total"]
+    assert names[:5] == ["to_talker_call", "to_talker_text", "talker", "talker_decode", "to_ingress"]
+    assert names[-2:] == ["respond", "total"]
     assert all(ms >= 0 for ms in stages.values()), stages
     assert sum(ms for name, ms in stages.items() if name != "total") == pytest.approx(stages["total"], abs=0.05)
 
@@ -265,7 +266,8 @@ def test_live_benchmark_measures_an_utterance(base_url):
     assert level["audio_s_per_s"] > 0 and level["gap_free_share"] is not None
     # where the first audio went: the server's stages from each context's `done`, then the client's rest
     stages = level["first_audio_stages_ms"]
-    assert list(stages)[:2] == ["to_talker_text", "talker"] and list(stages)[-2:] == ["total", "client_side"]
+    assert list(stages)[:3] == ["to_talker_call", "to_talker_text", "talker"]
+    assert list(stages)[-3:] == ["total", "client_side", "open"]
     assert stages["total"]["p50"] <= level["first_word_to_audio_ms"]["max"]
     assert all(st["p50"] is not None and st["p50"] >= 0 for st in stages.values()), stages
     from bench.live import _stages_table
@@ -276,7 +278,7 @@ def test_live_benchmark_measures_an_utterance(base_url):
         **{**vars(args), "pieces": "trailing-space"}, processes=2)))
     assert spread["processes"] == 2 and spread["utterances"] == 4 and spread["errors"] == 0, spread
     assert spread["first_word_to_audio_ms"]["n"] == 4 and spread["client_loop_lag_ms"]["max"] >= 0
-    assert list(spread["first_audio_stages_ms"])[-2:] == ["total", "client_side"]
+    assert list(spread["first_audio_stages_ms"])[-3:] == ["total", "client_side", "open"]
 
 
 def _ingress_stats() -> dict:
