@@ -250,16 +250,17 @@ class FakeTalkerEngine:
             for s in running:
                 if s.request.seed == self.config.pause_seed and s.frames >= self.config.pause_after_frames:
                     continue
+                # dropped before its end is put: a consumer that saw the end reads stats without it
                 if s.live and s.frames >= s.granted:  # spoken what it has: its end, or a wait for more
                     if s.text_ended:
-                        s.put(FinishReason.EOS)
                         self._drop(s)
+                        s.put(FinishReason.EOS)
                     continue
                 s.frames += 1
                 s.put(np.zeros((1, NUM_CODEBOOKS), dtype=np.int64))
                 if s.frames >= s.request.max_frames:
-                    s.put(FinishReason.LENGTH)
                     self._drop(s)
+                    s.put(FinishReason.LENGTH)
             self.steps += 1
             self.frames += len(running)
             self.last_step = time.monotonic()

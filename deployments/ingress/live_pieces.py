@@ -89,8 +89,7 @@ class MailboxPieces:
 
     async def start(self, index: int, request_id: str) -> StartedPiece:
         body, info = self._body, self._info
-        await self._mailbox.open.remote(request_id)
-        try:
+        try:  # the request's mailbox box is made by its first text (or the Talker's claim): no call here
             _, fits, chunks = self._ingress.start_live(
                 body.model_copy(update={"seed": piece_seed(body.seed, index)}), info, self._choice, self._voice,
                 request_id, self._mailbox, body.idle_timeout_s, body.max_new_tokens,

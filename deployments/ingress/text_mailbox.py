@@ -3,13 +3,15 @@
 A live request is one streaming `Talker.generate_live` call, but its text keeps arriving after the call
 started, and a later Serve call could reach another Talker replica (Serve routes each call on its own). So
 each ingress replica owns one small Ray actor, its mailbox: the ingress puts each context's text events in
-it, and the Talker replica that runs the request takes them. A Talker replica takes the events of all its
-requests from one mailbox in one long poll (`take_many`: it returns as soon as any of them has something, not
-on a timer), so a replica speaking many live contexts makes one actor call per batch of text, not one per
-event and context; `wake` ends a waiting poll early when the replica's set of requests grows. Ray runs one
-caller's calls to an actor in submission order, so a context's events arrive in the order the client sent
-them. The mailbox dies with the ingress replica that owns it; the Talker's poll then fails and its requests
-end (their clients are gone too).
+it (the first put makes the context's box: opening a context costs the ingress no call of its own), and the Talker
+replica that runs the request takes them. A Talker replica takes the events of all its requests from one mailbox in
+one long poll (`take_many`: it returns as soon as any of them has something, not on a timer), so a replica speaking
+many live contexts makes one actor call per batch of text, not one per event and context. A request the replica
+starts while its poll waits is `claim`ed: the waiting poll takes it in at once, so a burst of new requests does not
+restart the poll once per request. Ray runs one caller's calls to an actor in submission order, but an async actor
+may interleave them: the ingress awaits each put, so a context's events arrive in the order the client sent them.
+The mailbox dies with the ingress replica that owns it; the Talker's poll then fails and its requests end (their
+clients are gone too).
 """
 
 from __future__ import annotations
@@ -32,65 +34,88 @@ class TextEvent:
 class _Box:
     def __init__(self) -> None:
         self.events: list[TextEvent] = []
-        self.taker: str | None = None  # the Talker poll that last asked for this box (woken by its puts)
+        self.taker: str | None = None  # the Talker poll that claimed this box (woken by its puts)
+
+
+# closed boxes remembered, so that a late put is refused and a late claim ends its request, without growing
+# without bound: a box is closed once, and a late call follows its close within seconds
+_CLOSED_KEPT = 65_536
 
 
 @ray.remote(num_cpus=0)
 class TextMailbox:
-    """One per ingress replica. Keyed by request id; a box exists from `open` until `close`."""
+    """One per ingress replica. Keyed by request id; a box exists from its first `put` or `claim` until `close`."""
 
     def __init__(self) -> None:
         self._boxes: dict[str, _Box] = {}
-        self._takers: dict[str, asyncio.Event] = {}  # by taker key: set when a box it asked for changes
-
-    def open(self, request_id: str) -> None:
-        self._boxes.setdefault(request_id, _Box())
+        self._closed: dict[str, None] = {}  # recently closed request ids, oldest first
+        self._takers: dict[str, asyncio.Event] = {}  # by taker key: set when a box it claimed changes
+        self._claims: dict[str, set[str]] = {}  # by taker key: the request ids its polls take
 
     def put(self, request_id: str, events: list[TextEvent]) -> bool:
-        """False when the request's box is gone (closed): its Talker stream has ended."""
-        box = self._boxes.get(request_id)
+        """False when the request's box is closed: its context has ended."""
+        box = self._box(request_id)
         if box is None:
             return False
         box.events.extend(events)
         self._notify(box.taker)
         return True
 
+    def claim(self, taker: str, request_id: str) -> None:
+        """`taker`'s polls take `request_id`'s events from now on, a waiting one included."""
+        self._claims.setdefault(taker, set()).add(request_id)
+        box = self._box(request_id)
+        if box is not None:
+            box.taker = taker
+        if box is None or box.events:  # something to take now: its text, or [] for a closed box
+            self._notify(taker)
+
     async def take_many(self, taker: str, request_ids: list[str]) -> dict[str, list[TextEvent]]:
-        """The queued events of those of `request_ids` that have some, and [] for each whose box is closed (or
-        was never opened), as soon as there is one of either; {} when `wake(taker)` ends the wait first.
-        `taker`: the caller's key (one per Talker replica and mailbox), whose wake-ups this call waits on."""
+        """The queued events of `taker`'s claimed requests (`request_ids` claims them too) that have some, and [] for
+        each whose box is closed (it is unclaimed then), as soon as there is one of either; {} when `release(taker)`
+        ends the wait. `taker`: the caller's key (one per Talker replica and mailbox)."""
         arrived = self._takers.setdefault(taker, asyncio.Event())
+        claimed = self._claims.setdefault(taker, set())
         for request_id in request_ids:
-            if (box := self._boxes.get(request_id)) is not None:
-                box.taker = taker
+            self.claim(taker, request_id)
         while True:
             out = {}
-            for request_id in request_ids:
+            for request_id in list(claimed):
                 box = self._boxes.get(request_id)
-                if box is None:
+                if request_id in self._closed:
                     out[request_id] = []
-                elif box.events:
+                    claimed.discard(request_id)
+                elif box is not None and box.events:
                     out[request_id], box.events = box.events, []
             if out or arrived.is_set():
                 arrived.clear()
                 return out
             await arrived.wait()
 
-    def wake(self, taker: str) -> None:
-        """End `taker`'s waiting `take_many` (or its next one) with what it has: it asks again for a new set."""
-        self._takers.setdefault(taker, asyncio.Event()).set()
-
     def release(self, taker: str) -> None:
-        """`taker` polls no more (its replica speaks no request from here now): forget it, ending a poll of its that
-        is still waiting (one its caller stopped awaiting)."""
+        """`taker` polls no more (its replica speaks no request from here now): forget it and its claims, ending a
+        poll of its that is still waiting (one its caller stopped awaiting)."""
+        self._claims.pop(taker, None)
         arrived = self._takers.pop(taker, None)
         if arrived is not None:
             arrived.set()
 
     def close(self, request_id: str) -> None:
         box = self._boxes.pop(request_id, None)
+        self._closed[request_id] = None
+        if len(self._closed) > _CLOSED_KEPT:
+            del self._closed[next(iter(self._closed))]
         if box is not None:
             self._notify(box.taker)  # a waiting `take_many` returns [] for it
+
+    def _box(self, request_id: str) -> _Box | None:
+        """The request's box, made on first use; None once it is closed."""
+        if request_id in self._closed:
+            return None
+        box = self._boxes.get(request_id)
+        if box is None:
+            box = self._boxes[request_id] = _Box()
+        return box
 
     def _notify(self, taker: str | None) -> None:
         if taker is not None and (arrived := self._takers.get(taker)) is not None:

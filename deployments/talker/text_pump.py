@@ -4,8 +4,9 @@ Each live request's text arrives in the `TextMailbox` of the ingress replica tha
 (deployments/ingress/text_mailbox.py). A replica speaking many live contexts used to await one `take` per
 request and event; a pump instead holds every request of this replica that reads from one mailbox and asks for
 all of their events in one long poll (`take_many`), so the replica's event loop makes one actor call per batch
-of text, however many contexts share the mailbox. A request added while a poll waits wakes it (`wake`), so its
-text is asked for at once. A closed box (the ingress ended the context) or a lost mailbox (its ingress replica
+of text, however many contexts share the mailbox. A request added while a poll waits is claimed (`claim`, not
+awaited): the waiting poll takes its text in at once, without ending and asking again, so a burst of arrivals costs
+one call each. A closed box (the ingress ended the context) or a lost mailbox (its ingress replica
 is gone, and with it the client) aborts the request in the engine, as an ended request's stream would.
 
 The pump notes when each request's first text reached the engine (`first_text_at`): the live first audio's
@@ -41,12 +42,12 @@ class LiveTextPump:
         return frozenset(self._requests)
 
     def add(self, request_id: str) -> None:
-        """Take `request_id`'s text from now on (its box is open: the ingress opened it before the call)."""
+        """Take `request_id`'s text from now on (its box is made by whichever comes first: its text or this)."""
         self._requests.add(request_id)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
-        else:  # a poll for the other requests may be waiting: end it, so the next one asks for this one too
-            self._mailbox.wake.remote(self._taker)
+        else:  # a poll for the other requests may be waiting: it takes this one in too
+            self._mailbox.claim.remote(self._taker, request_id)
 
     def first_text_at(self, request_id: str) -> float | None:
         """When the request's first text was handed to the engine (`first_audio_timing.now()`; None: not yet)."""

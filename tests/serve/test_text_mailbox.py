@@ -1,5 +1,5 @@
 """deployments/ingress/text_mailbox.py and deployments/talker/text_pump.py on a real Ray cluster: events in order,
-a waiting poll wakes on put, close and wake; one Talker-side pump feeds several requests from one mailbox."""
+a waiting poll wakes on put, close and claim; one Talker-side pump feeds several requests from one mailbox."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ def mailbox(ray_cluster):
 
 def test_events_arrive_in_order_and_a_poll_waits_for_them(mailbox):
     async def run():
-        await mailbox.open.remote("r1")
         waiting = asyncio.ensure_future(mailbox.take_many.remote("t1", ["r1"]))  # nothing queued yet: it waits
         await asyncio.sleep(0)
         assert not waiting.done()
@@ -45,8 +44,6 @@ def test_events_arrive_in_order_and_a_poll_waits_for_them(mailbox):
 
 def test_one_poll_returns_every_request_with_text_and_only_those(mailbox):
     async def run():
-        for rid in ("a", "b", "c"):
-            await mailbox.open.remote(rid)
         await mailbox.put.remote("a", [TextEvent("append", "x")])
         await mailbox.put.remote("c", [TextEvent("append", "y"), TextEvent("append", "z")])
         return await mailbox.take_many.remote("t2", ["a", "b", "c"])
@@ -55,26 +52,41 @@ def test_one_poll_returns_every_request_with_text_and_only_those(mailbox):
     assert {rid: [e.text for e in events] for rid, events in taken.items()} == {"a": ["x"], "c": ["y", "z"]}
 
 
-def test_close_and_wake_end_a_waiting_poll(mailbox):
+def test_close_and_claim_end_a_waiting_poll(mailbox):
+    """A close ends a waiting poll with [] for its request (later puts refused); a claim adds a request to a poll
+    that waits already, which returns once that request has text (no poll restarts per new request); a request
+    neither put nor closed yet waits; `release` ends a poll with {}."""
     async def run():
         before = await mailbox.open_boxes.remote()
-        await mailbox.open.remote("r2")
         waiting = asyncio.ensure_future(mailbox.take_many.remote("t3", ["r2"]))
         await mailbox.close.remote("r2")
         closed = await waiting
         accepted = await mailbox.put.remote("r2", [TextEvent("append", "late")])
-        await mailbox.open.remote("r3")
-        waiting = asyncio.ensure_future(mailbox.take_many.remote("t3", ["r3"]))
-        await mailbox.wake.remote("t3")
-        woken = await waiting
-        await mailbox.close.remote("r3")
-        return closed, accepted, woken, await mailbox.take_many.remote("t3", ["never-opened"]), before, \
+        waiting = asyncio.ensure_future(mailbox.take_many.remote("t3", ["r3"]))  # r3: no text yet
+        await mailbox.claim.remote("t3", "r4")  # a request that arrived while the poll waits
+        await mailbox.claim.remote("t3", "r5")
+        await asyncio.sleep(0.2)
+        still_waiting = not waiting.done()
+        await mailbox.put.remote("r4", [TextEvent("append", "four")])
+        took = await waiting
+        waiting = asyncio.ensure_future(mailbox.take_many.remote("t3", []))  # claimed ones stay claimed
+        await mailbox.put.remote("r5", [TextEvent("append", "five")])
+        took5 = await waiting
+        waiting = asyncio.ensure_future(mailbox.take_many.remote("t3", []))
+        await mailbox.release.remote("t3")
+        released = await waiting
+        for rid in ("r3", "r4", "r5"):
+            await mailbox.close.remote(rid)
+        late_claim = await mailbox.take_many.remote("t3b", ["r4"])  # claimed after its close: [] at once
+        return closed, accepted, still_waiting, took, took5, released, late_claim, before, \
             await mailbox.open_boxes.remote()
 
-    closed, accepted, woken, unknown, before, boxes = asyncio.run(run())
+    closed, accepted, still_waiting, took, took5, released, late_claim, before, boxes = asyncio.run(run())
     assert closed == {"r2": []} and accepted is False  # r2's box is gone: [] for it, later puts refused
-    assert woken == {}  # woken with nothing: the caller asks again (for a new set of requests)
-    assert unknown == {"never-opened": []} and boxes == before
+    assert still_waiting  # a claim alone (no text) does not end the poll
+    assert {rid: [e.text for e in ev] for rid, ev in took.items()} == {"r4": ["four"]}
+    assert {rid: [e.text for e in ev] for rid, ev in took5.items()} == {"r5": ["five"]}
+    assert released == {} and late_claim == {"r4": []} and boxes == before
 
 
 class _Engine:
@@ -110,15 +122,15 @@ class _Engine:
 
 
 def test_one_pump_feeds_every_request_of_a_mailbox_in_order(mailbox):
-    """A request added while the pump's poll waits for another's text gets its own text at once (the add wakes the
-    poll); each request's events reach the engine in order; `end` and a closed box end a request's text; once its
-    requests are gone the mailbox holds nothing of the pump (its memory stays bounded by the replicas polling)."""
+    """A request added while the pump's poll waits for another's text gets its own text at once (the add claims it
+    into the waiting poll); each request's events reach the engine in order; `end` and a closed box end a request's
+    text; once its requests are gone the mailbox holds nothing of the pump (its memory stays bounded by the replicas
+    polling)."""
     engine = _Engine()
 
     async def run():
         takers_before = await mailbox.takers.remote()
         pump = LiveTextPump(engine, mailbox)
-        await mailbox.open.remote("p1")
         pump.add("p1")
         assert pump.first_text_at("p1") is None
         put_at = first_audio_timing.now()
@@ -126,8 +138,7 @@ def test_one_pump_feeds_every_request_of_a_mailbox_in_order(mailbox):
         await engine.until(lambda: engine.received.get("p1") == ["one"])
         first_p1 = pump.first_text_at("p1")  # when "one" reached the engine (a live first audio's stamp)
         assert first_p1 is not None and put_at <= first_p1 <= first_audio_timing.now()
-        await mailbox.open.remote("p2")  # the pump now waits on p1 alone
-        await mailbox.put.remote("p2", [TextEvent("append", "two")])
+        await mailbox.put.remote("p2", [TextEvent("append", "two")])  # the pump now waits on p1 alone
         pump.add("p2")
         await engine.until(lambda: "p2" in engine.received)
         for i in range(10):
@@ -150,3 +161,11 @@ def test_one_pump_feeds_every_request_of_a_mailbox_in_order(mailbox):
     asyncio.run(run())
     assert engine.received["p1"] == ["one", *(f"a{i}" for i in range(10)), "<flush>", "<end>"]
     assert engine.received["p2"] == ["two", *(f"b{i}" for i in range(10)), "<abort>"]
+
+
+def test_the_burst_bench_times_every_first_text(ray_cluster):
+    """`python -m bench.text_path_burst`'s measurement on the test cluster: each context's first text is timed."""
+    from bench.text_path_burst import run
+
+    out = asyncio.run(run([3], bursts=2))
+    assert out["3"]["n"] == 6 and 0 < out["3"]["p50"] <= out["3"]["max"]
