@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench.loadgen.metrics import CONTINUITY_THRESHOLD_S, Stats, audio_seconds, continuity
+from bench.loadgen.report import stage_table
 from bench.loadgen.runner import lag_monitor
 from bench.loadgen.sentences import load_sentences
 from deployments.ingress.schemas import parse_audio_frame
@@ -171,7 +172,7 @@ async def run_level(url: str, connections: int, texts: list[str], args) -> dict:
     opening = Stats.of(r[0].first_audio_s * 1000 for r in results if r and r[0].first_audio_s is not None)
     gap_free = [u.max_deficit_s <= CONTINUITY_THRESHOLD_S for u in ok]
     names = list(dict.fromkeys(name for u in ok for name in u.stages_ms))  # path order, as the server sent them
-    stages = {name: {"p50": st.p50, "p95": st.p95}
+    stages = {name: {"p50": st.p50, "p95": st.p95, "n": st.n}
               for name in names if (st := Stats.of(u.stages_ms[name] for u in ok if name in u.stages_ms)).n}
     return {
         "connections": connections, "processes": processes, "utterances": len(utterances),
@@ -234,17 +235,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _stages_table(levels: list[dict]) -> str:
     """The first audio by stage, p50 / p95 ms per level (the server's stages, then the client's rest)."""
-    names = list(dict.fromkeys(name for lv in levels for name in lv["first_audio_stages_ms"]))
-    if not names:
-        return ""
-    rows = []
-    for lv in levels:
-        cells = [f"{st['p50']:.1f} / {st['p95']:.1f}" if (st := lv["first_audio_stages_ms"].get(name)) else "-"
-                 for name in names]
-        rows.append(f"| {lv['connections']} | " + " | ".join(cells) + " |")
-    return ("\nFirst audio by stage from the first text (the contexts' `done`: deployments/first_audio_timing.py), "
-            "p50 / p95 ms:\n\n| connections | " + " | ".join(names) + " |\n|---:|" + "---:|" * len(names) + "\n"
-            + "\n".join(rows) + "\n")
+    lines = stage_table("First audio by stage from the first text (the contexts' `done`: "
+                        "deployments/first_audio_timing.py), p50 / p95 ms:", "connections",
+                        [(str(lv["connections"]), lv["first_audio_stages_ms"]) for lv in levels])
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 if __name__ == "__main__":

@@ -97,17 +97,23 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def _stage_table(points: list[dict[str, Any]]) -> list[str]:
     """First audio by stage (the responses' Server-Timing), p50 / p95 ms per level; nothing if no server sent it."""
-    stages = list(dict.fromkeys(stage for p in points for stage in p.get("server_timing_ms", {})))
+    return stage_table("First audio by stage (`Server-Timing`, deployments/first_audio_timing.py), p50 / p95 ms:",
+                       "level", [(f"{p['level']:g}", p.get("server_timing_ms", {})) for p in points])
+
+
+def stage_table(title: str, column: str, rows: list[tuple[str, dict[str, dict]]]) -> list[str]:
+    """A table of stages' p50 / p95 (ms), one row per `(label, {stage: Stats as a dict})`, the stages in the order
+    they first appear; nothing if no row has any (bench.loadgen's Server-Timing, bench.live's `first_audio_ms`)."""
+    stages = list(dict.fromkeys(stage for _, by_stage in rows for stage in by_stage))
     if not stages:
         return []
-    lines = ["", "First audio by stage (`Server-Timing`, deployments/first_audio_timing.py), p50 / p95 ms:", "",
-             "| level | " + " | ".join(stages) + " |", "|---:|" + "---:|" * len(stages)]
-    for p in points:
+    lines = ["", title, "", f"| {column} | " + " | ".join(stages) + " |", "|---:|" + "---:|" * len(stages)]
+    for label, by_stage in rows:
         cells = []
         for stage in stages:
-            st = p.get("server_timing_ms", {}).get(stage)
+            st = by_stage.get(stage)
             cells.append(f"{_f(st['p50'], 1)} / {_f(st['p95'], 1)}" if st and st["n"] else "-")
-        lines.append(f"| {p['level']:g} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 

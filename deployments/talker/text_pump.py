@@ -89,7 +89,8 @@ class LiveTextPump:
             for event in events:
                 if event.kind == "append":
                     engine.append_text(request_id, event.text)
-                    self._first_text.setdefault(request_id, first_audio_timing.now())
+                    if request_id not in self._first_text:
+                        self._first_text[request_id] = first_audio_timing.now()
                 elif event.kind == "flush":
                     engine.flush_text(request_id)
                 else:
