@@ -14,6 +14,10 @@ has one).
 
     python -m bench.replica_stats --out stats.json                 # every replica, since start
     python -m bench.replica_stats --seconds 10 --out window.json   # one replica of each, over 10 s
+
+Since start, the output also holds each Talker and ingress replica's event-loop lag as counted so far
+(`event_loop_lag`: deployments/loop_lag.py); `--lag-between A.json B.json` gives each replica's lag between two
+such outputs (a level's window: one read before it, one after).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import time
 from pathlib import Path
 
+from deployments import loop_lag
 from stages.talker import step_clock
 from stages.talker.step_clock import DeviceClockStats
 
@@ -122,12 +127,12 @@ def window_report(before: dict, after: dict, c2w_before: dict, c2w_after: dict, 
     return report
 
 
-async def every_replica(handle, replicas: int, tries: int = 128) -> dict[str, dict]:
-    """Each replica's `engine_stats`, by replica name. Calls go by load (or at random): ask until `replicas`
-    distinct ones answered, or give up after `tries` calls with those that did."""
+async def every_replica(handle, replicas: int, tries: int = 128, method: str = "engine_stats") -> dict[str, dict]:
+    """Each replica's `engine_stats` (or `method`), by replica name. Calls go by load (or at random): ask until
+    `replicas` distinct ones answered, or give up after `tries` calls with those that did."""
     seen: dict[str, dict] = {}
     for _ in range(tries):
-        stats = await handle.engine_stats.remote()
+        stats = await getattr(handle, method).remote()
         seen[stats["replica"]] = stats
         if len(seen) >= replicas:
             break
@@ -156,6 +161,14 @@ def _code2wav_window(before: dict, after: dict, wall: float) -> dict:
             "new_frames_per_s": round(d["new_frames"] / wall, 1)}
 
 
+def lag_between(before: dict, after: dict) -> dict:
+    """Each Talker and ingress replica's event-loop lag between two since-start outputs (a replica absent from
+    `before` started in between: since its start)."""
+    lags_before, lags_after = before.get("event_loop_lag", {}), after.get("event_loop_lag", {})
+    return {kind: {name: loop_lag.window(lags_before.get(kind, {}).get(name), snap) for name, snap in sorted(snaps.items())}
+            for kind, snaps in lags_after.items()}
+
+
 def _mean_ms(before: dict, after: dict, seconds: str, count: str) -> float | None:
     n = after[count] - before.get(count, 0)
     return round((after[seconds] - before.get(seconds, 0)) / n * 1e3, 1) if n else None
@@ -168,12 +181,25 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=None,
                     help="read one replica of each stage twice, this far apart (default: every replica since start)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--lag-between", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                    help="two since-start outputs: each replica's event-loop lag between them (no Ray)")
     args = ap.parse_args()
+    if args.lag_between:
+        report = lag_between(*(json.loads(Path(f).read_text()) for f in args.lag_between))
+        print(json.dumps(report, indent=1))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
+        return
 
     import ray
     from ray import serve
 
-    from deployments.constants import ALIGNER_DEPLOYMENT_NAME, CODE2WAV_DEPLOYMENT_NAME, TALKER_DEPLOYMENT_PREFIX
+    from deployments.constants import (
+        ALIGNER_DEPLOYMENT_NAME,
+        CODE2WAV_DEPLOYMENT_NAME,
+        INGRESS_DEPLOYMENT_NAME,
+        TALKER_DEPLOYMENT_PREFIX,
+    )
 
     ray.init(address="auto", namespace="serve", log_to_driver=False, logging_level="ERROR")
     talker_name = TALKER_DEPLOYMENT_PREFIX + args.model
@@ -195,7 +221,12 @@ def main() -> None:
         if running(ALIGNER_DEPLOYMENT_NAME):
             aligner = serve.get_deployment_handle(ALIGNER_DEPLOYMENT_NAME, app_name=args.app)
             aligners = await every_replica(aligner, running(ALIGNER_DEPLOYMENT_NAME))
-        return {"talker": {name: talker_summary(s) for name, s in sorted(talkers.items())},
+        ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT_NAME, app_name=args.app)
+        ingresses = await every_replica(ingress, running(INGRESS_DEPLOYMENT_NAME), method="replica_stats")
+        lags = {"talker": {n: s["event_loop_lag"] for n, s in talkers.items() if "event_loop_lag" in s},
+                "ingress": {n: s["event_loop_lag"] for n, s in ingresses.items()}}
+        return {"event_loop_lag": lags,
+                "talker": {name: talker_summary(s) for name, s in sorted(talkers.items())},
                 "code2wav": {name: code2wav_summary(s) for name, s in sorted(code2wavs.items())},
                 **({"aligner": {name: aligner_summary(s) for name, s in sorted(aligners.items())}} if aligners else {})}
 

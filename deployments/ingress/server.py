@@ -52,6 +52,8 @@ from deployments.ingress.text_mailbox import new_mailbox
 from deployments.ingress.timestamps import ResponseTimestamps, check_language, no_aligner
 from deployments.ingress.voice_store import VoiceStore
 from deployments.ingress.voices import Voices
+from deployments.loading import this_replica
+from deployments.loop_lag import LoopLag
 from deployments.messages import AlignerInfo, AlignRequest, DecodedChunk, GenerateOptions, ModelInfo
 from deployments.metrics import BatchMetrics
 from deployments.transport import max_answer_bytes, stage_handle
@@ -95,6 +97,8 @@ class TTSIngress:
         self._batches = BatchJobs(store, batch, self._check_batch_item, self._batch_worker,
                                   limits.default_response_format)
         self._batch_worker.start()
+        self._loop_lag = LoopLag()  # every socket's messages and every stream's items wait on this loop
+        self._loop_lag.start()
 
     @staticmethod
     def _placement(args: TTSServingArgs) -> StreamPlacement | None:
@@ -313,6 +317,11 @@ class TTSIngress:
     async def websocket_stats(self) -> dict:
         """This replica's open WebSockets (and client addresses holding some), through a deployment handle."""
         return self._sockets.stats()
+
+    async def replica_stats(self) -> dict:
+        """Which replica answered and its event loop's lag (deployments/loop_lag.py), through a deployment handle
+        (`bench/replica_stats.py`)."""
+        return {"replica": this_replica(), "event_loop_lag": self._loop_lag.snapshot()}
 
     # ------------------------------------------------------------------ models, voices, health
     async def models(self):

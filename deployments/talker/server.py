@@ -26,6 +26,7 @@ from deployments import first_audio_timing
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
 from deployments.errors import replica_failed
 from deployments.loading import build_engine, load_model, replica_log, this_replica
+from deployments.loop_lag import LoopLag
 from deployments.messages import GenerateOptions, LiveAdmitted, ModelInfo
 from deployments.metrics import TalkerMetrics
 from deployments.talker.engine_protocol import EngineStream, TalkerEngineProtocol
@@ -71,6 +72,7 @@ class TalkerServer:
         self._first_decoder_build: asyncio.Task | None = None
         self._metrics_task: asyncio.Task | None = None
         self._metrics: TalkerMetrics | None = None
+        self._loop_lag = LoopLag()  # this replica's event loop: every call's start and streamed item wait on it
         self._open: dict[str, EngineStream] = {}  # the streams of requests in this replica, by request id
         self._text_pumps: dict[object, LiveTextPump] = {}  # live requests' text, by the mailbox it comes from
 
@@ -108,6 +110,7 @@ class TalkerServer:
             log(f"[talker] warm-up request done in {time.perf_counter() - t0:.2f} s")
         self._metrics = TalkerMetrics(cfg.name)
         self._metrics_task = asyncio.get_running_loop().create_task(self._refresh_metrics())
+        self._loop_lag.start()
         log(f"[talker] {cfg.name} ready: {model.config.task.value} on {device} ({model.dtype})")
 
     # ------------------------------------------------------------------ requests
@@ -228,8 +231,10 @@ class TalkerServer:
     async def engine_stats(self) -> dict:
         """The engine's counters (`EngineStats`) and which replica answered (`replica`: a window read twice by
         the bench's replica stats must come from one replica), with the first-chunk decoder's (`Code2WavStats`:
-        its forwards share this replica's GPU with the engine's steps) when it has one."""
-        stats = {"replica": this_replica(), **dataclasses.asdict(self._engine.stats())}
+        its forwards share this replica's GPU with the engine's steps) when it has one, and its event loop's lag
+        (`event_loop_lag`: deployments/loop_lag.py)."""
+        stats = {"replica": this_replica(), **dataclasses.asdict(self._engine.stats()),
+                 "event_loop_lag": self._loop_lag.snapshot()}
         if self._first_decoder is not None:
             stats["first_chunk_decoder"] = dataclasses.asdict(self._first_decoder.stats())
         return stats
@@ -260,6 +265,7 @@ class TalkerServer:
     def __del__(self) -> None:
         if self._metrics_task is not None:
             self._metrics_task.cancel()
+        self._loop_lag.stop()
         if self._engine is not None:
             self._engine.shutdown()
         if self._first_decoder is not None:

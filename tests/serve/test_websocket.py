@@ -281,6 +281,30 @@ def test_live_benchmark_measures_an_utterance(base_url):
     assert list(spread["first_audio_stages_ms"])[-3:] == ["total", "client_side", "open"]
 
 
+
+def test_the_replicas_event_loop_lag_is_read_for_a_window():
+    """The ingress's `replica_stats` and the Talker's `engine_stats` carry their event loop's lag (sampled since the
+    replica started: deployments/loop_lag.py), which `bench.replica_stats --lag-between` subtracts per replica."""
+    from ray import serve
+
+    from bench.replica_stats import lag_between
+    from tests.serve.conftest import APP
+
+    def read() -> dict:
+        ingress = serve.get_deployment_handle("TTSIngress", app_name=APP).replica_stats.remote().result(timeout_s=30)
+        return {"ingress": {ingress["replica"]: ingress["event_loop_lag"]},
+                "talker": {"cv": engine_stats("cv")["event_loop_lag"]}}
+
+    first = read()
+    # a lag sample per 10 ms of each loop: a second read after a sample more of the Talker's (no clock: its count)
+    second = first
+    while second["talker"]["cv"]["samples"] == first["talker"]["cv"]["samples"]:
+        second = read()
+    window = lag_between({"event_loop_lag": first}, {"event_loop_lag": second})
+    assert len(window["ingress"]) == 1 and window["talker"]["cv"]["samples"] >= 1
+    for lag in (*first["ingress"].values(), first["talker"]["cv"]):
+        assert lag["samples"] > 0 and len(lag["counts"]) == len(lag["bounds_ms"]) + 1
+
 def _ingress_stats() -> dict:
     from ray import serve
 

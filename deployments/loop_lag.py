@@ -1,0 +1,80 @@
+"""LoopLag: how late a replica's event loop runs what is ready to run, sampled every few milliseconds.
+
+A replica's event loop carries every call's start, every streamed item and every WebSocket message of that
+replica; when something holds it (Python work of many calls at once, or another thread holding the GIL), each of
+them waits behind it, and that wait shows in the first-audio stages of the requests only as part of a hop. A task
+that sleeps `interval_s` and notes how much later than asked it woke measures that wait directly: the delay any
+callback becoming ready at that moment would have seen. The counts are cumulative since the replica started (a
+histogram, its sum and its worst), so a reader takes two snapshots and subtracts them for a window
+(`bench/replica_stats.py`). Serve samples its own loops too, but once per 5 s: too sparse for a burst of arrivals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from dataclasses import dataclass, field
+
+# upper bounds (ms) of the histogram's buckets; a last bucket holds what is later than the last bound
+BOUNDS_MS: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+@dataclass
+class LoopLagStats:
+    samples: int = 0
+    sum_ms: float = 0.0
+    max_ms: float = 0.0
+    counts: list[int] = field(default_factory=lambda: [0] * (len(BOUNDS_MS) + 1))
+
+    def add(self, lag_ms: float) -> None:
+        self.samples += 1
+        self.sum_ms += lag_ms
+        self.max_ms = max(self.max_ms, lag_ms)
+        self.counts[bisect.bisect_left(BOUNDS_MS, lag_ms)] += 1
+
+    def as_dict(self) -> dict:
+        return {"samples": self.samples, "sum_ms": round(self.sum_ms, 3), "max_ms": round(self.max_ms, 3),
+                "bounds_ms": list(BOUNDS_MS), "counts": list(self.counts)}
+
+
+def window(before: dict | None, after: dict) -> dict:
+    """The lag between two snapshots (`LoopLag.snapshot()`; `before=None`: since start): samples, mean, and
+    the share of samples later than each bound. The worst is since start (a maximum cannot be subtracted)."""
+    before = before or {"samples": 0, "sum_ms": 0.0, "counts": [0] * len(after["counts"])}
+    n = after["samples"] - before["samples"]
+    counts = [a - b for a, b in zip(after["counts"], before["counts"], strict=True)]
+    later, over = {}, n
+    for bound, count in zip(after["bounds_ms"], counts, strict=False):
+        over -= count
+        if bound in (5, 20, 100):
+            later[f"over_{bound:g}ms"] = round(over / n, 4) if n else None
+    return {"samples": n, "mean_ms": round((after["sum_ms"] - before["sum_ms"]) / n, 3) if n else None,
+            **later, "max_ms_since_start": after["max_ms"]}
+
+
+class LoopLag:
+    """Samples the running loop's lag from `start()` until `stop()`. Event-loop side only."""
+
+    def __init__(self, interval_s: float = 0.01):
+        self.interval_s = interval_s
+        self._stats = LoopLagStats()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def snapshot(self) -> dict:
+        return self._stats.as_dict()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time() + self.interval_s
+            await asyncio.sleep(self.interval_s)
+            self._stats.add(max(0.0, loop.time() - asked) * 1000)

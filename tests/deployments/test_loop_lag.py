@@ -1,0 +1,58 @@
+"""LoopLag (deployments/loop_lag.py): a blocked event loop shows as lag, counted in the right bucket; windows subtract."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from bench.replica_stats import lag_between
+from deployments import loop_lag
+from deployments.loop_lag import LoopLag
+
+
+async def _samples_past(lag: LoopLag, n: int) -> None:
+    while lag.snapshot()["samples"] <= n:
+        await asyncio.sleep(0)
+
+
+def test_a_blocked_loop_is_measured_as_lag():
+    async def run() -> tuple[dict, dict]:
+        lag = LoopLag(interval_s=0.001)
+        lag.start()
+        await _samples_past(lag, 0)
+        before = lag.snapshot()
+        time.sleep(0.06)  # holds the loop, as a burst of Python work on it would
+        await _samples_past(lag, before["samples"])
+        after = lag.snapshot()
+        lag.stop()
+        return before, after
+
+    before, after = asyncio.run(run())
+    # the sample taken across the block woke at least the block's length minus one interval late
+    assert after["max_ms"] >= 59
+    late = [c - b for c, b in zip(after["counts"], before["counts"], strict=True)]
+    assert sum(late[loop_lag.BOUNDS_MS.index(50) + 1:]) >= 1, "the blocked sample is not in a bucket above 50 ms"
+    w = loop_lag.window(before, after)
+    assert w["samples"] == after["samples"] - before["samples"] >= 1
+    assert w["over_20ms"] > 0 and w["mean_ms"] >= 59 / w["samples"]
+
+
+def test_windows_subtract_and_name_each_replica():
+    bounds = list(loop_lag.BOUNDS_MS)
+    zero = {"samples": 0, "sum_ms": 0.0, "max_ms": 0.0, "bounds_ms": bounds, "counts": [0] * (len(bounds) + 1)}
+    stats = loop_lag.LoopLagStats()
+    for ms in (0.5, 0.5, 3.0, 150.0):
+        stats.add(ms)
+    first = stats.as_dict()
+    stats.add(30.0)
+    second = stats.as_dict()
+    w = loop_lag.window(first, second)
+    assert w == {"samples": 1, "mean_ms": 30.0, "over_5ms": 1.0, "over_20ms": 1.0, "over_100ms": 0.0,
+                 "max_ms_since_start": 150.0}
+    since_start = loop_lag.window(None, first)
+    assert since_start["samples"] == 4 and since_start["over_5ms"] == 0.25 and since_start["over_100ms"] == 0.25
+    report = lag_between({"event_loop_lag": {"ingress": {"a": first}}},
+                         {"event_loop_lag": {"ingress": {"a": second, "b": zero}, "talker": {"t": first}}})
+    assert report["ingress"]["a"]["samples"] == 1
+    assert report["ingress"]["b"]["samples"] == 0 and report["ingress"]["b"]["mean_ms"] is None
+    assert report["talker"]["t"]["samples"] == 4  # absent before: since its start
