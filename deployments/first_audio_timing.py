@@ -31,8 +31,10 @@ from dataclasses import dataclass
 STAGES: dict[str, str] = {
     "ingress": "arrival at the ingress to its Talker call: validation, routing, tokenization, voice",
     "to_talker": "the call's hop to a Talker replica, until its generate runs",
-    "to_talker_call": "live: the first text waiting for its request's call to start in a Talker replica (0 when the "
-                      "call, made at the context's open, started before the text came)",
+    "ingress_call": "live: the first text waiting for the ingress to make its request's Talker call (0 when the call "
+                    "was made before the text came)",
+    "to_talker_call": "live: the first text waiting for its request's call to reach a Talker replica and start there, "
+                      "from the later of the text's arrival and the call (0 when it started before the text came)",
     "to_talker_text": "live: the first text's way from the ingress to the Talker's engine (its mailbox, the poll)",
     "talker": "in the Talker replica: engine admission, prefill and the first chunk's frames (live: from its first "
               "text, which includes waiting for the text that makes its first frames final)",
@@ -85,8 +87,11 @@ class FirstAudioTiming:
         here); the request's admission and prefill happened before the text came."""
         marks: list[tuple[str, float | None]] = []
         if len(self.talker) == 4:
-            # a burst of opens can start the Talker's side of a request after its first text reached the ingress
-            marks += [("to_talker_call", max(self.arrived, self.talker[0])), ("to_talker_text", self.talker[3])]
+            # a burst of opens can start the Talker's side of a request after its first text reached the ingress:
+            # the ingress made the call late (its loop busy with the other opens), or the call took long to arrive
+            called = max(self.arrived, self.talker_called or self.arrived)
+            marks += [("ingress_call", called), ("to_talker_call", max(called, self.talker[0])),
+                      ("to_talker_text", self.talker[3])]
         if len(self.talker) >= 3:
             marks += [("talker", self.talker[1]), ("talker_decode", self.talker[2]), ("to_ingress", self.chunk_received)]
         else:

@@ -7,12 +7,17 @@ that sleeps `interval_s` and notes how much later than asked it woke measures th
 callback becoming ready at that moment would have seen. The counts are cumulative since the replica started (a
 histogram, its sum and its worst), so a reader takes two snapshots and subtracts them for a window
 (`bench/replica_stats.py`). Serve samples its own loops too, but once per 5 s: too sparse for a burst of arrivals.
+
+One known holder is counted beside it: the process's garbage collections (a collection holds the GIL for its whole
+pass, so it stops the loop and every other thread), by generation, their number and time (`gc.callbacks`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import gc
+import time
 from dataclasses import dataclass, field
 
 # upper bounds (ms) of the histogram's buckets; a last bucket holds what is later than the last bound
@@ -37,6 +42,38 @@ class LoopLagStats:
                 "bounds_ms": list(BOUNDS_MS), "counts": list(self.counts)}
 
 
+class GcPauses:
+    """The process's garbage collections since `start()`: per generation, how many and how long (ms)."""
+
+    def __init__(self):
+        self.count = [0, 0, 0]
+        self.sum_ms = [0.0, 0.0, 0.0]
+        self.max_ms = [0.0, 0.0, 0.0]
+        self._began: float | None = None
+
+    def start(self) -> None:
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def stop(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            ms, g = (time.perf_counter() - self._began) * 1000, info["generation"]
+            self.count[g] += 1
+            self.sum_ms[g] += ms
+            self.max_ms[g] = max(self.max_ms[g], ms)
+            self._began = None
+
+    def as_dict(self) -> dict:
+        return {"count": list(self.count), "sum_ms": [round(x, 3) for x in self.sum_ms],
+                "max_ms": [round(x, 3) for x in self.max_ms]}
+
+
 def window(before: dict | None, after: dict) -> dict:
     """The lag between two snapshots (`LoopLag.snapshot()`; `before=None`: since start): samples, mean, and
     the share of samples later than each bound. The worst is since start (a maximum cannot be subtracted)."""
@@ -48,29 +85,39 @@ def window(before: dict | None, after: dict) -> dict:
         over -= count
         if bound in (5, 20, 100):
             later[f"over_{bound:g}ms"] = round(over / n, 4) if n else None
-    return {"samples": n, "mean_ms": round((after["sum_ms"] - before["sum_ms"]) / n, 3) if n else None,
-            **later, "max_ms_since_start": after["max_ms"]}
+    out = {"samples": n, "mean_ms": round((after["sum_ms"] - before["sum_ms"]) / n, 3) if n else None,
+           **later, "max_ms_since_start": after["max_ms"]}
+    if "gc" in after:  # collections between the reads, by generation: how many, their time, the longest since start
+        gc_before = before.get("gc", {"count": [0, 0, 0], "sum_ms": [0.0, 0.0, 0.0]})
+        out["gc"] = {f"gen{g}": {"count": after["gc"]["count"][g] - gc_before["count"][g],
+                                 "sum_ms": round(after["gc"]["sum_ms"][g] - gc_before["sum_ms"][g], 3),
+                                 "max_ms_since_start": after["gc"]["max_ms"][g]} for g in range(3)}
+    return out
 
 
 class LoopLag:
-    """Samples the running loop's lag from `start()` until `stop()`. Event-loop side only."""
+    """Samples the running loop's lag (and counts the process's collections) from `start()` until `stop()`.
+    Event-loop side only."""
 
     def __init__(self, interval_s: float = 0.01):
         self.interval_s = interval_s
         self._stats = LoopLagStats()
+        self._gc = GcPauses()
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
+            self._gc.start()
 
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        self._gc.stop()
 
     def snapshot(self) -> dict:
-        return self._stats.as_dict()
+        return {**self._stats.as_dict(), "gc": self._gc.as_dict()}
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -69,15 +69,22 @@ def test_a_live_contexts_first_audio_runs_from_its_first_text():
     timing.code2wav = (100.154, 100.155, 100.159)
     timing.responded = 100.1605
     stages = timing.stages_ms()
-    expected = {"to_talker_call": 0, "to_talker_text": 20, "talker": 130, "talker_decode": 1, "to_ingress": 1,
+    expected = {"ingress_call": 0, "to_talker_call": 0, "to_talker_text": 20, "talker": 130, "talker_decode": 1, "to_ingress": 1,
                 "to_code2wav": 2, "code2wav_queue": 1, "code2wav": 4, "from_code2wav": 1, "respond": 0.5, "total": 160.5}
     assert list(stages) == list(expected) and stages == pytest.approx(expected, abs=1e-6)
     assert set(stages) <= set(STAGES)
     # a burst: the request's call started in the Talker 30 ms after its first text reached the ingress
     timing.talker = (100.030, 100.150, 100.151, 100.040)
     late = timing.stages_ms()
-    assert late["to_talker_call"] == pytest.approx(30) and late["to_talker_text"] == pytest.approx(10)
+    assert late["ingress_call"] == 0 and late["to_talker_call"] == pytest.approx(30)
+    assert late["to_talker_text"] == pytest.approx(10)
     assert sum(v for k, v in late.items() if k != "total") == pytest.approx(late["total"])
+    # the ingress itself made the call 12 ms after the text came (its loop busy with other opens), 18 ms to start
+    timing.talker_called = 100.012
+    later = timing.stages_ms()
+    assert later["ingress_call"] == pytest.approx(12) and later["to_talker_call"] == pytest.approx(18)
+    assert sum(v for k, v in later.items() if k != "total") == pytest.approx(later["total"])
+    timing.talker_called = 99.0
     timing.talker = timing.talker[:3]  # no text stamp (the text came before the pump knew the request)
     assert list(timing.stages_ms())[:2] == ["talker", "talker_decode"]
     assert timing.stages_ms()["talker"] == pytest.approx(150)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 from bench.replica_stats import lag_between
@@ -56,3 +57,22 @@ def test_windows_subtract_and_name_each_replica():
     assert report["ingress"]["a"]["samples"] == 1
     assert report["ingress"]["b"]["samples"] == 0 and report["ingress"]["b"]["mean_ms"] is None
     assert report["talker"]["t"]["samples"] == 4  # absent before: since its start
+
+
+def test_collections_are_counted_by_generation_and_windowed():
+    async def run() -> tuple[dict, dict]:
+        lag = LoopLag(interval_s=0.001)
+        lag.start()
+        await _samples_past(lag, 0)
+        before = lag.snapshot()
+        gc.collect()  # a full collection: generation 2
+        await _samples_past(lag, before["samples"])
+        after = lag.snapshot()
+        lag.stop()
+        return before, after
+
+    before, after = asyncio.run(run())
+    assert after["gc"]["count"][2] >= before["gc"]["count"][2] + 1
+    w = loop_lag.window(before, after)["gc"]
+    assert w["gen2"]["count"] >= 1 and w["gen2"]["sum_ms"] > 0 and w["gen2"]["max_ms_since_start"] > 0
+    assert loop_lag.window(None, after)["gc"]["gen2"]["count"] == after["gc"]["count"][2]
