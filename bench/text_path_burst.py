@@ -1,6 +1,6 @@
 """Live text's way into a Talker at a burst of new contexts, on a local Ray cluster (CPU; no model, no Serve).
 
-N contexts open at once against one ingress replica's real `TextMailbox` (deployments/ingress/text_mailbox.py) and
+N contexts open at once against one ingress replica's real `TextMailbox` (deployments/text_mailbox.py) and
 one Talker replica's real `LiveTextPump` (deployments/talker/text_pump.py) inside an actor standing in for the
 Talker. Per context, what the ingress and the Talker do: the Talker's side of the request starts (`add`, as
 `Talker.generate_live` does; not awaited, as a Serve call is not), then the first text is put (awaited, as the
@@ -21,8 +21,8 @@ from pathlib import Path
 import ray
 
 from bench.loadgen.metrics import Stats
-from deployments.ingress.text_mailbox import TextEvent, new_mailbox
 from deployments.talker.text_pump import LiveTextPump
+from deployments.text_mailbox import TextEvent, new_mailbox
 
 
 class _FirstTextEngine:

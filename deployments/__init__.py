@@ -18,4 +18,8 @@ One package per Serve process, and at the top only what several processes share:
     first_audio_timing.py  a stream's first chunk stamped hop by hop (Server-Timing, metrics)
     errors.py              the API's errors and their JSON
     metrics.py             the replicas' Ray metrics
+    loop_lag.py            each replica's event-loop lag and collections (what holds its calls and streams)
+    text_mailbox.py        `TextMailbox`: live text from an ingress replica to the Talkers speaking it (an actor the
+                           Talker deserializes with the first live call: kept out of the ingress package, whose
+                           import on that call cost it ~150 ms)
 """

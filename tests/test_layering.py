@@ -173,10 +173,26 @@ def test_allowlist_check_finds_a_planted_import(tmp_path):
 
 
 def test_deployments_keep_few_top_level_modules_and_short_files():
-    """`deployments/` is a package per Serve process; at its top only what several processes share (at most 12
-    modules), and no file over 450 lines."""
+    """`deployments/` is a package per Serve process; at its top only what several processes share (at most 14
+    modules: the live text's mailbox and the event-loop lag readout are used by both the ingress and the Talker), and
+    no file over 450 lines."""
     top = sorted(p.name for p in (ROOT / "deployments").glob("*.py"))
-    assert len(top) <= 12, top
+    assert len(top) <= 14, top
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / "deployments").rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 450}
     assert long == {}
+
+
+def test_a_talker_replica_has_what_live_text_unpickles_without_the_ingress_package():
+    """A live call carries the ingress replica's `TextMailbox` handle and the Talker unpickles its events: the module
+    holding both is loaded with the Talker's server, and it does not pull in the ingress package (the first live call
+    imported it there, ~150 ms of the first audio of every context then arriving)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, deployments.talker.server\n"
+            "assert 'deployments.text_mailbox' in sys.modules\n"
+            "assert not any(m == 'deployments.ingress' or m.startswith('deployments.ingress.') for m in sys.modules)\n"
+            "import deployments.text_mailbox\n"
+            "assert not any(m.startswith('deployments.ingress') for m in sys.modules)\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)

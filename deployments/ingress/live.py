@@ -119,7 +119,7 @@ class LiveSession:
 
     def __init__(self, websocket: WebSocket, ingress: LiveIngress, mailbox: ActorHandle, outcomes: Outcomes,
                  work: OpenWork, sockets: SocketLimits, auth: LiveAuth | None = None):
-        """`mailbox`: the ingress replica's TextMailbox actor (deployments/ingress/text_mailbox.py);
+        """`mailbox`: the ingress replica's TextMailbox actor (deployments/text_mailbox.py);
         `sockets`: the replica's WebSocket counts; `auth`: API keys and their limits (None: no keys)."""
         self._ws, self._ingress, self._mailbox = websocket, ingress, mailbox
         self._auth = auth

@@ -42,9 +42,9 @@ from deployments.ingress.long_form import silence
 from deployments.ingress.long_text import FRAMES_PER_CHAR, estimated_frames, pause_after, piece_seed
 from deployments.ingress.request_builder import VoiceChoice
 from deployments.ingress.schemas import LiveOpen
-from deployments.ingress.text_mailbox import TextEvent
 from deployments.ingress.text_split import BOUNDARIES, Boundary, TextPiece
 from deployments.messages import DecodedChunk, LiveAdmitted, ModelInfo
+from deployments.text_mailbox import TextEvent
 from stages.contract import SAMPLES_PER_FRAME, FinishReason
 
 _HALF = 0.5  # a piece filled this far ends at its next sentence or paragraph end (or flush)

@@ -48,7 +48,6 @@ from deployments.ingress.routing import ModelRouter
 from deployments.ingress.schemas import SpeechRequest
 from deployments.ingress.socket_limits import SocketLimits
 from deployments.ingress.speech import SpeechJob, stream_response, whole_response
-from deployments.ingress.text_mailbox import new_mailbox
 from deployments.ingress.timestamps import ResponseTimestamps, check_language, no_aligner
 from deployments.ingress.voice_store import VoiceStore
 from deployments.ingress.voices import Voices
@@ -56,6 +55,7 @@ from deployments.loading import this_replica
 from deployments.loop_lag import LoopLag
 from deployments.messages import AlignerInfo, AlignRequest, DecodedChunk, GenerateOptions, ModelInfo
 from deployments.metrics import BatchMetrics
+from deployments.text_mailbox import new_mailbox
 from deployments.transport import max_answer_bytes, stage_handle
 from stages.aligner.timestamps import Word
 from stages.contract import FRAME_SECONDS, Priority, SynthesisRequest

@@ -153,7 +153,7 @@ class TalkerServer:
         """`generate` for a request whose text arrives while it runs (a WebSocket context).
 
         `request.prompt` has no text (`stages.prompts.build_live_prompt`); the text comes from `mailbox` (the
-        calling ingress replica's `TextMailbox`, deployments/ingress/text_mailbox.py), where the ingress puts the
+        calling ingress replica's `TextMailbox`, deployments/text_mailbox.py), where the ingress puts the
         context's append/flush/end events; this replica's pump for that mailbox (deployments/talker/text_pump.py)
         takes them as they arrive, with those of its other requests there, and hands them to the engine,
         which waits for text without stepping the request. Cancelling ends it as for `generate`. The first item is

@@ -1,7 +1,7 @@
 """LiveTextPump: one Talker replica's live requests' text, from one ingress replica's mailbox into the engine.
 
 Each live request's text arrives in the `TextMailbox` of the ingress replica that holds its WebSocket context
-(deployments/ingress/text_mailbox.py). A replica speaking many live contexts used to await one `take` per
+(deployments/text_mailbox.py). A replica speaking many live contexts used to await one `take` per
 request and event; a pump instead holds every request of this replica that reads from one mailbox and asks for
 all of their events in one long poll (`take_many`), so the replica's event loop makes one actor call per batch
 of text, however many contexts share the mailbox. A request added while a poll waits is claimed (`claim`, not
@@ -20,6 +20,9 @@ import logging
 import uuid
 
 from deployments import first_audio_timing
+
+# imported with the Talker, not with its first live call: unpickling the mailbox's handle and events needs it
+from deployments.text_mailbox import TextEvent
 from stages.contract import InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
@@ -78,7 +81,7 @@ class LiveTextPump:
                 self._requests.discard(request_id)
                 self._engine.abort(request_id)
 
-    def _deliver(self, request_id: str, events) -> None:
+    def _deliver(self, request_id: str, events: list[TextEvent]) -> None:
         """Hand one request's events to the engine; [] means its box was closed (the ingress ended it)."""
         engine = self._engine
         if not events:

@@ -69,8 +69,9 @@ def test_a_live_contexts_first_audio_runs_from_its_first_text():
     timing.code2wav = (100.154, 100.155, 100.159)
     timing.responded = 100.1605
     stages = timing.stages_ms()
-    expected = {"ingress_call": 0, "to_talker_call": 0, "to_talker_text": 20, "talker": 130, "talker_decode": 1, "to_ingress": 1,
-                "to_code2wav": 2, "code2wav_queue": 1, "code2wav": 4, "from_code2wav": 1, "respond": 0.5, "total": 160.5}
+    expected = {"ingress_call": 0, "to_talker_call": 0, "to_talker_text": 20, "talker": 130, "talker_decode": 1,
+                "to_ingress": 1, "to_code2wav": 2, "code2wav_queue": 1, "code2wav": 4, "from_code2wav": 1, "respond": 0.5,
+                "total": 160.5}
     assert list(stages) == list(expected) and stages == pytest.approx(expected, abs=1e-6)
     assert set(stages) <= set(STAGES)
     # a burst: the request's call started in the Talker 30 ms after its first text reached the ingress

@@ -1,4 +1,4 @@
-"""deployments/ingress/text_mailbox.py and deployments/talker/text_pump.py on a real Ray cluster: events in order,
+"""deployments/text_mailbox.py and deployments/talker/text_pump.py on a real Ray cluster: events in order,
 a waiting poll wakes on put, close and claim; one Talker-side pump feeds several requests from one mailbox."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from deployments import first_audio_timing
-from deployments.ingress.text_mailbox import TextEvent, new_mailbox
 from deployments.talker.text_pump import LiveTextPump
+from deployments.text_mailbox import TextEvent, new_mailbox
 from stages.contract import InvalidRequestError
 
 pytestmark = pytest.mark.serve
