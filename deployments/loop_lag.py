@@ -8,20 +8,29 @@ callback becoming ready at that moment would have seen. The counts are cumulativ
 histogram, its sum and its worst), so a reader takes two snapshots and subtracts them for a window
 (`bench/replica_stats.py`). Serve samples its own loops too, but once per 5 s: too sparse for a burst of arrivals.
 
-One known holder is counted beside it: the process's garbage collections (a collection holds the GIL for its whole
-pass, so it stops the loop and every other thread), by generation, their number and time (`gc.callbacks`).
+A loop can be saturated without any one callback waiting long (each waits behind a few others, and all of them
+behind the sum), so the loop thread's CPU time is counted too: its share of the wall between two reads says how busy
+the loop was (`busy_share`; time spent waiting for the GIL is not in it). One known holder is counted beside them:
+the process's garbage collections (a collection holds the GIL for its whole pass, so it stops the loop and every
+other thread), by generation, their number and time (`gc.callbacks`).
+
+A burst lasts a fraction of a second, less than any window between two reads, so the snapshot also holds the last
+`RECENT_S` seconds in 100 ms bins (`recent`: each bin's wall time, worst lag and the loop thread's CPU ms in it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import gc
 import time
 from dataclasses import dataclass, field
 
 # upper bounds (ms) of the histogram's buckets; a last bucket holds what is later than the last bound
 BOUNDS_MS: tuple[float, ...] = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+BIN_S = 0.1  # the recent series' bins
+RECENT_S = 30.0
 
 
 @dataclass
@@ -40,6 +49,11 @@ class LoopLagStats:
     def as_dict(self) -> dict:
         return {"samples": self.samples, "sum_ms": round(self.sum_ms, 3), "max_ms": round(self.max_ms, 3),
                 "bounds_ms": list(BOUNDS_MS), "counts": list(self.counts)}
+
+
+def _clock() -> dict:
+    """The loop thread's CPU seconds and the wall clock, read together (called on the loop's thread)."""
+    return {"cpu_s": round(time.thread_time(), 6), "wall_s": round(time.monotonic(), 6)}
 
 
 class GcPauses:
@@ -87,6 +101,9 @@ def window(before: dict | None, after: dict) -> dict:
             later[f"over_{bound:g}ms"] = round(over / n, 4) if n else None
     out = {"samples": n, "mean_ms": round((after["sum_ms"] - before["sum_ms"]) / n, 3) if n else None,
            **later, "max_ms_since_start": after["max_ms"]}
+    if "clock" in after and "clock" in before:  # the loop thread's CPU time over the wall between the reads
+        wall = after["clock"]["wall_s"] - before["clock"]["wall_s"]
+        out["busy_share"] = round((after["clock"]["cpu_s"] - before["clock"]["cpu_s"]) / wall, 4) if wall > 0 else None
     if "gc" in after:  # collections between the reads, by generation: how many, their time, the longest since start
         gc_before = before.get("gc", {"count": [0, 0, 0], "sum_ms": [0.0, 0.0, 0.0]})
         out["gc"] = {f"gen{g}": {"count": after["gc"]["count"][g] - gc_before["count"][g],
@@ -104,6 +121,9 @@ class LoopLag:
         self._stats = LoopLagStats()
         self._gc = GcPauses()
         self._task: asyncio.Task | None = None
+        # (bin start wall time, worst lag ms, loop thread CPU ms) of the last RECENT_S seconds; the current bin apart
+        self._recent: collections.deque = collections.deque(maxlen=round(RECENT_S / BIN_S))
+        self._bin: list[float] | None = None
 
     def start(self) -> None:
         if self._task is None:
@@ -117,11 +137,27 @@ class LoopLag:
         self._gc.stop()
 
     def snapshot(self) -> dict:
-        return {**self._stats.as_dict(), "gc": self._gc.as_dict()}
+        """Cumulative counts; call it on the loop's thread (its `clock` reads that thread's CPU time)."""
+        return {**self._stats.as_dict(), "gc": self._gc.as_dict(), "clock": _clock(),
+                "recent": {"bin_s": BIN_S, "bins": [[round(t, 2), round(lag, 2), round(cpu, 2)]
+                                                    for t, lag, cpu in self._recent]}}
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             asked = loop.time() + self.interval_s
             await asyncio.sleep(self.interval_s)
-            self._stats.add(max(0.0, loop.time() - asked) * 1000)
+            lag_ms = max(0.0, loop.time() - asked) * 1000
+            self._stats.add(lag_ms)
+            self._add_to_bin(lag_ms)
+
+    def _add_to_bin(self, lag_ms: float) -> None:
+        now, cpu_ms = time.time(), time.thread_time() * 1000
+        start = now - now % BIN_S
+        if self._bin is not None and self._bin[0] != start:  # the bin ended: its CPU is up to this sample's
+            self._recent.append((self._bin[0], self._bin[1], cpu_ms - self._bin[2]))
+            self._bin = None
+        if self._bin is None:
+            self._bin = [start, lag_ms, cpu_ms]
+        else:
+            self._bin[1] = max(self._bin[1], lag_ms)

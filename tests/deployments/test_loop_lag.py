@@ -36,6 +36,31 @@ def test_a_blocked_loop_is_measured_as_lag():
     w = loop_lag.window(before, after)
     assert w["samples"] == after["samples"] - before["samples"] >= 1
     assert w["over_20ms"] > 0 and w["mean_ms"] >= 59 / w["samples"]
+    # time.sleep holds the loop without using its CPU: busy is CPU time over wall, in [0, 1]
+    assert 0 <= w["busy_share"] <= 1
+
+
+def test_a_loop_busy_computing_shows_as_busy():
+    async def run() -> dict:
+        lag = LoopLag(interval_s=0.001)
+        lag.start()
+        await _samples_past(lag, 0)
+        before = lag.snapshot()
+        spin_until = time.thread_time() + 0.2
+        while time.thread_time() < spin_until:  # 200 ms of this thread's CPU, in 1 ms slices
+            t = time.thread_time() + 0.001
+            while time.thread_time() < t:
+                pass
+            await asyncio.sleep(0)
+        after = lag.snapshot()
+        lag.stop()
+        return loop_lag.window(before, after), after["recent"]
+
+    w, recent = asyncio.run(run())
+    # the wall includes whatever else this machine ran meanwhile, so only "mostly busy" is certain
+    assert w["busy_share"] > 0.3, w
+    # the 100 ms bins that ended hold most of the 200 ms of CPU (the current bin is not in them yet)
+    assert recent["bin_s"] == loop_lag.BIN_S and sum(cpu for _t, _lag, cpu in recent["bins"]) > 50, recent
 
 
 def test_windows_subtract_and_name_each_replica():
