@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import gc
 import hashlib
 import logging
 import time
@@ -97,7 +98,7 @@ class TalkerServer:
                                                     and self._engine.config.compile,
                                                     compile_cache_dir=engine_kwargs.get("compile_cache_dir"))
             # built while the replica serves (first chunks go to Code2Wav meanwhile): not on the way to ready
-            self._first_decoder_build = asyncio.get_running_loop().create_task(self._first_decoder.build())
+            self._first_decoder_build = asyncio.get_running_loop().create_task(self._build_first_decoder())
         self._info = ModelInfo(
             name=cfg.name, aliases=tuple(cfg.aliases), config=model.config, generation=model.generation,
             tokenizer=model.tokenizer, max_seq_len=int(self._engine.config.max_seq_len),
@@ -272,6 +273,14 @@ class TalkerServer:
             self._first_decoder.shutdown()
 
     # ------------------------------------------------------------------ internals
+    async def _build_first_decoder(self) -> None:
+        await self._first_decoder.build()
+        # Serve collects and freezes what a replica holds once its __init__ returns, so that later collections do not
+        # walk it (docs/serving.md, "Garbage collections"); the decoder's compiles came after that, and left ~10^5
+        # objects that every full collection then walked, stopping the engine with the loop (200-270 ms each, about
+        # one a minute under load): collected and frozen as well, once, in a thread
+        await asyncio.to_thread(_collect_and_freeze)
+
     async def _warmup(self) -> None:
         from stages.prompts import build_prompt
 
@@ -304,6 +313,11 @@ class TalkerServer:
                 m.mean_batch_size.observe((s.frames - last_frames) / (s.steps - last_steps))
             last_steps, last_frames = s.steps, s.frames
             await asyncio.sleep(C.METRICS_REFRESH_INTERVAL_S)
+
+
+def _collect_and_freeze() -> None:
+    gc.collect()
+    gc.freeze()
 
 
 def _fingerprint(path: Path) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 
 import numpy as np
 import pytest
@@ -450,6 +451,7 @@ def test_the_talker_serves_before_its_first_chunk_decoder_is_built(loop, tiny_cu
                                     engine_kwargs={"max_num_seqs": 2, "max_seq_len": 64},
                                     first_chunk_decode_max_running=1)
     server = TalkerServer.sync_init(config, STREAMING)
+    frozen = gc.get_freeze_count()
     try:
         loop.run_until_complete(server.start())
         assert loop.run_until_complete(server.ready()) is True
@@ -458,11 +460,14 @@ def test_the_talker_serves_before_its_first_chunk_decoder_is_built(loop, tiny_cu
         assert len(early) >= 2 and all(c.pcm is None for c in early)  # all to Code2Wav
         release.set()
         assert loop.run_until_complete(server.first_chunk_decoder_built()) is True
+        # what the build left is frozen, as Serve freezes what __init__ left: full collections do not walk it
+        assert gc.get_freeze_count() > frozen
         later = loop.run_until_complete(_collect(server.generate(_request(server, 5, rid="later"))))
         assert later[0].pcm is not None and later[0].pcm.size == later[0].num_new * SAMPLES_PER_FRAME
     finally:
         release.set()
         server.__del__()
+        gc.unfreeze()  # the test process's objects: collectable again
 
     def failing_start(self):
         raise RuntimeError("no room for the decoder's graphs")
