@@ -22,7 +22,7 @@ import ray
 
 from bench.loadgen.metrics import Stats
 from deployments.talker.text_pump import LiveTextPump
-from deployments.text_mailbox import TextEvent, new_mailbox
+from deployments.text_mailbox import MailboxWriter, TextEvent, new_mailbox
 
 
 class _FirstTextEngine:
@@ -61,14 +61,14 @@ class _Talker:
             self.pump.remove(request_id)
 
 
-async def _burst(mailbox, talker, n: int, tag: str) -> list[float]:
+async def _burst(writer: MailboxWriter, talker, n: int, tag: str) -> list[float]:
     put_at: dict[str, float] = {}
 
     async def one(i: int) -> None:
         request_id = f"{tag}-{i}"
         talker.add.remote(request_id)
         put_at[request_id] = time.time()
-        await mailbox.put.remote(request_id, [TextEvent("append", "hello")])
+        await writer.put(request_id, [TextEvent("append", "hello")])  # as the ingress puts: coalesced
 
     await asyncio.gather(*(one(i) for i in range(n)))
     first = await talker.first_text.remote()
@@ -77,19 +77,19 @@ async def _burst(mailbox, talker, n: int, tag: str) -> list[float]:
         first = await talker.first_text.remote()
     await talker.remove.remote(list(put_at))
     for request_id in put_at:
-        mailbox.close.remote(request_id)
+        writer.close(request_id)
     return [(first[r] - put_at[r]) * 1000 for r in put_at]
 
 
 async def run(sizes: list[int], bursts: int) -> dict[str, dict]:
     mailbox = new_mailbox()
     await mailbox.open_boxes.remote()
-    talker = _Talker.remote(mailbox)
+    talker, writer = _Talker.remote(mailbox), MailboxWriter(mailbox)
     await talker.first_text.remote()  # both actors' workers started before the first burst
-    await _burst(mailbox, talker, 1, "warm")  # and the Talker's first contact with the mailbox made
+    await _burst(writer, talker, 1, "warm")  # and the Talker's first contact with the mailbox made
     out = {}
     for n in sizes:
-        ms = [x for k in range(bursts) for x in await asyncio.wait_for(_burst(mailbox, talker, n, f"{n}-{k}"), 120)]
+        ms = [x for k in range(bursts) for x in await asyncio.wait_for(_burst(writer, talker, n, f"{n}-{k}"), 120)]
         st = Stats.of(ms)
         out[str(n)] = {"p50": round(st.p50, 2), "p95": round(st.p95, 2), "max": round(st.max, 2), "n": st.n}
         print(f"{n} at once: first text put -> engine p50 / p95 / max {st.p50:.1f} / {st.p95:.1f} / {st.max:.1f} ms",

@@ -28,7 +28,6 @@ from typing import Any, Protocol
 from fastapi import WebSocket
 from opentelemetry import trace
 from pydantic import ValidationError
-from ray.actor import ActorHandle
 from ray.exceptions import TaskCancelledError
 from starlette.websockets import WebSocketDisconnect
 
@@ -60,6 +59,7 @@ from deployments.ingress.socket_limits import CLOSE_NORMAL, CLOSE_TRY_AGAIN_LATE
 from deployments.ingress.speech import usage
 from deployments.ingress.timestamps import ResponseTimestamps
 from deployments.messages import ModelInfo
+from deployments.text_mailbox import MailboxWriter
 from stages.contract import SAMPLE_RATE
 
 
@@ -117,9 +117,9 @@ class _Context:
 class LiveSession:
     """One WebSocket connection and the contexts open on it."""
 
-    def __init__(self, websocket: WebSocket, ingress: LiveIngress, mailbox: ActorHandle, outcomes: Outcomes,
+    def __init__(self, websocket: WebSocket, ingress: LiveIngress, mailbox: MailboxWriter, outcomes: Outcomes,
                  work: OpenWork, sockets: SocketLimits, auth: LiveAuth | None = None):
-        """`mailbox`: the ingress replica's TextMailbox actor (deployments/text_mailbox.py);
+        """`mailbox`: the ingress replica's `MailboxWriter` (deployments/text_mailbox.py);
         `sockets`: the replica's WebSocket counts; `auth`: API keys and their limits (None: no keys)."""
         self._ws, self._ingress, self._mailbox = websocket, ingress, mailbox
         self._auth = auth

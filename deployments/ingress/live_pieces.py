@@ -81,7 +81,7 @@ class MailboxPieces:
 
     def __init__(self, ingress, mailbox, body: LiveOpen, info: ModelInfo, choice: VoiceChoice, voice,
                  timing: FirstAudioTiming | None = None):
-        """`ingress`: its `start_live` (deployments/ingress/server.py); `mailbox`: the replica's TextMailbox;
+        """`ingress`: its `start_live` (deployments/ingress/server.py); `mailbox`: the replica's `MailboxWriter`;
         `timing`: the context's first audio's stamps (its first piece's, which speaks first)."""
         self._ingress, self._mailbox = ingress, mailbox
         self._body, self._info, self._choice, self._voice = body, info, choice, voice
@@ -92,22 +92,21 @@ class MailboxPieces:
         try:  # the request's mailbox box is made by its first text (or the Talker's claim): no call here
             _, fits, chunks = self._ingress.start_live(
                 body.model_copy(update={"seed": piece_seed(body.seed, index)}), info, self._choice, self._voice,
-                request_id, self._mailbox, body.idle_timeout_s, body.max_new_tokens,
+                request_id, self._mailbox.handle, body.idle_timeout_s, body.max_new_tokens,
                 timing=self._timing if index == 0 else None)
         except BaseException:
-            self._mailbox.close.remote(request_id)
+            self._mailbox.close(request_id)
             raise
         n = body.max_new_tokens
         capped = body.suppress_eos or (n is not None and n <= fits) or fits >= info.default_max_new_tokens
         return StartedPiece(chunks, fits, capped)
 
     async def put(self, request_id: str, events) -> None:
-        # awaited: a context's events reach the mailbox in order (an async actor does not promise to run one
-        # caller's calls in order)
-        await self._mailbox.put.remote(request_id, events)
+        # awaited: a context's events reach the mailbox in order (one batch of puts after another)
+        await self._mailbox.put(request_id, events)
 
     def close(self, request_id: str) -> None:
-        self._mailbox.close.remote(request_id)
+        self._mailbox.close(request_id)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from deployments.loading import this_replica
 from deployments.loop_lag import LoopLag
 from deployments.messages import AlignerInfo, AlignRequest, DecodedChunk, GenerateOptions, ModelInfo
 from deployments.metrics import BatchMetrics
-from deployments.text_mailbox import new_mailbox
+from deployments.text_mailbox import MailboxWriter, new_mailbox
 from deployments.transport import max_answer_bytes, stage_handle
 from stages.aligner.timestamps import Word
 from stages.contract import FRAME_SECONDS, Priority, SynthesisRequest
@@ -86,8 +86,8 @@ class TTSIngress:
         # WebSocket context instead, it costs that context's first audio an actor's worker start (seconds;
         # docs/benchmarks.md "Live text")
         self._sockets = SocketLimits(limits.max_websockets_per_replica, limits.max_websockets_per_client)
-        self._mailbox = new_mailbox()
-        await self._mailbox.open_boxes.remote()
+        self._mailbox = MailboxWriter(new_mailbox())
+        await self._mailbox.handle.open_boxes.remote()
         # batch jobs: this replica's worker resumes what the shared store holds (deployments/ingress/batch_worker.py)
         batch = limits.batch
         store = BatchStore(batch.store_path(serve.get_replica_context().app_name), batch.journal_mode, batch.lease_s,

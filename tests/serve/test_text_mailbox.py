@@ -9,7 +9,7 @@ import pytest
 
 from deployments import first_audio_timing
 from deployments.talker.text_pump import LiveTextPump
-from deployments.text_mailbox import TextEvent, new_mailbox
+from deployments.text_mailbox import MailboxWriter, TextEvent, new_mailbox
 from stages.contract import InvalidRequestError
 
 pytestmark = pytest.mark.serve
@@ -40,6 +40,38 @@ def test_events_arrive_in_order_and_a_poll_waits_for_them(mailbox):
     events, tail = asyncio.run(run())
     assert [e.text for e in events] == [f"w{i} " for i in range(20)]
     assert list(tail) == ["r1"] and [e.kind for e in tail["r1"]] == ["flush", "end"]
+
+
+def test_the_ingress_puts_of_many_contexts_go_in_few_calls_each_context_in_order(mailbox):
+    """`MailboxWriter`: 40 contexts putting words at once (each awaiting its put before the next, as the ingress
+    does) make a few `put_many` calls, not 200; every context's words arrive in order; a closed box refuses."""
+    async def run():
+        writer = MailboxWriter(mailbox)
+        calls = []
+        real = writer._puts._run  # its batches' one call each
+
+        async def counted(items):
+            calls.append(len(items))
+            return await real(items)
+
+        writer._puts._run = counted
+
+        async def context(k: int) -> None:
+            for i in range(5):
+                assert await writer.put(f"w{k}", [TextEvent("append", f"{k}.{i} ")])
+
+        await asyncio.gather(*(context(k) for k in range(40)))
+        words = list(calls)
+        taken = await mailbox.take_many.remote("tw", [f"w{k}" for k in range(40)])
+        writer.close("w0")
+        refused = await writer.put("w0", [TextEvent("append", "late")])
+        return words, taken, refused
+
+    calls, taken, refused = asyncio.run(run())
+    assert sum(calls) == 200 and len(calls) <= 20, calls  # each round of 40 puts in one or two calls
+    assert {rid: [e.text for e in events] for rid, events in taken.items()} == {
+        f"w{k}": [f"{k}.{i} " for i in range(5)] for k in range(40)}
+    assert refused is False
 
 
 def test_one_poll_returns_every_request_with_text_and_only_those(mailbox):
