@@ -7,8 +7,9 @@ it (the first put makes the context's box: opening a context costs the ingress n
 replica that runs the request takes them. A Talker replica takes the events of all its requests from one mailbox in
 one long poll (`take_many`: it returns as soon as any of them has something, not on a timer), so a replica speaking
 many live contexts makes one actor call per batch of text, not one per event and context. A request the replica
-starts while its poll waits is `claim`ed: the waiting poll takes it in at once, so a burst of new requests does not
-restart the poll once per request. Ray runs one caller's calls to an actor in submission order, but an async actor
+starts while its poll waits is claimed (`claim_many`: the requests it starts while one such call is under way go in
+the next): the waiting poll takes it in at once, so a burst of new requests does not restart the poll once per
+request. Ray runs one caller's calls to an actor in submission order, but an async actor
 may interleave them: the ingress awaits each put, so a context's events arrive in the order the client sent them.
 The ingress's side is a `MailboxWriter`: the puts of all its contexts made while one `put_many` call is under way go
 together in the next (an actor call costs the ingress's event loop a few hundred microseconds of Python: one per
@@ -69,6 +70,11 @@ class TextMailbox:
     def put_many(self, items: list[tuple[str, list[TextEvent]]]) -> list[bool]:
         """`put` of each (request id, events), in order."""
         return [self.put(request_id, events) for request_id, events in items]
+
+    def claim_many(self, taker: str, request_ids: list[str]) -> None:
+        """`claim` of each request: a burst of a Talker replica's new requests in one call."""
+        for request_id in request_ids:
+            self.claim(taker, request_id)
 
     def claim(self, taker: str, request_id: str) -> None:
         """`taker`'s polls take `request_id`'s events from now on, a waiting one included."""

@@ -4,10 +4,12 @@ Each live request's text arrives in the `TextMailbox` of the ingress replica tha
 (deployments/text_mailbox.py). A replica speaking many live contexts used to await one `take` per
 request and event; a pump instead holds every request of this replica that reads from one mailbox and asks for
 all of their events in one long poll (`take_many`), so the replica's event loop makes one actor call per batch
-of text, however many contexts share the mailbox. A request added while a poll waits is claimed (`claim`, not
-awaited): the waiting poll takes its text in at once, without ending and asking again, so a burst of arrivals costs
-one call each. A closed box (the ingress ended the context) or a lost mailbox (its ingress replica
-is gone, and with it the client) aborts the request in the engine, as an ended request's stream would.
+of text, however many contexts share the mailbox. A request added while a poll waits is claimed (`claim_many`, not
+awaited by the request): the waiting poll takes its text in at once, without ending and asking again, and the
+requests added while one claim call is under way go together in the next, so a burst of arrivals costs the
+replica's event loop a few calls, not one each. A closed box (the ingress ended the context) or a lost mailbox (its
+ingress replica is gone, and with it the client) aborts the request in the engine, as an ended request's stream
+would.
 
 The pump notes when each request's first text reached the engine (`first_text_at`): the live first audio's
 `to_talker_text` stage ends there (deployments/first_audio_timing.py).
@@ -39,6 +41,8 @@ class LiveTextPump:
         self._requests: set[str] = set()
         self._first_text: dict[str, float] = {}  # request -> wall time its first text was handed to the engine
         self._task: asyncio.Task | None = None
+        self._to_claim: list[str] = []  # added while the poll waits, not yet claimed
+        self._claiming: asyncio.Task | None = None
 
     @property
     def requests(self) -> frozenset[str]:
@@ -50,7 +54,9 @@ class LiveTextPump:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
         else:  # a poll for the other requests may be waiting: it takes this one in too
-            self._mailbox.claim.remote(self._taker, request_id)
+            self._to_claim.append(request_id)
+            if self._claiming is None or self._claiming.done():
+                self._claiming = asyncio.get_running_loop().create_task(self._claim())
 
     def first_text_at(self, request_id: str) -> float | None:
         """When the request's first text was handed to the engine (`first_audio_timing.now()`; None: not yet)."""
@@ -64,7 +70,22 @@ class LiveTextPump:
         if not self._requests and self._task is not None:
             self._task.cancel()
             self._task = None
+            if self._claiming is not None:  # nothing left to claim (a call already sent goes before the release)
+                self._claiming.cancel()
+                self._claiming, self._to_claim = None, []
             self._mailbox.release.remote(self._taker)
+
+    async def _claim(self) -> None:
+        try:
+            while self._to_claim:
+                request_ids = [r for r in self._to_claim if r in self._requests]
+                self._to_claim = []
+                if request_ids:
+                    await self._mailbox.claim_many.remote(self._taker, request_ids)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the mailbox is gone: the poll fails too, and ends its requests (`_run`)
+            self._to_claim = []
 
     async def _run(self) -> None:
         try:

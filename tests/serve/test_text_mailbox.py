@@ -95,8 +95,7 @@ def test_close_and_claim_end_a_waiting_poll(mailbox):
         closed = await waiting
         accepted = await mailbox.put.remote("r2", [TextEvent("append", "late")])
         waiting = asyncio.ensure_future(mailbox.take_many.remote("t3", ["r3"]))  # r3: no text yet
-        await mailbox.claim.remote("t3", "r4")  # a request that arrived while the poll waits
-        await mailbox.claim.remote("t3", "r5")
+        await mailbox.claim_many.remote("t3", ["r4", "r5"])  # requests that arrived while the poll waits
         await asyncio.sleep(0.2)
         still_waiting = not waiting.done()
         await mailbox.put.remote("r4", [TextEvent("append", "four")])
