@@ -16,19 +16,21 @@ async def _samples_past(lag: LoopLag, n: int) -> None:
         await asyncio.sleep(0)
 
 
-def test_a_blocked_loop_is_measured_as_lag():
-    async def run() -> tuple[dict, dict]:
-        lag = LoopLag(interval_s=0.001)
-        lag.start()
-        await _samples_past(lag, 0)
-        before = lag.snapshot()
-        time.sleep(0.06)  # holds the loop, as a burst of Python work on it would
-        await _samples_past(lag, before["samples"])
-        after = lag.snapshot()
-        lag.stop()
-        return before, after
+async def _around(hold) -> tuple[dict, dict]:
+    """Snapshots of a sampling LoopLag just before `hold()` runs on its loop and after the next sample."""
+    lag = LoopLag(interval_s=0.001)
+    lag.start()
+    await _samples_past(lag, 0)
+    before = lag.snapshot()
+    hold()
+    await _samples_past(lag, before["samples"])
+    after = lag.snapshot()
+    lag.stop()
+    return before, after
 
-    before, after = asyncio.run(run())
+
+def test_a_blocked_loop_is_measured_as_lag():
+    before, after = asyncio.run(_around(lambda: time.sleep(0.06)))  # holds the loop, as a burst of work would
     # the sample taken across the block woke at least the block's length minus one interval late
     assert after["max_ms"] >= 59
     late = [c - b for c, b in zip(after["counts"], before["counts"], strict=True)]
@@ -85,18 +87,7 @@ def test_windows_subtract_and_name_each_replica():
 
 
 def test_collections_are_counted_by_generation_and_windowed():
-    async def run() -> tuple[dict, dict]:
-        lag = LoopLag(interval_s=0.001)
-        lag.start()
-        await _samples_past(lag, 0)
-        before = lag.snapshot()
-        gc.collect()  # a full collection: generation 2
-        await _samples_past(lag, before["samples"])
-        after = lag.snapshot()
-        lag.stop()
-        return before, after
-
-    before, after = asyncio.run(run())
+    before, after = asyncio.run(_around(gc.collect))  # a full collection: generation 2
     assert after["gc"]["count"][2] >= before["gc"]["count"][2] + 1
     w = loop_lag.window(before, after)["gc"]
     assert w["gen2"]["count"] >= 1 and w["gen2"]["sum_ms"] > 0 and w["gen2"]["max_ms_since_start"] > 0
