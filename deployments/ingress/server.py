@@ -51,6 +51,7 @@ from deployments.ingress.speech import SpeechJob, stream_response, whole_respons
 from deployments.ingress.timestamps import ResponseTimestamps, check_language, no_aligner
 from deployments.ingress.voice_store import VoiceStore
 from deployments.ingress.voices import Voices
+from deployments.ingress.websocket_deflate import decline_permessage_deflate
 from deployments.loading import this_replica
 from deployments.loop_lag import LoopLag
 from deployments.messages import AlignerInfo, AlignRequest, DecodedChunk, GenerateOptions, ModelInfo
@@ -67,6 +68,8 @@ class TTSIngress:
     async def __init__(self, talkers: dict[str, DeploymentHandle], code2wav: DeploymentHandle, args: TTSServingArgs,
                        aligner: DeploymentHandle | None = None):
         limits = args.ingress
+        # before Serve starts this replica's own HTTP server (after __init__): audio frames sent uncompressed
+        decline_permessage_deflate()
         self._args, self._limits, self._code2wav = args, limits, code2wav
         self.aligner = aligner  # the Aligner deployment (word timestamps); None where `aligner:` is not configured
         self._aligner: AlignerInfo | None = None  # what it times (asked once)
