@@ -56,11 +56,12 @@ def test_a_loop_busy_computing_shows_as_busy():
             await asyncio.sleep(0)
         after = lag.snapshot()
         lag.stop()
-        return loop_lag.window(before, after), after["recent"]
+        return loop_lag.window(before, after), after["recent"], after["clock"]["cpu_s"] - before["clock"]["cpu_s"]
 
-    w, recent = asyncio.run(run())
-    # the wall includes whatever else this machine ran meanwhile, so only "mostly busy" is certain
-    assert w["busy_share"] > 0.3, w
+    w, recent, cpu_s = asyncio.run(run())
+    # the loop thread's own CPU is counted whatever else the machine runs; the wall it is divided by is not certain
+    # on a loaded machine, so the share is only bounded
+    assert cpu_s >= 0.19 and 0 < w["busy_share"] <= 1.05, (cpu_s, w)
     # the 100 ms bins that ended hold most of the 200 ms of CPU (the current bin is not in them yet)
     assert recent["bin_s"] == loop_lag.BIN_S and sum(cpu for _t, _lag, cpu in recent["bins"]) > 50, recent
 

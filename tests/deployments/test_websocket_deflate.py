@@ -49,7 +49,10 @@ def test_a_client_offering_deflate_gets_a_socket_without_it(monkeypatch):
         port = _free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
         serving = asyncio.create_task(server.serve())
-        while not server.started:  # set by uvicorn once it listens
+        while not server.started:  # set by uvicorn once it listens; a server that could not start ends its task
+            if serving.done():
+                serving.result()
+                raise RuntimeError("uvicorn stopped before it listened")
             await asyncio.sleep(0.01)
         try:
             # the client offers permessage-deflate, as browsers and the websockets library do by default

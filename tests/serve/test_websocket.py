@@ -282,7 +282,7 @@ def test_live_benchmark_measures_an_utterance(base_url):
 
 
 
-def test_the_replicas_event_loop_lag_is_read_for_a_window():
+def test_the_replicas_event_loop_lag_is_read_for_a_window(base_url):
     """The ingress's `replica_stats` and the Talker's `engine_stats` carry their event loop's lag (sampled since the
     replica started: deployments/loop_lag.py), which `bench.replica_stats --lag-between` subtracts per replica."""
     from ray import serve
@@ -297,9 +297,8 @@ def test_the_replicas_event_loop_lag_is_read_for_a_window():
 
     first = read()
     # a lag sample per 10 ms of each loop: a second read after a sample more of the Talker's (no clock: its count)
-    second = first
-    while second["talker"]["cv"]["samples"] == first["talker"]["cv"]["samples"]:
-        second = read()
+    second = wait_for(lambda: (r := read())["talker"]["cv"]["samples"] > first["talker"]["cv"]["samples"] and r,
+                      timeout=60, interval=0.01, message="a new loop sample in the Talker")
     window = lag_between({"event_loop_lag": first}, {"event_loop_lag": second})
     assert len(window["ingress"]) == 1 and window["talker"]["cv"]["samples"] >= 1
     for lag in (*first["ingress"].values(), first["talker"]["cv"]):
