@@ -64,10 +64,11 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--kv-cache-tokens", type=int, default=262144)
-    # a served replica's torch thread count: Ray sets it to the replica's num_cpus (configs/high_concurrency.yaml: the
-    # Talker 2, Code2Wav 1); the compile-cache file is keyed by it (stages/compile_cache.py), so with these counts
-    # this start's file is the one a served start of that config loads
-    ap.add_argument("--talker-threads", type=int, default=2, help="torch threads while the Talker starts")
+    # a served replica's torch thread count: the application's env_vars set OMP_NUM_THREADS=1 in every shipped config
+    # (Ray would set a replica's num_cpus only where it is unset); the compile-cache file is keyed by it
+    # (stages/compile_cache.py). To build a served start's cache, `qwen3-tts-serve --prebuild CONFIG` starts the
+    # replicas themselves (deployments/launcher/prebuild.py)
+    ap.add_argument("--talker-threads", type=int, default=1, help="torch threads while the Talker starts")
     ap.add_argument("--code2wav-threads", type=int, default=1, help="torch threads while Code2Wav starts")
     ap.add_argument("--no-code2wav", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also report where the compile time went")
@@ -112,7 +113,7 @@ def main() -> None:
         t = log.lines[-1][0]
         c2w = Code2WavEngine(model.decoder, Code2WavEngineConfig(
             max_batch_size=64, max_frames_per_forward=4096, stateful=True, state_slots=576,
-            length_buckets=tuple(schedule.graph_lengths(stateful=True))))
+            length_buckets=tuple(schedule.graph_lengths(stateful=True)), compile_cache_dir=args.compile_cache_dir))
         c2w.warmup(log)
         phases["code2wav_engine_start"] = log.mark("code2wav graphs captured") - t
     engine.shutdown()

@@ -105,11 +105,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("config", help="a Serve config, e.g. configs/high_concurrency.yaml")
     parser.add_argument("--no-mps", action="store_true", help="do not start the CUDA MPS control daemon")
     parser.add_argument("--serve", default="serve", help="the `serve` executable (default: serve on PATH)")
+    parser.add_argument("--prebuild", action="store_true", help="instead of serving: compile what CONFIG's replicas "
+                        "compile at their start, on this machine, and exit (deployments/launcher/prebuild.py)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, serve_args = _parser().parse_known_args(argv)
+    if args.prebuild:
+        from deployments.launcher.prebuild import prebuild
+
+        return prebuild(args.config, log=lambda m: print(m, file=sys.stderr, flush=True))
     env = serve_environment(dict(os.environ))
     joins_cluster = bool(env.get("RAY_ADDRESS"))
     if joins_cluster:

@@ -1,0 +1,69 @@
+"""`qwen3-tts-serve --prebuild CONFIG` (deployments/launcher/prebuild.py): which replica starts it runs, with the
+environment and torch thread count their replicas get, and a real run of `configs/local.yaml` on CPU (the servers'
+own start, each in a process of its own). That a prebuilt cache makes a served start warm is measured on a GPU
+(docs/results.md, "Start-up"): on CPU nothing is compiled."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.launcher.prebuild import plan
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _config(name: str) -> dict:
+    return yaml.safe_load((REPO / "configs" / name).read_text())
+
+
+def test_the_shipped_gpu_config_prebuilds_its_talker_then_code2wav_with_one_torch_thread():
+    replicas = plan(_config("high_concurrency.yaml"))
+    assert [(r.kind, r.name) for r in replicas] == [("talker", "Talker:qwen3-tts"), ("code2wav", "Code2Wav")]
+    for r in replicas:  # the application's env_vars, as Ray gives them to its replicas (OMP_NUM_THREADS=1 there)
+        assert r.env == {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_without_omp_in_the_env_a_replica_gets_its_num_cpus_as_ray_sets_it():
+    config = _config("high_concurrency.yaml")
+    app = config["applications"][0]
+    del app["runtime_env"]
+    app["deployments"] = [{"name": "Code2Wav", "ray_actor_options": {"num_cpus": 3.5}}]
+    threads = {r.name: r.env["OMP_NUM_THREADS"] for r in plan(config)}
+    # the Talker's num_cpus (2) from its deployment_config; Code2Wav's from the top-level `deployments:` override,
+    # floored as Ray floors it
+    assert threads == {"Talker:qwen3-tts": "2", "Code2Wav": "3"}
+
+
+def test_every_model_of_a_multi_model_config_and_only_build_app_applications():
+    config = _config("multi_model.yaml")
+    names = [r.name for r in plan(config)]
+    models = config["applications"][0]["args"]["models"]
+    assert names == [f"Talker:{m['name']}" for m in models] + ["Code2Wav"]
+    config["applications"][0]["import_path"] = "somewhere.else:app"
+    assert plan(config) == []
+
+
+@pytest.mark.slow  # two replica starts of the tiny model, each a fresh Python process
+def test_prebuild_of_the_local_config_starts_each_replica_as_its_deployment_does():
+    proc = subprocess.run([sys.executable, "-m", "deployments.launcher.serve", "configs/local.yaml", "--prebuild"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    # each server's own start ran (the Talker's warm-up request and first-chunk decoder, Code2Wav's warm-up decode),
+    # in a process whose torch has the replica's thread count
+    assert "prebuilt Talker:qwen3-tts: engine and first-chunk decoder in" in out
+    assert "prebuilt Code2Wav: engine in" in out
+    assert out.count("(torch threads 1)") == 2
+    assert "warm-up request done" in out and "warm-up decode of lengths" in out
+    assert "qwen3-tts-serve: prebuilt 2 replica start(s) of configs/local.yaml" in out
+
+
+def test_a_config_without_a_tts_application_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "deployments.launcher.prebuild", "/dev/null"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "nothing to prebuild" in proc.stdout + proc.stderr
