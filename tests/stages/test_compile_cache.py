@@ -225,7 +225,7 @@ def test_a_broken_file_is_skipped_and_keys_differ(tmp_path):
     # a file without Dynamo's work is another file
     assert CompileCache.for_model(tmp_path, torch.device("cpu"), {"model": "a"}, dynamo=False).path != cache.path
     # and so is one written under another torch thread count (Dynamo's global-state guard holds the count: a
-    # replica, whose count Ray sets to its num_cpus, would trace and compile all of that file's work again)
+    # replica, whose count is its OMP_NUM_THREADS, would trace and compile all of that file's work again)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
