@@ -11,16 +11,16 @@ trace the functions again. Tracing was what a start from the file still spent it
 source of the compiled code as well as the torch, Triton and CUDA versions, the GPU, the model's shapes and torch's
 intra-op thread count (Dynamo guards every compiled variant on the process's global state, the thread count included:
 work traced under another count fails its guards and is traced and compiled again; a replica's count is its
-OMP_NUM_THREADS, which the shipped configs set to 1 and Ray otherwise sets to its `num_cpus`): an incompatible
-file is never offered; a file that is not useful is harmless (PyTorch checks its own cache keys entry by entry). A start that loaded the file and compiled something it lacked (a shape variant, a kernel
-option the key does not name) writes it again with both, so the next start has all of it: PyTorch's own save returns
-only what this process recorded (a variant served by Dynamo's loaded work records nothing, so its Inductor and
-AOTAutograd artifacts were dropped from a rewritten file: 21.5 -> 3.7 MiB on an H100), and `save` merges it into the
-file as it is then (`_merged`), so a file only grows. Writes are atomic: replicas starting together may race, and the
-last complete file wins (it holds what it read, and what its writer added). Two engines whose compiled functions see
-different shapes must not share a file (Dynamo's work for a function is one artifact, and each would replace the
-other's): the key names what decides the shapes (`model_key`).
-"""
+OMP_NUM_THREADS, which the shipped configs set to 1 and Ray otherwise sets to its `num_cpus`): an incompatible file is
+never offered; a file that is not useful is harmless (PyTorch checks its own cache keys entry by entry). A start that
+loaded the file and compiled something it lacked (a shape variant, a kernel option the key does not name) writes it
+again with both, so the next start has all of it: PyTorch's own save returns only what this process recorded (a
+variant served by Dynamo's loaded work records nothing, so its Inductor and AOTAutograd artifacts were dropped from a
+rewritten file: 21.5 -> 3.7 MiB on an H100), and `save` merges it into the file as it is then (`_merged`), so a file
+only grows. Writes are atomic: replicas starting together may race, and the last complete file wins (it holds what it
+read, and what its writer added). Two engines whose compiled functions see different shapes must not share a file
+(Dynamo's work for a function is one artifact, and each would replace the other's): the key names what decides the
+shapes (`model_key`)."""
 
 from __future__ import annotations
 
