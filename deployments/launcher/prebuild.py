@@ -1,6 +1,6 @@
-"""`qwen3-tts-serve --prebuild CONFIG`: do on this machine what CONFIG's Talker and Code2Wav replicas compile when
-they start (torch.compile's work into the compile-cache files, the project's Triton kernels into their cache), then
-exit. A later `serve run CONFIG` here, or on any machine with the same GPU, torch and serve home
+"""`qwen3-tts-serve --prebuild CONFIG`: do on this machine what CONFIG's Talker, Code2Wav and Aligner replicas compile
+when they start (torch.compile's work into the compile-cache files, the project's Triton kernels into their cache),
+then exit. A later `serve run CONFIG` here, or on any machine with the same GPU, torch and serve home
 (`QWEN3_TTS_SERVE_HOME`), starts from those files.
 
 Why: a replica compiles its kernels at its first start, which is most of a cold start (docs/results.md, "Start-up");
@@ -33,7 +33,7 @@ APP_IMPORT_PATH = "deployments.builder:build_app"
 
 @dataclass(frozen=True)
 class Replica:
-    """One replica start to do: `kind` "talker" (models[index]) or "code2wav" of application `app` of the config."""
+    """One replica start to do: `kind` "talker" (models[index]), "code2wav" or "aligner" of application `app`."""
 
     app: int
     kind: str
@@ -68,9 +68,9 @@ def _num_cpus(app: dict, name: str, options: dict) -> float:
 
 
 def plan(config: dict) -> list[Replica]:
-    """The replica starts that compile: every Talker, then the Code2Wav, of every application built by
-    `deployments.builder:build_app`."""
-    from deployments.builder import code2wav_deployment_options, talker_deployment_options
+    """The replica starts that compile: every Talker, then the Code2Wav, then the Aligner where there is one, of every
+    application built by `deployments.builder:build_app`."""
+    from deployments.builder import aligner_deployment_options, code2wav_deployment_options, talker_deployment_options
 
     out = []
     for i, app in _applications(config):
@@ -78,6 +78,8 @@ def plan(config: dict) -> list[Replica]:
         env_vars = {str(k): str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
         starts = [("talker", j, talker_deployment_options(m)) for j, m in enumerate(args.models)]
         starts.append(("code2wav", 0, code2wav_deployment_options(args.code2wav)))
+        if args.aligner is not None:
+            starts.append(("aligner", 0, aligner_deployment_options(args.aligner)))
         for kind, j, options in starts:
             env = dict(env_vars)
             # as Ray does for a replica (ray._private.utils.set_omp_num_threads_if_unset): its num_cpus, floored,
@@ -90,6 +92,7 @@ def plan(config: dict) -> list[Replica]:
 
 async def _start(replica: Replica, config: dict) -> str:
     """Start one replica's server as its deployment does; returns what was built."""
+    from deployments.aligner.server import AlignerServer
     from deployments.code2wav.server import Code2WavServer
     from deployments.talker.server import TalkerServer
 
@@ -99,7 +102,10 @@ async def _start(replica: Replica, config: dict) -> str:
         await server.start()
         built = await server.first_chunk_decoder_built()
         return "engine and first-chunk decoder" if built else "engine (no first-chunk decoder)"
-    server = Code2WavServer.sync_init(args.code2wav, args.codec_source, args.streaming)
+    if replica.kind == "aligner":
+        server = AlignerServer.sync_init(args.aligner)
+    else:
+        server = Code2WavServer.sync_init(args.code2wav, args.codec_source, args.streaming)
     await server.start()
     return "engine"
 

@@ -22,6 +22,7 @@ def _config(name: str) -> dict:
 
 
 def test_the_shipped_gpu_config_prebuilds_its_talker_then_code2wav_with_one_torch_thread():
+    """configs/high_concurrency.yaml has no aligner; configs/local.yaml's comes last (the next test but one)."""
     replicas = plan(_config("high_concurrency.yaml"))
     assert [(r.kind, r.name) for r in replicas] == [("talker", "Talker:qwen3-tts"), ("code2wav", "Code2Wav")]
     for r in replicas:  # the application's env_vars, as Ray gives them to its replicas (OMP_NUM_THREADS=1 there)
@@ -44,6 +45,7 @@ def test_every_model_of_a_multi_model_config_and_only_build_app_applications():
     names = [r.name for r in plan(config)]
     models = config["applications"][0]["args"]["models"]
     assert names == [f"Talker:{m['name']}" for m in models] + ["Code2Wav"]
+    assert [r.name for r in plan(_config("local.yaml"))] == ["Talker:qwen3-tts", "Code2Wav", "Aligner"]
     config["applications"][0]["import_path"] = "somewhere.else:app"
     assert plan(config) == []
 
@@ -57,10 +59,10 @@ def test_prebuild_of_the_local_config_starts_each_replica_as_its_deployment_does
     # each server's own start ran (the Talker's warm-up request and first-chunk decoder, Code2Wav's warm-up decode),
     # in a process whose torch has the replica's thread count
     assert "prebuilt Talker:qwen3-tts: engine and first-chunk decoder in" in out
-    assert "prebuilt Code2Wav: engine in" in out
-    assert out.count("(torch threads 1)") == 2
+    assert "prebuilt Code2Wav: engine in" in out and "prebuilt Aligner: engine in" in out  # local.yaml has one
+    assert out.count("(torch threads 1)") == 3
     assert "warm-up request done" in out and "warm-up decode of lengths" in out
-    assert "qwen3-tts-serve: prebuilt 2 replica start(s) of configs/local.yaml" in out
+    assert "qwen3-tts-serve: prebuilt 3 replica start(s) of configs/local.yaml" in out
 
 
 def test_a_config_without_a_tts_application_is_refused():
