@@ -67,9 +67,11 @@ def _num_cpus(app: dict, name: str, options: dict) -> float:
     return cpus
 
 
-def plan(config: dict) -> list[Replica]:
+def plan(config: dict, environ: dict[str, str] | None = None) -> list[Replica]:
     """The replica starts that compile: every Talker, then the Code2Wav, then the Aligner where there is one, of every
-    application built by `deployments.builder:build_app`."""
+    application built by `deployments.builder:build_app`. `environ`: the environment `serve run` would start from
+    (default: this process's)."""
+    environ = os.environ if environ is None else environ
     from deployments.builder import aligner_deployment_options, code2wav_deployment_options, talker_deployment_options
 
     out = []
@@ -83,8 +85,8 @@ def plan(config: dict) -> list[Replica]:
         for kind, j, options in starts:
             env = dict(env_vars)
             # as Ray does for a replica (ray._private.utils.set_omp_num_threads_if_unset): its num_cpus, floored,
-            # at least 1, unless the environment sets it
-            if "OMP_NUM_THREADS" not in env:
+            # at least 1, unless its environment (the application's env_vars, or what the cluster inherited) sets it
+            if "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" not in environ:
                 env["OMP_NUM_THREADS"] = str(max(1, math.floor(_num_cpus(app, options["name"], options))))
             out.append(Replica(i, kind, j, options["name"], env))
     return out
@@ -131,7 +133,8 @@ def prebuild(config_path: str, log=print) -> int:
         return 2
     t0 = time.perf_counter()
     for r in replicas:
-        log(f"qwen3-tts-serve: prebuilding {r.name} (OMP_NUM_THREADS={r.env['OMP_NUM_THREADS']})")
+        threads = r.env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS"))
+        log(f"qwen3-tts-serve: prebuilding {r.name} (OMP_NUM_THREADS={threads})")
         code = subprocess.run([sys.executable, "-m", "deployments.launcher.prebuild", "--one", r.kind, str(r.app),
                                str(r.index), config_path], env={**os.environ, **r.env}).returncode
         if code != 0:

@@ -34,10 +34,12 @@ def test_without_omp_in_the_env_a_replica_gets_its_num_cpus_as_ray_sets_it():
     app = config["applications"][0]
     del app["runtime_env"]
     app["deployments"] = [{"name": "Code2Wav", "ray_actor_options": {"num_cpus": 3.5}}]
-    threads = {r.name: r.env["OMP_NUM_THREADS"] for r in plan(config)}
+    threads = {r.name: r.env["OMP_NUM_THREADS"] for r in plan(config, environ={})}
     # the Talker's num_cpus (2) from its deployment_config; Code2Wav's from the top-level `deployments:` override,
     # floored as Ray floors it
     assert threads == {"Talker:qwen3-tts": "2", "Code2Wav": "3"}
+    # a count the cluster's environment already sets is what its replicas keep (Ray sets only an unset one)
+    assert all("OMP_NUM_THREADS" not in r.env for r in plan(config, environ={"OMP_NUM_THREADS": "4"}))
 
 
 def test_every_model_of_a_multi_model_config_and_only_build_app_applications():
