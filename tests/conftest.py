@@ -75,23 +75,3 @@ def tiny_model_info(name: str, path: Path, aliases=()):
                      generation=GenerationDefaults.from_file(path / "generation_config.json"),
                      tokenizer=TextTokenizer(path), max_seq_len=512, max_text_rows=1024, fingerprint=name,
                      default_max_new_tokens=300)
-
-
-def pytest_collection_finish(session):
-    """Start the Triton-interpreter scripts of the collected test modules in the background: they run on the core the
-    tests before them leave idle (tests/triton_interpreter.py, `PREFETCH`)."""
-    from tests.triton_interpreter import prefetch
-
-    root = Path(__file__).resolve().parents[1]
-    modules = set()
-    for item in session.items:
-        path = Path(str(item.path)).resolve()
-        if path.is_relative_to(root):
-            modules.add(path.relative_to(root).as_posix())
-    prefetch(modules)
-
-
-def pytest_sessionfinish(session):
-    from tests.triton_interpreter import stop_prefetch
-
-    stop_prefetch()

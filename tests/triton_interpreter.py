@@ -18,8 +18,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from tests.cached_venv import cached_venv
@@ -41,80 +39,15 @@ def interpreter_python() -> Path:
                        lambda pip: subprocess.run([*pip, TRITON_PIN], check=True), system_site_packages=True)
 
 
-# The scripts of each test module, started in the background once the session has collected that module
-# (tests/conftest.py `pytest_collection_finish`): each is a single-threaded subprocess of several seconds to a minute,
-# and most of the suite's other tests leave the second core idle, so they run beside the tests before theirs and the
-# test then only reads its result. One at a time, in this order; `run_interpreted` takes a prefetched result when its
-# call is here (same script, arguments and mode), else runs the script itself.
-PREFETCH = {
-    "tests/stages/test_triton_compile.py": (("compile_sm90.py", ("gemv",), False),
-                                            ("compile_sm90.py", ("attention", "sampling", "window_products"), False)),
-    "tests/stages/test_heads_in_attention.py": (("heads_in_attention.py", (), True),),
-    "tests/stages/test_frame_kernels.py": (("frame.py", (), True),),
-    "tests/stages/test_gemv.py": (("gemv.py", (), True),),
-    "tests/stages/test_sampling_kernel.py": (("sampling_kernel.py", (), True),),
-    "tests/stages/test_invariant_conv.py": (("window_product.py", (), True),),
-    "tests/stages/test_decode_attention_kernels.py": (("decode_attention.py", (), True),),
-}
-PREFETCH_TIMEOUT_S = 1200
-_prefetched: dict[tuple, Future] = {}
-_pool: ThreadPoolExecutor | None = None
-_running: set[subprocess.Popen] = set()
-_stopping = False
-
-
-def prefetch(test_modules: set[str]) -> int:
-    """Start, in one background thread, the scripts of the given test modules (paths relative to the repository);
-    returns how many calls were queued."""
-    global _pool
-    calls = [call for module, module_calls in PREFETCH.items() if module in test_modules for call in module_calls]
-    if calls and _pool is None:
-        _pool = ThreadPoolExecutor(1, thread_name_prefix="interpreted-prefetch")
-    for script, args, interpret in calls:
-        _prefetched[(script, args, interpret)] = _pool.submit(_run, script, args, interpret, PREFETCH_TIMEOUT_S)
-    return len(calls)
-
-
-def stop_prefetch() -> None:
-    """At the session's end: drop what has not started and stop what runs (a session ended early must not wait)."""
-    global _stopping
-    _stopping = True
-    for future in _prefetched.values():
-        future.cancel()
-    for proc in list(_running):
-        proc.kill()
-    _prefetched.clear()
-
-
 def run_interpreted(script: str, *args: str, interpret: bool = True, timeout: float = 600) -> dict:
     """Run `tests/interpreted/<script>` in the venv, under Triton's interpreter (or, `interpret=False`, with
     Triton compiling for a GPU it does not need to see); returns the JSON it prints last."""
-    future = _prefetched.pop((script, tuple(args), interpret), None)
-    if future is not None and not future.cancelled():
-        return future.result()
-    return _run(script, tuple(args), interpret, timeout)
-
-
-def _run(script: str, args: tuple[str, ...], interpret: bool, timeout: float) -> dict:
-    if _stopping and threading.current_thread() is not threading.main_thread():
-        raise RuntimeError("the session ended")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.Popen([str(interpreter_python()), str(HERE / "interpreted" / script), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-    _running.add(proc)
-    if _stopping and threading.current_thread() is not threading.main_thread():
-        proc.kill()  # the session ended while it started
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
-    finally:
-        _running.discard(proc)
+    proc = subprocess.run([str(interpreter_python()), str(HERE / "interpreted" / script), *args],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
     if proc.returncode != 0:
-        raise RuntimeError(f"{script} failed ({proc.returncode}):\n{stderr[-6000:]}")
-    return json.loads(stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{script} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
