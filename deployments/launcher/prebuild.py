@@ -18,17 +18,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 APP_IMPORT_PATH = "deployments.builder:build_app"
+REPLICA_TIMEOUT_S = 1800.0  # one replica's prebuild at most (a cold 1.7B Talker takes ~2 minutes on an H200)
 
 
 @dataclass(frozen=True)
@@ -48,23 +53,46 @@ def _read(config_path: str) -> dict:
 
 
 def _applications(config: dict) -> list[tuple[int, dict]]:
-    return [(i, app) for i, app in enumerate(config.get("applications") or [])
-            if app.get("import_path") == APP_IMPORT_PATH]
+    # Serve imports either form
+    paths = (APP_IMPORT_PATH, APP_IMPORT_PATH.replace(":", "."))
+    return [(i, app) for i, app in enumerate(config.get("applications") or []) if app.get("import_path") in paths]
+
+
+def _app_env(app: dict) -> dict[str, str]:
+    return {str(k): str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
+
+
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """os.environ with `env` on top while the block runs: Serve builds an application in a task that has the
+    application's env_vars, so its `${VAR}` references (deployments/config/common.py) see them."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _serving_args(app: dict):
     from deployments.config import TTSServingArgs
 
-    return TTSServingArgs.model_validate(app.get("args") or {})
+    with _environment(_app_env(app)):
+        return TTSServingArgs.model_validate(app.get("args") or {})
 
 
-def _num_cpus(app: dict, name: str, options: dict) -> float:
-    """The replica's `num_cpus`: the builder's options, then the application's `deployments:` override by name."""
-    cpus = (options.get("ray_actor_options") or {}).get("num_cpus", 1)
+def _actor_options(app: dict, name: str, options: dict) -> dict:
+    """The replica's `ray_actor_options`: the builder's, unless the application's `deployments:` entry of that name
+    gives its own (Serve takes that dict whole, and a `num_cpus` it lacks is 1)."""
+    actor = options.get("ray_actor_options") or {}
     for override in app.get("deployments") or []:
-        if override.get("name") == name:
-            cpus = (override.get("ray_actor_options") or {}).get("num_cpus", cpus)
-    return cpus
+        if override.get("name") == name and "ray_actor_options" in override:
+            actor = override["ray_actor_options"] or {}
+    return actor
 
 
 def plan(config: dict, environ: dict[str, str] | None = None) -> list[Replica]:
@@ -77,17 +105,20 @@ def plan(config: dict, environ: dict[str, str] | None = None) -> list[Replica]:
     out = []
     for i, app in _applications(config):
         args = _serving_args(app)
-        env_vars = {str(k): str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
+        env_vars = _app_env(app)
         starts = [("talker", j, talker_deployment_options(m)) for j, m in enumerate(args.models)]
         starts.append(("code2wav", 0, code2wav_deployment_options(args.code2wav)))
         if args.aligner is not None:
             starts.append(("aligner", 0, aligner_deployment_options(args.aligner)))
         for kind, j, options in starts:
-            env = dict(env_vars)
+            actor = _actor_options(app, options["name"], options)
+            # the deployment's own env_vars over the application's, as Serve merges them
+            own = ((actor.get("runtime_env") or {}).get("env_vars") or {})
+            env = {**env_vars, **{str(k): str(v) for k, v in own.items()}}
             # as Ray does for a replica (ray._private.utils.set_omp_num_threads_if_unset): its num_cpus, floored,
-            # at least 1, unless its environment (the application's env_vars, or what the cluster inherited) sets it
+            # at least 1, unless its environment (the env_vars, or what the cluster inherited) sets it
             if "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" not in environ:
-                env["OMP_NUM_THREADS"] = str(max(1, math.floor(_num_cpus(app, options["name"], options))))
+                env["OMP_NUM_THREADS"] = str(max(1, math.floor(actor.get("num_cpus", 1))))
             out.append(Replica(i, kind, j, options["name"], env))
     return out
 
@@ -100,9 +131,12 @@ async def _start(replica: Replica, config: dict) -> str:
 
     args = _serving_args(dict(_applications(config))[replica.app])
     if replica.kind == "talker":
-        server = TalkerServer.sync_init(args.models[replica.index], args.streaming)
+        config = args.models[replica.index]
+        server = TalkerServer.sync_init(config, args.streaming)
         await server.start()
         built = await server.first_chunk_decoder_built()
+        if config.decodes_first_chunks and not built:  # its build logged why; its compiled work was not written
+            raise RuntimeError(f"{replica.name}: the first-chunk decoder's build failed")
         return "engine and first-chunk decoder" if built else "engine (no first-chunk decoder)"
     if replica.kind == "aligner":
         server = AlignerServer.sync_init(args.aligner)
@@ -118,14 +152,20 @@ def _run_one(config_path: str, app: int, kind: str, index: int) -> int:
     import torch
 
     t0 = time.perf_counter()
-    built = asyncio.run(_start(replica, config))
+    try:
+        built = asyncio.run(_start(replica, config))
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     print(f"prebuilt {replica.name}: {built} in {time.perf_counter() - t0:.1f} s "
           f"(torch threads {torch.get_num_threads()})", flush=True)
     os._exit(0)  # the engines' threads hold nothing to keep: their files are written
 
 
-def prebuild(config_path: str, log=print) -> int:
-    """Start every compiling replica of the config in turn; 0 if all started, else the first failure's code."""
+def prebuild(config_path: str, log=print, timeout_s: float = REPLICA_TIMEOUT_S) -> int:
+    """Start every compiling replica of the config in turn; 0 if all started, else the first failure's code (128 +
+    the signal for one killed; 124 for one past `timeout_s`, whose process group is killed)."""
     config = _read(config_path)
     replicas = plan(config)
     if not replicas:
@@ -135,8 +175,8 @@ def prebuild(config_path: str, log=print) -> int:
     for r in replicas:
         threads = r.env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS"))
         log(f"qwen3-tts-serve: prebuilding {r.name} (OMP_NUM_THREADS={threads})")
-        code = subprocess.run([sys.executable, "-m", "deployments.launcher.prebuild", "--one", r.kind, str(r.app),
-                               str(r.index), config_path], env={**os.environ, **r.env}).returncode
+        code = _run_child([sys.executable, "-m", "deployments.launcher.prebuild", "--one", r.kind, str(r.app),
+                           str(r.index), config_path], {**os.environ, **r.env}, timeout_s)
         if code != 0:
             log(f"qwen3-tts-serve: prebuilding {r.name} failed (exit {code})")
             return code
@@ -145,16 +185,41 @@ def prebuild(config_path: str, log=print) -> int:
     return 0
 
 
+def _run_child(command: list[str], env: dict[str, str], timeout_s: float) -> int:
+    """The child in a process group of its own, killed with it on a timeout or when this process is told to stop
+    (SIGTERM / SIGINT: a pod's init step cancelled), so no half-started engine is left holding the GPU."""
+    child = subprocess.Popen(command, env=env, start_new_session=True)
+
+    def stop(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        raise SystemExit(128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = child.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return 124
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - code if code < 0 else code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.launcher.prebuild", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
+    parser.add_argument("--timeout", type=float, default=REPLICA_TIMEOUT_S, help="seconds per replica start")
     parser.add_argument("--one", nargs=3, metavar=("KIND", "APP", "INDEX"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         kind, app, index = args.one
         return _run_one(args.config, int(app), kind, int(index))
-    return prebuild(args.config)
+    return prebuild(args.config, timeout_s=args.timeout)
 
 
 if __name__ == "__main__":

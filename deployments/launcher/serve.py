@@ -115,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.prebuild:
         from deployments.launcher.prebuild import prebuild
 
+        if serve_args:
+            _log(f"--prebuild starts no `serve run`: {' '.join(serve_args)} not used")
+            return 2
         return prebuild(args.config, log=lambda m: print(m, file=sys.stderr, flush=True))
     env = serve_environment(dict(os.environ))
     joins_cluster = bool(env.get("RAY_ADDRESS"))

@@ -5,14 +5,16 @@ own start, each in a process of its own). That a prebuilt cache makes a served s
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from deployments.launcher.prebuild import plan
+from deployments.launcher.prebuild import _run_child, plan
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,6 +44,30 @@ def test_without_omp_in_the_env_a_replica_gets_its_num_cpus_as_ray_sets_it():
     assert all("OMP_NUM_THREADS" not in r.env for r in plan(config, environ={"OMP_NUM_THREADS": "4"}))
 
 
+def test_serve_merges_a_deployments_own_env_and_takes_an_overrides_actor_options_whole():
+    config = _config("high_concurrency.yaml")
+    app = config["applications"][0]
+    del app["runtime_env"]["env_vars"]["OMP_NUM_THREADS"]
+    # the Talker's own env_vars over the application's; Code2Wav's override replaces its ray_actor_options whole,
+    # so the num_cpus it lacks is Serve's default, 1, not the config's
+    app["args"]["models"][0]["deployment_config"]["ray_actor_options"]["runtime_env"] = {
+        "env_vars": {"OMP_NUM_THREADS": "6", "TOKENIZERS_PARALLELISM": "true"}}
+    app["deployments"] = [{"name": "Code2Wav", "ray_actor_options": {"num_gpus": 0.5}}]
+    env = {r.name: r.env for r in plan(config, environ={})}
+    assert env["Talker:qwen3-tts"] == {"OMP_NUM_THREADS": "6", "TOKENIZERS_PARALLELISM": "true"}
+    assert env["Code2Wav"] == {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_a_variable_only_the_applications_env_vars_define_resolves(monkeypatch):
+    monkeypatch.delenv("PREBUILD_TEST_MODEL", raising=False)
+    config = _config("high_concurrency.yaml")
+    app = config["applications"][0]
+    app["args"]["models"][0]["model"] = "${PREBUILD_TEST_MODEL}"
+    app["runtime_env"]["env_vars"]["PREBUILD_TEST_MODEL"] = "/models/somewhere"
+    assert [r.name for r in plan(config)] == ["Talker:qwen3-tts", "Code2Wav"]
+    assert "PREBUILD_TEST_MODEL" not in os.environ  # read under the env_vars, then restored
+
+
 def test_every_model_of_a_multi_model_config_and_only_build_app_applications():
     config = _config("multi_model.yaml")
     names = [r.name for r in plan(config)]
@@ -65,6 +91,36 @@ def test_prebuild_of_the_local_config_starts_each_replica_as_its_deployment_does
     assert out.count("(torch threads 1)") == 3
     assert "warm-up request done" in out and "warm-up decode of lengths" in out
     assert "qwen3-tts-serve: prebuilt 3 replica start(s) of configs/local.yaml" in out
+    # the environment each child got: the application's env_vars (local.yaml sets one thread)
+    assert out.count("(OMP_NUM_THREADS=1)") == 3
+
+
+def test_a_replica_start_that_hangs_is_killed_with_its_children_and_a_killed_one_is_128_plus_its_signal(tmp_path):
+    marker = tmp_path / "grandchild.pid"
+    hang = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    t0 = time.monotonic()
+    assert _run_child([sys.executable, "-c", hang], dict(os.environ), timeout_s=3.0) == 124
+    assert time.monotonic() - t0 < 30
+    grandchild = int(marker.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # killed with its group (reaped by init, so poll for it to go)
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the hung start's own child outlived it")
+    killed = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    assert _run_child([sys.executable, "-c", killed], dict(os.environ), timeout_s=30.0) == 128 + 9
+    assert _run_child([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), timeout_s=30.0) == 3
+
+
+def test_prebuild_takes_no_serve_run_arguments():
+    proc = subprocess.run([sys.executable, "-m", "deployments.launcher.serve", "configs/local.yaml", "--prebuild",
+                           "--address=local"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "not used" in proc.stderr
 
 
 def test_a_config_without_a_tts_application_is_refused():
