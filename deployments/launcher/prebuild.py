@@ -58,8 +58,9 @@ def _applications(config: dict) -> list[tuple[int, dict]]:
     return [(i, app) for i, app in enumerate(config.get("applications") or []) if app.get("import_path") in paths]
 
 
-def _app_env(app: dict) -> dict[str, str]:
-    return {str(k): str(v) for k, v in ((app.get("runtime_env") or {}).get("env_vars") or {}).items()}
+def _env_vars(options: dict) -> dict[str, str]:
+    """The `runtime_env.env_vars` of an application or of a deployment's `ray_actor_options`, as strings."""
+    return {str(k): str(v) for k, v in ((options.get("runtime_env") or {}).get("env_vars") or {}).items()}
 
 
 @contextlib.contextmanager
@@ -81,7 +82,7 @@ def _environment(env: Mapping[str, str]) -> Iterator[None]:
 def _serving_args(app: dict):
     from deployments.config import TTSServingArgs
 
-    with _environment(_app_env(app)):
+    with _environment(_env_vars(app)):
         return TTSServingArgs.model_validate(app.get("args") or {})
 
 
@@ -105,16 +106,14 @@ def plan(config: dict, environ: dict[str, str] | None = None) -> list[Replica]:
     out = []
     for i, app in _applications(config):
         args = _serving_args(app)
-        env_vars = _app_env(app)
+        env_vars = _env_vars(app)
         starts = [("talker", j, talker_deployment_options(m)) for j, m in enumerate(args.models)]
         starts.append(("code2wav", 0, code2wav_deployment_options(args.code2wav)))
         if args.aligner is not None:
             starts.append(("aligner", 0, aligner_deployment_options(args.aligner)))
         for kind, j, options in starts:
             actor = _actor_options(app, options["name"], options)
-            # the deployment's own env_vars over the application's, as Serve merges them
-            own = ((actor.get("runtime_env") or {}).get("env_vars") or {})
-            env = {**env_vars, **{str(k): str(v) for k, v in own.items()}}
+            env = {**env_vars, **_env_vars(actor)}  # the deployment's own over the application's, as Serve merges
             # as Ray does for a replica (ray._private.utils.set_omp_num_threads_if_unset): its num_cpus, floored,
             # at least 1, unless its environment (the env_vars, or what the cluster inherited) sets it
             if "OMP_NUM_THREADS" not in env and "OMP_NUM_THREADS" not in environ:
@@ -131,11 +130,11 @@ async def _start(replica: Replica, config: dict) -> str:
 
     args = _serving_args(dict(_applications(config))[replica.app])
     if replica.kind == "talker":
-        config = args.models[replica.index]
-        server = TalkerServer.sync_init(config, args.streaming)
+        model = args.models[replica.index]
+        server = TalkerServer.sync_init(model, args.streaming)
         await server.start()
         built = await server.first_chunk_decoder_built()
-        if config.decodes_first_chunks and not built:  # its build logged why; its compiled work was not written
+        if model.decodes_first_chunks and not built:  # its build logged why; its compiled work was not written
             raise RuntimeError(f"{replica.name}: the first-chunk decoder's build failed")
         return "engine and first-chunk decoder" if built else "engine (no first-chunk decoder)"
     if replica.kind == "aligner":

@@ -82,9 +82,7 @@ class LiveTextPump:
                 self._to_claim = []
                 if request_ids:
                     await self._mailbox.claim_many.remote(self._taker, request_ids)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the mailbox is gone: the poll fails too, and ends its requests (`_run`)
+        except Exception:  # the mailbox is gone: the poll fails too, and ends its requests (`_run`); a cancel ends this
             self._to_claim = []
 
     async def _run(self) -> None:
