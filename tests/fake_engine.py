@@ -135,6 +135,7 @@ class FakeTalkerEngine:
         self._waiting: collections.deque[_Stream] = collections.deque()
         self._aborted: set[str] = set()  # request ids
         self._stop = threading.Event()
+        self._work = threading.Event()  # set while a request may be running or waiting: an idle loop sleeps on it
         self._ready = False
         self._stalled = False
         self._thread: threading.Thread | None = None
@@ -149,6 +150,7 @@ class FakeTalkerEngine:
 
     def shutdown(self) -> None:
         self._stop.set()
+        self._work.set()
         with self._lock:
             streams, self._running, self._waiting = [*self._running, *self._waiting], [], collections.deque()
         for s in streams:
@@ -164,6 +166,7 @@ class FakeTalkerEngine:
             if not self._running and not self._waiting:
                 self.last_step = time.monotonic()  # idle until now: the heartbeat starts with the work
             self._waiting.append(stream)  # admitted at the next step, when a slot is free
+        self._work.set()
         return stream
 
     def open_request(self, request: SynthesisRequest, schedule: ChunkSchedule | None = None, text: str = "",
@@ -241,7 +244,10 @@ class FakeTalkerEngine:
                 while self._waiting and len(self._running) < self.config.max_num_seqs:
                     self._running.append(self._waiting.popleft())
                 running = list(self._running)
-            if not running:
+                if not running and not self._waiting:
+                    self._work.clear()
+            if not running:  # idle: no step until a request comes (a replica of it idles without waking 200 times a s)
+                self._work.wait()
                 continue
             if self.config.stall_seed is not None and any(s.request.seed == self.config.stall_seed for s in running):
                 self._stalled = True  # a device call that never returns: no more steps, ever
