@@ -20,10 +20,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import forkserver
 from tests.cached_venv import cached_venv
 
 TRITON_PIN = "triton==3.6.0"  # the GPU image's Triton (torch 2.11.0+cu130)
 HERE = Path(__file__).resolve().parent
+INTERPRETER_PRELOAD = ("numpy", "torch", "triton", "triton.runtime.interpreter")
 REPO = HERE.parent
 
 
@@ -46,8 +48,11 @@ def run_interpreted(script: str, *args: str, interpret: bool = True, timeout: fl
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([str(interpreter_python()), str(HERE / "interpreted" / script), *args],
-                          capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    cmd = [str(interpreter_python()), str(HERE / "interpreted" / script), *args]
+    if interpret:  # a fork of one process that imported torch and Triton (as interpreter) once: tests/forkserver.py
+        proc = forkserver.run(cmd, env=env, timeout=timeout, cwd=REPO, preload=INTERPRETER_PRELOAD)
+    else:  # the compiling runs go two at a time, and Triton chooses interpreter or compiler at its import
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"{script} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -36,4 +36,5 @@ def asr_oracle_python() -> Path:
 
 def run_asr_oracle(script: str, *args: str, timeout: float = 1200) -> str:
     """Run `tests/oracle/<script>` inside the aligner oracle venv; returns its stdout, raises with its stderr."""
-    return run_in(asr_oracle_python(), script, *args, timeout=timeout)
+    return run_in(asr_oracle_python(), script, *args, timeout=timeout,
+                  preload=("torch", "qwen_asr", "qwen_asr.core.transformers_backend.modeling_qwen3_asr"))

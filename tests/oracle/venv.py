@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from tests import forkserver
 from tests.cached_venv import cached_venv
 
 ORACLE_PINS = (
@@ -56,11 +57,11 @@ def venv_python(venv: Path, label: str, pins: tuple[str, ...], package: str) -> 
     return cached_venv(venv, label, install)
 
 
-def run_in(python: Path, script: str, *args: str, timeout: float = 1200) -> str:
-    """Run `tests/oracle/<script>` with `python` (an oracle venv's); returns its stdout, raises with its stderr."""
+def run_in(python: Path, script: str, *args: str, timeout: float = 1200, preload: tuple[str, ...] = ()) -> str:
+    """Run `tests/oracle/<script>` with `python` (an oracle venv's); returns its stdout, raises with its stderr.
+    The run is a fork of a process of that venv that imported `preload` once (tests/forkserver.py)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(HERE))
-    proc = subprocess.run([str(python), str(HERE / script), *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    proc = forkserver.run([str(python), str(HERE / script), *args], env=env, timeout=timeout, preload=preload)
     if proc.returncode != 0:
         raise RuntimeError(f"oracle script {script} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return proc.stdout
@@ -77,4 +78,4 @@ def oracle_python() -> Path:
 
 def run_oracle(script: str, *args: str, timeout: float = 1200) -> str:
     """Run `tests/oracle/<script>` inside the oracle venv; returns its stdout, raises with its stderr."""
-    return run_in(oracle_python(), script, *args, timeout=timeout)
+    return run_in(oracle_python(), script, *args, timeout=timeout, preload=("official_import",))

@@ -3,7 +3,10 @@
 Two subprocesses, each with its own TORCHINDUCTOR_CACHE_DIR (so the only shared thing is the cache file, and the
 built C++ kernels, which the later process is given to skip the compiler: `_with_kernels_of`):
 the first compiles and writes the file, the second loads it and must get an FX graph cache hit, not a
-compilation. CPU Inductor (needs a C++ compiler, as torch.compile on CPU does).
+compilation. CPU Inductor (needs a C++ compiler, as torch.compile on CPU does). Each first process is given the C++
+kernels the module's earlier processes built too (none of their caches of graphs): the compiler's output is not what
+these tests are about, and on 2 cores it is most of their time. The processes are forks of one that imported torch
+and nothing else (tests/forkserver.py), with their own Inductor cache directory, as fresh processes would be.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from stages.compile_cache import CompileCache, contents
+from tests import forkserver
 
 pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: minutes on 2 cores
 
@@ -52,8 +55,8 @@ print(json.dumps({"loaded": loaded, "wrote": wrote, "hits": counters["inductor"]
 def _python(script: str, args: list[str], inductor_dir: Path) -> dict:
     """`script` in a fresh process whose Inductor cache is `inductor_dir`; -> the JSON of its last line."""
     env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": str(Path(__file__).parents[2])}
-    out = subprocess.run([sys.executable, "-c", script, *args], env={**os.environ, **env}, capture_output=True,
-                         text=True, timeout=600)
+    out = forkserver.run([sys.executable, "-c", script, *args], env={**os.environ, **env}, timeout=600,
+                         preload=("torch",), late_env=("TORCHINDUCTOR_CACHE_DIR",))  # torch's import reads no cache
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -62,17 +65,39 @@ def _with_kernels_of(earlier: Path, inductor_dir: Path) -> Path:
     """`inductor_dir` holding the C++ kernels an earlier process built (a later one skips the compiler) and none of
     its Dynamo, AOTAutograd or FX graph caches: what a process started on it does not trace or compile again can
     only come from the cache file."""
-    shutil.copytree(earlier, inductor_dir, ignore=lambda folder, names: [
+    shutil.copytree(earlier, inductor_dir, dirs_exist_ok=True, ignore=lambda folder, names: [
         n for n in names if Path(folder) == earlier and n in ("dynamo", "aotautograd", "fxgraph", "locks")])
     return inductor_dir
 
 
+_built: list[Path] = []  # the C++ kernels this module's processes built (one directory)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built_kernels(tmp_path_factory):
+    _built.append(tmp_path_factory.mktemp("built_kernels"))
+    yield
+    _built.clear()
+
+
+def _first(run, inductor_dir: Path) -> dict:
+    """`run()` of a first process: on an Inductor cache of the module's C++ kernels alone, whose own are kept."""
+    _with_kernels_of(_built[0], inductor_dir)
+    result = run()
+    _with_kernels_of(inductor_dir, _built[0])
+    return result
+
+
 def _run(cache_dir: Path, inductor_dir: Path, dynamo: bool = True, rows: str = "1,4", mode: str = "grad",
          dynamo_work: bool = True, kernels_of: Path | None = None) -> dict:
-    if kernels_of is not None:
-        _with_kernels_of(kernels_of, inductor_dir)
-    return _python(SCRIPT, [str(cache_dir), "1" if dynamo else "0", rows, mode, "1" if dynamo_work else "0"],
-                   inductor_dir)
+    def run() -> dict:
+        return _python(SCRIPT, [str(cache_dir), "1" if dynamo else "0", rows, mode, "1" if dynamo_work else "0"],
+                       inductor_dir)
+
+    if kernels_of is None:
+        return _first(run, inductor_dir)
+    _with_kernels_of(kernels_of, inductor_dir)
+    return run()
 
 
 def test_a_fresh_process_compiles_from_the_file(tmp_path):
@@ -171,7 +196,7 @@ def test_a_code2wav_engine_reuses_dynamos_work_from_its_file(tmp_path, tiny_cust
     def run(inductor: str) -> dict:
         return _python(ENGINE_SCRIPT, [str(tmp_path / "shared"), str(tiny_custom_voice)], tmp_path / inductor)
 
-    first = run("inductor-a")
+    first = _first(lambda: run("inductor-a"), tmp_path / "inductor-a")
     assert first["traced"] >= 1
     (file,) = (tmp_path / "shared").glob("torch-compile-*.bin")
     assert "precompile" in contents(file), contents(file)
@@ -199,7 +224,7 @@ print("{}")
 def test_a_second_cache_in_a_process_writes_its_own_work_only(tmp_path):
     """torch's save returns everything the process serialized so far: the Talker's first-chunk decoder, saving
     after the Talker in one process, wrote the Talker's artifacts into its own file too (55.5 MiB for 6)."""
-    _python(TWO_CACHES_SCRIPT, [str(tmp_path / "shared")], tmp_path / "inductor")
+    _first(lambda: _python(TWO_CACHES_SCRIPT, [str(tmp_path / "shared")], tmp_path / "inductor"), tmp_path / "inductor")
     from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
     from torch.utils._appending_byte_serializer import AppendingByteSerializer
 
