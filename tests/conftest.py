@@ -8,6 +8,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+# one torch (OpenMP) thread in this process, as in every replica (the shipped configs' env_vars) and every process the
+# tests start: set before numpy or torch load OpenMP. Tiny models gain nothing from a second thread, and on a 2-core
+# machine where anything else runs, a parallel region waits for the thread that is not scheduled (tests in this
+# process took up to twice as long)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import numpy as np
 import pytest
 

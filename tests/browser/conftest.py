@@ -38,17 +38,16 @@ def browser():
 
 
 @pytest.fixture(scope="module")  # its own Ray cluster: stopped before the next module's tests start
-def served(browser, tiny_custom_voice_06, tiny_base, tiny_voice_design, tmp_path_factory):
-    """`serve run configs/local_all.yaml` with its checkpoints from the environment: local directories in the
-    Hugging Face layout (the README's `QWEN3_TTS_MODEL=...` path) -> the base URL."""
-    env = {"QWEN3_TTS_MODEL": str(tiny_custom_voice_06), "QWEN3_TTS_BASE_MODEL": str(tiny_base),
-           "QWEN3_TTS_VOICEDESIGN_MODEL": str(tiny_voice_design)}
-    with serve_run("local_all.yaml", tmp_path_factory.mktemp("serve"), ready_timeout_s=420, env=env) as (url, home, _):
+def served(tmp_path_factory):
+    """`serve run configs/local_all.yaml` as a newcomer runs it: a fresh home, no checkpoint configured, so each
+    replica writes its embedded tiny checkpoint -> (base URL, home). Not tied to the browser: the module's checks of
+    the server itself run without one (the README's `QWEN3_TTS_MODEL=...` path: tests/browser/test_playground_keys.py)."""
+    with serve_run("local_all.yaml", tmp_path_factory.mktemp("serve"), ready_timeout_s=420) as (url, home, _):
         yield url, home
 
 
 @pytest.fixture
-def page(browser, served):
+def page(browser, served):  # the browser first: without one, no server is started for the page
     context = browser.new_context()
     page = context.new_page()
     errors: list[str] = []

@@ -1,8 +1,12 @@
 """The web playground at `/` in a real headless Chromium: it loads cleanly, plays streamed speech through Web
-Audio, plays live text typed into the WebSocket tab, and uploads a voice from a file and from the microphone."""
+Audio, plays live text typed into the WebSocket tab, and uploads a voice from a file and from the microphone.
+
+The server is `serve run configs/local_all.yaml` on a fresh home (tests/browser/conftest.py), and the module's first
+test checks it as a newcomer runs it, browser or not: every task type answers, from the embedded checkpoints."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from pathlib import Path
@@ -11,6 +15,7 @@ import httpx
 import pytest
 
 from tests.serve.conftest import wav_bytes
+from tests.serve.test_serve_run import _wav_frames
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]  # `serve run` and a browser
 
@@ -24,6 +29,37 @@ def _samples(page) -> int:
 
 def _models_listed(page) -> None:
     page.wait_for_function("document.querySelectorAll('#model option').length === 3", timeout=WAIT_MS)
+
+
+def test_serve_run_local_all_yaml_serves_every_task_type(served):
+    """configs/local_all.yaml, as a newcomer runs it: CustomVoice, Base cloning (an uploaded voice and an inline
+    `ref_audio`) and VoiceDesign, each answering audio over HTTP on CPU (short: `max_new_tokens` 4)."""
+    url, home = served
+    short = {"input": "Hello from every task type.", "max_new_tokens": 4, "suppress_eos": True,
+             "response_format": "wav", "stream": False}
+    with httpx.Client(base_url=url, timeout=120) as http:
+        models = {m["id"]: m["task_type"] for m in http.get("/v1/models").json()["data"]}
+        assert models == {"qwen3-tts": "CustomVoice", "qwen3-tts-base": "Base",
+                          "qwen3-tts-voicedesign": "VoiceDesign"}
+
+        assert _wav_frames(http.post("/v1/audio/speech", json={"model": "qwen3-tts", "voice": "vivian",
+                                                               **short})) == 4
+
+        upload = http.post("/v1/audio/voices", data={"name": "alice", "ref_text": "What the clip says."},
+                           files={"audio_sample": ("clip.wav", wav_bytes(2.0, seed=7), "audio/wav")})
+        assert upload.status_code == 200, upload.text[:500]
+        assert _wav_frames(http.post("/v1/audio/speech", json={"model": "qwen3-tts-base", "voice": "alice",
+                                                               **short})) == 4
+        assert (home / "voices" / "alice" / "meta.json").exists()  # under the default voices_dir
+
+        clip = "data:audio/wav;base64," + base64.b64encode(wav_bytes(1.5, seed=8)).decode()
+        assert _wav_frames(http.post("/v1/audio/speech", json={
+            "model": "qwen3-tts-clone", "ref_audio": clip, "ref_text": "Another clip.", **short})) == 4
+
+        assert _wav_frames(http.post("/v1/audio/speech", json={
+            "model": "qwen3-tts-voicedesign", "instructions": "A calm, low voice.", **short})) == 4
+    for kind in ("custom_voice", "base", "voice_design"):
+        assert (home / "embedded" / f"{kind}-17b-tiny" / "config.json").exists()
 
 
 def test_the_page_loads_without_errors_and_lists_models_and_voices(page, served):

@@ -1,6 +1,7 @@
 """The playground against a server with API keys (`QWEN3_TTS_API_KEYS_FILE`): the page itself is open, nothing
 else answers without a key; with the key typed into its field it lists models, speaks over HTTP (Bearer) and
-over the WebSocket (`?api_key=`), and the key never reaches the server's logs."""
+over the WebSocket (`?api_key=`), and the key never reaches the server's logs. The server's checkpoint is a local
+directory in the Hugging Face layout named by the environment (the README's `QWEN3_TTS_MODEL=...` path; a 0.6B)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ KEY = "sk-browser-test-key"
 
 
 @pytest.fixture(scope="module")
-def served(browser, tmp_path_factory):  # overrides conftest's: configs/local.yaml with a keys file
+def served(browser, tiny_custom_voice_06, tmp_path_factory):  # overrides conftest's: configs/local.yaml, keys file
     home = tmp_path_factory.mktemp("serve-keys")
     keys = home / "keys.txt"
     keys.write_text(f"{KEY} speech,voices\n")
-    with serve_run("local.yaml", home, env={"QWEN3_TTS_API_KEYS_FILE": str(keys)}) as (url, serve_home, log):
+    env = {"QWEN3_TTS_API_KEYS_FILE": str(keys), "QWEN3_TTS_MODEL": str(tiny_custom_voice_06)}
+    with serve_run("local.yaml", home, env=env) as (url, serve_home, log):
         yield url, serve_home, log
 
 

@@ -1,4 +1,6 @@
-"""One in-process Ray Serve cluster per test session, serving the tiny checkpoints through the real app.
+"""One in-process Ray Serve cluster for the tests of this package, serving the tiny checkpoints through the real app.
+It stops once they have run: idle, the app's replicas and Ray's own processes keep ~40% of a core busy, which the
+tests after them (tests/stages) would pay for.
 
 Logical resources are oversubscribed (`num_cpus=8`, replicas ask for 0 CPUs) so that the whole app
 schedules on a 2-core machine. Token auth is off and set through the environment, so the cluster is
@@ -59,7 +61,7 @@ def wav_bytes(seconds: float = 2.0, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster():
     import ray
     from ray import serve
@@ -76,7 +78,7 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def file_server(tmp_path_factory):
     """A local http server: `/allowed/...` is on the app's ref_audio allowlist, `/other/...` is not."""
     root = tmp_path_factory.mktemp("files")
@@ -145,7 +147,7 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
     }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def serve_app(ray_cluster, file_server, tiny_custom_voice, tiny_base, tiny_voice_design, tmp_path_factory):
     """The app deployed once; -> (base URL, args dict)."""
     from ray import serve
@@ -166,7 +168,7 @@ def serve_app(ray_cluster, file_server, tiny_custom_voice, tiny_base, tiny_voice
     return ray_cluster, args
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def base_url(serve_app) -> str:
     return serve_app[0]
 

@@ -1,10 +1,10 @@
-"""`serve run configs/<name>.yaml` as a subprocess, on a fresh home: writes the embedded checkpoints, serves audio;
-and the load generator (`python -m bench.loadgen`, closed and open loop, as the GPU runbook runs it) against the same
-`serve run configs/local.yaml`."""
+"""`serve run configs/local.yaml` as a subprocess, on a fresh home: writes the embedded checkpoints, serves audio;
+and the load generator (`python -m bench.loadgen`, closed and open loop, as the GPU runbook runs it) against it.
+`serve run configs/local_all.yaml` is checked the same way by tests/browser/test_playground.py, on the server its
+page tests use."""
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import subprocess
@@ -18,7 +18,6 @@ import soundfile as sf
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME
 from tests.audio_decode import decode
 from tests.procs import REPO, serve_run
-from tests.serve.conftest import wav_bytes
 
 pytestmark = [pytest.mark.serve, pytest.mark.slow]  # `serve run` subprocesses
 
@@ -109,35 +108,3 @@ class TestLocalYaml:
             return
         assert all((tmp_path / "closed" / f).stat().st_size > 0 for f in ("latency.png", "throughput.png",
                                                                            "continuity.png"))
-
-
-
-def test_serve_run_local_all_yaml_serves_every_task_type(tmp_path):
-    """configs/local_all.yaml, as a newcomer runs it: CustomVoice, Base cloning (an uploaded voice and an inline
-    `ref_audio`) and VoiceDesign, each answering audio over HTTP on CPU (short: `max_new_tokens` 4)."""
-    short = {"input": "Hello from every task type.", "max_new_tokens": 4, "suppress_eos": True,
-             "response_format": "wav", "stream": False}
-    with serve_run("local_all.yaml", tmp_path, ready_timeout_s=420) as (url, home, _log):
-        with httpx.Client(base_url=url, timeout=120) as http:
-            models = {m["id"]: m["task_type"] for m in http.get("/v1/models").json()["data"]}
-            assert models == {"qwen3-tts": "CustomVoice", "qwen3-tts-base": "Base",
-                              "qwen3-tts-voicedesign": "VoiceDesign"}
-
-            assert _wav_frames(http.post("/v1/audio/speech", json={"model": "qwen3-tts", "voice": "vivian",
-                                                                   **short})) == 4
-
-            upload = http.post("/v1/audio/voices", data={"name": "alice", "ref_text": "What the clip says."},
-                               files={"audio_sample": ("clip.wav", wav_bytes(2.0, seed=7), "audio/wav")})
-            assert upload.status_code == 200, upload.text[:500]
-            assert _wav_frames(http.post("/v1/audio/speech", json={"model": "qwen3-tts-base", "voice": "alice",
-                                                                   **short})) == 4
-            assert (home / "voices" / "alice" / "meta.json").exists()  # under the default voices_dir
-
-            clip = "data:audio/wav;base64," + base64.b64encode(wav_bytes(1.5, seed=8)).decode()
-            assert _wav_frames(http.post("/v1/audio/speech", json={
-                "model": "qwen3-tts-clone", "ref_audio": clip, "ref_text": "Another clip.", **short})) == 4
-
-            assert _wav_frames(http.post("/v1/audio/speech", json={
-                "model": "qwen3-tts-voicedesign", "instructions": "A calm, low voice.", **short})) == 4
-        for kind in ("custom_voice", "base", "voice_design"):
-            assert (home / "embedded" / f"{kind}-17b-tiny" / "config.json").exists()
