@@ -71,7 +71,7 @@ def app(ray_cluster, tiny_custom_voice, tiny_base, keys_file, tmp_path_factory):
     base_url = f"{ray_cluster}/{APP_NAME}"
     wait_for(lambda: httpx.get(f"{base_url}/ready", timeout=10).status_code == 200, 180, 0.5, "/ready")
     yield base_url
-    serve.delete(APP_NAME)
+    serve.delete(APP_NAME, _blocking=False)  # no later test deploys this name: its replicas stop meanwhile
 
 
 @pytest.fixture

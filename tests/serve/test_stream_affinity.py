@@ -38,7 +38,7 @@ def code2wav(ray_cluster, tiny_custom_voice):
     serve.run(build_code2wav_deployment(config, CheckpointSource(model=str(tiny_custom_voice)), streaming,
                                         stream_affinity=True), name=APP, route_prefix=None)
     yield serve.get_deployment_handle("Code2Wav", app_name=APP), streaming
-    serve.delete(APP)
+    serve.delete(APP, _blocking=False)  # no later test deploys this name: its replicas stop meanwhile
 
 
 def _stats_of_both(handle) -> dict[str, dict]:

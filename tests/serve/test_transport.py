@@ -51,7 +51,7 @@ def handles(ray_cluster):
 
     serve.run(Front.bind(Producer.bind(), Consumer.bind()), name=APP, route_prefix=None)
     yield serve.get_app_handle(APP)
-    serve.delete(APP)
+    serve.delete(APP, _blocking=False)  # no later test deploys this name: its replicas stop meanwhile
 
 
 @pytest.mark.parametrize("transport, kind", [("grpc", "dict"), ("object_ref", "ObjectRef")])
@@ -98,7 +98,7 @@ def objref_app(ray_cluster, tiny_custom_voice, tmp_path_factory):
     base = f"{ray_cluster}/{OBJREF}"
     wait_for(lambda: httpx.get(f"{base}/ready", timeout=10).status_code == 200, 120, 0.5, f"/{OBJREF}/ready")
     yield base
-    serve.delete(OBJREF)
+    serve.delete(OBJREF, _blocking=False)  # no later test deploys this name: its replicas stop meanwhile
 
 
 @pytest.mark.parametrize("stream", [False, True])

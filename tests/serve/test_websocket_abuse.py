@@ -2,7 +2,8 @@
 sockets of an ingress replica (in all, and per client address) are capped while /health keeps answering.
 
 Each class deploys a small app (the tiny CustomVoice checkpoint, the tiny codec) with the limits it tests set small;
-classes with the same limits share it. Every wait is for a message or a close frame, with a generous timeout.
+classes with the same limits share it, and the classes that test no limit (each holds one socket at a time) take the
+socket caps' (a deployment fewer). Every wait is for a message or a close frame, with a generous timeout.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def deployed(ray_cluster):
     current: dict = {"ingress": None}
     yield current
     if current["ingress"] is not None:
-        serve.delete(APP_NAME)
+        serve.delete(APP_NAME, _blocking=False)  # no later test deploys this name: its replicas stop meanwhile
 
 
 @pytest.fixture(scope="class")
@@ -149,7 +150,7 @@ class TestSlowSender:
     request that needs a slot takes the one parked longest (after `live_evict_parked_s`, 1 s), and that context
     ends with a final `text_evicted` error instead of the HTTP request timing out."""
 
-    INGRESS: dict = {}
+    INGRESS = TestSocketCaps.INGRESS  # no limit of these binds one socket
 
     def test_http_speech_gets_a_slot_held_by_trickling_live_contexts(self, app):
         import threading
@@ -224,7 +225,7 @@ def _masked_text_frame(text: str) -> bytes:
 
 
 class TestDeadPeers:
-    INGRESS = {}
+    INGRESS = TestSocketCaps.INGRESS  # no limit of these binds one socket (the context's own idle timeout is 600 s)
 
     def test_a_peer_that_never_answers_pings_is_closed_and_its_context_ended(self, app):
         """A context open and waiting for text (its own idle timeout 10 minutes), the socket's peer gone silent: the
@@ -244,7 +245,7 @@ class TestWithoutAligner:
     """An app without an `aligner` block: timestamps are refused with a 400 naming the field, over HTTP and on the
     WebSocket (a final error for that context only)."""
 
-    INGRESS: dict = {}
+    INGRESS = TestSocketCaps.INGRESS  # no limit of these binds one socket
 
     def test_timestamps_without_an_aligner_are_a_400_naming_the_field(self, app):
         body = {"model": "cv", "voice": "vivian", "input": "Hello.", "max_new_tokens": 4, "suppress_eos": True,

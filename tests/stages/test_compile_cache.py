@@ -4,9 +4,10 @@ Two subprocesses, each with its own TORCHINDUCTOR_CACHE_DIR (so the only shared 
 built C++ kernels, which the later process is given to skip the compiler: `_with_kernels_of`):
 the first compiles and writes the file, the second loads it and must get an FX graph cache hit, not a
 compilation. CPU Inductor (needs a C++ compiler, as torch.compile on CPU does). Each first process is given the C++
-kernels the module's earlier processes built too (none of their caches of graphs): the compiler's output is not what
-these tests are about, and on 2 cores it is most of their time. The processes are forks of one that imported torch
-and nothing else (tests/forkserver.py), with their own Inductor cache directory, as fresh processes would be.
+kernels the test process's own Inductor cache and the module's earlier processes hold too (none of their caches of
+graphs): the compiler's output is not what these tests are about, and on 2 cores it is most of their time. The
+processes are forks of one that imported torch and nothing else (tests/forkserver.py), with their own Inductor cache
+directory, as fresh processes would be.
 """
 
 from __future__ import annotations
@@ -65,9 +66,20 @@ def _with_kernels_of(earlier: Path, inductor_dir: Path) -> Path:
     """`inductor_dir` holding the C++ kernels an earlier process built (a later one skips the compiler) and none of
     its Dynamo, AOTAutograd or FX graph caches: what a process started on it does not trace or compile again can
     only come from the cache file."""
-    shutil.copytree(earlier, inductor_dir, dirs_exist_ok=True, ignore=lambda folder, names: [
+    shutil.copytree(earlier, inductor_dir, dirs_exist_ok=True, copy_function=_link, ignore=lambda folder, names: [
         n for n in names if Path(folder) == earlier and n in ("dynamo", "aotautograd", "fxgraph", "locks")])
     return inductor_dir
+
+
+def _link(src: str, dst: str) -> None:
+    """A hard link (Inductor writes a new file and renames it over, never into one it wrote), else a copy; none where
+    the name is there already (Inductor names its files by a hash of what they hold)."""
+    if os.path.lexists(dst):
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 _built: list[Path] = []  # the C++ kernels this module's processes built (one directory)
@@ -75,7 +87,15 @@ _built: list[Path] = []  # the C++ kernels this module's processes built (one di
 
 @pytest.fixture(scope="module", autouse=True)
 def _built_kernels(tmp_path_factory):
-    _built.append(tmp_path_factory.mktemp("built_kernels"))
+    """Starts from the kernels in the test process's Inductor cache (the in-process compile tests' of this run, e.g.
+    Code2Wav's transformer; its default location, read without the side effects of Inductor's `cache_dir()`)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    built = tmp_path_factory.mktemp("built_kernels")
+    own = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    if own.is_dir():
+        _with_kernels_of(own, built)
+    _built.append(built)
     yield
     _built.clear()
 
