@@ -158,8 +158,9 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     streams = rng.integers(0, 2048, (args.streams, args.frames, 16), dtype=np.int64)
     # fp32 rows: the eager modules (the chunking error alone); bf16 rows: the serving kernels
-    fp32_config = Code2WavEngineConfig(stateful=False, cuda_graphs=False, fast_kernels=False, max_batch_size=512,
-                                       max_frames_per_forward=args.max_frames)
+    # not compiled: a compiled dequantizer keeps the dtype it was traced with, and the bf16 rows convert this decoder
+    fp32_config = Code2WavEngineConfig(stateful=False, cuda_graphs=False, fast_kernels=False, compile=False,
+                                       max_batch_size=512, max_frames_per_forward=args.max_frames)
     engine = Code2WavEngine(decoder, fp32_config)
     ref = whole(decoder, streams)
     kind = args.checkpoint or ("tiny random" if args.tiny else "released shapes, random weights")
@@ -186,7 +187,7 @@ def main() -> None:
         decoder.to(torch.bfloat16)
         add("whole utterance, bf16 (eager modules)", "-", 1.0,
             compare(ref, whole(decoder, streams), [[(0, args.frames)]] * args.streams))
-        bf16 = Code2WavEngine(decoder, dataclasses.replace(fp32_config, fast_kernels=True))
+        bf16 = Code2WavEngine(decoder, dataclasses.replace(fp32_config, fast_kernels=True, compile=on_cuda))
         whole_bf16 = whole(bf16.decoder, streams)
         kernels = " (fused kernels)" if bf16.fast_kernels else ""
         add(f"whole utterance, bf16{kernels}", "-", 1.0, compare(ref, whole_bf16, [[(0, args.frames)]] * args.streams))

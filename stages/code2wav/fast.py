@@ -50,8 +50,24 @@ UPSAMPLE_GEMM_MIN_CHANNELS = 1024  # transposed convs with at least this many in
 if triton is not None:
 
     @triton.jit
+    def _sin(x, FAST: tl.constexpr):
+        """sin(x) in fp32. FAST (CUDA): the argument reduced to [-pi, pi] by two FMAs (2 pi split in a high and a low
+        part), then the SFU's `sin.approx` (absolute error ~1e-6 there). tl.sin is libdevice's sinf, whose exact
+        reduction for any argument (a local-memory table, ~30 instructions on its fast path) made SnakeBeta, a
+        one-read one-write kernel, bound by arithmetic instead of memory bandwidth; the result is rounded to bf16
+        (relative step 2^-8) right after. Not FAST: tl.sin (Triton's interpreter runs no inline PTX)."""
+        if FAST:
+            k = tl.floor(x * 0.15915494309189535 + 0.5)
+            r = tl.fma(-k, 6.2831854820251465, x)
+            r = tl.fma(-k, -1.7484555314695172e-07, r)
+            return tl.inline_asm_elementwise("sin.approx.ftz.f32 $0, $1;", "=f,f", [r], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        return tl.sin(x)
+
+    @triton.jit
     def _snake_kernel(x_ptr, y_ptr, alpha_ptr, inv_beta_ptr, bias_ptr, C, T, stride_xb, stride_xt, T_out, PAD,
-                      HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                      FAST_SIN: tl.constexpr = True):
         b = tl.program_id(0)
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # output time in [0, T_out)
         c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
@@ -61,14 +77,14 @@ if triton is not None:
         cm = c < C
         if HAS_BIAS:
             x = x + tl.load(bias_ptr + c, mask=cm, other=0.0).to(tl.float32)
-        s = tl.sin(x * tl.load(alpha_ptr + c, mask=cm, other=0.0))
+        s = _sin(x * tl.load(alpha_ptr + c, mask=cm, other=0.0), FAST_SIN)
         y = tl.where(inside, x + tl.load(inv_beta_ptr + c, mask=cm, other=0.0) * (s * s), 0.0)
         tl.store(y_ptr + (b.to(tl.int64) * T_out + t) * C + c, y.to(y_ptr.dtype.element_ty), mask=(t < T_out) & cm)
 
     @triton.jit
     def _residual_snake_kernel(x_ptr, h_ptr, y_ptr, s_ptr, xb_ptr, hb_ptr, alpha_ptr, inv_beta_ptr, C, T, sxb, sxt,
                                shb, sht, T_out, PAD, HAS_XB: tl.constexpr, HAS_HB: tl.constexpr,
-                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                               BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, FAST_SIN: tl.constexpr = True):
         b = tl.program_id(0)
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # position in the padded snake output
         c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
@@ -84,7 +100,7 @@ if triton is not None:
         y = (x + h).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + (b.to(tl.int64) * T + src) * C + c, y, mask=inside)
         v = y.to(tl.float32)  # the snake reads what was stored, as an unfused snake would
-        sn = tl.sin(v * tl.load(alpha_ptr + c, mask=cm, other=0.0))
+        sn = _sin(v * tl.load(alpha_ptr + c, mask=cm, other=0.0), FAST_SIN)
         out = tl.where(inside, v + tl.load(inv_beta_ptr + c, mask=cm, other=0.0) * (sn * sn), 0.0)
         tl.store(s_ptr + (b.to(tl.int64) * T_out + t) * C + c, out.to(s_ptr.dtype.element_ty), mask=(t < T_out) & cm)
 

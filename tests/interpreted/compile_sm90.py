@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from stages import gemv_kernels, sampling_kernel, window_product
+from stages.code2wav import fast
 from stages.talker import paged_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -129,6 +130,26 @@ def sampling() -> dict:
         aligned=("stride_row", "V")) for v_p in (2048, 4096) for pdl in (False, True)}
 
 
+def snake() -> dict:
+    """The vocoder's two SnakeBeta kernels (stages/code2wav/fast.py) as the engine launches them (bf16, the SFU sine,
+    with and without the bias): (registers, spills, SFU sines, local-memory accesses: libdevice's sinf would show)."""
+    count = (r"sin\.approx", r"(?:ld|st)\.local")
+    ints = {name: "i32" for name in ("C", "T", "T_out", "PAD")}
+    snake_sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "alpha_ptr": "*fp32", "inv_beta_ptr": "*fp32", "bias_ptr": "*bf16",
+                 "stride_xb": "i32", "stride_xt": "i32", **ints}
+    residual_sig = {"x_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "xb_ptr": "*bf16",
+                    "hb_ptr": "*bf16", "alpha_ptr": "*fp32", "inv_beta_ptr": "*fp32", "sxb": "i32", "sxt": "i32",
+                    "shb": "i32", "sht": "i32", **ints}
+    tile = {"BLOCK_T": fast._BLOCK_T, "BLOCK_C": fast._BLOCK_C, "FAST_SIN": True}
+    out = {f"snake bias{int(bias)}": compile_kernel(fast._snake_kernel, snake_sig, {"HAS_BIAS": bias, **tile}, 4,
+                                                    aligned=("C", "stride_xb", "stride_xt"), count=count)
+           for bias in (False, True)}
+    out |= {f"residual_snake bias{int(bias)}": compile_kernel(
+        fast._residual_snake_kernel, residual_sig, {"HAS_XB": bias, "HAS_HB": bias, **tile}, 4,
+        aligned=("C", "sxb", "sxt", "shb", "sht"), count=count) for bias in (False, True)}
+    return out
+
+
 def window_products() -> dict:
     """The window kernel (stages/window_product.py) at the tiles `window_product.tiles` gives the released
     decoder's convolutions (input channels 96 x 2^n and 1024, output columns 1 to 1536; the transposed ones' s x O),
@@ -154,5 +175,5 @@ def window_products() -> dict:
 
 
 if __name__ == "__main__":
-    groups = sys.argv[1:] or ["gemv", "attention", "sampling", "window_products"]
+    groups = sys.argv[1:] or ["gemv", "attention", "sampling", "snake", "window_products"]
     print(json.dumps({group: globals()[group]() for group in groups}))

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: min
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     """Every group's variants, compiled in two processes at once (Triton's compiler and ptxas use one core each)."""
-    shares = (("gemv",), ("attention", "sampling", "window_products"))
+    shares = (("gemv",), ("attention", "sampling", "snake", "window_products"))
     with ThreadPoolExecutor(len(shares)) as pool:
         results = pool.map(lambda groups: run_interpreted("compile_sm90.py", *groups, interpret=False), shares)
         return {group: variants for result in results for group, variants in result.items()}
@@ -38,6 +38,18 @@ def test_decode_kernels_compile_for_sm90_without_spills(compiled):
             assert 0 < registers <= 255 and spill_bytes == 0, (group, name, registers, spill_bytes)
             # with the launcher's 16-byte alignment facts, weights and K/V are read in 8-16 byte loads
             assert vector_loads > 0, (group, name)
+
+
+def test_snake_kernels_take_the_sfu_sine(compiled):
+    """The vocoder's SnakeBeta kernels compile with the SFU's sine (one `sin.approx` per element of a thread's share
+    of the 64 x 64 tile) and no local memory in their PTX: libdevice's exact `sinf` keeps its reduction table there
+    (160 accesses per kernel), which made these one-read one-write kernels arithmetic-bound. ptxas keeps one variant
+    at 64 registers with a 16-byte spill; measured as it is (docs/benchmarks.md, "SnakeBeta's sine on the SFU")."""
+    result = compiled["snake"]
+    assert len(result) == 4
+    for name, (registers, spill_bytes, sines, local) in result.items():
+        assert 0 < registers <= 255 and spill_bytes <= 16, (name, registers, spill_bytes)
+        assert sines == 32 and local == 0, (name, sines, local)
 
 
 def test_window_product_compiles_for_sm90_on_the_tensor_cores(compiled):
