@@ -127,7 +127,8 @@ def profile_streams(decoder: Code2WavDecoder, engine: Code2WavEngine, rng: np.ra
     cuda = engine.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         time_calls(eager, calls[plan_len:])
-    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=25)
+    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=50,
+                                      max_name_column_width=160)  # cuDNN's names carry the tiles
     print(f"profile: {plan_len} eager streams calls at batch {batch} ({'stateful' if engine.stateful else 'stateless'})\n"
           + table, flush=True)
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -141,7 +141,8 @@ def profile_calls(run, calls: int, wall_ms: float, label: str, table_path: str |
         print(f"   {t['ms_per_call']:7.3f} ms  x{t['calls_per_call']:>6}  {t['kernel']}", flush=True)
     if table_path:
         Path(table_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(table_path).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+        Path(table_path).write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=50,
+                                                                  max_name_column_width=160))
     return summary
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stages.code2wav import state_carry
 from stages.code2wav.layers import CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, ResidualUnit, VocoderBlock
 from stages.code2wav.model import Code2WavDecoder
 from stages.code2wav.transformer import Attention, PreTransformer
@@ -105,10 +106,7 @@ class _Rows:
     def carry_into(self, key: str, padded: torch.Tensor, rate: int) -> torch.Tensor:
         """`padded` [B, C, n + ...] has n zero columns in front (the fused SnakeBeta wrote them): fill them with
         the state, save the new state, return `padded` (in place)."""
-        n = self.states.convs[key].shape[-1]
-        padded[..., :n] = self.read(key)
-        self.write(key, padded, rate)
-        return padded
+        return state_carry.carry(padded, self.states.convs[key], self.slots, self.keep, self.lengths, rate)
 
 
 def _fresh_as_zeros(keep: torch.Tensor, state: torch.Tensor, batch_dim: int = 0) -> torch.Tensor:

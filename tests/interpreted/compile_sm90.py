@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from stages import gemv_kernels, sampling_kernel, window_product
-from stages.code2wav import fast
+from stages.code2wav import fast, state_carry
 from stages.talker import paged_attention
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -174,6 +174,17 @@ def window_products() -> dict:
     return out
 
 
+def state_carry_kernels() -> dict:
+    """The stateful decode's carry kernel (stages/code2wav/state_carry.py) at the released decoder's state widths
+    (1, 6, 18 and 54 columns -> blocks of 1, 8, 32 and 64), bf16, a time-major input (channel stride 1), a bool
+    flag per row: (registers, spills, barriers: the one between its reads and its writes of the slot)."""
+    sig = {"p_ptr": "*bf16", "s_ptr": "*bf16", "slot_ptr": "*i64", "keep_ptr": "*i1", "len_ptr": "*i64",
+           **{name: "i32" for name in ("C", "N", "RATE", "spb", "spt", "ssr", "ssc", "sst")}}
+    return {f"block_n{n}": compile_kernel(state_carry._carry_kernel, sig, {"spc": 1, "BLOCK_N": n,
+                                                                           "BLOCK_C": state_carry.block_c(n)}, 4,
+                                          count=r"bar\.sync") for n in (1, 8, 32, 64)}
+
+
 if __name__ == "__main__":
-    groups = sys.argv[1:] or ["gemv", "attention", "sampling", "snake", "window_products"]
+    groups = sys.argv[1:] or ["gemv", "attention", "sampling", "snake", "state_carry_kernels", "window_products"]
     print(json.dumps({group: globals()[group]() for group in groups}))

@@ -350,3 +350,18 @@ def test_graphed_stateful_streams_match_the_whole_decode(decoder, streams, fulls
         assert snr > (80 if dtype == torch.float32 else 30)
     s = engine.stats()
     assert s.graph_forwards == s.forwards and s.continued > 0 and s.fresh == len(streams)
+
+
+@pytest.mark.slow  # Triton's interpreter in its venv
+def test_the_state_carry_kernel_equals_the_pytorch_path():
+    """stages/code2wav/state_carry.py's CUDA kernel under Triton's interpreter (fp32 and fp16 on CPU) against its
+    PyTorch path: the conv inputs' state columns and the slots' saved states equal exactly for 1-54 state columns,
+    channels off the kernel's block, time- and channel-major inputs, rows with fewer new samples than state
+    columns (part of the old state carried on), fresh rows (a NaN in a fresh row's slot never reaches its input)
+    and padding rows sharing the scratch slot."""
+    from tests.triton_interpreter import run_interpreted
+
+    result = run_interpreted("state_carry.py")
+    assert len(result) == 12
+    for name, r in result.items():
+        assert r == {"padded_equal": True, "state_equal": True, "fresh_row_finite": True, "state_changed": True}, name

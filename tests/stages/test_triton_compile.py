@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow  # Triton interpreter / Inductor subprocesses: min
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     """Every group's variants, compiled in two processes at once (Triton's compiler and ptxas use one core each)."""
-    shares = (("gemv",), ("attention", "sampling", "snake", "window_products"))
+    shares = (("gemv",), ("attention", "sampling", "snake", "state_carry_kernels", "window_products"))
     with ThreadPoolExecutor(len(shares)) as pool:
         results = pool.map(lambda groups: run_interpreted("compile_sm90.py", *groups, interpret=False), shares)
         return {group: variants for result in results for group, variants in result.items()}
@@ -50,6 +50,15 @@ def test_snake_kernels_take_the_sfu_sine(compiled):
     for name, (registers, spill_bytes, sines, local) in result.items():
         assert 0 < registers <= 255 and spill_bytes <= 16, (name, registers, spill_bytes)
         assert sines == 32 and local == 0, (name, sines, local)
+
+
+def test_the_state_carry_kernel_compiles_with_its_barrier(compiled):
+    """The stateful decode's carry kernel (stages/code2wav/state_carry.py) compiles at every state width the released
+    decoder carries, without spills, with the barrier that keeps its writes of a slot after all its reads."""
+    result = compiled["state_carry_kernels"]
+    assert len(result) == 4
+    for name, (registers, spill_bytes, barriers) in result.items():
+        assert 0 < registers <= 255 and spill_bytes == 0 and barriers >= 1, (name, registers, spill_bytes, barriers)
 
 
 def test_window_product_compiles_for_sm90_on_the_tensor_cores(compiled):
