@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Iterator, Mapping
@@ -158,7 +159,8 @@ def _run_one(config_path: str, app: int, kind: str, index: int) -> int:
         sys.stderr.flush()
         os._exit(1)
     print(f"prebuilt {replica.name}: {built} in {time.perf_counter() - t0:.1f} s "
-          f"(torch threads {torch.get_num_threads()})", flush=True)
+          f"(torch threads {torch.get_num_threads()}; Inductor's cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})",
+          flush=True)
     os._exit(0)  # the engines' threads hold nothing to keep: their files are written
 
 
@@ -174,8 +176,14 @@ def prebuild(config_path: str, log=print, timeout_s: float = REPLICA_TIMEOUT_S) 
     for r in replicas:
         threads = r.env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS"))
         log(f"qwen3-tts-serve: prebuilding {r.name} (OMP_NUM_THREADS={threads})")
-        code = _run_child([sys.executable, "-m", "deployments.launcher.prebuild", "--one", r.kind, str(r.app),
-                           str(r.index), config_path], {**os.environ, **r.env}, timeout_s)
+        # Inductor's local cache private to each start: a start that finds another's compiled graphs there (the
+        # Talker's first-chunk decoder compiles the vocoder too) wrote a compile-cache file without some of its own
+        # work, which the served replica then traced and compiled again (docs/benchmarks.md, "The stateful decode's
+        # carry in one kernel"); the compile-cache files and Triton's cache in the serve home stay shared
+        with tempfile.TemporaryDirectory(prefix="qwen3-tts-prebuild-inductor-") as inductor:
+            code = _run_child([sys.executable, "-m", "deployments.launcher.prebuild", "--one", r.kind, str(r.app),
+                               str(r.index), config_path], {**os.environ, **r.env, "TORCHINDUCTOR_CACHE_DIR": inductor},
+                              timeout_s)
         if code != 0:
             log(f"qwen3-tts-serve: prebuilding {r.name} failed (exit {code})")
             return code

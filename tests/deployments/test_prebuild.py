@@ -6,6 +6,7 @@ own start, each in a process of its own). That a prebuilt cache makes a served s
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -88,7 +89,11 @@ def test_prebuild_of_the_local_config_starts_each_replica_as_its_deployment_does
     # in a process whose torch has the replica's thread count
     assert "prebuilt Talker:qwen3-tts: engine and first-chunk decoder in" in out
     assert "prebuilt Code2Wav: engine in" in out and "prebuilt Aligner: engine in" in out  # local.yaml has one
-    assert out.count("(torch threads 1)") == 3
+    assert out.count("(torch threads 1; ") == 3
+    # each in an Inductor cache of its own, gone after (a shared one left some of a start's work out of its file)
+    inductor = re.findall(r"Inductor's cache (\S+)\)", out)
+    assert len(set(inductor)) == 3 and all("qwen3-tts-prebuild-inductor-" in d for d in inductor)
+    assert not any(Path(d).exists() for d in inductor)
     assert "warm-up request done" in out and "warm-up decode of lengths" in out
     assert "qwen3-tts-serve: prebuilt 3 replica start(s) of configs/local.yaml" in out
     # the environment each child got: the application's env_vars (local.yaml sets one thread)
