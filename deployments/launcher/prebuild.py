@@ -176,20 +176,31 @@ def prebuild(config_path: str, log=print, timeout_s: float = REPLICA_TIMEOUT_S) 
     for r in replicas:
         threads = r.env.get("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS"))
         log(f"qwen3-tts-serve: prebuilding {r.name} (OMP_NUM_THREADS={threads})")
-        # Inductor's local cache private to each start: a start that finds another's compiled graphs there (the
-        # Talker's first-chunk decoder compiles the vocoder too) wrote a compile-cache file without some of its own
-        # work, which the served replica then traced and compiled again (docs/benchmarks.md, "The stateful decode's
-        # carry in one kernel"); the compile-cache files and Triton's cache in the serve home stay shared
-        with tempfile.TemporaryDirectory(prefix="qwen3-tts-prebuild-inductor-") as inductor:
+        with _inductor_cache(r) as private:
             code = _run_child([sys.executable, "-m", "deployments.launcher.prebuild", "--one", r.kind, str(r.app),
-                               str(r.index), config_path], {**os.environ, **r.env, "TORCHINDUCTOR_CACHE_DIR": inductor},
-                              timeout_s)
+                               str(r.index), config_path], {**os.environ, **r.env, **private}, timeout_s)
         if code != 0:
             log(f"qwen3-tts-serve: prebuilding {r.name} failed (exit {code})")
             return code
     log(f"qwen3-tts-serve: prebuilt {len(replicas)} replica start(s) of {config_path} in "
         f"{time.perf_counter() - t0:.0f} s")
     return 0
+
+
+@contextlib.contextmanager
+def _inductor_cache(replica: Replica) -> Iterator[dict[str, str]]:
+    """The environment that gives a Talker's or Code2Wav's start an empty Inductor cache of its own, removed after.
+
+    Their compiled work goes into the serve home's compile-cache files, and a start that found another start's
+    compiled graphs in Inductor's local cache (the Talker's first-chunk decoder compiles the vocoder too) wrote a
+    file that lacked some of its own work, which the served replica then traced and compiled again (docs/benchmarks.md,
+    "The stateful decode's carry in one kernel; prebuilt files that are complete"). The Aligner keeps no file: it
+    compiles into Inductor's own cache, where its work outlives the prebuild on this machine."""
+    if replica.kind == "aligner":
+        yield {}
+        return
+    with tempfile.TemporaryDirectory(prefix="qwen3-tts-prebuild-inductor-") as inductor:
+        yield {"TORCHINDUCTOR_CACHE_DIR": inductor}
 
 
 def _run_child(command: list[str], env: dict[str, str], timeout_s: float) -> int:
