@@ -13,7 +13,8 @@ chunk's ~18 carried convs spend more time launching than moving bytes, and at 25
 (docs/code2wav.md). The kernel does it in one launch per conv: one program per (row, channel block) reads the old
 state and the new window, then, after a barrier (the window may lie in the state columns it overwrites), writes
 both. Rows that start fresh never read their slot (padding rows share the scratch slot); bits are copied, never
-rounded, so the result equals the PyTorch path exactly (tests/interpreted/state_carry.py).
+rounded, so the result equals the PyTorch path (`stateful._Rows.carry_with_torch_ops`, what CPU decodes run) exactly
+(tests/interpreted/state_carry.py, tests/stages/gpu/test_state_carry_gpu.py).
 """
 
 from __future__ import annotations
@@ -61,34 +62,16 @@ if triton is not None:
         tl.store(state + j * sst, new.to(s_ptr.dtype.element_ty), mask=ok)
 
 
-def launch(padded: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
-           lengths: torch.Tensor, rate: int) -> None:
-    """The kernel, whatever the device (Triton's interpreter runs it on CPU tensors)."""
+def carry(padded: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
+          lengths: torch.Tensor, rate: int) -> torch.Tensor:
+    """Fill `padded`'s first n = state.shape[-1] columns with each row's state (zeros where `keep` is False) and
+    save the state after its valid samples, in place; returns `padded`. padded [B, C, n + ...] (any strides),
+    state [slots + 1, C, n], slots / lengths [B] long, keep [B] bool. CUDA, or any device under Triton's interpreter
+    (the PyTorch path, where `available` is False: `stateful._Rows.carry_with_torch_ops`)."""
     B, C, _ = padded.shape
     n = state.shape[-1]
     block_n = triton.next_power_of_2(n)
     grid = (B, triton.cdiv(C, block_c(block_n)))
     _carry_kernel[grid](padded, state, slots, keep, lengths, C, n, rate, *padded.stride(), *state.stride(),
                         BLOCK_N=block_n, BLOCK_C=block_c(block_n))
-
-
-def carry(padded: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
-          lengths: torch.Tensor, rate: int) -> torch.Tensor:
-    """Fill `padded`'s first n = state.shape[-1] columns with each row's state (zeros where `keep` is False) and
-    save the state after its valid samples, in place; returns `padded`. padded [B, C, n + ...] (any strides),
-    state [slots + 1, C, n], slots / lengths [B] long, keep [B] bool."""
-    if available(padded.device):
-        launch(padded, state, slots, keep, lengths, rate)
-        return padded
-    return carry_in_pytorch(padded, state, slots, keep, lengths, rate)
-
-
-def carry_in_pytorch(padded: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor,
-                     lengths: torch.Tensor, rate: int) -> torch.Tensor:
-    """`carry` without the kernel (CPU; the reference the kernel's tests compare against)."""
-    n = state.shape[-1]
-    # a select, not a product: whatever a slot last held (even inf or NaN) never reaches a fresh row
-    padded[..., :n] = torch.where(keep[:, None, None], state.index_select(0, slots), 0)
-    idx = (lengths * rate)[:, None] + torch.arange(n, device=padded.device)  # [B, n]
-    state.index_copy_(0, slots, torch.gather(padded, 2, idx[:, None, :].expand(-1, padded.shape[1], -1)))
     return padded

@@ -106,7 +106,15 @@ class _Rows:
     def carry_into(self, key: str, padded: torch.Tensor, rate: int) -> torch.Tensor:
         """`padded` [B, C, n + ...] has n zero columns in front (the fused SnakeBeta wrote them): fill them with
         the state, save the new state, return `padded` (in place)."""
-        return state_carry.carry(padded, self.states.convs[key], self.slots, self.keep, self.lengths, rate)
+        if state_carry.available(padded.device):  # the same in one kernel launch instead of five
+            return state_carry.carry(padded, self.states.convs[key], self.slots, self.keep, self.lengths, rate)
+        return self.carry_with_torch_ops(key, padded, rate)
+
+    def carry_with_torch_ops(self, key: str, padded: torch.Tensor, rate: int) -> torch.Tensor:
+        n = self.states.convs[key].shape[-1]
+        padded[..., :n] = self.read(key)
+        self.write(key, padded, rate)
+        return padded
 
 
 def _fresh_as_zeros(keep: torch.Tensor, state: torch.Tensor, batch_dim: int = 0) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Runs under Triton's interpreter (tests/triton_interpreter.py): the state-carry kernel of
-stages/code2wav/state_carry.py on CPU tensors against the same function's PyTorch path, over the carried convs'
+stages/code2wav/state_carry.py on CPU tensors against the PyTorch path it replaces (`stateful._Rows.
+carry_with_torch_ops`, what CPU decodes run), over the carried convs'
 shapes (1, 6, 18 and 54 state columns; channels that are and are not a multiple of the kernel's block), time-major
 and channel-major inputs, rates 1 and 4, rows with fewer new samples than state columns, fresh rows, padding rows
 sharing the scratch slot, and a slot holding NaN that only a fresh row is given. The kernel copies bits, so the two
@@ -8,11 +9,13 @@ must be equal exactly. Prints JSON: {case: {"padded_equal", "state_equal"}}."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import interpreter_fixes  # noqa: F401  (first: before any kernel runs)
 import torch
 
 from stages.code2wav import state_carry
+from stages.code2wav.stateful import _Rows
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -34,11 +37,11 @@ def case(n: int, channels: int, rate: int, time_major: bool, dtype: torch.dtype)
         padded = padded.transpose(1, 2).contiguous().transpose(1, 2)
     want_s = state.clone()
     want_p = padded.clone()
-    state_carry.carry_in_pytorch(want_p, want_s, slots, keep, lengths, rate)
+    _Rows(SimpleNamespace(convs={"conv": want_s}), slots, ~keep, lengths).carry_with_torch_ops("conv", want_p, rate)
     got_p, got_s = padded.clone(), state.clone()
     if time_major:
         assert got_p.stride(1) == 1
-    state_carry.launch(got_p, got_s, slots, keep, lengths, rate)
+    state_carry.carry(got_p, got_s, slots, keep, lengths, rate)
     scratch = slots_total  # padding rows race on it; nothing reads it as state
     same = lambda a, b: bool(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) and torch.equal(a.isnan(), b.isnan()))  # noqa: E731
     return {"padded_equal": same(got_p, want_p), "state_equal": same(got_s[:scratch], want_s[:scratch]),

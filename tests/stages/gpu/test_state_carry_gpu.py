@@ -1,14 +1,18 @@
-"""The stateful decode's carry kernel (stages/code2wav/state_carry.py) on the GPU against its PyTorch path, at the
+"""The stateful decode's carry kernel (stages/code2wav/state_carry.py) on the GPU against the PyTorch path it replaces
+(`stateful._Rows.carry_with_torch_ops`), at the
 released decoder's state widths and channel counts and a serving batch: 256 rows over 576 slots, a third of them
 fresh, padding rows on the scratch slot, rows with fewer new samples than state columns. Bits are copied, so the
 two must be equal exactly; with many programs in flight a missing barrier or a wrong slot would show."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from stages.code2wav import state_carry
+from stages.code2wav.stateful import _Rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -33,9 +37,9 @@ def test_the_kernel_equals_the_pytorch_path_at_serving_shapes(n, channels, rate)
     padded = torch.randn(B, T, channels, device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
     padded[..., :n] = 0
     want_p, want_s = padded.clone(), state.clone()
-    state_carry.carry_in_pytorch(want_p, want_s, slots, keep, lengths, rate)
+    _Rows(SimpleNamespace(convs={"conv": want_s}), slots, ~keep, lengths).carry_with_torch_ops("conv", want_p, rate)
     got_p, got_s = padded.clone(), state.clone()
-    assert got_p.stride(1) == 1  # time-major, as the fused vocoder's
-    state_carry.carry(got_p, got_s, slots, keep, lengths, rate)
+    assert got_p.stride(1) == 1 and state_carry.available(got_p.device)  # time-major as the fused vocoder's; the kernel
+    _Rows(SimpleNamespace(convs={"conv": got_s}), slots, ~keep, lengths).carry_into("conv", got_p, rate)  # the kernel
     assert torch.equal(got_p, want_p)
     assert torch.equal(got_s[:slots_total], want_s[:slots_total])
