@@ -99,6 +99,10 @@ class _Rows:
 
     def conv(self, key: str, conv: nn.Conv1d, x: torch.Tensor, rate: int) -> torch.Tensor:
         """Causal conv of x [B, C, T] continuing from the state: conv(cat(state, x)) without padding."""
+        if state_carry.available(x.device):  # x after n columns the kernel fills
+            carried = x.new_empty(*x.shape[:2], self.states.convs[key].shape[-1] + x.shape[-1])
+            carried[..., -x.shape[-1]:] = x
+            return conv(self.carry_into(key, carried, rate))
         carried = torch.cat([self.read(key), x], dim=-1)
         self.write(key, carried, rate)
         return conv(carried)
