@@ -97,19 +97,20 @@ class _Rows:
         buf = self.states.convs[key]
         buf.index_copy_(0, self.slots, _window(carried, self.lengths * rate, buf.shape[-1]))
 
+    def continued(self, key: str, x: torch.Tensor, rate: int) -> torch.Tensor:
+        """x [B, C, T] after the state's n columns, cat(state, x), with the state after the row's valid samples
+        saved: a causal conv's input continuing from the state."""
+        carried = x.new_empty(*x.shape[:2], self.states.convs[key].shape[-1] + x.shape[-1])
+        carried[..., -x.shape[-1]:] = x
+        return self.carry_into(key, carried, rate)
+
     def conv(self, key: str, conv: nn.Conv1d, x: torch.Tensor, rate: int) -> torch.Tensor:
         """Causal conv of x [B, C, T] continuing from the state: conv(cat(state, x)) without padding."""
-        if state_carry.available(x.device):  # x after n columns the kernel fills
-            carried = x.new_empty(*x.shape[:2], self.states.convs[key].shape[-1] + x.shape[-1])
-            carried[..., -x.shape[-1]:] = x
-            return conv(self.carry_into(key, carried, rate))
-        carried = torch.cat([self.read(key), x], dim=-1)
-        self.write(key, carried, rate)
-        return conv(carried)
+        return conv(self.continued(key, x, rate))
 
     def carry_into(self, key: str, padded: torch.Tensor, rate: int) -> torch.Tensor:
-        """`padded` [B, C, n + ...] has n zero columns in front (the fused SnakeBeta wrote them): fill them with
-        the state, save the new state, return `padded` (in place)."""
+        """`padded` [B, C, n + ...] has n columns in front (the zeros the fused SnakeBeta wrote, or unwritten):
+        fill them with the state, save the new state, return `padded` (in place)."""
         if state_carry.available(padded.device):  # the same in one kernel launch instead of five
             return state_carry.carry(padded, self.states.convs[key], self.slots, self.keep, self.lengths, rate)
         return self.carry_with_torch_ops(key, padded, rate)
@@ -194,8 +195,7 @@ class StatefulDecoder:
 
         With that sample prepended, output block j of the new input is complete; the block of the prepended
         sample (already played) and the incomplete last block are dropped."""
-        carried = torch.cat([rows.read(key), x], dim=-1)
-        rows.write(key, carried, rate)  # index `length` of `carried` is the row's last valid input
+        carried = rows.continued(key, x, rate)  # index `length` of `carried` is the row's last valid input
         r = up.conv.stride[0]
         y = F.conv_transpose1d(carried, up.conv.weight, bias, stride=r)
         return y[..., r:r + x.shape[-1] * r]
