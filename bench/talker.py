@@ -31,9 +31,10 @@ from stages.prompts import build_prompt
 from stages.qwen3_tts import Qwen3TTS
 from stages.random_checkpoint import write_random_checkpoint
 from stages.talker import cuda_graphs
+from stages.talker.compiled import EAGER_STEP_FUNCTIONS
 from stages.talker.engine_config import TalkerEngineConfig
 from stages.talker.prompt_plan import plan_prompt
-from stages.talker.runner import EAGER_STEP_FUNCTIONS, Admission, TalkerRunner
+from stages.talker.runner import Admission, TalkerRunner
 
 # bf16 weight bytes read per frame at batch 1 (research brief §8) and the H100's ~3.0 TB/s
 FLOOR_MS = {"0.6b": 1.10, "1.7b": 1.77}

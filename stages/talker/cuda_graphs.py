@@ -1,4 +1,4 @@
-"""CUDA graphs of the talker runner: the decode step per (batch bucket, length bucket) and the prefill per
+"""CUDA graphs of the talker runner: the decode step's two halves per (batch bucket, length bucket) and the prefill per
 (batch, width), captured into one memory pool, largest batch first (smaller graphs reuse its memory); and the
 warm-up that runs the widest of both once before the KV pool is sized (stages/talker/paged_kv.kv_pool_blocks)."""
 
@@ -40,7 +40,7 @@ def warm_up(runner: TalkerRunner, batch_buckets: tuple[int, ...]) -> None:
 
 @torch.no_grad()
 def capture(runner: TalkerRunner, batch_buckets: tuple[int, ...], log: Callable[[str], None] = print) -> float:
-    """Capture the decode step per (batch bucket, length bucket) and the prefill per (batch, width).
+    """Capture the decode step's halves per (batch bucket, length bucket) and the prefill per (batch, width).
 
     Capture runs on scratch state: row contents are saved and restored around it. Returns seconds taken.
     """
@@ -57,7 +57,8 @@ def capture(runner: TalkerRunner, batch_buckets: tuple[int, ...], log: Callable[
     keys = [(b, L) for b in sorted(batch_buckets, reverse=True) for L in runner.length_buckets]
     for i, (b, attn_len) in enumerate(keys):
         runner.positions[:b] = 0
-        runner.graphs[(b, attn_len)] = capture(lambda b=b, L=attn_len: runner._decode_step(b, L))
+        runner.graphs[(b, attn_len)] = (capture(lambda b=b: runner._frame_codes_step(b)),
+                                         capture(lambda b=b, L=attn_len: runner._talker_step(b, L)))
         if (i + 1) % max(1, len(keys) // 10) == 0 or i + 1 == len(keys):
             log(f"[talker] captured {i + 1}/{len(keys)} decode graphs ({time.perf_counter() - t0:.1f} s)")
     # prefill graphs read the device staging rows: fill them with padding (the scratch row) for capture

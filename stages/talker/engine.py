@@ -31,6 +31,7 @@ from stages.chunking import ChunkSchedule, StreamChunker
 from stages.contract import EngineOverloadedError, FinishReason, InvalidRequestError, SynthesisRequest
 from stages.qwen3_tts import Qwen3TTS
 from stages.talker import cuda_graphs
+from stages.talker.compiled import talker_compile_cache
 from stages.talker.engine_config import TalkerEngineConfig
 from stages.talker.live_requests import LiveTextDriver, LiveTextInput, live_sequence
 from stages.talker.output import LaunchedStep, RequestOutput, StepOutputs
@@ -38,7 +39,7 @@ from stages.talker.paged_kv import kv_pool_blocks
 from stages.talker.prefill import build_prefill
 from stages.talker.prompt_plan import plan_prompt
 from stages.talker.rows import Rows, end
-from stages.talker.runner import Admission, TalkerRunner, talker_compile_cache
+from stages.talker.runner import Admission, TalkerRunner
 from stages.talker.scheduler import Scheduler, Sequence
 from stages.talker.stats import EngineCounters, EngineStats, snapshot
 from stages.talker.stream import ChunkStream
@@ -427,12 +428,18 @@ class TalkerEngine:
         return LaunchedStep(turn, n, tickets, sched.generation[tickets].copy())
 
     def _process(self, step: LaunchedStep) -> None:
-        """Read a finished step and hand out what it produced: chunks, ends, live segments that ended."""
+        """Read a step and hand out what it produced: its frame's chunks as soon as the frame's codes are there,
+        then, once the step is done, ends (the next frame's codebook 0 is EOS) and live segments that ended."""
         t0 = time.perf_counter()
+        codes = self.runner.step_codes(step.turn, step.rows)  # the frame, before the step's talker half is done
+        waited = time.perf_counter() - t0
+        early = self._outputs.take_frame(codes, step, self.scheduler, self._rows, self.counters)
+        ChunkStream.deliver_many(early.deliveries)
+        t1 = time.perf_counter()
         out = self.runner.step_output(step.turn, step.rows)
-        self.counters.step_read(time.perf_counter() - t0, step.rows)
+        self.counters.step_read(waited + time.perf_counter() - t1, step.rows)
         self._progress_at = time.monotonic()
-        result = self._outputs.process(out, step, self.scheduler, self._rows, self.counters)
+        result = self._outputs.finish_step(out, step, self.scheduler, self._rows, self.counters)
         ChunkStream.deliver_many(result.deliveries)
         self._rows.release(result.finished)
         for seq in result.segment_ends:

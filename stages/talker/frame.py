@@ -96,11 +96,10 @@ def advance_rows(
 
 
 def record_step(
-    out: torch.Tensor,  # [B, 17] the step's output: this frame's 16 codes and the next frame's c0
+    out: torch.Tensor,  # [B, 17] the step's output: this frame's 16 codes (written by the step's first half)
     c0: torch.Tensor,  # [B] replaced by next_c0
-    codes: torch.Tensor,  # [B, 16]
     next_c0: torch.Tensor,  # [B]
 ) -> None:
-    out[:, :NUM_CODEBOOKS] = codes
+    """The step's second half ends here: the next frame's codebook-0 code, in the output and as the next input."""
     out[:, NUM_CODEBOOKS] = next_c0
     c0.copy_(next_c0)

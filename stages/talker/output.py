@@ -55,15 +55,43 @@ class StepOutputs:
 
     def process(self, out: np.ndarray, step: LaunchedStep, sched: Scheduler, rows: Rows,
                 counters: EngineCounters) -> StepResult:
-        """Bookkeeping of one finished step (`out`: its rows' codes and the predictor's first code)."""
-        tickets, eos = step.tickets, self.eos
+        """Both halves of a finished step's bookkeeping at once (`out`: its rows' 16 codes and the next c0)."""
+        early = self.take_frame(out[:, :NUM_CODEBOOKS], step, sched, rows, counters)
+        result = self.finish_step(out, step, sched, rows, counters)
+        result.deliveries[:0] = early.deliveries
+        return result
+
+    def take_frame(self, codes: np.ndarray, step: LaunchedStep, sched: Scheduler, rows: Rows,
+                   counters: EngineCounters) -> StepResult:
+        """The step's frame (`codes`: its rows' 16 codes, there before the step is done): stored, and the chunks
+        it completes handed out. Whether the request ends with it is known only from the whole step
+        (`finish_step`), whose final chunk then holds no frame of this one: the chunks are the same as if both
+        halves were read at once, only the frame's come earlier."""
+        tickets = step.tickets
         live = sched.live[tickets] & (sched.generation[tickets] == step.generations)
-        eos_now = out[:, 0] == eos  # the frame's codebook 0 is EOS (sampled at prefill): nothing to hand out
-        deliver = live & ~eos_now
+        deliver = live & (codes[:, 0] != self.eos)  # codebook 0 is EOS (sampled at prefill): nothing to hand out
         t_del = tickets[deliver]
-        self.codes[t_del, sched.frames[t_del]] = out[deliver, :NUM_CODEBOOKS]
+        self.codes[t_del, sched.frames[t_del]] = codes[deliver]
         sched.frames[t_del] += 1
         counters.frames += len(t_del)
+        result = StepResult()
+        for i in np.flatnonzero(deliver & (sched.frames[tickets] >= sched.next_cut[tickets])):
+            t = int(tickets[i])
+            seq = rows.by_ticket[t]
+            try:
+                chunks = self._push(seq.output, t, int(sched.frames[t]))
+            except ValueError:  # codes the decoder cannot take: `finish_step` fails the request
+                continue
+            self._hand_out(seq, chunks, sched, counters, result)
+        return result
+
+    def finish_step(self, out: np.ndarray, step: LaunchedStep, sched: Scheduler, rows: Rows,
+                    counters: EngineCounters) -> StepResult:
+        """The rest of a finished step's bookkeeping, after `take_frame` (`out`: its rows' 16 codes and the next
+        c0): requests that end (EOS, length), live text's cuts, each stream's next chunk boundary."""
+        tickets, eos = step.tickets, self.eos
+        live = sched.live[tickets] & (sched.generation[tickets] == step.generations)
+        eos_now = out[:, 0] == eos
         frames = sched.frames[tickets]
         ended_eos = live & (eos_now | (out[:, NUM_CODEBOOKS] == eos))
         ended_len = live & ~ended_eos & (frames >= sched.max_frames[tickets])

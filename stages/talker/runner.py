@@ -4,9 +4,10 @@ All per-request state lives in preallocated tensors indexed by row (== slot): po
 sampling parameters, seeds, repetition-penalty masks, trailing text rows, last hidden state and
 codebook-0 token. Running requests occupy rows [0, n); a decode step of batch bucket b computes rows
 [0, b) (padding rows are free rows, whose KV table points at the scratch block) and writes one output
-buffer [rows, 17] (16 codes of the frame + the next codebook-0 token), which crosses to the host in one
-non-blocking copy per step into one of two pinned buffers, so the engine can launch step N+1 before it
-reads step N.
+buffer [rows, 17] (16 codes of the frame + the next codebook-0 token) in two halves: the code predictor's
+passes give the frame's codes, which cross to the host at once (the engine hands the frame out while the
+talker half runs), then the talker step gives the next codebook-0 token. Each crossing is one non-blocking
+copy into one of two pinned buffers, so the engine can launch step N+1 before it reads step N.
 
 Admission never waits for the device: a batch's prompt ids, sampling parameters and KV block rows are
 written into a pinned staging row per request and cross in ONE non-blocking copy; the prefill (embedding
@@ -24,57 +25,30 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from stages import gemv_kernels, layers, sampling
+from stages import gemv_kernels
 from stages import pdl as pdl_module
 from stages import sampling_kernel as sampling_kernel_module
-from stages.compile_cache import CompileCache
 from stages.contract import NUM_CODEBOOKS
 from stages.layers import LayerKernels
 from stages.qwen3_tts import Qwen3TTS
 from stages.sampling import mask_talker_logits, select_tokens, suppressed_ids_mask
-from stages.talker import frame as frame_module
-from stages.talker import model as talker_model
+from stages.talker.compiled import EAGER_STEP_FUNCTIONS
 from stages.talker.engine_config import TalkerEngineConfig
-from stages.talker.frame import (
-    advance_rows,
-    new_code_predictor_cache,
-    predict_frame_codes,
-    record_step,
-    step_talker_input,
-)
+from stages.talker.frame import new_code_predictor_cache, predict_frame_codes
 from stages.talker.paged_attention import contiguous_tiling, decode_tiling, kernel_available
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from stages.talker.prompt_plan import NONE, embed_rows, embed_text_rows
 from stages.talker.staging import Admission, HostRing, IntStage, SlotParams, Staging, round_up, write_stage
 from stages.talker.step_clock import StepClock
-
-# the files whose functions `compile` hands to torch.compile, and those the traced code calls into (the step's glue
-# reads the talker's embedding tables): the compile cache keys their source (CompileCache)
-COMPILED_SOURCES = (layers.__file__, sampling.__file__, frame_module.__file__, talker_model.__file__)
-
-def talker_compile_cache(model: Qwen3TTS, config: TalkerEngineConfig) -> CompileCache | None:
-    """The file keeping torch.compile's work for this talker (None: nothing compiled here, or no cache dir)."""
-    if not (config.compile and model.device.type == "cuda" and config.compile_cache_dir):
-        return None
-    shapes = {"talker": repr(model.config.talker), "dtype": str(model.dtype)}
-    return CompileCache.for_model(config.compile_cache_dir, model.device, shapes, sources=COMPILED_SOURCES,
-                                  dynamo=config.kernels.compile_cache_dynamo)
-
+from stages.talker.step_copies import StepCopies
 
 PREFILL_TRAILING_WIDTH = 256  # trailing text rows a graphed prefill projects (one fixed width: cheap, no transformer)
 _WIDTH_MULTIPLE = 16  # eager prefill pads widths to this: fewer distinct shapes
-# the decode step's ~20 kernels of glue outside the layers (runner attributes): eager, or compiled (`_select`: or the
-# sampling kernel)
-EAGER_STEP_FUNCTIONS: dict[str, Callable] = {
-    "_select": select_tokens, "_mask": mask_talker_logits, "_step_talker_input": step_talker_input,
-    "_advance_rows": advance_rows, "_record_step": record_step,
-}
 
 
 class TalkerRunner:
@@ -117,18 +91,15 @@ class TalkerRunner:
         self.trailing = torch.zeros(rows, max_text_rows, cfg.hidden_size, dtype=self.dtype, device=dev)
         self.trailing_len = torch.zeros(rows, dtype=torch.long, device=dev)
         self.tts_pad = torch.zeros(cfg.hidden_size, dtype=self.dtype, device=dev)
-        self.out = torch.zeros(num_slots, NUM_CODEBOOKS + 1, dtype=torch.long, device=dev)
-        # two host copies of `out`: step N+1 is launched before the host reads step N
-        self.out_host = [torch.zeros(num_slots, NUM_CODEBOOKS + 1, dtype=torch.long, pin_memory=self.cuda)
-                         for _ in range(2)]
-        self._out_events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
-        self._out_turn = 0
+        self.copies = StepCopies(num_slots, dev, self.cuda)  # the step's output buffer and its copies to the host
+        self.out = self.copies.out
         # the device's own clock around each step (CUDA): a slow step told from a late one (stages/talker/step_clock.py)
         self.step_clock = StepClock((lambda: torch.cuda.Event(enable_timing=True)) if self.cuda else None)
         self.cp_caches = {}  # batch bucket -> ContiguousKV (fixed addresses for graphs)
         self.suppress = suppressed_ids_mask(cfg.vocab_size, cfg.codebook_size, cfg.codec.eos, dev)
         self.eos = cfg.codec.eos
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        # the decode step's two halves per (batch, length) bucket: the frame's codes, then the talker step
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]] = {}
         # admission staging: two pinned host buffers (alternating: one may still be in flight) and the device copy
         self.prefill_batch_buckets = tuple(b for b in sorted(prefill_batches) if b <= max_prefill_batch) or (1,)
         self.max_prefill_batch = max(max_prefill_batch, 1)
@@ -393,16 +364,28 @@ class TalkerRunner:
 
     # ---------------------------------------------------------------- decode
     def _decode_step(self, b: int, attn_len: int) -> None:
-        """One frame for rows [0, b): code predictor, next talker input, talker step, next c0."""
+        """One frame for rows [0, b): its codes, then the talker step that gives the next c0 (eagerly, both halves)."""
+        self._frame_codes_step(b)
+        self._talker_step(b, attn_len)
+
+    def _frame_codes_step(self, b: int) -> None:
+        """The step's first half: the code predictor's 15 passes, this frame's 16 codes into `out[:b, :16]`."""
+        p = self.params.rows(b)
+        frame_index = self.frame_index[:b]
+        select = self._select_pdl if self.pdl_at(b) else self._select
+        codes = predict_frame_codes(self.talker, self.hidden[:b], self.c0[:b], self.cp_cache(b), p.sub, p.seeds,
+                                    frame_index, select, counters=frame_index * NUM_CODEBOOKS)
+        self.out[:b, :NUM_CODEBOOKS] = codes
+
+    def _talker_step(self, b: int, attn_len: int) -> None:
+        """The step's second half, from the codes in `out[:b, :16]`: next talker input, talker step, next c0."""
         p = self.params.rows(b)
         frame_index = self.frame_index[:b]
         c0 = self.c0[:b]
         select = self._select_pdl if self.pdl_at(b) else self._select
         counters = frame_index * NUM_CODEBOOKS  # this frame's draws; the next c0's are counters + 16
-        codes = predict_frame_codes(self.talker, self.hidden[:b], c0, self.cp_cache(b), p.sub, p.seeds, frame_index,
-                                    select, counters=counters)
-        x = self._step_talker_input(self.talker, codes, frame_index, self.trailing[:b], self.trailing_len[:b],
-                                    self.tts_pad)
+        x = self._step_talker_input(self.talker, self.out[:b, :NUM_CODEBOOKS], frame_index, self.trailing[:b],
+                                    self.trailing_len[:b], self.tts_pad)
         positions = self.positions[:b]
         ctx = DecodeContext(self.kv, positions, attn_len, self.use_kernel, split_keys=self.attention_splits,
                             pdl=self.pdl_at(b), tiling=self.decode_tiling)
@@ -412,7 +395,7 @@ class TalkerRunner:
         logits = self._mask(self.talker.codec_logits_fp32(hidden), self.seen[:b], p.penalty,
                             frame_index, p.min_frames, self.suppress, self.eos, p.suppress_eos)
         next_c0 = select(logits, p.talker, p.seeds, counters, NUM_CODEBOOKS)  # (frame_index + 1) * 16
-        self._record_step(self.out[:b], c0, codes, next_c0)
+        self._record_step(self.out[:b], c0, next_c0)
 
     def cp_cache(self, b: int):
         cache = self.cp_caches.get(b) or new_code_predictor_cache(self.talker, b, self.pdl_at(b), self.contiguous_tiling)
@@ -425,26 +408,34 @@ class TalkerRunner:
 
     @torch.no_grad()
     def launch_step(self, b: int, attn_len: int) -> int:
-        """Enqueue one step for rows [0, b) (b a batch bucket) and its copy to the host; returns a ticket
-        for `step_output`. Does not wait: the host can prepare the next step meanwhile."""
-        turn = self._out_turn
-        self._out_turn ^= 1
+        """Enqueue one step for rows [0, b) (b a batch bucket) and the copies of its two halves to the host (the
+        frame's codes, then the whole output: stages/talker/step_copies.py); returns a ticket for `step_codes` and
+        `step_output`. Does not wait: the host can prepare the next step meanwhile."""
+        turn = self.copies.next_turn()
         self.step_clock.begin()
-        graph = self.graphs.get((b, attn_len))
-        if graph is not None:
-            graph.replay()
+        halves = self.graphs.get((b, attn_len))
+        if halves is not None:
+            halves[0].replay()
         else:
-            self._decode_step(b, attn_len)
-        self.out_host[turn][:b].copy_(self.out[:b], non_blocking=True)
+            self._frame_codes_step(b)
+        self.copies.copy("codes", turn, b)
+        self.copies.record("codes", turn)
+        if halves is not None:
+            halves[1].replay()
+        else:
+            self._talker_step(b, attn_len)
+        self.copies.copy("step", turn, b)
         self.step_clock.end()
-        if self.cuda:
-            self._out_events[turn].record()
+        self.copies.record("step", turn)
         return turn
 
+    def step_codes(self, turn: int, n: int) -> np.ndarray:
+        """Rows [0, n) of a launched step's frame codes [n, 16], once its first half (the code predictor) is done."""
+        return self.copies.read("codes", turn, n)
+
     def step_output(self, turn: int, n: int) -> np.ndarray:
-        """Rows [0, n) of a launched step's output [n, 17], once the device has produced them (the one
-        wait per step). Valid until the step after next is launched."""
-        if self.cuda:
-            self._out_events[turn].synchronize()
+        """Rows [0, n) of a launched step's output [n, 17] (the frame's 16 codes and the next frame's c0), once the
+        device has produced it."""
+        out = self.copies.read("step", turn, n)
         self.step_clock.read()  # steps are read in launch order
-        return self.out_host[turn][:n].numpy()
+        return out
