@@ -44,7 +44,7 @@ class _Box:
 
 
 # closed boxes remembered, so that a late put is refused and a late claim ends its request, without growing
-# without bound: a box is closed once, and a late call follows its close within seconds
+# without bound: a box is closed once, and a late call follows its close within seconds (released takers alike)
 _CLOSED_KEPT = 65_536
 
 
@@ -57,6 +57,9 @@ class TextMailbox:
         self._closed: dict[str, None] = {}  # recently closed request ids, oldest first
         self._takers: dict[str, asyncio.Event] = {}  # by taker key: set when a box it claimed changes
         self._claims: dict[str, set[str]] = {}  # by taker key: the request ids its polls take
+        # recently released taker keys, oldest first: a poll or claim of theirs that arrives after the release (a
+        # pump's last call, sent before it released) ends at once instead of waiting, and holding memory, forever
+        self._released: dict[str, None] = {}
 
     def put(self, request_id: str, events: list[TextEvent]) -> bool:
         """False when the request's box is closed: its context has ended."""
@@ -78,6 +81,8 @@ class TextMailbox:
 
     def claim(self, taker: str, request_id: str) -> None:
         """`taker`'s polls take `request_id`'s events from now on, a waiting one included."""
+        if taker in self._released:
+            return
         self._claims.setdefault(taker, set()).add(request_id)
         box = self._box(request_id)
         if box is not None:
@@ -88,7 +93,10 @@ class TextMailbox:
     async def take_many(self, taker: str, request_ids: list[str]) -> dict[str, list[TextEvent]]:
         """The queued events of `taker`'s claimed requests (`request_ids` claims them too) that have some, and [] for
         each whose box is closed (it is unclaimed then), as soon as there is one of either; {} when `release(taker)`
-        ends the wait. `taker`: the caller's key (one per Talker replica and mailbox)."""
+        ends the wait, or at once when it came after that release. `taker`: the caller's key (one per Talker replica
+        and mailbox; never used again once released)."""
+        if taker in self._released:
+            return {}
         arrived = self._takers.setdefault(taker, asyncio.Event())
         claimed = self._claims.setdefault(taker, set())
         for request_id in request_ids:
@@ -111,6 +119,9 @@ class TextMailbox:
         """`taker` polls no more (its replica speaks no request from here now): forget it and its claims, ending a
         poll of its that is still waiting (one its caller stopped awaiting)."""
         self._claims.pop(taker, None)
+        self._released[taker] = None
+        if len(self._released) > _CLOSED_KEPT:
+            del self._released[next(iter(self._released))]
         arrived = self._takers.pop(taker, None)
         if arrived is not None:
             arrived.set()

@@ -74,6 +74,7 @@ class LiveTextPump:
                 self._claiming.cancel()
                 self._claiming, self._to_claim = None, []
             self._mailbox.release.remote(self._taker)
+            self._taker = uuid.uuid4().hex  # a released key ends its polls at once: a later `add` polls under a new one
 
     async def _claim(self) -> None:
         try:

@@ -120,6 +120,26 @@ def test_close_and_claim_end_a_waiting_poll(mailbox):
     assert released == {} and late_claim == {"r4": []} and boxes == before
 
 
+def test_a_poll_or_claim_after_its_takers_release_ends_at_once(mailbox):
+    """A pump's last poll may reach the mailbox after its release (both are sent as it stops): it returns {} at once,
+    as does a late claim, and neither leaves the taker's key or claims behind (no waiter held forever)."""
+    async def run():
+        before = await mailbox.takers.remote()
+        await mailbox.put.remote("r9", [TextEvent("append", "nine")])
+        await mailbox.release.remote("t9")
+        late_poll = await asyncio.wait_for(mailbox.take_many.remote("t9", ["r9"]), 30)
+        await mailbox.claim_many.remote("t9", ["r9"])
+        takers = await mailbox.takers.remote()
+        kept = await mailbox.take_many.remote("t10", ["r9"])  # the text stays for a live taker
+        await mailbox.close.remote("r9")
+        await mailbox.release.remote("t10")
+        return before, late_poll, takers, kept
+
+    before, late_poll, takers, kept = asyncio.run(run())
+    assert late_poll == {} and takers == before
+    assert {rid: [e.text for e in ev] for rid, ev in kept.items()} == {"r9": ["nine"]}
+
+
 class _Engine:
     """The engine's text side as the pump calls it: what each request received, in order."""
 
