@@ -54,6 +54,8 @@ def capture(runner: TalkerRunner, batch_buckets: tuple[int, ...], log: Callable[
     def capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         return capture_graph(fn, pool, stream)[0]
 
+    log(f"[talker] capturing CUDA graphs for batch buckets {tuple(sorted(batch_buckets))} x length buckets "
+        f"{runner.length_buckets}")
     keys = [(b, L) for b in sorted(batch_buckets, reverse=True) for L in runner.length_buckets]
     for i, (b, attn_len) in enumerate(keys):
         runner.positions[:b] = 0
@@ -73,4 +75,5 @@ def capture(runner: TalkerRunner, batch_buckets: tuple[int, ...], log: Callable[
     for t, s in zip(runner._row_tensors(), saved, strict=True):
         t.copy_(s)
     torch.cuda.synchronize(runner.device)
+    log(f"[talker] graph capture took {time.perf_counter() - t0:.1f} s")
     return time.perf_counter() - t0

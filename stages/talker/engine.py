@@ -6,11 +6,10 @@ the device; output.py turns step outputs into chunks; rows.py moves and frees ro
 text; stats.py counts. Requests enter through a thread-safe command queue; codec chunks leave through per-request
 `ChunkStream`s, one event-loop callback per step for all streams.
 
-One iteration of the loop (docs/talker_engine.md): drain commands (a waiting request that is aborted leaves without
-a prefill) -> expire live requests that waited for text too long -> admit (staged on the host, one copy, prefill
-graph; nothing waits) -> launch step N+1 for every running row -> read step N's output (the one wait per step,
-while step N+1 runs) and hand out what it produced. A request that finished by EOS in step N was also computed in
-step N+1; that frame is dropped, and its KV reservation includes that speculative position.
+One iteration (docs/talker_engine.md): drain commands -> expire live requests idle too long -> admit (staged, one
+copy, prefill graph; nothing waits) -> launch step N+1 -> read step N while N+1 runs: its frame once the code
+predictor's half is done (handed out at once), then the whole step (ends). A request that ended by EOS in step N
+was computed in N+1 too; that frame is dropped (its KV reservation includes the speculative position).
 """
 
 from __future__ import annotations
@@ -63,18 +62,15 @@ class TalkerEngine:
         self.model, self.config = model, config.for_determinism(self.invariant_products)
         self._runner_factory = runner_factory
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._ready = threading.Event()
-        self._stop = False
-        self._error: BaseException | None = None
+        self._wake, self._ready = threading.Event(), threading.Event()
+        self._stop, self._error = False, None
         self._seed_counter = itertools.count(int(time.time_ns() % (1 << 31)))
         self.counters = EngineCounters()
         # add commands not yet drained (counted as waiting): one counter per writing thread, so no update is lost
         self._adds_sent = 0  # event-loop side
         self._adds_drained = 0  # engine thread
         self._progress_at, self._idle = time.monotonic(), False  # check_health's heartbeat; idle: no work, none owed
-        self.num_slots = 0
-        self.graph_capture_seconds = 0.0
+        self.num_slots, self.graph_capture_seconds = 0, 0.0
         self._thread: threading.Thread | None = None
         self.runner: TalkerRunner | None = None
         self.scheduler: Scheduler | None = None
@@ -274,17 +270,13 @@ class TalkerEngine:
             self.runner.resize_kv(num_blocks)
         self.scheduler = Scheduler(self.num_slots, num_blocks, cfg.kernels.kv_block_size, cfg.max_prefill_batch,
                                    cfg.max_waiting, cfg.batch_share)
-        exact = cfg.kernels.exact_prefill
-        self._exact = not cuda if exact is None else exact
+        self._exact = not cuda if cfg.kernels.exact_prefill is None else cfg.kernels.exact_prefill
         self._rows = Rows(self.scheduler, self.runner, self.num_slots)
         self._outputs = StepOutputs(self.num_slots, cfg.max_seq_len, self.runner.eos, logger)
         self._live = LiveTextDriver(model.config, cfg.max_text_rows, self.scheduler, self.runner, self._rows,
                                     self._outputs, self.counters, cfg.live_evict_parked_s, cfg.live_max_lifetime_s)
-        if cfg.cuda_graphs and cuda:
-            log(f"[talker] capturing CUDA graphs for batch buckets {self._buckets} x "
-                f"length buckets {self.runner.length_buckets}")
+        if cfg.cuda_graphs and cuda:  # it logs its progress and time
             self.graph_capture_seconds = cuda_graphs.capture(self.runner, self._buckets, log)
-            log(f"[talker] graph capture took {self.graph_capture_seconds:.1f} s")
         if compile_cache is not None:
             compile_cache.save(log)
 
@@ -433,8 +425,8 @@ class TalkerEngine:
         t0 = time.perf_counter()
         codes = self.runner.step_codes(step.turn, step.rows)  # the frame, before the step's talker half is done
         waited = time.perf_counter() - t0
-        early = self._outputs.take_frame(codes, step, self.scheduler, self._rows, self.counters)
-        ChunkStream.deliver_many(early.deliveries)
+        ChunkStream.deliver_many(self._outputs.take_frame(codes, step, self.scheduler, self._rows,
+                                                          self.counters).deliveries)
         t1 = time.perf_counter()
         out = self.runner.step_output(step.turn, step.rows)
         self.counters.step_read(waited + time.perf_counter() - t1, step.rows)
