@@ -48,6 +48,13 @@ class _Box:
 _CLOSED_KEPT = 65_536
 
 
+def _remember(recent: dict[str, None], key: str) -> None:
+    """`key` added to an insertion-ordered set of at most _CLOSED_KEPT keys (the oldest goes first)."""
+    recent[key] = None
+    if len(recent) > _CLOSED_KEPT:
+        del recent[next(iter(recent))]
+
+
 @ray.remote(num_cpus=0)
 class TextMailbox:
     """One per ingress replica. Keyed by request id; a box exists from its first `put` or `claim` until `close`."""
@@ -119,18 +126,14 @@ class TextMailbox:
         """`taker` polls no more (its replica speaks no request from here now): forget it and its claims, ending a
         poll of its that is still waiting (one its caller stopped awaiting)."""
         self._claims.pop(taker, None)
-        self._released[taker] = None
-        if len(self._released) > _CLOSED_KEPT:
-            del self._released[next(iter(self._released))]
+        _remember(self._released, taker)
         arrived = self._takers.pop(taker, None)
         if arrived is not None:
             arrived.set()
 
     def close(self, request_id: str) -> None:
         box = self._boxes.pop(request_id, None)
-        self._closed[request_id] = None
-        if len(self._closed) > _CLOSED_KEPT:
-            del self._closed[next(iter(self._closed))]
+        _remember(self._closed, request_id)
         if box is not None:
             self._notify(box.taker)  # a waiting `take_many` returns [] for it
 

@@ -75,5 +75,6 @@ def capture(runner: TalkerRunner, batch_buckets: tuple[int, ...], log: Callable[
     for t, s in zip(runner._row_tensors(), saved, strict=True):
         t.copy_(s)
     torch.cuda.synchronize(runner.device)
-    log(f"[talker] graph capture took {time.perf_counter() - t0:.1f} s")
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    log(f"[talker] graph capture took {seconds:.1f} s")
+    return seconds

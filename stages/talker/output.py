@@ -1,7 +1,8 @@
 """One decode step's output, turned into what happened: chunks to hand out, requests finished, live segments ended.
 
-`StepOutputs.process` is the engine's hot bookkeeping, vectorized over the step's rows: Python touches a request
-only when it completes a chunk or finishes. It returns its results and calls back into nothing; the engine then
+`StepOutputs.take_frame` (a step's frame, read once the code predictor's half is done) and `finish_step` (the whole
+step) are the engine's hot bookkeeping, vectorized over the step's rows: Python touches a request only when it
+completes a chunk or finishes. It returns its results and calls back into nothing; the engine then
 hands the chunks out, releases the finished rows and moves live requests to their next segment.
 """
 
@@ -52,14 +53,6 @@ class StepOutputs:
     def __init__(self, num_slots: int, max_seq_len: int, eos: int, logger):
         self.codes = np.zeros((num_slots, max_seq_len, NUM_CODEBOOKS), dtype=np.int16)
         self.eos, self._logger = eos, logger
-
-    def process(self, out: np.ndarray, step: LaunchedStep, sched: Scheduler, rows: Rows,
-                counters: EngineCounters) -> StepResult:
-        """Both halves of a finished step's bookkeeping at once (`out`: its rows' 16 codes and the next c0)."""
-        early = self.take_frame(out[:, :NUM_CODEBOOKS], step, sched, rows, counters)
-        result = self.finish_step(out, step, sched, rows, counters)
-        result.deliveries[:0] = early.deliveries
-        return result
 
     def take_frame(self, codes: np.ndarray, step: LaunchedStep, sched: Scheduler, rows: Rows,
                    counters: EngineCounters) -> StepResult:

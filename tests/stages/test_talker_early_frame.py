@@ -7,24 +7,14 @@ import asyncio
 import threading
 
 import numpy as np
-import pytest
 
 from stages.chunking import ChunkSchedule
 from stages.contract import FinishReason, SynthesisRequest
-from stages.prompts import build_prompt
-from stages.qwen3_tts import Qwen3TTS
 from stages.talker.engine import TalkerEngine, TalkerEngineConfig
+from tests.stages import test_talker_engine_loop as loop
 from tests.stages.test_talker_engine_loop import FakeRunner, frame_codes
 
-
-@pytest.fixture(scope="module")
-def model(tiny_custom_voice) -> Qwen3TTS:
-    return Qwen3TTS.load(tiny_custom_voice, dtype="float32", decoder=False)
-
-
-@pytest.fixture(scope="module")
-def prompt(model):
-    return build_prompt(model.config, model.tokenizer, "Hello there.", speaker="ryan", language="english")
+model, prompt = loop.model, loop.prompt  # the loop tests' fixtures: the tiny model (fp32) and its prompt
 
 
 class HeldStepRunner(FakeRunner):
