@@ -66,10 +66,22 @@ class GenerateOptions:
 
 @dataclass(frozen=True)
 class LiveAdmitted:
-    """The first item of `Talker.generate_live`'s stream (and of the ingress's pipeline for it): the Talker took the
-    request (Serve admitted the call, the engine accepted it). The WebSocket answers `opened` on it."""
+    """A live request's first item (of its share of `Talker.generate_live_many`'s stream, and of the ingress's
+    pipeline for it): the Talker took the request (Serve admitted the call, the engine accepted it). The WebSocket
+    answers `opened` on it."""
 
     request_id: str
+
+
+@dataclass(frozen=True)
+class LiveItem:
+    """One item of one of the live requests that share a `Talker.generate_live_many` call: its `LiveAdmitted`, then
+    its codec chunks; its last, neither `item` nor `error`, says its stream ended (an aborted request may end
+    without a final chunk); or instead the error that refused or ended it."""
+
+    request_id: str
+    item: LiveAdmitted | CodecChunk | None = None
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """TextMailbox: live text from an ingress replica's WebSocket contexts to the Talker replicas speaking them.
 
-A live request is one streaming `Talker.generate_live` call, but its text keeps arriving after the call
+A live request runs in a streaming `Talker.generate_live_many` call, but its text keeps arriving after the call
 started, and a later Serve call could reach another Talker replica (Serve routes each call on its own). So
 each ingress replica owns one small Ray actor, its mailbox: the ingress puts each context's text events in
 it (the first put makes the context's box: opening a context costs the ingress no call of its own), and the Talker

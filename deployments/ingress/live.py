@@ -1,7 +1,8 @@
 """`/v1/audio/speech/stream`: a WebSocket for text that arrives as it is written (docs/websocket.md).
 
 One `LiveSession` per connection. Each `open` starts a context: live requests on its model's Talker
-(`Talker.generate_live`), one after another when its text outgrows one (deployments/ingress/live_pieces.py), whose
+(batched with the replica's other live requests into `Talker.generate_live_many` calls: deployments/ingress/
+live_calls.py), one after another when its text outgrows one (deployments/ingress/live_pieces.py), whose
 text the session puts in this ingress replica's `TextMailbox` as the client sends it (in order: a message's put is
 awaited before the next message is read), and whose audio a task of its own encodes into one stream and sends as
 binary frames tagged with the context id. A bad message is answered with
@@ -77,7 +78,7 @@ class LiveIngress(Protocol):
 
     def timestamps(self, body, texts) -> ResponseTimestamps | None: ...
 
-    def start_live(self, body, info, choice, voice, request_id: str, mailbox, idle_timeout_s: float | None = None,
+    def start_live(self, body, info, choice, voice, request_id: str, idle_timeout_s: float | None = None,
                    frame_cap: int | None = None) -> tuple[Any, int, Any]: ...
 
 logger = logging.getLogger("ray.serve")

@@ -89,10 +89,10 @@ class MailboxPieces:
 
     async def start(self, index: int, request_id: str) -> StartedPiece:
         body, info = self._body, self._info
-        try:  # the request's mailbox box is made by its first text (or the Talker's claim): no call here
+        try:  # the request's mailbox box is made by its first text (or the Talker's claim): no call for it here
             _, fits, chunks = self._ingress.start_live(
                 body.model_copy(update={"seed": piece_seed(body.seed, index)}), info, self._choice, self._voice,
-                request_id, self._mailbox.handle, body.idle_timeout_s, body.max_new_tokens,
+                request_id, body.idle_timeout_s, body.max_new_tokens,
                 timing=self._timing if index == 0 else None)
         except BaseException:
             self._mailbox.close(request_id)

@@ -17,6 +17,7 @@ from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.first_audio_timing import FirstAudioTiming
 from deployments.ingress.decode_batcher import DecodeBatcher
+from deployments.ingress.live_calls import LiveCalls
 from deployments.messages import DecodedChunk, GenerateOptions, LiveAdmitted
 from deployments.transport import StageTransport, stage_handle, stream_items
 from stages.contract import SynthesisRequest
@@ -26,34 +27,36 @@ _END = object()
 
 async def stream_audio(
     talker: DeploymentHandle, decoder: DecodeBatcher, request: SynthesisRequest, options: GenerateOptions,
-    depth: int, transport: StageTransport, mailbox=None, timing: FirstAudioTiming | None = None,
+    depth: int, transport: StageTransport, live: LiveCalls | None = None, timing: FirstAudioTiming | None = None,
 ) -> AsyncIterator[DecodedChunk | LiveAdmitted]:
     """Decoded chunks of one request, in stream order. Closing the iterator cancels the whole pipeline.
 
-    With `mailbox` (a `TextMailbox`) the request is live: `Talker.generate_live` takes its text from there.
-    With `timing`, the first chunk's hops are stamped on it (deployments/first_audio_timing.py). Stream
+    With `live` the request is live: it goes to the Talker in one of `live`'s batched calls
+    (deployments/ingress/live_calls.py), its text through their mailbox, and its chunks arrive as values whatever
+    the transport. With `timing`, the first chunk's hops are stamped on it (deployments/first_audio_timing.py). Stream
     affinity never holds back the first `WAITED_FOR_CHUNKS` chunks (deployments/constants.py).
 
     Errors of either stage (e.g. the Talker rejecting the request) surface when the affected chunk is
     awaited; the first chunk therefore tells whether the request was accepted. A live request's first item is the
     Talker's `LiveAdmitted` (its text comes later, so its first audio cannot say it).
     """
-    talker = stage_handle(talker, transport).options(stream=True)
-    if timing is not None:
-        timing.talker_called = first_audio_timing.now()
-    if mailbox is None:
-        generator = talker.generate.remote(request, options)
-    else:
-        generator = talker.generate_live.remote(request, options, mailbox)
+    if live is None:
+        if timing is not None:
+            timing.talker_called = first_audio_timing.now()
+        generator = stage_handle(talker, transport).options(stream=True).generate.remote(request, options)
+        items, cancel = stream_items(generator, transport), generator.cancel
+    else:  # the batch's call stamps `talker_called`
+        stream = live.open(request, options, timing)
+        items, cancel = stream, stream.cancel
     pending: asyncio.Queue = asyncio.Queue(maxsize=depth)
 
     async def submit() -> None:
         try:
-            index, admitting = 0, mailbox is not None
-            async for chunk in stream_items(generator, transport):
-                if admitting:  # `LiveAdmitted` (an ObjectRef to it with object_ref: not read, it says nothing more)
+            index, admitting = 0, live is not None
+            async for chunk in items:
+                if admitting:  # `LiveAdmitted`
                     admitting = False
-                    await pending.put(LiveAdmitted(request.request_id))
+                    await pending.put(chunk)
                     continue
                 if timing is not None and timing.chunk_received is None:
                     timing.chunk_received = first_audio_timing.now()
@@ -78,7 +81,7 @@ async def stream_audio(
             yield decoded
     finally:
         producer.cancel()
-        generator.cancel()  # stops the Talker (Serve also cascades the ingress request's cancellation)
+        cancel()  # stops the Talker's request (a live one: its batch call, deployments/ingress/live_calls.py)
         decoder.forget(request.request_id)
         while not pending.empty():  # decodes nobody will read
             item = pending.get_nowait()

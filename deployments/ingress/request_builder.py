@@ -193,7 +193,7 @@ def build_request(
     positions + frames), so a request that cannot fit is a 400 from the ingress, never an exception
     (and a logged traceback) in the Talker.
 
-    `live`: a request whose text arrives while it runs (`Talker.generate_live`): its prompt has no text and
+    `live`: a request whose text arrives while it runs (`Talker.generate_live_many`): its prompt has no text and
     the streaming-text layout, whose length does not depend on the text."""
     sampling = check_request(body, info, args)
     if voice is not None and body.x_vector_only_mode and voice.icl:

@@ -22,6 +22,7 @@ from opentelemetry import trace
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments import constants as C
 from deployments import first_audio_timing
 from deployments.audio.encoders import check_codecs
 from deployments.config import TTSServingArgs
@@ -36,6 +37,7 @@ from deployments.ingress.batch_worker import BatchWorker
 from deployments.ingress.decode_batcher import DecodeBatcher
 from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.live import LiveAuth, LiveSession
+from deployments.ingress.live_calls import LiveCalls
 from deployments.ingress.long_form import long_form_chunks
 from deployments.ingress.long_text import PiecePlanner, PlannedPiece, client_capped
 from deployments.ingress.outcomes import Outcomes
@@ -90,6 +92,7 @@ class TTSIngress:
         # docs/benchmarks.md "Live text")
         self._sockets = SocketLimits(limits.max_websockets_per_replica, limits.max_websockets_per_client)
         self._mailbox = MailboxWriter(new_mailbox())
+        self._live_calls: dict[str, LiveCalls] = {}  # by model: live requests batched into Talker calls
         await self._mailbox.handle.open_boxes.remote()
         # batch jobs: this replica's worker resumes what the shared store holds (deployments/ingress/batch_worker.py)
         batch = limits.batch
@@ -194,24 +197,30 @@ class TTSIngress:
         return await self._voices.prompt(body, info, voice_choice)
 
     def start_live(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, voice, request_id: str,
-                   mailbox, idle_timeout_s: float | None = None, frame_cap: int | None = None,
+                   idle_timeout_s: float | None = None, frame_cap: int | None = None,
                    timing: FirstAudioTiming | None = None,
                    ) -> tuple[SynthesisRequest, int, AsyncIterator[DecodedChunk]]:
         """One live request of a WebSocket context (deployments/ingress/live_pieces.py): the engine's request, the
         frames that fit it (`max_seq_len`; its cap had the client set none), and its decoded-chunk pipeline (nothing
-        runs until its first item is awaited); its text comes through `mailbox`. `frame_cap`: at most this many;
+        runs until its first item is awaited); it goes to the Talker in a batch of this replica's live requests
+        (`LiveCalls`), its text through this replica's mailbox. `frame_cap`: at most this many;
         `timing`: its first chunk's hops are stamped there (the context's first audio)."""
         synthesis, options = build_request(body.model_copy(update={"max_new_tokens": None}), info, voice_choice, voice,
                                            self._args, request_id, live=True, idle_timeout_s=idle_timeout_s)
         fits = synthesis.max_frames
         if frame_cap is not None:
             synthesis = dataclasses.replace(synthesis, max_frames=min(fits, frame_cap))
-        return synthesis, fits, self._pipeline(info, synthesis, options, mailbox, timing)
+        live = self._live_calls.get(info.name)
+        if live is None:
+            talker = stage_handle(self._router.handle(info.name), self._limits.stage_transport)
+            live = self._live_calls[info.name] = LiveCalls(talker, self._mailbox.handle, C.LIVE_CALL_MAX_BATCH,
+                                                           C.LIVE_CALL_ADMISSION_WAIT_S)
+        return synthesis, fits, self._pipeline(info, synthesis, options, live, timing)
 
-    def _pipeline(self, info: ModelInfo, synthesis: SynthesisRequest, options: GenerateOptions, mailbox=None,
-                  timing: FirstAudioTiming | None = None) -> AsyncIterator[DecodedChunk]:
+    def _pipeline(self, info: ModelInfo, synthesis: SynthesisRequest, options: GenerateOptions,
+                  live: LiveCalls | None = None, timing: FirstAudioTiming | None = None) -> AsyncIterator[DecodedChunk]:
         return stream_audio(self._router.handle(info.name), self._decoder, synthesis, options,
-                            self._args.streaming.max_pending_decodes, self._limits.stage_transport, mailbox, timing)
+                            self._args.streaming.max_pending_decodes, self._limits.stage_transport, live, timing)
 
     async def _start_speech(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, request_id: str,
                             timing: FirstAudioTiming | None, piece_timeout_s: float,

@@ -28,7 +28,7 @@ from deployments.config import StreamingConfig, TalkerDeploymentConfig
 from deployments.errors import replica_failed
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.loop_lag import LoopLag
-from deployments.messages import GenerateOptions, LiveAdmitted, ModelInfo
+from deployments.messages import GenerateOptions, LiveAdmitted, LiveItem, ModelInfo
 from deployments.metrics import TalkerMetrics
 from deployments.talker.engine_protocol import EngineStream, TalkerEngineProtocol
 from deployments.talker.first_chunk_decoder import FirstChunkDecoder
@@ -148,23 +148,60 @@ class TalkerServer:
             self._open.pop(request.request_id, None)
             await stream.aclose()  # no-op after a normal end; aborts the request otherwise
 
-    async def generate_live(
+    async def generate_live_many(
+        self, batch: list[tuple[SynthesisRequest, GenerateOptions]], mailbox
+    ) -> AsyncGenerator[list[LiveItem], None]:
+        """Live requests (WebSocket contexts) started together: one Serve call for a batch of them, which the calling
+        ingress replica formed from the requests it started while its previous batch was being admitted
+        (deployments/ingress/live_calls.py), so a burst of contexts costs this replica a few calls, not one each.
+
+        Yields lists of `LiveItem`: whatever is ready at once, of any of the batch's requests. Each request's items
+        are `generate`'s for a request whose text arrives while it runs, after its `LiveAdmitted` (the engine took
+        it), then an item that says it ended; a request that fails or is refused ends with its error instead, the
+        others go on. The call ends when
+        every request has; cancelling it aborts those still running. Each request's prompt has no text
+        (`stages.prompts.build_live_prompt`): it comes from `mailbox` (the calling ingress replica's `TextMailbox`,
+        deployments/text_mailbox.py), where the ingress puts the context's append/flush/end events, and where
+        closing the request's box aborts it alone."""
+        ready: asyncio.Queue[LiveItem | None] = asyncio.Queue()  # None: one request ended
+
+        async def run(request: SynthesisRequest, options: GenerateOptions) -> None:
+            try:
+                async for item in self._live(request, options, mailbox):
+                    ready.put_nowait(LiveItem(request.request_id, item))
+                ready.put_nowait(LiveItem(request.request_id))  # its end
+            except Exception as e:  # refused or failed: this request's last item
+                ready.put_nowait(LiveItem(request.request_id, error=e))
+            finally:
+                ready.put_nowait(None)
+
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(run(request, options)) for request, options in batch]
+        running = len(tasks)
+        try:
+            while running:
+                taken = [await ready.get()]
+                while not ready.empty():  # one message for everything ready now
+                    taken.append(ready.get_nowait())
+                items = [item for item in taken if item is not None]
+                running -= len(taken) - len(items)
+                if items:
+                    yield items
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _live(
         self, request: SynthesisRequest, options: GenerateOptions, mailbox
     ) -> AsyncGenerator[CodecChunk | LiveAdmitted, None]:
-        """`generate` for a request whose text arrives while it runs (a WebSocket context).
-
-        `request.prompt` has no text (`stages.prompts.build_live_prompt`); the text comes from `mailbox` (the
-        calling ingress replica's `TextMailbox`, deployments/text_mailbox.py), where the ingress puts the
-        context's append/flush/end events; this replica's pump for that mailbox (deployments/talker/text_pump.py)
-        takes them as they arrive, with those of its other requests there, and hands them to the engine,
-        which waits for text without stepping the request. Cancelling ends it as for `generate`. The first item is
-        `LiveAdmitted` (the engine took the request), then its chunks.
-        """
+        """One live request of `generate_live_many`: `LiveAdmitted`, then its chunks. Its text comes through this
+        replica's pump for `mailbox` (deployments/talker/text_pump.py), which takes the events of all its requests
+        there in one poll and hands them to the engine; the engine waits for text without stepping the request."""
         started = first_audio_timing.now()
         with tracer.start_as_current_span("talker.admission", attributes={"tts.engine_request_id": request.request_id}):
             stream = self._engine.open_request(request, self._schedule_for(options),
                                                idle_timeout_s=options.text_idle_timeout_s)
-        # the text: one pump per mailbox takes the events of all this replica's requests from it in one poll
         pump = self._text_pumps.get(mailbox)
         if pump is None:
             pump = self._text_pumps[mailbox] = LiveTextPump(self._engine, mailbox)

@@ -1,0 +1,264 @@
+"""deployments/ingress/live_calls.py against a Talker handle that records its calls: a burst of live requests goes
+in few calls, each request reads its own items, errors and cancellation stay per request where they should."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+
+import numpy as np
+import pytest
+
+from deployments.first_audio_timing import FirstAudioTiming
+from deployments.ingress.live_calls import LiveCallEndedError, LiveCalls
+from deployments.messages import GenerateOptions, LiveAdmitted, LiveItem
+from stages.contract import CodecChunk, FinishReason, InvalidRequestError, SynthesisRequest, TalkerPrompt
+
+_CALLER = contextvars.ContextVar("caller", default=None)  # stands in for Serve's request context
+
+
+class _Call:
+    """One `generate_live_many` call: the test feeds its messages; `cancel()` as Serve's generator has it."""
+
+    def __init__(self, batch, mailbox, refuse: BaseException | None):
+        self.request_ids = [request.request_id for request, _ in batch]
+        self.mailbox, self.caller = mailbox, _CALLER.get()
+        self.messages: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        if refuse is not None:
+            self.messages.put_nowait(refuse)
+        else:  # admitted at once, as the Talker does
+            self.messages.put_nowait([LiveItem(r, LiveAdmitted(r)) for r in self.request_ids])
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        message = await self.messages.get()
+        if message is None:
+            raise StopAsyncIteration
+        if isinstance(message, BaseException):
+            raise message
+        return message
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.messages.put_nowait(asyncio.CancelledError())
+
+
+class _Talker:
+    """A Talker deployment handle as LiveCalls uses it."""
+
+    def __init__(self):
+        self.calls: list[_Call] = []
+        self.refuse: BaseException | None = None
+        self.hold_admission = False
+
+    def options(self, stream: bool = False):
+        assert stream
+        return self
+
+    @property
+    def generate_live_many(self):
+        return self
+
+    def remote(self, batch, mailbox):
+        call = _Call(batch, mailbox, self.refuse)
+        if self.hold_admission:
+            call.messages.get_nowait()  # its admission comes when the test sends it
+        self.calls.append(call)
+        return call
+
+
+def _request(rid: str) -> SynthesisRequest:
+    return SynthesisRequest(rid, TalkerPrompt(text_ids=(), language_id=None))
+
+
+def _chunk(rid: str, seq: int, final: bool = False) -> CodecChunk:
+    return CodecChunk(rid, seq, np.zeros((1, 16), np.int64), 0, final, FinishReason.EOS if final else None)
+
+
+def _last(rid: str, seq: int) -> list[LiveItem]:
+    """A request's final chunk and the item that ends its stream, as the Talker sends them."""
+    return [LiveItem(rid, _chunk(rid, seq, final=True)), LiveItem(rid)]
+
+
+def _key(item) -> tuple:
+    """An item as the tests compare it (a chunk's codes are arrays)."""
+    if isinstance(item, LiveAdmitted):
+        return ("admitted", item.request_id)
+    return (item.request_id, item.seq, item.final)
+
+
+async def _read(stream) -> list[tuple]:
+    return [_key(item) async for item in stream]
+
+
+@pytest.fixture
+def talker():
+    return _Talker()
+
+
+def test_a_burst_goes_in_few_calls_and_each_request_reads_its_own_items(talker):
+    async def run():
+        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0)
+        first = calls.open(_request("a0"), GenerateOptions())
+        await asyncio.sleep(0)  # the lone request leaves at once
+        timing = FirstAudioTiming(arrived=0.0, live=True)
+        rest = [calls.open(_request(f"b{i}"), GenerateOptions(), timing if i == 0 else None) for i in range(40)]
+        readers = [asyncio.ensure_future(_read(s)) for s in [first, *rest]]
+        while len(talker.calls) < 3:
+            await asyncio.sleep(0)
+        assert [c.request_ids for c in talker.calls] == [["a0"], [f"b{i}" for i in range(32)],
+                                                         [f"b{i}" for i in range(32, 40)]]
+        assert all(c.mailbox == "mailbox" for c in talker.calls)
+        assert timing.talker_called is not None  # its batch's call stamps the first audio's `talker_called`
+        # items of several requests in one message, in any mix; each request gets its own, in order
+        b = talker.calls[1]
+        b.messages.put_nowait([LiveItem("b1", _chunk("b1", 0)), LiveItem("b0", _chunk("b0", 0)), *_last("b1", 1)])
+        b.messages.put_nowait([item for i in range(2, 32) for item in _last(f"b{i}", 0)] + _last("b0", 1))
+        b.messages.put_nowait(None)
+        for call in (talker.calls[0], talker.calls[2]):
+            call.messages.put_nowait([item for r in call.request_ids for item in _last(r, 0)])
+            call.messages.put_nowait(None)
+        return await asyncio.gather(*readers)
+
+    out = asyncio.run(run())
+    assert out[0] == [("admitted", "a0"), ("a0", 0, True)]
+    assert out[1] == [("admitted", "b0"), ("b0", 0, False), ("b0", 1, True)]
+    assert out[2] == [("admitted", "b1"), ("b1", 0, False), ("b1", 1, True)]
+    assert all(items == [("admitted", f"b{i}"), (f"b{i}", 0, True)] for i, items in enumerate(out[3:], 2))
+    assert not any(c.cancelled for c in talker.calls)  # calls whose requests all ended end by themselves
+
+
+def test_the_calls_are_not_children_of_the_context_that_started_them(talker):
+    async def run():
+        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0)
+        _CALLER.set("websocket request 1")  # Serve would cancel a child call when this request ends
+        stream = calls.open(_request("r"), GenerateOptions())
+        while not talker.calls:
+            await asyncio.sleep(0)
+        stream.cancel()
+
+    asyncio.run(run())
+    assert talker.calls[0].caller is None
+
+
+def test_a_slow_admission_holds_the_next_batch_only_for_its_wait(talker):
+    async def run():
+        talker.hold_admission = True
+        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=0.05)
+        calls.open(_request("r0"), GenerateOptions())
+        while not talker.calls:
+            await asyncio.sleep(0)
+        calls.open(_request("r1"), GenerateOptions())
+        calls.open(_request("r2"), GenerateOptions())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(talker.calls) == 1  # waiting for the first call's admission
+        while len(talker.calls) < 2:  # which never comes: the wait runs out (the event, not the clock, ends ours)
+            await asyncio.sleep(0.01)
+        assert talker.calls[1].request_ids == ["r1", "r2"]
+
+    asyncio.run(run())
+
+
+def test_a_refused_call_fails_each_of_its_requests_and_the_next_batch_goes(talker):
+    class BackPressure(Exception):
+        pass
+
+    async def run():
+        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0)
+        talker.refuse = BackPressure("queue full")
+        refused = [calls.open(_request(f"r{i}"), GenerateOptions()) for i in range(3)]
+        results = await asyncio.gather(*(_read(s) for s in refused), return_exceptions=True)
+        talker.refuse = None
+        later = calls.open(_request("later"), GenerateOptions())
+        assert await anext(later) == LiveAdmitted("later")
+        later.cancel()
+        return results
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, BackPressure) for r in results)
+
+
+def test_a_request_the_talker_refuses_or_fails_ends_alone(talker):
+    async def run():
+        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0)
+        streams = [calls.open(_request(r), GenerateOptions()) for r in ("ok", "bad")]
+        readers = [asyncio.ensure_future(_read(s)) for s in streams]
+        while not talker.calls:
+            await asyncio.sleep(0)
+        call = talker.calls[0]
+        call.messages.put_nowait([LiveItem("bad", error=InvalidRequestError("no such voice")), *_last("ok", 0)])
+        call.messages.put_nowait(None)
+        return await asyncio.gather(*readers, return_exceptions=True)
+
+    ok, bad = asyncio.run(run())
+    assert ok == [("admitted", "ok"), ("ok", 0, True)]
+    assert isinstance(bad, InvalidRequestError)
+
+
+def test_a_call_that_ends_early_fails_the_requests_still_open(talker):
+    async def run():
+        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0)
+        streams = [calls.open(_request(r), GenerateOptions()) for r in ("done", "cut")]
+        readers = [asyncio.ensure_future(_read(s)) for s in streams]
+        while not talker.calls:
+            await asyncio.sleep(0)
+        talker.calls[0].messages.put_nowait(_last("done", 0))
+        talker.calls[0].messages.put_nowait(None)  # the call ends without "cut"'s end
+        return await asyncio.gather(*readers, return_exceptions=True)
+
+    done, cut = asyncio.run(run())
+    assert done == [("admitted", "done"), ("done", 0, True)]
+    assert isinstance(cut, LiveCallEndedError)
+
+
+def test_a_request_ends_where_the_talker_says_even_without_a_final_chunk(talker):
+    """An aborted live request may end without one (its box closed before it spoke)."""
+    async def run():
+        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0)
+        stream = calls.open(_request("aborted"), GenerateOptions())
+        reader = asyncio.ensure_future(_read(stream))
+        while not talker.calls:
+            await asyncio.sleep(0)
+        talker.calls[0].messages.put_nowait([LiveItem("aborted")])
+        return await reader
+
+    assert asyncio.run(run()) == [("admitted", "aborted")]
+
+
+def test_a_call_is_cancelled_once_none_of_its_requests_is_read(talker):
+    async def run():
+        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0)
+        first, second = (calls.open(_request(r), GenerateOptions()) for r in ("one", "two"))
+        assert await anext(first) == LiveAdmitted("one")
+        assert await anext(second) == LiveAdmitted("two")
+        call = talker.calls[0]
+        first.cancel()
+        await asyncio.sleep(0)
+        assert not call.cancelled  # "two" still reads it
+        call.messages.put_nowait([LiveItem("one", _chunk("one", 0)), LiveItem("two", _chunk("two", 0))])
+        assert _key(await anext(second)) == ("two", 0, False)  # nothing of "one" routed any more
+        second.cancel()
+        while not call.cancelled:
+            await asyncio.sleep(0)
+        with pytest.raises(StopAsyncIteration):
+            await anext(first)
+        # a request cancelled before its batch left is never sent
+        talker.hold_admission = True
+        blocker = calls.open(_request("blocker"), GenerateOptions())
+        while len(talker.calls) < 2:
+            await asyncio.sleep(0)
+        gone = calls.open(_request("gone"), GenerateOptions())
+        gone.cancel()
+        kept = calls.open(_request("kept"), GenerateOptions())
+        talker.calls[1].messages.put_nowait([LiveItem("blocker", LiveAdmitted("blocker"))])
+        while len(talker.calls) < 3:
+            await asyncio.sleep(0)
+        assert talker.calls[2].request_ids == ["kept"]
+        blocker.cancel()
+        kept.cancel()
+
+    asyncio.run(run())
