@@ -85,7 +85,7 @@ def _process(name: str):
     return psutil.Process(int(pids[0]))
 
 
-async def _drive(sizes: list[int], bursts: int) -> dict[str, dict]:
+async def _drive(sizes: list[int], bursts: int, idle_s: float) -> dict[str, dict]:
     from ray import serve
 
     handle = serve.get_app_handle(APP)
@@ -96,7 +96,7 @@ async def _drive(sizes: list[int], bursts: int) -> dict[str, dict]:
         return {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
 
     idle0, t0 = cpu(), time.perf_counter()
-    await asyncio.sleep(5)
+    await asyncio.sleep(idle_s)
     idle1 = cpu()
     idle = {k: (idle1[k] - idle0[k]) / (time.perf_counter() - t0) for k in idle0}
     out = {}
@@ -116,8 +116,9 @@ async def _drive(sizes: list[int], bursts: int) -> dict[str, dict]:
     return out
 
 
-def run(sizes: list[int], bursts: int) -> dict[str, dict]:
-    """Deploys the two on the connected Ray cluster, measures, and deletes the app."""
+def run(sizes: list[int], bursts: int, idle_s: float = 5.0) -> dict[str, dict]:
+    """Deploys the two on the connected Ray cluster, measures (the processes' idle CPU rate over `idle_s` first),
+    and deletes the app."""
     from ray import serve
 
     from deployments.builder import build_talker_deployment
@@ -129,7 +130,7 @@ def run(sizes: list[int], bursts: int) -> dict[str, dict]:
         deployment_config={"ray_actor_options": {"num_cpus": 0}}), StreamingConfig())
     serve.run(_caller_class().bind(talker), name=APP, route_prefix=None)
     try:
-        return asyncio.run(_drive(sizes, bursts))
+        return asyncio.run(_drive(sizes, bursts, idle_s))
     finally:
         serve.delete(APP)
 

@@ -31,12 +31,16 @@ class Coalescer(Generic[T, R]):
 
     async def submit(self, item: T) -> R:
         """`item`'s result, once a batch holding it has run."""
+        return await asyncio.shield(self.submit_nowait(item))
+
+    def submit_nowait(self, item: T) -> asyncio.Future[R]:
+        """`submit` without waiting: the future of `item`'s result (or of the failure of its batch)."""
         future = asyncio.get_running_loop().create_future()
         self.waiting.append((item, future))
         self._arrived.set()
         if self._drainer is None or self._drainer.done():
             self._drainer = asyncio.get_running_loop().create_task(self._drain())
-        return await asyncio.shield(future)
+        return future
 
     async def _fill(self) -> None:
         """Wait while `hold` asks for more items (an arrival, or its time running out, ends each wait)."""

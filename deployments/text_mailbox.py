@@ -77,9 +77,16 @@ class TextMailbox:
         self._notify(box.taker)
         return True
 
-    def put_many(self, items: list[tuple[str, list[TextEvent]]]) -> list[bool]:
-        """`put` of each (request id, events), in order."""
-        return [self.put(request_id, events) for request_id, events in items]
+    def put_many(self, items: list[tuple[str, list[TextEvent] | None]]) -> list[bool]:
+        """`put` of each (request id, events), in order; events None: `close` the request's box (True)."""
+        out = []
+        for request_id, events in items:
+            if events is None:
+                self.close(request_id)
+                out.append(True)
+            else:
+                out.append(self.put(request_id, events))
+        return out
 
     def claim_many(self, taker: str, request_ids: list[str]) -> None:
         """`claim` of each request: a burst of a Talker replica's new requests in one call."""
@@ -158,12 +165,12 @@ class TextMailbox:
 
 
 class MailboxWriter:
-    """An ingress replica's side of its mailbox (event-loop side only): `put`s coalesced into few `put_many` calls,
-    `close` sent at once. `handle` is the actor, for the Talker calls that read from it."""
+    """An ingress replica's side of its mailbox (event-loop side only): `put`s and `close`s coalesced into few
+    `put_many` calls. `handle` is the actor, for the Talker calls that read from it."""
 
     def __init__(self, handle):
         self.handle = handle
-        self._puts: Coalescer[tuple[str, list[TextEvent]], bool] = Coalescer(self._put_many)
+        self._puts: Coalescer[tuple[str, list[TextEvent] | None], bool] = Coalescer(self._put_many)
 
     async def put(self, request_id: str, events: list[TextEvent]) -> bool:
         """False when the request's box is closed (its context has ended). Awaited: a context's next events are put
@@ -171,10 +178,17 @@ class MailboxWriter:
         return await self._puts.submit((request_id, events))
 
     def close(self, request_id: str) -> None:
-        self.handle.close.remote(request_id)
+        """The context ended: its box closes (the Talker aborts the request if it still runs), in the next batch,
+        after its own puts. Not awaited: a lost mailbox fails the Talker's poll as well, which ends its requests."""
+        self._puts.submit_nowait((request_id, None)).add_done_callback(_ignore_failure)
 
-    async def _put_many(self, items: list[tuple[str, list[TextEvent]]]) -> list[bool]:
+    async def _put_many(self, items: list[tuple[str, list[TextEvent] | None]]) -> list[bool]:
         return await self.handle.put_many.remote(items)
+
+
+def _ignore_failure(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: nobody awaits a close
 
 
 def new_mailbox():

@@ -115,3 +115,14 @@ def test_closing_the_call_aborts_every_request_it_still_runs(ray_cluster, tiny_c
     finally:
         server.__del__()
         ray.kill(box)
+
+
+def test_the_burst_bench_sends_a_burst_in_few_calls(ray_cluster):
+    """`python -m bench.live_call_burst`'s measurement on the test cluster: every request of a burst is timed to its
+    admission, and a burst from one caller goes in one call."""
+    from bench.live_call_burst import run
+
+    out = run([1, 5], bursts=2, idle_s=0.5)
+    assert out["1"]["n"] == 2 and out["5"]["n"] == 10
+    assert 0 < out["5"]["p50"] <= out["5"]["max"]
+    assert out["1"]["talker_calls_per_burst"] == 1 and out["5"]["talker_calls_per_burst"] == 1

@@ -44,7 +44,8 @@ def test_events_arrive_in_order_and_a_poll_waits_for_them(mailbox):
 
 def test_the_ingress_puts_of_many_contexts_go_in_few_calls_each_context_in_order(mailbox):
     """`MailboxWriter`: 40 contexts putting words at once (each awaiting its put before the next, as the ingress
-    does) make a few `put_many` calls, not 200; every context's words arrive in order; a closed box refuses."""
+    does) make a few `put_many` calls, not 200; every context's words arrive in order; their 40 closes go in the
+    next call, ahead of a later put, which its closed box refuses."""
     async def run():
         writer = MailboxWriter(mailbox)
         calls = []
@@ -63,12 +64,14 @@ def test_the_ingress_puts_of_many_contexts_go_in_few_calls_each_context_in_order
         await asyncio.gather(*(context(k) for k in range(40)))
         words = list(calls)
         taken = await mailbox.take_many.remote("tw", [f"w{k}" for k in range(40)])
-        writer.close("w0")
+        for k in range(40):
+            writer.close(f"w{k}")
         refused = await writer.put("w0", [TextEvent("append", "late")])
-        return words, taken, refused
+        return words, calls[len(words):], taken, refused
 
-    calls, taken, refused = asyncio.run(run())
+    calls, closing, taken, refused = asyncio.run(run())
     assert sum(calls) == 200 and len(calls) <= 20, calls  # each round of 40 puts in one or two calls
+    assert closing == [41]  # the closes and the late put: one call
     assert {rid: [e.text for e in events] for rid, events in taken.items()} == {
         f"w{k}": [f"{k}.{i} " for i in range(5)] for k in range(40)}
     assert refused is False
