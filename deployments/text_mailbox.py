@@ -11,8 +11,8 @@ starts while its poll waits is claimed (`claim_many`: the requests it starts whi
 the next): the waiting poll takes it in at once, so a burst of new requests does not restart the poll once per
 request. Ray runs one caller's calls to an actor in submission order, but an async actor
 may interleave them: the ingress awaits each put, so a context's events arrive in the order the client sent them.
-The ingress's side is a `MailboxWriter`: the puts of all its contexts made while one `put_many` call is under way go
-together in the next (an actor call costs the ingress's event loop a few hundred microseconds of Python: one per
+The ingress's side is a `MailboxWriter`: the puts (and closes) of all its contexts made while one `put_many` call is
+under way go together in the next (an actor call costs the ingress's event loop a few hundred microseconds of Python: one per
 word of every live context had been its largest cost at 128 connections).
 The mailbox dies with the ingress replica that owns it; the Talker's poll then fails and its requests end (their
 clients are gone too).
