@@ -4,8 +4,9 @@ N contexts open at once against one ingress replica's real `TextMailbox` (deploy
 one Talker replica's real `LiveTextPump` (deployments/talker/text_pump.py) inside an actor standing in for the
 Talker. Per context, what the ingress and the Talker do: the Talker's side of the request starts (`add`, as
 `Talker.generate_live_many` does for each of its requests; not awaited, as a Serve call is not), then the first
-text is put (awaited, as the ingress awaits each put). Reported per burst size, p50 / p95 / max ms: the first text's way from its put to the
-pump handing it to the engine (a live first audio's `to_talker_text` stage without the Serve hop). Five bursts each.
+text is put (awaited, as the ingress awaits each put). Reported per burst size, p50 / p95 / max ms: the first text's
+way from its put to the pump handing it to the engine (a live first audio's `to_talker_text` stage without the Serve
+hop). Five bursts each.
 
     python -m bench.text_path_burst --sizes 1,8,32,64 --out text_path.json
 """

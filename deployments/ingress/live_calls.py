@@ -6,8 +6,9 @@ deserializing its arguments), so when one call per request was made, a burst of 
 voice agent's turn, a benchmark's round) queued in the Talker replica: the last of 128 waited ~200 ms for its call
 to start (`to_talker_call`, docs/results.md "Live text"). Here the requests this ingress replica starts while one
 batch is being admitted wait and go together in the next: one `Talker.generate_live_many` call, at most
-`max_batch` requests, whose stream carries the items of all of them (`LiveItem`); each request reads its own
-(`LiveStream`). A lone request goes at once; a burst pays a few calls.
+`max_batch` requests and, where the transport bounds a message (gRPC), about `max_bytes` of them (a voice clone's
+reference codes weigh up to ~100 KB each), whose stream carries the items of all of them (`LiveItem`); each request
+reads its own (`LiveStream`). A lone request goes at once; a burst pays a few calls.
 
 What a batch shares, and what it does not:
 - Admission: the call is made, then the next batch forms until this one's first message (its requests' admissions)
@@ -109,15 +110,26 @@ class _Call:
             self.task.cancel()
 
 
+def payload_bytes(request: SynthesisRequest) -> int:
+    """About what a request weighs in a call's message (an upper estimate): its voice's arrays and its prompt's ids."""
+    prompt = request.prompt
+    size = 1024 + 8 * (len(prompt.text_ids) + len(prompt.instruct_ids or ()) + len(prompt.role_ids))
+    if (voice := prompt.voice) is not None:
+        size += voice.x_vector.nbytes + 8 * len(voice.ref_text_ids or ())
+        size += voice.ref_codes.nbytes if voice.ref_codes is not None else 0
+    return size
+
+
 class LiveCalls:
     """The live requests of one ingress replica to one Talker deployment (event-loop side only)."""
 
-    def __init__(self, talker, mailbox, max_batch: int, admission_wait_s: float):
+    def __init__(self, talker, mailbox, max_batch: int, admission_wait_s: float, max_bytes: int | None = None):
         """`talker`: the Talker deployment's handle (`generate_live_many`); `mailbox`: the ingress replica's
-        `TextMailbox` handle, where the requests' text comes from."""
+        `TextMailbox` handle, where the requests' text comes from; `max_bytes`: what one call's requests may weigh
+        together (`payload_bytes`; None: unbounded), one request always goes."""
         self._talker = talker.options(stream=True)
         self._mailbox = mailbox
-        self._max_batch, self._admission_wait_s = max_batch, admission_wait_s
+        self._max_batch, self._admission_wait_s, self._max_bytes = max_batch, admission_wait_s, max_bytes
         self._waiting: list[LiveStream] = []  # started, not yet in a call
         self._drainer: asyncio.Task | None = None
         self.calls = 0  # calls made (tests, stats)
@@ -139,7 +151,7 @@ class LiveCalls:
 
     async def _drain(self) -> None:
         while self._waiting:
-            batch, self._waiting = self._waiting[:self._max_batch], self._waiting[self._max_batch:]
+            batch = self._next_batch()
             call = _Call({stream.request.request_id: stream for stream in batch})
             for stream in batch:
                 stream._call = call
@@ -148,6 +160,17 @@ class LiveCalls:
                 await asyncio.wait_for(call.admitted.wait(), self._admission_wait_s)
             except TimeoutError:
                 pass
+
+    def _next_batch(self) -> list[LiveStream]:
+        """The waiting requests' first `max_batch`, within `max_bytes` (at least one)."""
+        count, size = 0, 0
+        for stream in self._waiting[:self._max_batch]:
+            size += payload_bytes(stream.request)
+            if count and self._max_bytes is not None and size > self._max_bytes:
+                break
+            count += 1
+        batch, self._waiting = self._waiting[:count], self._waiting[count:]
+        return batch
 
     def _call(self, call: _Call):
         """The batch's Serve call, made now (its stream is read by `_run`)."""

@@ -214,7 +214,8 @@ class TTSIngress:
         if live is None:
             talker = stage_handle(self._router.handle(info.name), self._limits.stage_transport)
             live = self._live_calls[info.name] = LiveCalls(talker, self._mailbox.handle, C.LIVE_CALL_MAX_BATCH,
-                                                           C.LIVE_CALL_ADMISSION_WAIT_S)
+                                                           C.LIVE_CALL_ADMISSION_WAIT_S,
+                                                           max_answer_bytes(self._limits.stage_transport))
         return synthesis, fits, self._pipeline(info, synthesis, options, live, timing)
 
     def _pipeline(self, info: ModelInfo, synthesis: SynthesisRequest, options: GenerateOptions,

@@ -10,9 +10,16 @@ import numpy as np
 import pytest
 
 from deployments.first_audio_timing import FirstAudioTiming
-from deployments.ingress.live_calls import LiveCallEndedError, LiveCalls
+from deployments.ingress.live_calls import LiveCallEndedError, LiveCalls, payload_bytes
 from deployments.messages import GenerateOptions, LiveAdmitted, LiveItem
-from stages.contract import CodecChunk, FinishReason, InvalidRequestError, SynthesisRequest, TalkerPrompt
+from stages.contract import (
+    CodecChunk,
+    FinishReason,
+    InvalidRequestError,
+    SynthesisRequest,
+    TalkerPrompt,
+    VoiceClonePrompt,
+)
 
 _CALLER = contextvars.ContextVar("caller", default=None)  # stands in for Serve's request context
 
@@ -262,3 +269,32 @@ def test_a_call_is_cancelled_once_none_of_its_requests_is_read(talker):
         kept.cancel()
 
     asyncio.run(run())
+
+
+def test_a_batch_stays_within_what_one_message_may_carry(talker):
+    """Voice-clone requests carry their reference codes (a minute of reference: ~96 KB each): a batch takes as many
+    as fit `max_bytes`, one at least, and the rest go in the next."""
+    voice = VoiceClonePrompt(np.zeros(2048, np.float32), np.zeros((750, 16), np.int64), tuple(range(300)))
+    heavy = [SynthesisRequest(f"v{i}", TalkerPrompt(text_ids=(), language_id=None, voice=voice)) for i in range(7)]
+    weight = payload_bytes(heavy[0])
+    assert weight > voice.ref_codes.nbytes
+
+    async def run():
+        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0, max_bytes=3 * weight)
+        talker.hold_admission = True
+        lone = calls.open(_request("lone"), GenerateOptions())
+        while not talker.calls:
+            await asyncio.sleep(0)
+        streams = [calls.open(request, GenerateOptions()) for request in heavy]
+        talker.calls[0].messages.put_nowait([LiveItem("lone", LiveAdmitted("lone"))])
+        admitted = 1
+        while sum(len(c.request_ids) for c in talker.calls) < 8:  # each call admitted in turn: the next one leaves
+            for call in talker.calls[admitted:]:
+                call.messages.put_nowait([LiveItem(r, LiveAdmitted(r)) for r in call.request_ids])
+            admitted = len(talker.calls)
+            await asyncio.sleep(0)
+        for stream in [lone, *streams]:
+            stream.cancel()
+
+    asyncio.run(run())
+    assert [len(c.request_ids) for c in talker.calls] == [1, 3, 3, 1]
