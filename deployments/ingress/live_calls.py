@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import logging
 from dataclasses import dataclass, field
 
 from deployments import first_audio_timing
@@ -37,13 +36,11 @@ from deployments.first_audio_timing import FirstAudioTiming
 from deployments.messages import GenerateOptions, LiveAdmitted, LiveItem
 from stages.contract import CodecChunk, SynthesisRequest
 
-logger = logging.getLogger("ray.serve")
-
 _END = object()
 
 
 class LiveCallEndedError(RuntimeError):
-    """The Talker's call ended without this request's final chunk (its replica stopped the stream)."""
+    """The Talker's call ended without this request's end (its replica stopped the stream)."""
 
 
 class LiveStream:
@@ -183,7 +180,7 @@ class LiveCalls:
             [(stream.request, stream.options) for stream in call.streams.values()], self._mailbox)
 
     async def _run(self, call: _Call, generator) -> None:
-        error: BaseException = LiveCallEndedError("the Talker's live call ended before this request's final chunk")
+        error: BaseException = LiveCallEndedError("the Talker's live call ended before this request did")
         try:
             async for items in generator:
                 call.admitted.set()
