@@ -14,14 +14,12 @@ above their idle rate. Several bursts each, 0.5 s apart.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import subprocess
 import time
-from pathlib import Path
 
+from bench.burst_cli import burst_main
 from bench.loadgen.metrics import Stats
 
 APP = "live_call_burst"
@@ -136,22 +134,8 @@ def run(sizes: list[int], bursts: int, idle_s: float = 5.0) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="1,32,128", help="live requests starting at once")
-    p.add_argument("--bursts", type=int, default=10)
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
     os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")  # before Serve is imported: the fastest recipe's
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
-    try:
-        out = run([int(x) for x in args.sizes.split(",")], args.bursts)
-    finally:
-        ray.shutdown()
-    if args.out is not None:
-        args.out.write_text(json.dumps(out, indent=1))
-    return 0
+    return burst_main(argv, __doc__, run, "1,32,128", "live requests starting at once", 10)
 
 
 if __name__ == "__main__":

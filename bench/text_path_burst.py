@@ -13,14 +13,12 @@ hop). Five bursts each.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import time
-from pathlib import Path
 
 import ray
 
+from bench.burst_cli import burst_main
 from bench.loadgen.metrics import Stats
 from deployments.talker.text_pump import LiveTextPump
 from deployments.text_mailbox import MailboxWriter, TextEvent, new_mailbox
@@ -99,19 +97,8 @@ async def run(sizes: list[int], bursts: int) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="1,8,32,64", help="contexts opening at once")
-    p.add_argument("--bursts", type=int, default=5)
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
-    try:
-        out = asyncio.run(run([int(x) for x in args.sizes.split(",")], args.bursts))
-    finally:
-        ray.shutdown()
-    if args.out is not None:
-        args.out.write_text(json.dumps(out, indent=1))
-    return 0
+    return burst_main(argv, __doc__, lambda sizes, bursts: asyncio.run(run(sizes, bursts)), "1,8,32,64",
+                      "contexts opening at once", 5)
 
 
 if __name__ == "__main__":

@@ -189,51 +189,34 @@ def test_a_refused_call_fails_each_of_its_requests_and_the_next_batch_goes(talke
     assert all(isinstance(r, BackPressure) for r in results)
 
 
-def test_a_request_the_talker_refuses_or_fails_ends_alone(talker):
-    async def run():
-        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0)
-        streams = [calls.open(_request(r), GenerateOptions()) for r in ("ok", "bad")]
-        readers = [asyncio.ensure_future(_read(s)) for s in streams]
-        while not talker.calls:
-            await asyncio.sleep(0)
-        call = talker.calls[0]
-        call.messages.put_nowait([LiveItem("bad", error=InvalidRequestError("no such voice")), *_last("ok", 0)])
-        call.messages.put_nowait(None)
-        return await asyncio.gather(*readers, return_exceptions=True)
+async def _one_call(talker, names: list[str], messages: list) -> list:
+    """Each request's items (or its error) when `names` start together and their call's stream is `messages`."""
+    calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0)
+    readers = [asyncio.ensure_future(_read(calls.open(_request(r), GenerateOptions()))) for r in names]
+    while not talker.calls:
+        await asyncio.sleep(0)
+    for message in messages:
+        talker.calls[0].messages.put_nowait(message)
+    return await asyncio.gather(*readers, return_exceptions=True)
 
-    ok, bad = asyncio.run(run())
+
+def test_a_request_the_talker_refuses_or_fails_ends_alone(talker):
+    ok, bad = asyncio.run(_one_call(talker, ["ok", "bad"], [
+        [LiveItem("bad", error=InvalidRequestError("no such voice")), *_last("ok", 0)], None]))
     assert ok == [("admitted", "ok"), ("ok", 0, True)]
     assert isinstance(bad, InvalidRequestError)
 
 
 def test_a_call_that_ends_early_fails_the_requests_still_open(talker):
-    async def run():
-        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0)
-        streams = [calls.open(_request(r), GenerateOptions()) for r in ("done", "cut")]
-        readers = [asyncio.ensure_future(_read(s)) for s in streams]
-        while not talker.calls:
-            await asyncio.sleep(0)
-        talker.calls[0].messages.put_nowait(_last("done", 0))
-        talker.calls[0].messages.put_nowait(None)  # the call ends without "cut"'s end
-        return await asyncio.gather(*readers, return_exceptions=True)
-
-    done, cut = asyncio.run(run())
+    done, cut = asyncio.run(_one_call(talker, ["done", "cut"], [_last("done", 0), None]))  # no end for "cut"
     assert done == [("admitted", "done"), ("done", 0, True)]
     assert isinstance(cut, LiveCallEndedError)
 
 
 def test_a_request_ends_where_the_talker_says_even_without_a_final_chunk(talker):
     """An aborted live request may end without one (its box closed before it spoke)."""
-    async def run():
-        calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=5.0)
-        stream = calls.open(_request("aborted"), GenerateOptions())
-        reader = asyncio.ensure_future(_read(stream))
-        while not talker.calls:
-            await asyncio.sleep(0)
-        talker.calls[0].messages.put_nowait([LiveItem("aborted")])
-        return await reader
-
-    assert asyncio.run(run()) == [("admitted", "aborted")]
+    aborted, = asyncio.run(_one_call(talker, ["aborted"], [[LiveItem("aborted")]]))
+    assert aborted == [("admitted", "aborted")]
 
 
 def test_a_call_is_cancelled_once_none_of_its_requests_is_read(talker):

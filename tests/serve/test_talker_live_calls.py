@@ -19,13 +19,20 @@ pytestmark = pytest.mark.serve
 STREAMING = StreamingConfig(first_chunk_frames=2, steady_chunk_frames=5, left_context_frames=3)
 
 
-def _server(tiny_custom_voice):
+@pytest.fixture
+def talker(ray_cluster, tiny_custom_voice):
+    """-> (a Talker server without Serve, not started yet; a mailbox actor on the test cluster)."""
+    import ray
+
     from deployments.talker.server import TalkerServer
 
     config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
                                     engine_kwargs={"max_num_seqs": 4, "max_seq_len": 128},
                                     first_chunk_decode_max_running=0)
-    return TalkerServer.sync_init(config, STREAMING)
+    server, box = TalkerServer.sync_init(config, STREAMING), new_mailbox()
+    yield server, box
+    server.__del__()
+    ray.kill(box)
 
 
 def _requests(server, names: list[str], frames: int) -> list[SynthesisRequest]:
@@ -35,14 +42,11 @@ def _requests(server, names: list[str], frames: int) -> list[SynthesisRequest]:
             for i, name in enumerate(names)]
 
 
-def test_one_call_speaks_a_batch_of_live_requests_each_on_its_own(ray_cluster, tiny_custom_voice):
+def test_one_call_speaks_a_batch_of_live_requests_each_on_its_own(talker):
     """Every request's admission comes in the call's first message (a refused one's error instead, the others go
     on); each request's chunks follow in order to its final one; a request whose box the ingress closed is aborted
     alone; the call ends when the last request has."""
-    import ray
-
-    server = _server(tiny_custom_voice)
-    box = new_mailbox()
+    server, box = talker
 
     async def run():
         await server.start()
@@ -59,11 +63,7 @@ def test_one_call_speaks_a_batch_of_live_requests_each_on_its_own(ray_cluster, t
         rest = [item async for message in call for item in message]
         return first, rest
 
-    try:
-        first, rest = asyncio.run(run())
-    finally:
-        server.__del__()
-        ray.kill(box)
+    first, rest = asyncio.run(run())
     assert {item.request_id: type(item.item or item.error) for item in first} == {
         "g0": LiveAdmitted, "g1": LiveAdmitted, "bad": InvalidRequestError, "gone": LiveAdmitted}
     by_request: dict[str, list[CodecChunk]] = {}
@@ -85,11 +85,8 @@ def test_one_call_speaks_a_batch_of_live_requests_each_on_its_own(ray_cluster, t
     assert "gone" not in by_request  # its box closed before any text: it ended without a frame
 
 
-def test_closing_the_call_aborts_every_request_it_still_runs(ray_cluster, tiny_custom_voice):
-    import ray
-
-    server = _server(tiny_custom_voice)
-    box = new_mailbox()
+def test_closing_the_call_aborts_every_request_it_still_runs(talker):
+    server, box = talker
 
     async def run():
         await server.start()
@@ -108,13 +105,8 @@ def test_closing_the_call_aborts_every_request_it_still_runs(ray_cluster, tiny_c
         # a device call queued after the aborts runs once they were handled (the engine's one FIFO queue)
         return await asyncio.wrap_future(server._engine.run_on_device(lambda: server._engine.stats().running))
 
-    try:
-        running = asyncio.run(run())
-        assert running == 0
-        assert server._open == {} and server._text_pumps == {}
-    finally:
-        server.__del__()
-        ray.kill(box)
+    assert asyncio.run(run()) == 0
+    assert server._open == {} and server._text_pumps == {}
 
 
 def test_the_burst_bench_sends_a_burst_in_few_calls(ray_cluster):
