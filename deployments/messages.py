@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +83,17 @@ class LiveItem:
     request_id: str
     item: LiveAdmitted | CodecChunk | None = None
     error: BaseException | None = None
+
+    @classmethod
+    def failed(cls, request_id: str, error: BaseException) -> LiveItem:
+        """The item of a request that `error` ended. An error that does not pickle and unpickle goes as a
+        RuntimeError with its type and message: the message carries the other requests' items too, and must not
+        fail with it."""
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:
+            error = RuntimeError(f"{type(error).__name__}: {error}")
+        return cls(request_id, error=error)
 
 
 @dataclass(frozen=True)

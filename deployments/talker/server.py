@@ -171,7 +171,7 @@ class TalkerServer:
                     ready.put_nowait(LiveItem(request.request_id, item))
                 ready.put_nowait(LiveItem(request.request_id))  # its end
             except Exception as e:  # refused or failed: this request's last item
-                ready.put_nowait(LiveItem(request.request_id, error=e))
+                ready.put_nowait(LiveItem.failed(request.request_id, e))
             finally:
                 ready.put_nowait(None)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -281,3 +283,28 @@ def test_a_batch_stays_within_what_one_message_may_carry(talker):
 
     asyncio.run(run())
     assert [len(c.request_ids) for c in talker.calls] == [1, 3, 3, 1]
+
+
+class _Unpicklable(Exception):
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+class _NeedsTwo(Exception):  # pickles, but does not unpickle (its __init__ takes two arguments)
+    def __init__(self, a: str, b: str):
+        super().__init__(f"{a} {b}")
+
+
+def test_an_error_that_does_not_pickle_ends_its_request_alone():
+    """The Talker sends a request's error inside a message with other requests' items: one that cannot be pickled
+    and unpickled goes as a RuntimeError naming it, so the message (and the other requests) still go."""
+    kept = LiveItem.failed("a", InvalidRequestError("no such voice"))
+    assert isinstance(kept.error, InvalidRequestError)
+    items = [kept, LiveItem.failed("b", _Unpicklable("engine gone")), LiveItem.failed("c", _NeedsTwo("x", "y")),
+             LiveItem("d", LiveAdmitted("d"))]
+    message = pickle.loads(pickle.dumps(items))
+    assert isinstance(message[0].error, InvalidRequestError)
+    assert type(message[1].error) is RuntimeError and str(message[1].error) == "_Unpicklable: engine gone"
+    assert type(message[2].error) is RuntimeError and str(message[2].error) == "_NeedsTwo: x y"
+    assert message[3].item == LiveAdmitted("d")
