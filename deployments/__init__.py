@@ -14,7 +14,7 @@ One package per Serve process, and at the top only what several processes share:
     loading.py             a checkpoint onto a replica: device/dtype, the embedded checkpoint, engine classes
     messages.py            types that travel between the deployments (ModelInfo, GenerateOptions, DecodedChunk)
     transport.py           how chunks travel Talker -> ingress -> Code2Wav: gRPC by value or object refs
-    coalescing.py          `Coalescer`: calls that arrive while a batch runs share the next batch
+    coalescing.py          `Coalescer`: calls that arrive while a batch runs share the next batch; `ignore_failure`
     first_audio_timing.py  a stream's first chunk stamped hop by hop (Server-Timing, metrics)
     errors.py              the API's errors and their JSON
     metrics.py             the replicas' Ray metrics

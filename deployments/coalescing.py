@@ -76,3 +76,9 @@ class Coalescer(Generic[T, R]):
         if self._max_batch is None:
             return [taken]
         return [taken[i:i + self._max_batch] for i in range(0, len(taken), self._max_batch)]
+
+
+def ignore_failure(future: asyncio.Future) -> None:
+    """A done callback for a future nobody awaits: its exception is retrieved (asyncio would log it as lost)."""
+    if not future.cancelled():
+        future.exception()

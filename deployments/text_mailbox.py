@@ -26,7 +26,7 @@ from typing import Literal
 
 import ray
 
-from deployments.coalescing import Coalescer
+from deployments.coalescing import Coalescer, ignore_failure
 
 TextEventKind = Literal["append", "flush", "end"]
 
@@ -180,15 +180,10 @@ class MailboxWriter:
     def close(self, request_id: str) -> None:
         """The context ended: its box closes (the Talker aborts the request if it still runs), in the next batch,
         after its own puts. Not awaited: a lost mailbox fails the Talker's poll as well, which ends its requests."""
-        self._puts.submit_nowait((request_id, None)).add_done_callback(_ignore_failure)
+        self._puts.submit_nowait((request_id, None)).add_done_callback(ignore_failure)
 
     async def _put_many(self, items: list[tuple[str, list[TextEvent] | None]]) -> list[bool]:
         return await self.handle.put_many.remote(items)
-
-
-def _ignore_failure(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()  # retrieved: nobody awaits a close
 
 
 def new_mailbox():

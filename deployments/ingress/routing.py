@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from ray.serve.handle import DeploymentHandle
 
 from deployments import constants as C
+from deployments.coalescing import ignore_failure
 from deployments.config import TalkerDeploymentConfig
 from deployments.errors import to_api_error
 from deployments.ingress.request_builder import VoiceChoice, choose_voice, infer_model, resolve_model_name
@@ -64,7 +65,7 @@ class ModelRouter:
     def prefetch(self) -> None:
         """Start fetching every model's info now (on the running loop); requests await them."""
         for route in self.routes.values():
-            asyncio.ensure_future(route.info()).add_done_callback(_ignore_failure)
+            asyncio.ensure_future(route.info()).add_done_callback(ignore_failure)  # the next request retries
 
     def preset_voices(self) -> frozenset[str] | None:
         """Every served model's preset speakers (lower case), once every model's info has arrived (None before).
@@ -110,11 +111,6 @@ class ModelRouter:
                                   and n not in {a.lower() for a in m.aliases})]
         return {"id": m.name, "object": "model", "created": self._created, "owned_by": "qwen3-tts-serve",
                 "aliases": aliases, **(info.describe() if (info := self.routes[m.name].loaded) is not None else {})}
-
-
-def _ignore_failure(future: asyncio.Future) -> None:
-    if not future.cancelled():
-        future.exception()  # retrieved: a failed prefetch is retried by the next request
 
 
 def health() -> dict:

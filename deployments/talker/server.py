@@ -158,12 +158,12 @@ class TalkerServer:
         Yields lists of `LiveItem`: whatever is ready at once, of any of the batch's requests. Each request's items
         are `generate`'s for a request whose text arrives while it runs, after its `LiveAdmitted` (the engine took
         it), then an item that says it ended; a request that fails or is refused ends with its error instead, the
-        others go on. The call ends when
-        every request has; cancelling it aborts those still running. Each request's prompt has no text
+        others go on. The call ends when every request has; cancelling it aborts those still running. Each request's
+        prompt has no text
         (`stages.prompts.build_live_prompt`): it comes from `mailbox` (the calling ingress replica's `TextMailbox`,
         deployments/text_mailbox.py), where the ingress puts the context's append/flush/end events, and where
         closing the request's box aborts it alone."""
-        ready: asyncio.Queue[LiveItem | None] = asyncio.Queue()  # None: one request ended
+        ready: asyncio.Queue[LiveItem] = asyncio.Queue()
 
         async def run(request: SynthesisRequest, options: GenerateOptions) -> None:
             try:
@@ -172,21 +172,17 @@ class TalkerServer:
                 ready.put_nowait(LiveItem(request.request_id))  # its end
             except Exception as e:  # refused or failed: this request's last item
                 ready.put_nowait(LiveItem.failed(request.request_id, e))
-            finally:
-                ready.put_nowait(None)
 
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(run(request, options)) for request, options in batch]
         running = len(tasks)
         try:
             while running:
-                taken = [await ready.get()]
+                items = [await ready.get()]
                 while not ready.empty():  # one message for everything ready now
-                    taken.append(ready.get_nowait())
-                items = [item for item in taken if item is not None]
-                running -= len(taken) - len(items)
-                if items:
-                    yield items
+                    items.append(ready.get_nowait())
+                running -= sum(item.item is None for item in items)  # each request's last item: its end or error
+                yield items
         finally:
             for task in tasks:
                 task.cancel()
