@@ -157,6 +157,8 @@ def test_a_slow_admission_holds_the_next_batch_only_for_its_wait(talker):
     async def run():
         talker.hold_admission = True
         calls = LiveCalls(talker, "mailbox", max_batch=32, admission_wait_s=0.05)
+        loop = asyncio.get_running_loop()
+        opened = loop.time()  # the first call's wait starts after this
         calls.open(_request("r0"), GenerateOptions())
         while not talker.calls:
             await asyncio.sleep(0)
@@ -164,7 +166,8 @@ def test_a_slow_admission_holds_the_next_batch_only_for_its_wait(talker):
         calls.open(_request("r2"), GenerateOptions())
         for _ in range(3):
             await asyncio.sleep(0)
-        assert len(talker.calls) == 1  # waiting for the first call's admission
+        if loop.time() - opened < 0.05:  # the wait cannot have run out (a loaded machine may have stalled us past it)
+            assert len(talker.calls) == 1  # waiting for the first call's admission
         while len(talker.calls) < 2:  # which never comes: the wait runs out (the event, not the clock, ends ours)
             await asyncio.sleep(0.01)
         assert talker.calls[1].request_ids == ["r1", "r2"]
