@@ -59,11 +59,13 @@ ALIGNER_DEPLOYMENT_NAME = "Aligner"
 TALKER_ONGOING_PER_SLOT = _env_float("QWEN3_TTS_TALKER_ONGOING_PER_SLOT", 1.5)
 TALKER_QUEUED_PER_SLOT = _env_float("QWEN3_TTS_TALKER_QUEUED_PER_SLOT", 1.0)
 TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S = _env_float("QWEN3_TTS_TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S", 120.0)
-# live requests (WebSocket contexts) an ingress replica sends to a Talker in one call (deployments/ingress/
-# live_calls.py): a bound, as Serve's router balances calls, not the requests in them; and how long a batch's
-# admission may hold the next batch (a slow replica must not hold every context opening behind it)
-LIVE_CALL_MAX_BATCH = _env_int("QWEN3_TTS_LIVE_CALL_MAX_BATCH", 32)
-LIVE_CALL_ADMISSION_WAIT_S = _env_float("QWEN3_TTS_LIVE_CALL_ADMISSION_WAIT_S", 0.05)
+# requests (speech, or live WebSocket contexts) an ingress replica sends to a Talker in one call
+# (deployments/ingress/talker_calls.py): a bound, as Serve's router balances calls, not the requests in them; and
+# how long a batch's admission may hold the next batch (a slow replica must not hold every request behind it)
+TALKER_CALL_MAX_BATCH = _env_int("QWEN3_TTS_TALKER_CALL_MAX_BATCH", 32)
+TALKER_CALL_ADMISSION_WAIT_S = _env_float("QWEN3_TTS_TALKER_CALL_ADMISSION_WAIT_S", 0.05)
+# a speech request a full Talker replica refused goes again in a batch this much later (Serve may route it elsewhere)
+TALKER_CALL_RETRY_AFTER_S = _env_float("QWEN3_TTS_TALKER_CALL_RETRY_AFTER_S", 0.02)
 # the ingress's default graceful_shutdown_timeout_s is the Talkers' longest plus this: when both stop together
 # (the app deleted or redeployed) the Talker's remaining streams end first, while the ingress can still say so
 INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S = _env_float("QWEN3_TTS_INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S", 10.0)

@@ -118,6 +118,7 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
     from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from deployments.messages import ReplicaFullError
     from stages.contract import EngineOverloadedError, InvalidRequestError, LiveTextEvictedError, TextTimeoutError
 
     exc = unwrap(exc)
@@ -127,7 +128,7 @@ def to_api_error(exc: BaseException, *, overload_status: int = 503, retry_after_
         return APIError(exc.status_code, plain(exc.detail))
     if isinstance(exc, InvalidRequestError):
         return bad_request(str(exc))
-    if isinstance(exc, (BackPressureError, EngineOverloadedError)):
+    if isinstance(exc, (BackPressureError, EngineOverloadedError, ReplicaFullError)):
         return APIError(overload_status, "the server is at capacity; retry later", code="overloaded",
                         retry_after_s=retry_after_s,
                         limit=ENGINE_QUEUE if isinstance(exc, EngineOverloadedError) else SERVE_QUEUE)

@@ -11,8 +11,8 @@ clocks: exact on one machine, off by the nodes' clock skew across machines (a ne
 The header is standard (W3C Server-Timing: browsers' developer tools show it; `bench.loadgen` collects it per
 request), and each stage is also a histogram, `tts_first_audio_stage_ms{stage}`, in the Ray dashboard.
 
-With the `object_ref` transport the ingress never reads the chunk, so the Talker's and Code2Wav's stamps are
-unknown and their stages merge into `talker_and_back`; a first chunk the Talker decoded has no Code2Wav stages.
+A first chunk without the Talker's stamps (a Talker that sets none) has its stages merged into `talker_and_back`;
+a first chunk the Talker decoded has no Code2Wav stages.
 
 A live context (WebSocket) times its first audio from its first text instead (`live`): its Talker request started
 when the context opened and waits for text, so its path is the text's way in (the ingress's mailbox, the Talker
@@ -45,7 +45,7 @@ STAGES: dict[str, str] = {
     "code2wav": "the decode batch that held the first chunk",
     "from_code2wav": "the first PCM's hop back to the ingress",
     "respond": "the ingress, from the first PCM to its response (live: to the first audio message sent)",
-    "talker_and_back": "object_ref transport: to_talker .. to_ingress (their stamps are not read)",
+    "talker_and_back": "to_talker .. to_ingress, where the first chunk came without the Talker's stamps",
     "total": "arrival at the ingress to its response (live: its first text's arrival to its first audio sent)",
 }
 

@@ -65,27 +65,33 @@ class GenerateOptions:
     text_idle_timeout_s: float | None = None  # live text: the request's own idle timeout (<= the engine's)
 
 
+class ReplicaFullError(RuntimeError):
+    """A Talker replica refused a request of a batched call: it already holds its `max_ongoing_requests` (what Serve
+    admits of one-request calls). The ingress sends the request again in a later batch, which Serve may route to
+    another replica (deployments/ingress/talker_calls.py), as Serve queues a one-request call at the caller."""
+
+
 @dataclass(frozen=True)
-class LiveAdmitted:
-    """A live request's first item (of its share of `Talker.generate_live_many`'s stream, and of the ingress's
-    pipeline for it): the Talker took the request (Serve admitted the call, the engine accepted it). The WebSocket
-    answers `opened` on it."""
+class Admitted:
+    """A request's first item of its share of a batched Talker call's stream (`generate_many`,
+    `generate_live_many`: deployments/ingress/talker_calls.py): the Talker took the request (Serve admitted the call,
+    the engine accepted it). A live request's pipeline yields it too: the WebSocket answers `opened` on it."""
 
     request_id: str
 
 
 @dataclass(frozen=True)
-class LiveItem:
-    """One item of one of the live requests that share a `Talker.generate_live_many` call: its `LiveAdmitted`, then
-    its codec chunks; its last, neither `item` nor `error`, says its stream ended (an aborted request may end
-    without a final chunk); or instead the error that refused or ended it."""
+class CallItem:
+    """One item of one of the requests that share a batched Talker call (`generate_many`, `generate_live_many`): its
+    `Admitted`, then its codec chunks; its last, neither `item` nor `error`, says its stream ended (an aborted
+    request may end without a final chunk); or instead the error that refused or ended it."""
 
     request_id: str
-    item: LiveAdmitted | CodecChunk | None = None
+    item: Admitted | CodecChunk | None = None
     error: BaseException | None = None
 
     @classmethod
-    def failed(cls, request_id: str, error: BaseException) -> LiveItem:
+    def failed(cls, request_id: str, error: BaseException) -> CallItem:
         """The item of a request that `error` ended. An error that does not pickle and unpickle goes as a
         RuntimeError with its type and message: the message carries the other requests' items too, and must not
         fail with it."""

@@ -10,7 +10,7 @@ an ingress replica, one concern a file.
     voice_store.py     `VoiceStore`: uploaded voices on disk
     live.py            `/v1/audio/speech/stream`: the WebSocket session of live-text contexts
     live_pieces.py     `LivePieces`: a context's text as consecutive live Talker requests, one stream of audio
-    live_calls.py      `LiveCalls`: the replica's live Talker requests batched into few streaming calls
+    talker_calls.py    `TalkerCalls`: the replica's Talker requests (speech and live) batched into few streaming calls
     websocket_deflate.py  the WebSocket declines per-message compression (audio frames deflated on the loop)
     outcomes.py        a failure -> the client's JSON error; request metrics; `PlaybackClock` (a client's buffer)
     request_builder.py limits, model and voice choice, the engine's `SynthesisRequest` (fitted to max_seq_len)

@@ -336,7 +336,7 @@ class LiveSession:
         encoder = AsyncStreamEncoder(ctx.body.response_format, ctx.body.speed)  # one stream for all its pieces
         chunks = ctx.pieces.chunks()
         try:
-            await anext(chunks)  # `LiveAdmitted`; raises if the Talker refused the request (e.g. its queue is full)
+            await anext(chunks)  # `Admitted`; raises if the Talker refused the request (e.g. its queue is full)
             await self._send_json({"type": "opened", "context_id": ctx.id, "model": ctx.model,
                                    "request_id": ctx.request_id})
             ts = ctx.timestamps

@@ -43,7 +43,7 @@ from deployments.ingress.long_text import FRAMES_PER_CHAR, estimated_frames, pau
 from deployments.ingress.request_builder import VoiceChoice
 from deployments.ingress.schemas import LiveOpen
 from deployments.ingress.text_split import BOUNDARIES, Boundary, TextPiece
-from deployments.messages import DecodedChunk, LiveAdmitted, ModelInfo
+from deployments.messages import Admitted, DecodedChunk, ModelInfo
 from deployments.text_mailbox import TextEvent
 from stages.contract import SAMPLES_PER_FRAME, FinishReason
 
@@ -55,10 +55,10 @@ MAX_RUNNING = 2  # pieces of a context running at once: the one being sent and t
 
 @dataclass(frozen=True)
 class StartedPiece:
-    """A piece's live request, started: its decoded chunks (the first item `LiveAdmitted`), the frames its estimated
+    """A piece's live request, started: its decoded chunks (the first item `Admitted`), the frames its estimated
     speech may fill (the request's frame cap had the client set none), and whether its cap is the client's."""
 
-    chunks: AsyncIterator[DecodedChunk | LiveAdmitted]
+    chunks: AsyncIterator[DecodedChunk | Admitted]
     frame_budget: int
     client_capped: bool
 
@@ -323,8 +323,8 @@ class LivePieces:
                 await self._io.put(waiting.request_id, events)
 
     # ------------------------------------------------------------------ audio
-    async def chunks(self) -> AsyncIterator[DecodedChunk | LiveAdmitted]:
-        """The first piece's `LiveAdmitted` (it raises if the Talker refused it), then every piece's audio in
+    async def chunks(self) -> AsyncIterator[DecodedChunk | Admitted]:
+        """The first piece's `Admitted` (it raises if the Talker refused it), then every piece's audio in
         order with the pauses between; `frames` and `finish_reason` hold the context's at the end."""
         offset, k = 0, 0
         while k < len(self._pieces):
@@ -334,8 +334,8 @@ class LivePieces:
             if piece.first is None:
                 raise RuntimeError(f"piece {k} of a live context was never started")
             admitted = await piece.first
-            if not isinstance(admitted, LiveAdmitted):
-                raise RuntimeError(f"a live request's first item is {type(admitted).__name__}, not LiveAdmitted")
+            if not isinstance(admitted, Admitted):
+                raise RuntimeError(f"a live request's first item is {type(admitted).__name__}, not Admitted")
             if k == 0:
                 yield admitted
             frames, finish, audio = 0, None, []

@@ -37,7 +37,6 @@ from deployments.ingress.batch_worker import BatchWorker
 from deployments.ingress.decode_batcher import DecodeBatcher
 from deployments.ingress.http_guard import OpenWork
 from deployments.ingress.live import LiveAuth, LiveSession
-from deployments.ingress.live_calls import LiveCalls
 from deployments.ingress.long_form import long_form_chunks
 from deployments.ingress.long_text import PiecePlanner, PlannedPiece, client_capped
 from deployments.ingress.outcomes import Outcomes
@@ -50,6 +49,7 @@ from deployments.ingress.routing import ModelRouter
 from deployments.ingress.schemas import SpeechRequest
 from deployments.ingress.socket_limits import SocketLimits
 from deployments.ingress.speech import SpeechJob, stream_response, whole_response
+from deployments.ingress.talker_calls import TalkerCalls
 from deployments.ingress.timestamps import ResponseTimestamps, check_language, no_aligner
 from deployments.ingress.voice_store import VoiceStore
 from deployments.ingress.voices import Voices
@@ -92,7 +92,8 @@ class TTSIngress:
         # docs/benchmarks.md "Live text")
         self._sockets = SocketLimits(limits.max_websockets_per_replica, limits.max_websockets_per_client)
         self._mailbox = MailboxWriter(new_mailbox())
-        self._live_calls: dict[str, LiveCalls] = {}  # by model: live requests batched into Talker calls
+        # by (model, live): this replica's speech and live requests, batched into Talker calls
+        self._talker_calls: dict[tuple[str, bool], TalkerCalls] = {}
         await self._mailbox.handle.open_boxes.remote()
         # batch jobs: this replica's worker resumes what the shared store holds (deployments/ingress/batch_worker.py)
         batch = limits.batch
@@ -203,25 +204,36 @@ class TTSIngress:
         """One live request of a WebSocket context (deployments/ingress/live_pieces.py): the engine's request, the
         frames that fit it (`max_seq_len`; its cap had the client set none), and its decoded-chunk pipeline (nothing
         runs until its first item is awaited); it goes to the Talker in a batch of this replica's live requests
-        (`LiveCalls`), its text through this replica's mailbox. `frame_cap`: at most this many;
+        (`TalkerCalls`), its text through this replica's mailbox. `frame_cap`: at most this many;
         `timing`: its first chunk's hops are stamped there (the context's first audio)."""
         synthesis, options = build_request(body.model_copy(update={"max_new_tokens": None}), info, voice_choice, voice,
                                            self._args, request_id, live=True, idle_timeout_s=idle_timeout_s)
         fits = synthesis.max_frames
         if frame_cap is not None:
             synthesis = dataclasses.replace(synthesis, max_frames=min(fits, frame_cap))
-        live = self._live_calls.get(info.name)
-        if live is None:
-            talker = stage_handle(self._router.handle(info.name), self._limits.stage_transport)
-            live = self._live_calls[info.name] = LiveCalls(talker, self._mailbox.handle, C.LIVE_CALL_MAX_BATCH,
-                                                           C.LIVE_CALL_ADMISSION_WAIT_S,
-                                                           max_answer_bytes(self._limits.stage_transport))
-        return synthesis, fits, self._pipeline(info, synthesis, options, live, timing)
+        return synthesis, fits, self._pipeline(info, synthesis, options, timing, live=True)
+
+    def _calls(self, model: str, live: bool) -> TalkerCalls:
+        """This replica's batched calls of one kind to one model's Talker (deployments/ingress/talker_calls.py)."""
+        calls = self._talker_calls.get((model, live))
+        if calls is None:
+            from deployments.builder import talker_deployment_options
+
+            config = next(m for m in self._args.models if m.name == model)
+            talker = stage_handle(self._router.handle(model), self._limits.stage_transport)
+            calls = self._talker_calls[(model, live)] = TalkerCalls(
+                talker, self._mailbox.handle, C.TALKER_CALL_MAX_BATCH, C.TALKER_CALL_ADMISSION_WAIT_S,
+                max_answer_bytes(self._limits.stage_transport), live=live,
+                close_box=None if live else self._mailbox.close,  # a live context closes its own box
+                # requests refused by full replicas wait to go again as Serve queues one-request calls
+                max_retrying=int(talker_deployment_options(config)["max_queued_requests"]),
+                retry_after_s=C.TALKER_CALL_RETRY_AFTER_S)
+        return calls
 
     def _pipeline(self, info: ModelInfo, synthesis: SynthesisRequest, options: GenerateOptions,
-                  live: LiveCalls | None = None, timing: FirstAudioTiming | None = None) -> AsyncIterator[DecodedChunk]:
-        return stream_audio(self._router.handle(info.name), self._decoder, synthesis, options,
-                            self._args.streaming.max_pending_decodes, self._limits.stage_transport, live, timing)
+                  timing: FirstAudioTiming | None = None, live: bool = False) -> AsyncIterator[DecodedChunk]:
+        return stream_audio(self._calls(info.name, live), self._decoder, synthesis, options,
+                            self._args.streaming.max_pending_decodes, timing)
 
     async def _start_speech(self, body: SpeechRequest, info: ModelInfo, voice_choice: VoiceChoice, request_id: str,
                             timing: FirstAudioTiming | None, piece_timeout_s: float,

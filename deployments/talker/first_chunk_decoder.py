@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -86,19 +87,20 @@ class FirstChunkDecoder:
         self.decoded = 0  # chunks decoded here
         self.ready = False  # `build` finished: chunks are taken
 
-    async def build(self) -> None:
-        """Build off the event loop while the replica serves; a build that fails leaves every chunk to Code2Wav."""
+    async def build(self, then: Callable[[], None] | None = None) -> None:
+        """Build off the event loop while the replica serves; a build that fails leaves every chunk to Code2Wav.
+        `then`: run in the build's thread once the graphs are built, before the decoder says it is ready."""
         self._log("[talker] first-chunk decoder building beside the serving engine (Code2Wav decodes every chunk "
                   "until it is ready)")
         try:
-            await asyncio.to_thread(self._start)
+            await asyncio.to_thread(self._start, then)
         except Exception as e:  # a shortcut that failed to build must not take the replica down
             self._log(f"[talker] first-chunk decoder not built ({e!r}): Code2Wav decodes every first chunk")
             return
         self.ready = True
 
-    def _start(self) -> None:
-        """Graphs for the first-chunk shapes and the stream the decodes run on (blocking)."""
+    def _start(self, then: Callable[[], None] | None) -> None:
+        """Graphs for the first-chunk shapes and the stream the decodes run on (blocking), then `then`."""
         import torch
 
         if self._engine.device.type == "cuda":
@@ -106,6 +108,8 @@ class FirstChunkDecoder:
             self._stream = torch.cuda.Stream(self._engine.device, priority=-1)
         t0 = time.perf_counter()
         self._engine.warmup(self._log)
+        if then is not None:
+            then()
         self._log(f"[talker] first-chunk decoder ready in {time.perf_counter() - t0:.1f} s (first chunks of "
                   f"<= {self.max_frames} frames and their chunk 1, while <= {self.max_running} requests run)")
 

@@ -9,6 +9,7 @@ whatever `engine_cls` names, used through `TalkerEngineProtocol` (deployments/ta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -16,7 +17,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from deployments.config import StreamingConfig, TalkerDeploymentConfig
 from deployments.errors import replica_failed
 from deployments.loading import build_engine, load_model, replica_log, this_replica
 from deployments.loop_lag import LoopLag
-from deployments.messages import GenerateOptions, LiveAdmitted, LiveItem, ModelInfo
+from deployments.messages import Admitted, CallItem, GenerateOptions, ModelInfo, ReplicaFullError
 from deployments.metrics import TalkerMetrics
 from deployments.talker.engine_protocol import EngineStream, TalkerEngineProtocol
 from deployments.talker.first_chunk_decoder import FirstChunkDecoder
@@ -75,7 +76,8 @@ class TalkerServer:
         self._metrics: TalkerMetrics | None = None
         self._loop_lag = LoopLag()  # this replica's event loop: every call's start and streamed item wait on it
         self._open: dict[str, EngineStream] = {}  # the streams of requests in this replica, by request id
-        self._text_pumps: dict[object, LiveTextPump] = {}  # live requests' text, by the mailbox it comes from
+        self._text_pumps: dict[object, LiveTextPump] = {}  # batched requests' text and closes, by their mailbox
+        self._max_ongoing_requests = _max_ongoing_requests(config)
 
     async def start(self) -> None:
         """Load the checkpoint, start the engine (KV sizing, graph capture), warm up with one real request."""
@@ -148,30 +150,52 @@ class TalkerServer:
             self._open.pop(request.request_id, None)
             await stream.aclose()  # no-op after a normal end; aborts the request otherwise
 
+    async def generate_many(
+        self, batch: list[tuple[SynthesisRequest, GenerateOptions]], mailbox
+    ) -> AsyncGenerator[list[CallItem], None]:
+        """Speech requests started together: one Serve call for a batch of them, which the calling ingress replica
+        formed from the requests it started while its previous batch was being admitted
+        (deployments/ingress/talker_calls.py), so a burst of arrivals costs this replica a few calls, not one each.
+
+        Yields lists of `CallItem`: whatever is ready at once, of any of the batch's requests. Each request's items
+        are its `Admitted` (the engine took it), then `generate`'s chunks, then an item that says it ended; a request
+        that fails or is refused ends with its error instead, the others go on. A request beyond this replica's
+        `max_ongoing_requests` open requests (Serve's bound counts calls, not the requests in them) is refused with
+        `ReplicaFullError`, which the ingress sends again later (Serve may route it elsewhere). The call ends when
+        every request has;
+        cancelling it aborts those still running. Closing a request's box in `mailbox` (the calling ingress
+        replica's `TextMailbox`: its client left) aborts that request alone."""
+        # closed here, not when the loop finalizes it: a cancelled call aborts its requests at once
+        async with contextlib.aclosing(self._many(batch, functools.partial(self._speech, mailbox=mailbox))) as calls:
+            async for items in calls:
+                yield items
+
     async def generate_live_many(
         self, batch: list[tuple[SynthesisRequest, GenerateOptions]], mailbox
-    ) -> AsyncGenerator[list[LiveItem], None]:
-        """Live requests (WebSocket contexts) started together: one Serve call for a batch of them, which the calling
-        ingress replica formed from the requests it started while its previous batch was being admitted
-        (deployments/ingress/live_calls.py), so a burst of contexts costs this replica a few calls, not one each.
-
-        Yields lists of `LiveItem`: whatever is ready at once, of any of the batch's requests. Each request's items
-        are `generate`'s for a request whose text arrives while it runs, after its `LiveAdmitted` (the engine took
-        it), then an item that says it ended; a request that fails or is refused ends with its error instead, the
-        others go on. The call ends when every request has; cancelling it aborts those still running. Each request's
-        prompt has no text
+    ) -> AsyncGenerator[list[CallItem], None]:
+        """Live requests (WebSocket contexts) started together, batched as `generate_many`'s. Each request's items
+        are `generate`'s for a request whose text arrives while it runs. Each request's prompt has no text
         (`stages.prompts.build_live_prompt`): it comes from `mailbox` (the calling ingress replica's `TextMailbox`,
         deployments/text_mailbox.py), where the ingress puts the context's append/flush/end events, and where
         closing the request's box aborts it alone."""
-        ready: asyncio.Queue[LiveItem] = asyncio.Queue()
+        # closed here, not when the loop finalizes it: a cancelled call aborts its requests at once
+        async with contextlib.aclosing(self._many(batch, functools.partial(self._live, mailbox=mailbox))) as calls:
+            async for items in calls:
+                yield items
+
+    async def _many(self, batch: list[tuple[SynthesisRequest, GenerateOptions]], run_one
+                    ) -> AsyncGenerator[list[CallItem], None]:
+        """A batched call's stream: each request's items from `run_one(request, options)` (an async iterator), then
+        its end or its error, in lists of whatever is ready at once."""
+        ready: asyncio.Queue[CallItem] = asyncio.Queue()
 
         async def run(request: SynthesisRequest, options: GenerateOptions) -> None:
             try:
-                async for item in self._live(request, options, mailbox):
-                    ready.put_nowait(LiveItem(request.request_id, item))
-                ready.put_nowait(LiveItem(request.request_id))  # its end
+                async for item in run_one(request, options):
+                    ready.put_nowait(CallItem(request.request_id, item))
+                ready.put_nowait(CallItem(request.request_id))  # its end
             except Exception as e:  # refused or failed: this request's last item
-                ready.put_nowait(LiveItem.failed(request.request_id, e))
+                ready.put_nowait(CallItem.failed(request.request_id, e))
 
         loop = asyncio.get_running_loop()
         tasks = [loop.create_task(run(request, options)) for request, options in batch]
@@ -188,31 +212,53 @@ class TalkerServer:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _speech(
+        self, request: SynthesisRequest, options: GenerateOptions, mailbox
+    ) -> AsyncGenerator[CodecChunk | Admitted, None]:
+        """One speech request of `generate_many`: `Admitted`, then its chunks. This replica's pump for `mailbox`
+        watches its box: a close (the ingress's reader stopped) aborts it."""
+        started = first_audio_timing.now()
+        if len(self._open) >= self._max_ongoing_requests:
+            raise ReplicaFullError(f"{self._max_ongoing_requests} requests already open in this replica")
+        with tracer.start_as_current_span("talker.admission", attributes={"tts.engine_request_id": request.request_id}):
+            stream = self._engine.add_request(request, self._schedule_for(options))
+        async with self._watched(request.request_id, stream, mailbox):
+            yield Admitted(request.request_id)
+            async for chunk in self._leaving(stream, started, request.request_id):
+                yield chunk
+
     async def _live(
         self, request: SynthesisRequest, options: GenerateOptions, mailbox
-    ) -> AsyncGenerator[CodecChunk | LiveAdmitted, None]:
-        """One live request of `generate_live_many`: `LiveAdmitted`, then its chunks. Its text comes through this
+    ) -> AsyncGenerator[CodecChunk | Admitted, None]:
+        """One live request of `generate_live_many`: `Admitted`, then its chunks. Its text comes through this
         replica's pump for `mailbox` (deployments/talker/text_pump.py), which takes the events of all its requests
         there in one poll and hands them to the engine; the engine waits for text without stepping the request."""
         started = first_audio_timing.now()
         with tracer.start_as_current_span("talker.admission", attributes={"tts.engine_request_id": request.request_id}):
             stream = self._engine.open_request(request, self._schedule_for(options),
                                                idle_timeout_s=options.text_idle_timeout_s)
-        pump = self._text_pumps.get(mailbox)
-        if pump is None:
-            pump = self._text_pumps[mailbox] = LiveTextPump(self._engine, mailbox)
-        pump.add(request.request_id)
-        self._open[request.request_id] = stream
-        try:
-            yield LiveAdmitted(request.request_id)
+        async with self._watched(request.request_id, stream, mailbox) as pump:
+            yield Admitted(request.request_id)
             async for chunk in self._leaving(stream, started, request.request_id):
                 # the live first audio's `to_talker_text` ends where its first text reached the engine
                 if chunk.seq == 0 and (text_in := pump.first_text_at(request.request_id)) is not None:
                     chunk = dataclasses.replace(chunk, stamps=(*chunk.stamps, text_in))
                 yield chunk
+
+    @contextlib.asynccontextmanager
+    async def _watched(self, request_id: str, stream: EngineStream, mailbox) -> AsyncIterator[LiveTextPump]:
+        """A batched request while it runs here: open, its box in `mailbox` taken by this replica's pump for it (its
+        text, and its close); at the end it leaves both, and its stream closes (aborting it if it still runs)."""
+        pump = self._text_pumps.get(mailbox)
+        if pump is None:
+            pump = self._text_pumps[mailbox] = LiveTextPump(self._engine, mailbox)
+        pump.add(request_id)
+        self._open[request_id] = stream
+        try:
+            yield pump
         finally:
-            self._open.pop(request.request_id, None)
-            pump.remove(request.request_id)
+            self._open.pop(request_id, None)
+            pump.remove(request_id)
             if not pump.requests:
                 self._text_pumps.pop(mailbox, None)
             await stream.aclose()
@@ -307,12 +353,12 @@ class TalkerServer:
 
     # ------------------------------------------------------------------ internals
     async def _build_first_decoder(self) -> None:
-        await self._first_decoder.build()
         # Serve collects and freezes what a replica holds once its __init__ returns, so that later collections do not
         # walk it (docs/serving.md, "Garbage collections"); the decoder's compiles came after that, and left ~10^5
         # objects that every full collection then walked, stopping the engine with the loop (200-270 ms each, about
-        # one a minute under load): collected and frozen as well, once, in a thread
-        await asyncio.to_thread(_collect_and_freeze)
+        # one a minute under load): collected and frozen as well, once, in the build's thread, before the decoder
+        # says it is ready (a collection stops the process: the log line that marks a warm replica comes after it)
+        await self._first_decoder.build(then=_collect_and_freeze)
 
     async def _warmup(self) -> None:
         from stages.prompts import build_prompt
@@ -346,6 +392,14 @@ class TalkerServer:
                 m.mean_batch_size.observe((s.frames - last_frames) / (s.steps - last_steps))
             last_steps, last_frames = s.steps, s.frames
             await asyncio.sleep(C.METRICS_REFRESH_INTERVAL_S)
+
+
+def _max_ongoing_requests(config: TalkerDeploymentConfig) -> int:
+    """The speech requests a replica takes at most (running and waiting in its engine): what Serve admits of
+    one-request calls (`max_ongoing_requests`); batched calls are bounded here, per request."""
+    from deployments.builder import talker_deployment_options
+
+    return int(talker_deployment_options(config)["max_ongoing_requests"])
 
 
 def _collect_and_freeze() -> None:

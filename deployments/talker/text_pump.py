@@ -1,4 +1,5 @@
-"""LiveTextPump: one Talker replica's live requests' text, from one ingress replica's mailbox into the engine.
+"""LiveTextPump: one Talker replica's live requests' text, from one ingress replica's mailbox into the engine, and
+the closes of its batched requests' boxes there (a speech request's close is its cancellation: it gets no text).
 
 Each live request's text arrives in the `TextMailbox` of the ingress replica that holds its WebSocket context
 (deployments/text_mailbox.py). A replica speaking many live contexts used to await one `take` per

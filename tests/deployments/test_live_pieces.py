@@ -17,7 +17,7 @@ from deployments.ingress.live_pieces import MAX_RUNNING, FinishedPiece, LivePiec
 from deployments.ingress.long_text import piece_seed
 from deployments.ingress.request_builder import VoiceChoice, build_request
 from deployments.ingress.schemas import SpeechRequest
-from deployments.messages import DecodedChunk, LiveAdmitted
+from deployments.messages import Admitted, DecodedChunk
 from stages.contract import SAMPLE_RATE, SAMPLES_PER_FRAME, FinishReason
 from tests.conftest import tiny_model_info
 from tests.fake_engine import FakeTalkerEngine, FakeTalkerEngineConfig
@@ -75,7 +75,7 @@ class EngineIO:
 
         async def chunks():
             try:
-                yield LiveAdmitted(request_id)
+                yield Admitted(request_id)
                 async for c in stream:
                     self.log.append(("chunk", index))
                     yield DecodedChunk(request_id, c.seq, pcm_of(request.seed, c.num_new), c.final, c.finish_reason)
@@ -107,7 +107,7 @@ async def speak(io: EngineIO, parts: list[str], frame_cap: int | None = None, cu
                         on_piece=finished.append)
     await pieces.open()
     chunks = pieces.chunks()
-    assert isinstance(await anext(chunks), LiveAdmitted)
+    assert isinstance(await anext(chunks), Admitted)
     reader = asyncio.create_task(_all(chunks))
     for part in parts:
         await pieces.append(part)

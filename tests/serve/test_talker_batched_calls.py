@@ -1,5 +1,6 @@
-"""`TalkerServer.generate_live_many` (no Serve around it) on the real engine and a tiny checkpoint, its text from a
-real `TextMailbox` on the test cluster: one call speaks a batch of live requests, each on its own."""
+"""`TalkerServer.generate_many` and `generate_live_many` (no Serve around them) on the real engine and a tiny
+checkpoint, the live text and the cancellations from a real `TextMailbox` on the test cluster: one call speaks a
+batch of requests, each on its own."""
 
 from __future__ import annotations
 
@@ -9,10 +10,16 @@ import dataclasses
 import pytest
 
 from deployments.config import StreamingConfig, TalkerDeploymentConfig
-from deployments.messages import GenerateOptions, LiveAdmitted
+from deployments.messages import Admitted, GenerateOptions, ReplicaFullError
 from deployments.text_mailbox import MailboxWriter, TextEvent, new_mailbox
-from stages.contract import CodecChunk, FinishReason, InvalidRequestError, SamplingParams, SynthesisRequest
-from stages.prompts import build_live_prompt
+from stages.contract import (
+    CodecChunk,
+    FinishReason,
+    InvalidRequestError,
+    SamplingParams,
+    SynthesisRequest,
+)
+from stages.prompts import build_live_prompt, build_prompt
 
 pytestmark = pytest.mark.serve
 
@@ -65,7 +72,7 @@ def test_one_call_speaks_a_batch_of_live_requests_each_on_its_own(talker):
 
     first, rest = asyncio.run(run())
     assert {item.request_id: type(item.item or item.error) for item in first} == {
-        "g0": LiveAdmitted, "g1": LiveAdmitted, "bad": InvalidRequestError, "gone": LiveAdmitted}
+        "g0": Admitted, "g1": Admitted, "bad": InvalidRequestError, "gone": Admitted}
     by_request: dict[str, list[CodecChunk]] = {}
     ended: list[str] = []
     for item in rest:
@@ -83,6 +90,44 @@ def test_one_call_speaks_a_batch_of_live_requests_each_on_its_own(talker):
         assert chunks[-1].final and chunks[-1].finish_reason is FinishReason.LENGTH
         assert not any(c.final for c in chunks[:-1])
     assert "gone" not in by_request  # its box closed before any text: it ended without a frame
+
+
+def test_one_call_speaks_a_batch_of_speech_requests_each_on_its_own(talker):
+    """Speech requests (their text in the prompt) share one call: each is admitted and speaks to its final chunk; one
+    whose box the ingress closed (its client left) is aborted alone, mid-stream; a request beyond the replica's
+    `max_ongoing_requests` is refused as the replica being full (the ingress sends it again), the others go on;
+    nothing is left open."""
+    server, box = talker
+
+    async def run():
+        await server.start()
+        info = server._info
+        prompt = build_prompt(info.config, info.tokenizer, "Hello there.", speaker="vivian", language="english")
+        requests = [SynthesisRequest(name, prompt, SamplingParams(suppress_eos=True), max_frames=frames, seed=i)
+                    for i, (name, frames) in enumerate((("s0", 7), ("s1", 7), ("gone", 80), ("over", 7)))]
+        server._max_ongoing_requests = 3  # as a deployment with max_ongoing_requests 3
+        call = server.generate_many([(r, GenerateOptions()) for r in requests], box)
+        items = []
+        async for message in call:
+            items += message
+            if any(i.request_id == "gone" and isinstance(i.item, CodecChunk) for i in message):
+                MailboxWriter(box).close("gone")  # its client left after its first audio
+        return items
+
+    items = asyncio.run(run())
+    assert {i.request_id: type(i.item or i.error) for i in items if isinstance(i.item, Admitted) or i.error} == {
+        "s0": Admitted, "s1": Admitted, "gone": Admitted, "over": ReplicaFullError}
+    chunks: dict[str, list[CodecChunk]] = {}
+    ended = [i.request_id for i in items if i.item is None and i.error is None]
+    for i in items:
+        if isinstance(i.item, CodecChunk):
+            chunks.setdefault(i.request_id, []).append(i.item)
+    assert sorted(ended) == ["gone", "s0", "s1"]
+    for name in ("s0", "s1"):
+        assert [c.seq for c in chunks[name]] == list(range(len(chunks[name])))
+        assert sum(c.num_new for c in chunks[name]) == 7 and chunks[name][-1].final
+    assert 0 < sum(c.num_new for c in chunks["gone"]) < 80 and not chunks["gone"][-1].final  # aborted mid-stream
+    assert server._open == {} and server._text_pumps == {}
 
 
 def test_closing_the_call_aborts_every_request_it_still_runs(talker):
@@ -109,12 +154,13 @@ def test_closing_the_call_aborts_every_request_it_still_runs(talker):
     assert server._open == {} and server._text_pumps == {}
 
 
-def test_the_burst_bench_sends_a_burst_in_few_calls(ray_cluster):
-    """`python -m bench.live_call_burst`'s measurement on the test cluster: every request of a burst is timed to its
-    admission, and a burst from one caller goes in one call."""
-    from bench.live_call_burst import run
+@pytest.mark.parametrize("kind, calls_for_5", [("live", 1), ("speech", 1), ("speech-per-call", 5)])
+def test_the_burst_bench_sends_a_burst_in_few_calls(ray_cluster, kind, calls_for_5):
+    """`python -m bench.talker_call_burst`'s measurement on the test cluster: every request of a burst is timed to its
+    first item back, and a burst from one caller goes in one call (one per request in the unbatched form)."""
+    from bench.talker_call_burst import run
 
-    out = run([1, 5], bursts=2, idle_s=0.5)
+    out = run([1, 5], bursts=2, idle_s=0.5, kind=kind)
     assert out["1"]["n"] == 2 and out["5"]["n"] == 10
     assert 0 < out["5"]["p50"] <= out["5"]["max"]
-    assert out["1"]["talker_calls_per_burst"] == 1 and out["5"]["talker_calls_per_burst"] == 1
+    assert out["1"]["talker_calls_per_burst"] == 1 and out["5"]["talker_calls_per_burst"] == calls_for_5
