@@ -1,31 +1,29 @@
 """How the ingress's calls reach the stages: Serve's handle transport, chosen in one place.
 
-Two transports carry a chunk from the Talker to the ingress and on to Code2Wav (`IngressConfig.stage_transport`):
+Two transports carry the ingress's calls to the Talker (its batched streams of codec chunks) and to Code2Wav
+(`IngressConfig.stage_transport`):
 
 - "grpc": Serve's interdeployment gRPC transport (`_by_reference=False`). Every value travels inside the gRPC
   message, serialized once per hop; no object is created in Ray's object store or its owner tables. Codec chunks
   (a few KB) and PCM answers (<= 100 KB per chunk) are small, so this is the cheap path (ray_serve_design.md §2.5
   and docs/serving.md "Hops and transport" have the cost of each per streamed item).
-- "object_ref": Ray actor calls (`_by_reference=True`, Serve's default). The ingress turns the Talker's stream into
-  an `ObjectRefGenerator` and forwards each chunk's ref to Code2Wav unread. Chunks under Ray's 100 KiB inline
-  limit are still stored in the ingress process (it owns the refs) and inlined into the Code2Wav call, so the
-  bytes pass through the ingress either way; only their deserialization there is saved.
+- "object_ref": Ray actor calls (`_by_reference=True`, Serve's default). The Talker's stream carries lists of chunks
+  of several requests (deployments/ingress/talker_calls.py), which the ingress reads as values and sends on to
+  Code2Wav inside its calls (chunks are far under Ray's 100 KiB inline limit).
 
-Both ends live here: the ingress's handles and stream items (`stage_handle`, `stream_items`, `max_answer_bytes`)
-and Code2Wav's reading of what arrives (`resolve`). `_by_reference` and
-`DeploymentResponseGenerator._to_object_ref_gen` are Serve developer APIs: they are used here and nowhere else, and
-tests/serve/test_transport.py runs the app end to end over each transport, so it fails if a Ray upgrade changes
-them.
+Both ends live here: the ingress's handles (`stage_handle`, `max_answer_bytes`) and Code2Wav's reading of what
+arrives (`resolve`: a ref a caller of the deployment's handle sends is read there). `_by_reference` is a Serve
+developer API: it is used here and nowhere else, and tests/serve/test_transport.py runs the app end to end over each
+transport, so it fails if a Ray upgrade changes it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
 from typing import Literal
 
 from ray import ObjectRef
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle
 
 StageTransport = Literal["grpc", "object_ref"]
 
@@ -41,16 +39,6 @@ def max_answer_bytes(transport: StageTransport) -> int | None:
 def stage_handle(handle: DeploymentHandle, transport: StageTransport) -> DeploymentHandle:
     """`handle` set to the transport: every call made through it uses gRPC by value or actor calls by reference."""
     return handle.options(_by_reference=transport == "object_ref")
-
-
-async def stream_items(generator: DeploymentResponseGenerator, transport: StageTransport) -> AsyncIterator[object]:
-    """The items of a streaming call as the next stage takes them: values (gRPC) or ObjectRefs (object_ref)."""
-    if transport == "object_ref":
-        async for ref in await generator._to_object_ref_gen():
-            yield ref
-    else:
-        async for item in generator:
-            yield item
 
 
 async def resolve(item):

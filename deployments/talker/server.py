@@ -78,6 +78,7 @@ class TalkerServer:
         self._open: dict[str, EngineStream] = {}  # the streams of requests in this replica, by request id
         self._text_pumps: dict[object, LiveTextPump] = {}  # batched requests' text and closes, by their mailbox
         self._max_ongoing_requests = _max_ongoing_requests(config)
+        self._live_open = 0  # of `_open`: live requests (a parked one takes no engine slot: not bounded with speech)
 
     async def start(self) -> None:
         """Load the checkpoint, start the engine (KV sizing, graph capture), warm up with one real request."""
@@ -160,7 +161,7 @@ class TalkerServer:
         Yields lists of `CallItem`: whatever is ready at once, of any of the batch's requests. Each request's items
         are its `Admitted` (the engine took it), then `generate`'s chunks, then an item that says it ended; a request
         that fails or is refused ends with its error instead, the others go on. A request beyond this replica's
-        `max_ongoing_requests` open requests (Serve's bound counts calls, not the requests in them) is refused with
+        `max_ongoing_requests` open speech requests (Serve's bound counts calls, not the requests in them) is refused with
         `ReplicaFullError`, which the ingress sends again later (Serve may route it elsewhere). The call ends when
         every request has;
         cancelling it aborts those still running. Closing a request's box in `mailbox` (the calling ingress
@@ -218,8 +219,8 @@ class TalkerServer:
         """One speech request of `generate_many`: `Admitted`, then its chunks. This replica's pump for `mailbox`
         watches its box: a close (the ingress's reader stopped) aborts it."""
         started = first_audio_timing.now()
-        if len(self._open) >= self._max_ongoing_requests:
-            raise ReplicaFullError(f"{self._max_ongoing_requests} requests already open in this replica")
+        if len(self._open) - self._live_open >= self._max_ongoing_requests:
+            raise ReplicaFullError(f"{self._max_ongoing_requests} speech requests already open in this replica")
         with tracer.start_as_current_span("talker.admission", attributes={"tts.engine_request_id": request.request_id}):
             stream = self._engine.add_request(request, self._schedule_for(options))
         async with self._watched(request.request_id, stream, mailbox):
@@ -237,13 +238,17 @@ class TalkerServer:
         with tracer.start_as_current_span("talker.admission", attributes={"tts.engine_request_id": request.request_id}):
             stream = self._engine.open_request(request, self._schedule_for(options),
                                                idle_timeout_s=options.text_idle_timeout_s)
-        async with self._watched(request.request_id, stream, mailbox) as pump:
-            yield Admitted(request.request_id)
-            async for chunk in self._leaving(stream, started, request.request_id):
-                # the live first audio's `to_talker_text` ends where its first text reached the engine
-                if chunk.seq == 0 and (text_in := pump.first_text_at(request.request_id)) is not None:
-                    chunk = dataclasses.replace(chunk, stamps=(*chunk.stamps, text_in))
-                yield chunk
+        self._live_open += 1
+        try:
+            async with self._watched(request.request_id, stream, mailbox) as pump:
+                yield Admitted(request.request_id)
+                async for chunk in self._leaving(stream, started, request.request_id):
+                    # the live first audio's `to_talker_text` ends where its first text reached the engine
+                    if chunk.seq == 0 and (text_in := pump.first_text_at(request.request_id)) is not None:
+                        chunk = dataclasses.replace(chunk, stamps=(*chunk.stamps, text_in))
+                    yield chunk
+        finally:
+            self._live_open -= 1
 
     @contextlib.asynccontextmanager
     async def _watched(self, request_id: str, stream: EngineStream, mailbox) -> AsyncIterator[LiveTextPump]:
