@@ -107,7 +107,7 @@ class CallStream:
 
 @dataclass(eq=False)
 class _Call:
-    """One `generate_live_many` call and the requests of it still read."""
+    """One batched call (`generate_many` or `generate_live_many`) and the requests of it still read."""
 
     streams: dict[str, CallStream]
     admitted: asyncio.Event = field(default_factory=asyncio.Event)  # its first message came (or it failed)

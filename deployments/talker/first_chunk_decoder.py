@@ -89,12 +89,15 @@ class FirstChunkDecoder:
 
     async def build(self, then: Callable[[], None] | None = None) -> None:
         """Build off the event loop while the replica serves; a build that fails leaves every chunk to Code2Wav.
-        `then`: run in the build's thread once the graphs are built, before the decoder says it is ready."""
+        `then`: run in the build's thread once the graphs are built, before the decoder says it is ready (after a
+        failed build too)."""
         self._log("[talker] first-chunk decoder building beside the serving engine (Code2Wav decodes every chunk "
                   "until it is ready)")
         try:
             await asyncio.to_thread(self._start, then)
         except Exception as e:  # a shortcut that failed to build must not take the replica down
+            if then is not None:  # what the build left behind before it failed
+                await asyncio.to_thread(then)
             self._log(f"[talker] first-chunk decoder not built ({e!r}): Code2Wav decodes every first chunk")
             return
         self.ready = True

@@ -161,11 +161,10 @@ class TalkerServer:
         Yields lists of `CallItem`: whatever is ready at once, of any of the batch's requests. Each request's items
         are its `Admitted` (the engine took it), then `generate`'s chunks, then an item that says it ended; a request
         that fails or is refused ends with its error instead, the others go on. A request beyond this replica's
-        `max_ongoing_requests` open speech requests (Serve's bound counts calls, not the requests in them) is refused with
-        `ReplicaFullError`, which the ingress sends again later (Serve may route it elsewhere). The call ends when
-        every request has;
-        cancelling it aborts those still running. Closing a request's box in `mailbox` (the calling ingress
-        replica's `TextMailbox`: its client left) aborts that request alone."""
+        `max_ongoing_requests` open speech requests (Serve's bound counts calls, not the requests in them) is refused
+        with `ReplicaFullError`, which the ingress sends again later (Serve may route it elsewhere). The call ends
+        when every request has; cancelling it aborts those still running. Closing a request's box in `mailbox` (the
+        calling ingress replica's `TextMailbox`: its client left) aborts that request alone."""
         # closed here, not when the loop finalizes it: a cancelled call aborts its requests at once
         async with contextlib.aclosing(self._many(batch, functools.partial(self._speech, mailbox=mailbox))) as calls:
             async for items in calls:
