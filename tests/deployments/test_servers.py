@@ -441,10 +441,10 @@ def test_the_talker_serves_before_its_first_chunk_decoder_is_built(loop, tiny_cu
     release, building = threading.Event(), threading.Event()
     real_start = FirstChunkDecoder._start
 
-    def held_start(self):
+    def held_start(self, then):
         building.set()
         assert release.wait(60), "the test never released the build"
-        real_start(self)
+        real_start(self, then)
 
     monkeypatch.setattr(FirstChunkDecoder, "_start", held_start)
     config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1, warmup=False,
@@ -460,7 +460,8 @@ def test_the_talker_serves_before_its_first_chunk_decoder_is_built(loop, tiny_cu
         assert len(early) >= 2 and all(c.pcm is None for c in early)  # all to Code2Wav
         release.set()
         assert loop.run_until_complete(server.first_chunk_decoder_built()) is True
-        # what the build left is frozen, as Serve freezes what __init__ left: full collections do not walk it
+        # what the build left is frozen, as Serve freezes what __init__ left: full collections do not walk it; done
+        # before the decoder says it is ready (the collection stops every thread once)
         assert gc.get_freeze_count() > frozen
         later = loop.run_until_complete(_collect(server.generate(_request(server, 5, rid="later"))))
         assert later[0].pcm is not None and later[0].pcm.size == later[0].num_new * SAMPLES_PER_FRAME
@@ -469,14 +470,17 @@ def test_the_talker_serves_before_its_first_chunk_decoder_is_built(loop, tiny_cu
         server.__del__()
         gc.unfreeze()  # the test process's objects: collectable again
 
-    def failing_start(self):
+    def failing_start(self, then):
         raise RuntimeError("no room for the decoder's graphs")
 
+    collections = []
     monkeypatch.setattr(FirstChunkDecoder, "_start", failing_start)
+    monkeypatch.setattr("deployments.talker.server._collect_and_freeze", lambda: collections.append(1))
     failed = TalkerServer.sync_init(config, STREAMING)
     try:
         loop.run_until_complete(failed.start())
         assert loop.run_until_complete(failed.first_chunk_decoder_built()) is False
+        assert collections == [1]  # what a failed build left is collected and frozen too
         chunks = loop.run_until_complete(_collect(failed.generate(_request(failed, 5, rid="after-failure"))))
         assert chunks[-1].final and all(c.pcm is None for c in chunks)
     finally:
