@@ -11,7 +11,6 @@ Every Serve option is the builder's default deep-merged with the config's `deplo
 # no `from __future__ import annotations`: Serve reads build_app's annotation to validate `args`
 import copy
 import logging
-import math
 from typing import Any
 
 from ray import serve
@@ -64,8 +63,8 @@ def talker_deployment_options(config: TalkerDeploymentConfig) -> dict[str, Any]:
     slots = config.max_num_seqs
     defaults = {
         "name": config.deployment_name,
-        "max_ongoing_requests": max(1, math.ceil(slots * C.TALKER_ONGOING_PER_SLOT)),
-        "max_queued_requests": max(1, math.ceil(slots * C.TALKER_QUEUED_PER_SLOT)),
+        "max_ongoing_requests": config.max_ongoing_requests,
+        "max_queued_requests": config.max_queued_requests,
         "graceful_shutdown_timeout_s": C.TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,

@@ -13,6 +13,7 @@ options and `${VAR}` substitution; `ingress.py`: the ingress's settings; `aligne
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -118,6 +119,20 @@ class TalkerDeploymentConfig(_RuntimeOptions):
         """Engine rows (requests running at once): what `max_ongoing_requests` and the autoscaling target are
         derived from."""
         return int(self.engine_kwargs.get("max_num_seqs", TalkerEngineConfig.max_num_seqs))
+
+    @property
+    def max_ongoing_requests(self) -> int:
+        """Serve's `max_ongoing_requests` of the deployment (set in `deployment_config`, else from the rows); a
+        replica bounds the speech requests of its batched calls by it too."""
+        default = max(1, math.ceil(self.max_num_seqs * C.TALKER_ONGOING_PER_SLOT))
+        return int(self.deployment_config.get("max_ongoing_requests", default))
+
+    @property
+    def max_queued_requests(self) -> int:
+        """Serve's `max_queued_requests` of the deployment; an ingress replica holds at most this many speech
+        requests that full replicas refused, to send again (deployments/ingress/talker_calls.py)."""
+        default = max(1, math.ceil(self.max_num_seqs * C.TALKER_QUEUED_PER_SLOT))
+        return int(self.deployment_config.get("max_queued_requests", default))
 
     @property
     def deployment_name(self) -> str:

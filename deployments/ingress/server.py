@@ -217,8 +217,6 @@ class TTSIngress:
         """This replica's batched calls of one kind to one model's Talker (deployments/ingress/talker_calls.py)."""
         calls = self._talker_calls.get((model, live))
         if calls is None:
-            from deployments.builder import talker_deployment_options
-
             config = next(m for m in self._args.models if m.name == model)
             talker = stage_handle(self._router.handle(model), self._limits.stage_transport)
             calls = self._talker_calls[(model, live)] = TalkerCalls(
@@ -226,7 +224,7 @@ class TTSIngress:
                 max_answer_bytes(self._limits.stage_transport), live=live,
                 close_box=None if live else self._mailbox.close,  # a live context closes its own box
                 # requests refused by full replicas wait to go again as Serve queues one-request calls
-                max_retrying=int(talker_deployment_options(config)["max_queued_requests"]),
+                max_retrying=config.max_queued_requests,
                 retry_after_s=C.TALKER_CALL_RETRY_AFTER_S)
         return calls
 

@@ -77,7 +77,7 @@ class TalkerServer:
         self._loop_lag = LoopLag()  # this replica's event loop: every call's start and streamed item wait on it
         self._open: dict[str, EngineStream] = {}  # the streams of requests in this replica, by request id
         self._text_pumps: dict[object, LiveTextPump] = {}  # batched requests' text and closes, by their mailbox
-        self._max_ongoing_requests = _max_ongoing_requests(config)
+        self._max_ongoing_requests = config.max_ongoing_requests  # per speech request here: Serve's bounds calls
         self._live_open = 0  # of `_open`: live requests (a parked one takes no engine slot: not bounded with speech)
 
     async def start(self) -> None:
@@ -396,14 +396,6 @@ class TalkerServer:
                 m.mean_batch_size.observe((s.frames - last_frames) / (s.steps - last_steps))
             last_steps, last_frames = s.steps, s.frames
             await asyncio.sleep(C.METRICS_REFRESH_INTERVAL_S)
-
-
-def _max_ongoing_requests(config: TalkerDeploymentConfig) -> int:
-    """The speech requests a replica takes at most (running and waiting in its engine): what Serve admits of
-    one-request calls (`max_ongoing_requests`); batched calls are bounded here, per request."""
-    from deployments.builder import talker_deployment_options
-
-    return int(talker_deployment_options(config)["max_ongoing_requests"])
 
 
 def _collect_and_freeze() -> None:
