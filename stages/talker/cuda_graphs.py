@@ -28,7 +28,8 @@ def warm_up(runner: TalkerRunner, batch_buckets: tuple[int, ...]) -> None:
     runner.positions[:b] = 0
     runner._decode_step(b, max(runner.length_buckets))
     host = runner._host_stage.buffers[0]  # a blocking copy below: no event needed
-    nb, width = runner.max_prefill_batch, max(runner.prefill_width_buckets, default=16)
+    # the largest prefill that runs: the widest (batch x width) graph, or one prompt of 16 without widths
+    nb, width = max(runner.prefill_keys(), key=lambda k: (k[0] * k[1], k[1]), default=(1, 16))
     write_stage(host, [], nb, width, runner.trailing_width, runner.scratch_row, runner.kv.scratch_block)
     runner._stage.buf.copy_(host.buf)
     runner._prefill_compute(nb, width, runner.trailing_width)
@@ -68,7 +69,7 @@ def capture(runner: TalkerRunner, batch_buckets: tuple[int, ...], log: Callable[
     write_stage(host, [], runner.max_prefill_batch, max(runner.prefill_width_buckets, default=16), runner.trailing_width,
                 runner.scratch_row, runner.kv.scratch_block)
     runner._stage.buf.copy_(host.buf)
-    prefill_keys = [(b, w) for b in runner.prefill_batch_buckets for w in runner.prefill_width_buckets]
+    prefill_keys = runner.prefill_keys()
     for b, w in prefill_keys:  # none without widths (prompts longer than every width): prefill runs eagerly
         runner.prefill_graphs[(b, w)] = capture(lambda b=b, w=w: runner._prefill_compute(b, w, runner.trailing_width))
     log(f"[talker] captured {len(prefill_keys)} prefill graphs ({time.perf_counter() - t0:.1f} s)")

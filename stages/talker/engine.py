@@ -269,7 +269,7 @@ class TalkerEngine:
             num_blocks = pool()
             self.runner.resize_kv(num_blocks)
         self.scheduler = Scheduler(self.num_slots, num_blocks, cfg.kernels.kv_block_size, cfg.max_prefill_batch,
-                                   cfg.max_waiting, cfg.batch_share)
+                                   cfg.max_waiting, cfg.batch_share, cfg.max_prefill_tokens)
         self._exact = not cuda if cfg.kernels.exact_prefill is None else cfg.kernels.exact_prefill
         self._rows = Rows(self.scheduler, self.runner, self.num_slots)
         self._outputs = StepOutputs(self.num_slots, cfg.max_seq_len, self.runner.eos, logger)
@@ -354,14 +354,13 @@ class TalkerEngine:
         return True
 
     def _admit(self) -> None:
-        """This iteration's admissions (the scheduler's policy), prefilled max_prefill_batch at a time. A failed
-        prefill fails its batch alone: their rows fill from later ones, their streams end with the error."""
+        """This iteration's admissions (the scheduler's policy), in prefills the runner holds (`_prefill_batches`).
+        A failed prefill fails its batch alone: their rows fill from later ones, their streams end with the error."""
         cfg = self.config
         admitted = self.scheduler.admit_for_step(cfg.admission_lead_s, cfg.max_prefills_per_step, time.monotonic())
         failed: list[tuple[Sequence, BaseException]] = []
         prefilled = 0
-        for start in range(0, len(admitted), cfg.max_prefill_batch):
-            batch = admitted[start:start + cfg.max_prefill_batch]
+        for batch in self._prefill_batches(admitted):
             error = self._prefill(batch)
             if error is not None:
                 failed += [(s, error) for s in batch]
@@ -369,6 +368,20 @@ class TalkerEngine:
             self.counters.burst_prefills += prefilled > 0
             prefilled += 1
         self._rows.release(failed)
+
+    def _prefill_batches(self, admitted: list[Sequence]) -> list[list[Sequence]]:
+        """Admitted requests (shortest prompt first) in prefills the runner can hold (`TalkerRunner.prefill_fits`):
+        in order, each as large as fits."""
+        batches: list[list[Sequence]] = []
+        batch: list[Sequence] = []
+        width = 0
+        for seq in admitted:
+            if batch and not self.runner.prefill_fits(len(batch) + 1, max(width, seq.plan.length)):
+                batches.append(batch)
+                batch, width = [], 0
+            batch.append(seq)
+            width = max(width, seq.plan.length)
+        return batches + [batch] if batch else batches
 
     def _prefill(self, batch: list[Sequence]) -> BaseException | None:
         """One batched prefill of admitted requests (their rows, tickets and KV blocks are theirs already);

@@ -54,7 +54,10 @@ class TalkerEngineConfig:
     kv_cache_tokens: int | None = None  # KV pool in tokens (all requests); None: from kv_cache_memory_fraction
     kv_cache_memory_fraction: float = 0.5  # CUDA: of the device memory free once weights, warm-up and graphs are in
     max_text_rows: int = 1024  # trailing text rows per request (longest streaming-text input)
-    max_prefill_batch: int = 16  # requests in one batched prefill (one admission)
+    max_prefill_batch: int = 64  # requests in one batched prefill
+    # prompt positions of one batched prefill, padded (batch bucket x width bucket): a prefill costs about its padded
+    # positions, so short prompts (live text's) go many to a prefill and long ones few; graphs only within it
+    max_prefill_tokens: int = 2048
     prefill_widths: tuple[int, ...] = PREFILL_WIDTHS  # a CUDA graph per (batch bucket, width); longer prompts: eager
     prefill_batches: tuple[int, ...] = PREFILL_BATCHES  # the batch buckets of those graphs (<= max_prefill_batch)
     max_prefills_per_step: int = 8  # admissions one loop iteration may launch before its step: more than one only
@@ -89,8 +92,8 @@ class TalkerEngineConfig:
             raise ValueError("max_num_seqs must be >= 1 and max_seq_len >= 16")
         if self.live_evict_parked_s < 0 or self.live_max_lifetime_s <= 0:
             raise ValueError("live_evict_parked_s must be >= 0 and live_max_lifetime_s > 0")
-        if self.max_prefills_per_step < 1 or self.max_prefill_batch < 1:
-            raise ValueError("max_prefills_per_step and max_prefill_batch must be >= 1")
+        if self.max_prefills_per_step < 1 or self.max_prefill_batch < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("max_prefills_per_step, max_prefill_batch and max_prefill_tokens must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
             raise ValueError("kv_cache_tokens must be >= 1 (or unset: sized from free memory)")
         if not 0 < self.batch_share <= 1:

@@ -103,6 +103,7 @@ class TalkerRunner:
         # admission staging: two pinned host buffers (alternating: one may still be in flight) and the device copy
         self.prefill_batch_buckets = tuple(b for b in sorted(prefill_batches) if b <= max_prefill_batch) or (1,)
         self.max_prefill_batch = max(max_prefill_batch, 1)
+        self.max_prefill_tokens = config.max_prefill_tokens
         self.prefill_width_buckets = tuple(w for w in config.prefill_widths if w <= max_seq_len)  # sorted (the config's)
         self.trailing_width = min(PREFILL_TRAILING_WIDTH, max_text_rows)
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -303,6 +304,24 @@ class TalkerRunner:
         nb = next((b for b in self.prefill_batch_buckets if b >= n), None)
         w = next((b for b in self.prefill_width_buckets if b >= width), None)
         return None if nb is None or w is None else (nb, w)
+
+    def prefill_fits(self, n: int, width: int) -> bool:
+        """Whether one prefill may hold n prompts, the longest `width` positions: its padded positions (batch bucket x
+        width bucket, or the eager path's padding beyond the widths) within `max_prefill_tokens`. One always fits."""
+        if n <= 1:
+            return True
+        if n > self.max_prefill_batch:
+            return False
+        key = self.prefill_bucket(n, width)
+        nb, w = key if key is not None else (max(n, self.prefill_batch_buckets[0]), round_up(width, _WIDTH_MULTIPLE))
+        return nb * w <= self.max_prefill_tokens
+
+    def prefill_keys(self) -> list[tuple[int, int]]:
+        """The (batch, width) buckets a prefill graph is captured for: those within `max_prefill_tokens`, and the
+        smallest batch at every width (a prompt alone always fits)."""
+        least = self.prefill_batch_buckets[0]
+        return [(b, w) for b in self.prefill_batch_buckets for w in self.prefill_width_buckets
+                if b == least or b * w <= self.max_prefill_tokens]
 
     def _prefill_graph_key(self, n: int, width: int) -> tuple[int, int] | None:
         key = self.prefill_bucket(n, width)

@@ -112,8 +112,10 @@ class BlockAllocator:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, num_blocks: int, block_size: int, max_prefill_batch: int,
-                 max_waiting: int, batch_share: float = 0.5):
+                 max_waiting: int, batch_share: float = 0.5, max_prefill_tokens: int | None = None):
         self.max_num_seqs, self.max_prefill_batch, self.max_waiting = max_num_seqs, max_prefill_batch, max_waiting
+        # prompt positions of one prefill batch at most (None: no bound but its requests)
+        self.max_prefill_tokens = max_prefill_tokens
         self.blocks = BlockAllocator(num_blocks, block_size)
         self.waiting: collections.deque[Sequence] = collections.deque()  # real-time requests, FIFO
         self.waiting_batch: collections.deque[Sequence] = collections.deque()  # batch requests, FIFO
@@ -217,13 +219,26 @@ class Scheduler:
         return self.blocks.blocks_for(self.waiting[0].max_positions) > self.blocks.free
 
     # ------------------------------------------------------------------ admission
-    def admit(self, limit: int | None = None) -> list[Sequence]:
+    def admit(self, limit: int | None = None, tokens: int | None = None) -> list[Sequence]:
         """Restarts first (they hold a slot and KV), then waiting real-time requests that fit (FIFO), then, while
-        none waits, batch requests within their share; up to `limit` (default: one prefill batch) in all: each
-        gets a row, a ticket and its KV blocks."""
+        none waits, batch requests within their share; up to `limit` requests and `tokens` prompt positions (default:
+        one prefill batch's) in all, the first always: each gets a row, a ticket and its KV blocks."""
         limit = self.max_prefill_batch if limit is None else limit
+        budget = [self.max_prefill_tokens if tokens is None else tokens]
         admitted: list[Sequence] = []
-        while self.restarts and len(admitted) < limit:
+
+        def room(queue: collections.deque[Sequence]) -> bool:  # the head's prompt fits what is left
+            if len(admitted) >= limit:
+                return False
+            if budget[0] is None:
+                return True
+            length = queue[0].prompt_len
+            if admitted and length > budget[0]:
+                return False
+            budget[0] -= length
+            return True
+
+        while self.restarts and room(self.restarts):
             seq = self.restarts.popleft()
             del self.parked[seq.request_id]
             seq.restart = False
@@ -231,16 +246,16 @@ class Scheduler:
             self.running.append(seq)
             self.generation[seq.ticket] = next(self._gen)
             admitted.append(seq)
-        while self.waiting and self._slot_free() and len(admitted) < limit:
+        while self.waiting and self._slot_free():
             need = self.blocks.blocks_for(self.waiting[0].max_positions)
-            if need > self.blocks.free:
+            if need > self.blocks.free or not room(self.waiting):
                 break  # FIFO: the head waits for blocks rather than being overtaken forever
             admitted.append(self._start(self.waiting.popleft(), need))
-        while not self.waiting and self.waiting_batch and self._slot_free() and len(admitted) < limit:
+        while not self.waiting and self.waiting_batch and self._slot_free():
             need = self.blocks.blocks_for(self.waiting_batch[0].max_positions)
             held = sum(self._batch_running.values())
             if need > self.blocks.free or len(self._batch_running) >= self.batch_rows or (
-                    held and held + need > self.batch_blocks):
+                    held and held + need > self.batch_blocks) or not room(self.waiting_batch):
                 break  # the rest stays free for real-time arrivals
             admitted.append(self._start(self.waiting_batch.popleft(), need))
         return admitted
@@ -265,14 +280,17 @@ class Scheduler:
         return seq
 
     def admit_for_step(self, lead_s: float, max_prefills: int, now: float) -> list[Sequence]:
-        """This iteration's admissions: one prefill batch, or up to `max_prefills` batches while every playing
-        stream has at least `lead_s` of handed-out audio not yet played (each extra prefill delays the next step
-        by its own time). A burst is ordered shortest prompt first: one step follows them all, so their order
-        changes no one's first frame, and a batch pads to its longest prompt's width."""
+        """This iteration's admissions: one prefill batch's worth (`max_prefill_batch` requests, `max_prefill_tokens`
+        prompt positions), or up to `max_prefills` times that while every playing stream has at least `lead_s` of
+        handed-out audio not yet played (each extra prefill delays the next step by its own time). A burst is
+        ordered shortest prompt first: one step follows them all, so their order changes no one's first frame,
+        and a batch pads to its longest prompt's width."""
         lacks_lead = self.num_running and self.min_lead_s(now) < lead_s
-        admitted = self.admit(limit=self.max_prefill_batch * (1 if lacks_lead else max_prefills))
-        if len(admitted) > self.max_prefill_batch:
-            admitted.sort(key=lambda s: s.plan.length)
+        batches = 1 if lacks_lead else max_prefills
+        tokens = None if self.max_prefill_tokens is None else self.max_prefill_tokens * batches
+        admitted = self.admit(limit=self.max_prefill_batch * batches, tokens=tokens)
+        if len(admitted) > 1:
+            admitted.sort(key=lambda s: s.prompt_len)
         return admitted
 
     def started(self, seq: Sequence, frames_to_next_chunk: int, now: float) -> bool:

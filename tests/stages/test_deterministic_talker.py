@@ -109,7 +109,7 @@ def test_config_fixes_the_shapes_without_invariant_products_and_leaves_the_defau
     assert fixed.max_prefill_batch == 1 and fixed.prefill_batches == (1,)
     default = TalkerEngineConfig(max_num_seqs=48)
     assert default.for_determinism(False) is default and default.for_determinism(True) is default
-    assert not default.deterministic and default.max_prefill_batch == 16
+    assert not default.deterministic and default.max_prefill_batch == 64
     assert len(default.kernels.batch_buckets) > 1
 
 
@@ -117,7 +117,7 @@ def test_invariant_products_keep_batches_free_and_pin_the_row_dependent_kernels(
     """CUDA (stages/row_invariant_products.py): prefills batch and decode uses its buckets, from 2 rows (torch.compile's
     size-1 variant is another kernel); the few-row GEMV path and attention key splits are off."""
     free = TalkerEngineConfig(max_num_seqs=48, deterministic=True).for_determinism(invariant_products=True)
-    assert free.max_prefill_batch == 16 and min(free.prefill_batches) == 2 and len(free.prefill_batches) > 1
+    assert free.max_prefill_batch == 64 and min(free.prefill_batches) == 2 and len(free.prefill_batches) > 1
     assert min(free.kernels.batch_buckets) == 2 and len(free.kernels.batch_buckets) > 1
     assert free.kernels.gemv_rows == 0 and not free.kernels.attention_splits
     one = TalkerEngineConfig(max_num_seqs=1, deterministic=True).for_determinism(invariant_products=True)

@@ -344,6 +344,48 @@ def test_a_burst_is_prefilled_shortest_prompts_first(model, prompts):
     assert all(sum(c.num_new for c in cs) == 3 for cs in chunks)
 
 
+@pytest.mark.parametrize("tokens", [4096, 96])
+def test_a_burst_is_prefilled_in_batches_within_max_prefill_tokens(model, prompts, tokens):
+    """Prefills hold as many prompts as their padded positions allow (`max_prefill_tokens`): all five in one
+    prefill when it is large, several prefills when small, each within it; every one before the first step."""
+    engine = _engine(model, max_num_seqs=8, max_prefill_batch=8, max_prefills_per_step=8, max_prefill_tokens=tokens)
+    admissions = []
+    engine.on_admit = lambda ids: admissions.append((ids, engine.stats().steps))
+    try:
+        async def main():
+            streams = _queue_while_held(engine, [SynthesisRequest(f"r{i}", prompts[i], GREEDY, 3) for i in range(5)])
+            return [[c async for c in s] for s in streams]
+        chunks = asyncio.run(main())
+        runner = engine.runner
+        from stages.talker.prompt_plan import plan_prompt
+        length = {f"r{i}": plan_prompt(model.config, prompts[i]).length for i in range(5)}
+        fits = [runner.prefill_fits(len(ids), max(length[r] for r in ids)) for ids, _ in admissions]
+    finally:
+        engine.shutdown()
+    assert sorted(r for ids, _ in admissions for r in ids) == [f"r{i}" for i in range(5)]
+    assert (len(admissions) == 1) if tokens == 4096 else (len(admissions) > 1)
+    assert all(fits)
+    assert {steps for _, steps in admissions} == {0}
+    assert all(sum(c.num_new for c in cs) == 3 for cs in chunks)
+
+
+def test_prefill_graphs_stay_within_max_prefill_tokens(model):
+    """Graphs are captured, and prefills formed, only where batch bucket x width bucket <= max_prefill_tokens (one
+    prompt at any width always): 64 prompts of up to 32 positions go in one prefill, of 33-64 positions 32."""
+    engine = _engine(model, max_num_seqs=4, max_prefill_batch=64)
+    try:
+        runner = engine.runner
+        assert runner.max_prefill_tokens == 2048
+        keys = runner.prefill_keys()
+        assert (64, 32) in keys and (32, 64) in keys and (16, 128) in keys and (1, 128) in keys
+        assert (64, 64) not in keys and (32, 80) not in keys
+        assert all(b * w <= 2048 or b == 1 for b, w in keys)
+        assert runner.prefill_fits(64, 32) and not runner.prefill_fits(64, 33) and runner.prefill_fits(32, 64)
+        assert runner.prefill_fits(1, 4000) and not runner.prefill_fits(2, 1100) and not runner.prefill_fits(65, 16)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("lead_s,together", [(1e9, False), (-1e9, True)])
 def test_extra_prefills_wait_while_a_playing_stream_lacks_lead(model, prompts, lead_s, together):
     """A stream is playing (its first chunk handed out) when 4 requests arrive at once, 2 per prefill: with an

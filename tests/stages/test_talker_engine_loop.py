@@ -33,6 +33,7 @@ class FakeRunner:
 
     def __init__(self, model, config, num_blocks):
         self.eos, self.length_buckets = EOS, (config.max_seq_len,)
+        self.max_prefill_batch = config.max_prefill_batch
         self.rows: list[list[int] | None] = [None] * config.max_num_seqs
         self.outputs: list[np.ndarray] = [np.zeros((0, 17), dtype=np.int64)] * 2
         self.turn = 0
@@ -43,6 +44,9 @@ class FakeRunner:
 
     def attn_bucket(self, position: int) -> int:
         return self.length_buckets[0]
+
+    def prefill_fits(self, n: int, width: int) -> bool:
+        return n <= self.max_prefill_batch
 
     def admit(self, batch) -> None:
         for a in batch:

@@ -240,3 +240,39 @@ def test_batch_requests_abort_and_drop_from_their_queue():
     s.release([running])
     assert s.num_running_batch == 0
     assert [x.request_id for x in s.drop_all()] == ["b2"] and not s.waiting_batch
+
+
+def test_one_prefill_batch_is_bounded_by_prompt_positions_as_well_as_requests():
+    """`max_prefill_tokens`: short prompts (live text's) go many to one admission, long ones few; the head always
+    goes (a prompt longer than the bound prefills alone), and the rest stays queued in order."""
+    s = Scheduler(max_num_seqs=64, num_blocks=1000, block_size=16, max_prefill_batch=32, max_waiting=100,
+                  max_prefill_tokens=100)
+    short = [seq(f"s{i}", prompt_len=12) for i in range(10)]
+    for x in short:
+        s.add(x)
+    assert s.admit() == short[:8]  # 8 x 12 = 96 positions; a 9th would make 108
+    assert s.admit() == short[8:]
+    long = [seq("huge", prompt_len=150), seq("l1", prompt_len=60), seq("l2", prompt_len=60)]
+    for x in long:
+        s.add(x)
+    assert s.admit() == long[:1]  # alone over the bound: it still goes
+    assert s.admit() == long[1:2] and s.admit() == long[2:]
+
+
+@pytest.mark.parametrize("lacks_lead", [True, False])
+def test_a_burst_admits_max_prefills_batches_of_prompt_positions(lacks_lead):
+    """Lacking lead, one batch's positions; otherwise `max_prefills` batches' worth, shortest prompt first."""
+    s = Scheduler(max_num_seqs=64, num_blocks=1000, block_size=16, max_prefill_batch=32, max_waiting=100,
+                  max_prefill_tokens=100)
+    playing = seq("playing")
+    s.add(playing)
+    s.admit()
+    s.handed_out(playing.ticket, 1, now=0.0)  # 80 ms of audio out: it lacks a lead of 1 s
+    burst = [seq(f"b{i}", prompt_len=20 - i) for i in range(17)]  # 20, 19, ..., 4 positions
+    for x in burst:
+        s.add(x)
+    admitted = s.admit_for_step(lead_s=1.0 if lacks_lead else 0.0, max_prefills=2, now=0.0)
+    # 20 + ... + 16 = 90 (a sixth makes 105 > 100); 20 + ... + 5 = 200 (a 17th makes 204 > 2 x 100)
+    expect = burst[:5] if lacks_lead else burst[:16]
+    assert admitted == sorted(expect, key=lambda x: x.prompt_len)
+    assert list(s.waiting) == burst[len(expect):]
