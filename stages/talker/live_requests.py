@@ -162,8 +162,8 @@ class LiveTextDriver:
         if not starved.any():
             return tickets
         seqs = [sched.running[r] for r in np.flatnonzero(starved)]
-        for seq in seqs:  # saved before any row moves into theirs (device order: after the step in flight)
-            self.runner.park_row(seq.row, seq.ticket)
+        # saved before any row moves into theirs (device order: after the step in flight)
+        self.runner.park_rows([seq.row for seq in seqs], [seq.ticket for seq in seqs])
         self.rows.park(seqs)
         for seq in seqs:
             self.wait_for_text(seq)

@@ -17,8 +17,8 @@ with the request's first decode step. Releasing a request copies nothing of anyo
 small state moves into the hole (`move_rows`) and its KV stays where it is (stages/talker/paged_kv.py).
 
 Live text (docs/talker_engine.md): a request waiting for text leaves the rows; its small state is kept in a
-park slot (`park_row`/`unpark_row`), and text arriving later is projected into its trailing rows in one staged
-copy for all requests per loop iteration (`write_text`).
+park slot (`park_rows`/`unpark_row`, stages/talker/row_copies.py), and text arriving later is projected into its
+trailing rows in one staged copy for all requests per loop iteration (`write_text`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from stages.talker.frame import new_code_predictor_cache, predict_frame_codes
 from stages.talker.paged_attention import contiguous_tiling, decode_tiling, kernel_available
 from stages.talker.paged_kv import DecodeContext, PagedKVCache, PrefillContext
 from stages.talker.prompt_plan import NONE, embed_rows, embed_text_rows
+from stages.talker.row_copies import RowCopies
 from stages.talker.staging import Admission, HostRing, IntStage, SlotParams, Staging, round_up, write_stage
 from stages.talker.step_clock import StepClock
 from stages.talker.step_copies import StepCopies
@@ -112,9 +113,8 @@ class TalkerRunner:
         # two in turn: one admission per iteration never waits for a copy (a burst of 3+ may)
         self._host_stage = HostRing([Staging(*stage, device="cpu", pin=self.cuda) for _ in range(2)], self.cuda)
         self._stage = Staging(*stage, device=dev, pin=False)
-        self._parked: list[torch.Tensor] | None = None  # per-row state of parked requests, by park slot (lazy)
+        self._copies = RowCopies(num_slots, dev)  # row moves, and parked requests' state by park slot
         self._text_stage = IntStage(dev)
-        self._move_stage = IntStage(dev, turns=8)  # row moves' indices (several calls per iteration)
         self._init_tts_pad()
         for name, fn in EAGER_STEP_FUNCTIONS.items():
             setattr(self, name, fn)
@@ -175,30 +175,8 @@ class TalkerRunner:
 
     def move_rows(self, moves: list[tuple[int, int, int]]) -> None:
         """Requests continue in other rows, each (src, dst, trailing_len): their small state and first
-        trailing_len text rows move, their KV stays in its blocks. Each row moves at most once and no destination
-        is also a source, so one gather and one scatter per row tensor do all moves at once (per-request indexing
-        was a fifth of a served c=256's engine thread). Text rows move by (row, position) pairs: each request's
-        own length. The indices cross in one staged copy (a ring of 8 host buffers). No host sync."""
-        if not moves:
-            return
-        n = len(moves)
-        moved = np.array(moves, dtype=np.int64).reshape(n, 3)
-        lengths = moved[:, 2]
-        k = int(lengths.sum())
-        host = self._move_stage.host(2 * n + 3 * k)
-        host[:n], host[n:2 * n] = moved[:, 0], moved[:, 1]
-        if k:
-            starts = np.cumsum(lengths) - lengths
-            host[2 * n:2 * n + k] = np.repeat(moved[:, 0], lengths)  # source row of each text row
-            host[2 * n + k:2 * n + 2 * k] = np.repeat(moved[:, 1], lengths)  # its destination row
-            host[2 * n + 2 * k:] = np.arange(k) - np.repeat(starts, lengths)  # its position in both
-        index = self._move_stage.copy(2 * n + 3 * k)
-        src, dst = index[:n], index[n:2 * n]
-        for t in self._row_tensors():
-            t[dst] = t[src]
-        if k:
-            text_src, text_dst, position = index[2 * n:2 * n + k], index[2 * n + k:2 * n + 2 * k], index[2 * n + 2 * k:]
-            self.trailing[text_dst, position] = self.trailing[text_src, position]
+        trailing_len text rows move, their KV stays in its blocks (stages/talker/row_copies.py). No host sync."""
+        self._copies.move(self._row_tensors(), self.trailing, moves)
 
     def _new_kv(self, num_blocks: int) -> PagedKVCache:
         layers, block_size, heads, head_dim, rows = self._kv_shape
@@ -214,29 +192,28 @@ class TalkerRunner:
 
     def free_rows(self, start: int, stop: int) -> None:
         """Rows [start, stop) nobody runs in any more point at the scratch block: padding rows write nowhere."""
+        self._copies.flush(self._row_tensors())
         if stop > start:
             self.kv.block_table[start:stop] = self.kv.scratch_block
 
     # ---------------------------------------------------------------- live text
-    def park_row(self, row: int, slot: int) -> None:
-        """The request in `row` leaves the rows: its small state goes to park slot `slot` (< num_slots; the
-        engine passes the request's ticket). Its trailing text is not kept: a request parks when it has read
-        all of it, and text arriving later is written to the row it resumes in (`write_text`)."""
-        if self._parked is None:
-            self._parked = [torch.empty_like(t[:self.num_slots]) for t in self._row_tensors()]
-        for t, p in zip(self._row_tensors(), self._parked, strict=True):
-            p[slot] = t[row]
+    def park_rows(self, rows: list[int], slots: list[int]) -> None:
+        """The requests in `rows` leave them: their small state goes to park slots `slots` (< num_slots; the engine
+        passes the requests' tickets), all in one copy per row tensor. Their trailing text is not kept: a request
+        parks when it has read all of it, and text arriving later is written to the row it resumes in
+        (`write_text`)."""
+        self._copies.park(self._row_tensors(), rows, slots)
 
     def unpark_row(self, slot: int, row: int) -> None:
-        """The request parked in `slot` continues in the free row `row`, where it stopped."""
-        assert self._parked is not None
-        for t, p in zip(self._row_tensors(), self._parked, strict=True):
-            t[row] = p[slot]
+        """The request parked in `slot` continues in the free row `row`, where it stopped (copied with this
+        iteration's other unparks before the next row operation or step)."""
+        self._copies.unpark(slot, row)
 
     @torch.no_grad()
     def write_text(self, writes: list[tuple[int, int, np.ndarray]]) -> None:
         """Text rows that arrived while requests run: for each (row, start, ids), trailing rows start.. of `row`
         become P(ids), and its trailing length start + len(ids). One staged copy for all; no host sync."""
+        self._copies.flush(self._row_tensors())
         k = sum(len(ids) for _, _, ids in writes)
         n = len(writes)
         # >= 2 rows: a one-row product takes another kernel (GEMV) whose rounding differs from the prefill's
@@ -270,6 +247,7 @@ class TalkerRunner:
         """
         n = len(batch)
         assert 0 < n <= self.max_prefill_batch
+        self._copies.flush(self._row_tensors())
         exact = batch[0].exact is not None
         width = max(a.plan.length for a in batch)  # the transformer's width: prompt rows only
         trailing = max(a.plan.trailing_length for a in batch)
@@ -430,6 +408,7 @@ class TalkerRunner:
         """Enqueue one step for rows [0, b) (b a batch bucket) and the copies of its two halves to the host (the
         frame's codes, then the whole output: stages/talker/step_copies.py); returns a ticket for `step_codes` and
         `step_output`. Does not wait: the host can prepare the next step meanwhile."""
+        self._copies.flush(self._row_tensors())
         turn = self.copies.next_turn()
         self.step_clock.begin()
         halves = self.graphs.get((b, attn_len))

@@ -305,8 +305,9 @@ class LiveFakeRunner(FakeRunner):
         self.parked: dict[int, list[int]] = {}
         self.text_rows = 0
 
-    def park_row(self, row: int, slot: int) -> None:
-        self.parked[slot] = list(self.rows[row])
+    def park_rows(self, rows: list[int], slots: list[int]) -> None:
+        for row, slot in zip(rows, slots, strict=True):
+            self.parked[slot] = list(self.rows[row])
 
     def unpark_row(self, slot: int, row: int) -> None:
         self.rows[row] = self.parked.pop(slot)

@@ -237,6 +237,60 @@ def test_hot_path_has_no_host_sync(cuda_model, prompts):
     assert stats.running == 0 and stats.kv_reserved_tokens == 0
 
 
+def test_live_text_parks_on_cuda_give_the_whole_text_codes_without_a_host_sync(cuda_model):
+    """Three live requests fed a token at a time, each waiting (parked) before every token, so that parks and
+    unparks of several rows share iterations (stages/talker/row_copies.py), on the graphed engine under
+    `set_sync_debug_mode("error")`: each gets the reference generator's codes for its text sent whole."""
+    from stages.prompts import build_live_prompt
+
+    m, frames = cuda_model, 24
+    texts = ["Hello there, friend.", "A longer sentence for the second.", "Third one here."]
+    live = build_live_prompt(m.config, m.tokenizer, speaker="ryan", language="english")
+    engine = TalkerEngine(m, TalkerEngineConfig(max_seq_len=256, max_num_seqs=4, compile=False))
+    engine.start(log=lambda _m: None)
+
+    async def feed(request_id: str, text: str) -> None:
+        sched = engine.scheduler
+        for i in m.tokenizer.encode(text):
+            await asyncio.wrap_future(engine.run_on_device(lambda: None))  # the last piece was handled
+            while request_id not in sched.held and request_id not in sched.parked and sched.get(request_id):
+                await asyncio.sleep(0.001)  # until it has caught up with its text (or ended)
+            if sched.get(request_id) is None:
+                return  # it ended (max frames) before its text did
+            engine.append_text(request_id, m.tokenizer._tok.decode([i]))
+        engine.end_text(request_id)
+
+    async def main():
+        streams = [engine.open_request(SynthesisRequest(f"l{k}", live, GREEDY, frames)) for k in range(3)]
+        feeders = [asyncio.create_task(feed(f"l{k}", t)) for k, t in enumerate(texts)]
+        codes = [np.concatenate([c.codes[c.context:] async for c in s]) for s in streams]
+        await asyncio.gather(*feeders)
+        return codes
+
+    try:
+        asyncio.run(_codes_of_one(engine, live))  # first-use allocations (and a first park) outside the check
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            codes = asyncio.run(main())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        parks = engine.counters.parks
+    finally:
+        engine.shutdown()
+    reference = ReferenceGenerator(m)
+    for text, got in zip(texts, codes, strict=True):
+        whole = build_prompt(m.config, m.tokenizer, text, speaker="ryan", language="english", non_streaming_text=False)
+        np.testing.assert_array_equal(got, reference.generate_codes(whole, GREEDY, frames))
+    assert parks >= 2 * len(texts)  # each waited for its next word at least twice (its words release one by one)
+
+
+async def _codes_of_one(engine, live_prompt) -> None:
+    stream = engine.open_request(SynthesisRequest("warm", live_prompt, GREEDY, 4), text="Hi")
+    engine.append_text("warm", " there")
+    engine.end_text("warm")
+    [c async for c in stream]
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["separate-projections", "fused-projections"])
 @pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 2e-2)])  # H100: 1.2e-7, 0.8% (1 ulp)
 def test_compiled_layer_kernels_match_eager_on_prompt_shapes(tiny_custom_voice, dtype, rtol, fused):
