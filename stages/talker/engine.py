@@ -269,7 +269,7 @@ class TalkerEngine:
             num_blocks = pool()
             self.runner.resize_kv(num_blocks)
         self.scheduler = Scheduler(self.num_slots, num_blocks, cfg.kernels.kv_block_size, cfg.max_prefill_batch,
-                                   cfg.max_waiting, cfg.batch_share, cfg.max_prefill_tokens)
+                                   cfg.max_waiting, cfg.batch_share, cfg.max_prefill_tokens, self.runner.prefill_fits)
         self._exact = not cuda if cfg.kernels.exact_prefill is None else cfg.kernels.exact_prefill
         self._rows = Rows(self.scheduler, self.runner, self.num_slots)
         self._outputs = StepOutputs(self.num_slots, cfg.max_seq_len, self.runner.eos, logger)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,10 +112,12 @@ class BlockAllocator:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, num_blocks: int, block_size: int, max_prefill_batch: int,
-                 max_waiting: int, batch_share: float = 0.5, max_prefill_tokens: int | None = None):
+                 max_waiting: int, batch_share: float = 0.5, max_prefill_tokens: int | None = None,
+                 prefill_fits: Callable[[int, int], bool] | None = None):
         self.max_num_seqs, self.max_prefill_batch, self.max_waiting = max_num_seqs, max_prefill_batch, max_waiting
-        # prompt positions of one prefill batch at most (None: no bound but its requests)
-        self.max_prefill_tokens = max_prefill_tokens
+        # prompt positions of one prefill batch at most (None: no bound but its requests), and whether n prompts, the
+        # longest of the given positions, make one prefill (the runner's padded bound; None: any that fit the above)
+        self.max_prefill_tokens, self.prefill_fits = max_prefill_tokens, prefill_fits
         self.blocks = BlockAllocator(num_blocks, block_size)
         self.waiting: collections.deque[Sequence] = collections.deque()  # real-time requests, FIFO
         self.waiting_batch: collections.deque[Sequence] = collections.deque()  # batch requests, FIFO
@@ -219,23 +221,28 @@ class Scheduler:
         return self.blocks.blocks_for(self.waiting[0].max_positions) > self.blocks.free
 
     # ------------------------------------------------------------------ admission
-    def admit(self, limit: int | None = None, tokens: int | None = None) -> list[Sequence]:
+    def admit(self, limit: int | None = None, tokens: int | None = None, one_prefill: bool = False) -> list[Sequence]:
         """Restarts first (they hold a slot and KV), then waiting real-time requests that fit (FIFO), then, while
         none waits, batch requests within their share; up to `limit` requests and `tokens` prompt positions (default:
-        one prefill batch's) in all, the first always: each gets a row, a ticket and its KV blocks."""
+        one prefill batch's) in all, the first always: each gets a row, a ticket and its KV blocks. `one_prefill`:
+        no more than one prefill holds (`prefill_fits`, the runner's padded bound)."""
         limit = self.max_prefill_batch if limit is None else limit
         budget = [self.max_prefill_tokens if tokens is None else tokens]
+        longest = [0]
         admitted: list[Sequence] = []
 
         def room(queue: collections.deque[Sequence]) -> bool:  # the head's prompt fits what is left
             if len(admitted) >= limit:
                 return False
-            if budget[0] is None:
-                return True
             length = queue[0].prompt_len
-            if admitted and length > budget[0]:
+            if admitted and budget[0] is not None and length > budget[0]:
                 return False
-            budget[0] -= length
+            if admitted and one_prefill and self.prefill_fits is not None and not self.prefill_fits(
+                    len(admitted) + 1, max(longest[0], length)):
+                return False
+            if budget[0] is not None:
+                budget[0] -= length
+            longest[0] = max(longest[0], length)
             return True
 
         while self.restarts and room(self.restarts):
@@ -280,15 +287,15 @@ class Scheduler:
         return seq
 
     def admit_for_step(self, lead_s: float, max_prefills: int, now: float) -> list[Sequence]:
-        """This iteration's admissions: one prefill batch's worth (`max_prefill_batch` requests, `max_prefill_tokens`
-        prompt positions), or up to `max_prefills` times that while every playing stream has at least `lead_s` of
-        handed-out audio not yet played (each extra prefill delays the next step by its own time). A burst is
+        """This iteration's admissions: one prefill (`max_prefill_batch` requests, `max_prefill_tokens` prompt positions,
+        within `prefill_fits`), or up to `max_prefills` times that while every playing stream has at least `lead_s`
+        of handed-out audio not yet played (each extra prefill delays the next step by its own time). A burst is
         ordered shortest prompt first: one step follows them all, so their order changes no one's first frame,
         and a batch pads to its longest prompt's width."""
-        lacks_lead = self.num_running and self.min_lead_s(now) < lead_s
+        lacks_lead = bool(self.num_running) and self.min_lead_s(now) < lead_s
         batches = 1 if lacks_lead else max_prefills
         tokens = None if self.max_prefill_tokens is None else self.max_prefill_tokens * batches
-        admitted = self.admit(limit=self.max_prefill_batch * batches, tokens=tokens)
+        admitted = self.admit(limit=self.max_prefill_batch * batches, tokens=tokens, one_prefill=lacks_lead)
         if len(admitted) > 1:
             admitted.sort(key=lambda s: s.prompt_len)
         return admitted

@@ -276,3 +276,22 @@ def test_a_burst_admits_max_prefills_batches_of_prompt_positions(lacks_lead):
     expect = burst[:5] if lacks_lead else burst[:16]
     assert admitted == sorted(expect, key=lambda x: x.prompt_len)
     assert list(s.waiting) == burst[len(expect):]
+
+
+def test_lacking_lead_admits_what_one_prefill_holds():
+    """While a playing stream lacks lead, an iteration admits no more than one prefill holds by the runner's
+    padded bound (`prefill_fits`), so its step waits for one prefill, as before short prompts went many to one."""
+    def fits(n: int, width: int) -> bool:  # a runner whose prefill pads prompts to >= 16 positions
+        return n * max(width, 16) <= 64
+
+    s = Scheduler(max_num_seqs=64, num_blocks=1000, block_size=16, max_prefill_batch=32, max_waiting=100,
+                  max_prefill_tokens=100, prefill_fits=fits)
+    playing = seq("playing")
+    s.add(playing)
+    s.admit()
+    s.handed_out(playing.ticket, 1, now=0.0)
+    burst = [seq(f"b{i}", prompt_len=10) for i in range(12)]
+    for x in burst:
+        s.add(x)
+    assert s.admit_for_step(lead_s=1.0, max_prefills=2, now=0.0) == burst[:4]  # 4 x 16 padded (10 fit 100)
+    assert s.admit_for_step(lead_s=0.0, max_prefills=2, now=0.0) == burst[4:12]  # with lead: 2 x 100 positions
