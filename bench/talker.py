@@ -53,11 +53,15 @@ def prompt_plan(model: Qwen3TTS):
 
 
 def admit(runner: TalkerRunner, plan, b: int, sampling: SamplingParams, blocks_per_request: int) -> None:
-    """Rows [0, b) take the same prompt, in admission batches of <= 16 (as the engine admits)."""
-    for start in range(0, b, runner.max_prefill_batch):
-        rows = range(start, min(b, start + runner.max_prefill_batch))
+    """Rows [0, b) take the same prompt, in prefills as large as the runner holds (as the engine packs them)."""
+    start = 0
+    while start < b:
+        n = 1
+        while start + n < b and runner.prefill_fits(n + 1, plan.length):
+            n += 1
         runner.admit([Admission(r, plan, sampling, r, np.arange(r * blocks_per_request, (r + 1) * blocks_per_request))
-                      for r in rows])
+                      for r in range(start, start + n)])
+        start += n
 
 
 def sync() -> None:
