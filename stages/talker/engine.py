@@ -354,13 +354,13 @@ class TalkerEngine:
         return True
 
     def _admit(self) -> None:
-        """This iteration's admissions (the scheduler's policy), in prefills the runner holds (`_prefill_batches`).
+        """This iteration's admissions (the scheduler's policy), in prefills the runner holds (`prefill_batches`).
         A failed prefill fails its batch alone: their rows fill from later ones, their streams end with the error."""
         cfg = self.config
         admitted = self.scheduler.admit_for_step(cfg.admission_lead_s, cfg.max_prefills_per_step, time.monotonic())
         failed: list[tuple[Sequence, BaseException]] = []
         prefilled = 0
-        for batch in self._prefill_batches(admitted):
+        for batch in self.scheduler.prefill_batches(admitted):
             error = self._prefill(batch)
             if error is not None:
                 failed += [(s, error) for s in batch]
@@ -368,20 +368,6 @@ class TalkerEngine:
             self.counters.burst_prefills += prefilled > 0
             prefilled += 1
         self._rows.release(failed)
-
-    def _prefill_batches(self, admitted: list[Sequence]) -> list[list[Sequence]]:
-        """Admitted requests (shortest prompt first) in prefills the runner can hold (`TalkerRunner.prefill_fits`):
-        in order, each as large as fits."""
-        batches: list[list[Sequence]] = []
-        batch: list[Sequence] = []
-        width = 0
-        for seq in admitted:
-            if batch and not self.runner.prefill_fits(len(batch) + 1, max(width, seq.plan.length)):
-                batches.append(batch)
-                batch, width = [], 0
-            batch.append(seq)
-            width = max(width, seq.plan.length)
-        return batches + [batch] if batch else batches
 
     def _prefill(self, batch: list[Sequence]) -> BaseException | None:
         """One batched prefill of admitted requests (their rows, tickets and KV blocks are theirs already);

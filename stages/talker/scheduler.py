@@ -300,6 +300,21 @@ class Scheduler:
             admitted.sort(key=lambda s: s.prompt_len)
         return admitted
 
+    def prefill_batches(self, admitted: list[Sequence]) -> list[list[Sequence]]:
+        """Admitted requests (shortest prompt first) in prefills that `prefill_fits` (each as large as fits, in order;
+        without it, `max_prefill_batch` at a time)."""
+        batches: list[list[Sequence]] = []
+        batch: list[Sequence] = []
+        width = 0  # the batch's longest prompt
+        for seq in admitted:
+            n, wider = len(batch) + 1, max(width, seq.prompt_len)
+            if batch and not (self.prefill_fits(n, wider) if self.prefill_fits else n <= self.max_prefill_batch):
+                batches.append(batch)
+                batch, wider = [], seq.prompt_len
+            batch.append(seq)
+            width = wider
+        return batches + [batch] if batch else batches
+
     def started(self, seq: Sequence, frames_to_next_chunk: int, now: float) -> bool:
         """A request's prefill ran: its per-ticket step counters start; True on its first admission."""
         t = seq.ticket

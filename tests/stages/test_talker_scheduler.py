@@ -295,3 +295,18 @@ def test_lacking_lead_admits_what_one_prefill_holds():
         s.add(x)
     assert s.admit_for_step(lead_s=1.0, max_prefills=2, now=0.0) == burst[:4]  # 4 x 16 padded (10 fit 100)
     assert s.admit_for_step(lead_s=0.0, max_prefills=2, now=0.0) == burst[4:12]  # with lead: 2 x 100 positions
+
+
+def test_admitted_requests_go_in_prefills_that_fit_in_order():
+    """`prefill_batches`: each prefill as large as `prefill_fits` allows (the batch's longest prompt sets its width),
+    in the admitted order; without `prefill_fits`, `max_prefill_batch` at a time."""
+    def fits(n: int, width: int) -> bool:
+        return n * width <= 60
+
+    s = Scheduler(max_num_seqs=8, num_blocks=100, block_size=16, max_prefill_batch=4, max_waiting=100,
+                  prefill_fits=fits)
+    a, b, c, d, e = (seq(x, prompt_len=n) for x, n in zip("abcde", (10, 12, 15, 30, 31), strict=True))
+    assert s.prefill_batches([a, b, c, d, e]) == [[a, b, c], [d], [e]]  # 4 x 30 > 60; 2 x 31 > 60
+    s.prefill_fits = None
+    assert s.prefill_batches([a, b, c, d, e]) == [[a, b, c, d], [e]]
+    assert s.prefill_batches([]) == []
