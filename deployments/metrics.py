@@ -33,8 +33,8 @@ class IngressMetrics:
         )
         self.first_audio_stage_ms = metrics.Histogram(
             "tts_first_audio_stage_ms", description="Each hop of a request's first audio (stage: ingress, "
-            "to_talker, talker, talker_decode, to_ingress, to_code2wav, code2wav_queue, code2wav, from_code2wav, "
-            "respond, total; the Server-Timing header of the response, deployments/first_audio_timing.py).",
+            "to_talker, talker_queue, talker, talker_decode, to_ingress, to_code2wav, code2wav_queue, code2wav, "
+            "from_code2wav, respond, total; the Server-Timing header of the response, deployments/first_audio_timing.py).",
             boundaries=[0.5, 1, 2, *FIRST_AUDIO_MS_BUCKETS], tag_keys=("model", "stage"),
         )
         self.real_time_factor = metrics.Histogram(

@@ -153,9 +153,10 @@ class CodecChunk:
     context: int
     final: bool = False
     finish_reason: FinishReason | None = None
-    # wall times the serving path stamps on a stream's first chunk (deployments/first_audio_timing.py): generate
-    # started, first chunk cut, first chunk left[, live: its first text reached the engine]
-    stamps: tuple[float, ...] = ()
+    # wall times (time.time()) on a stream's first chunk, by name (deployments/first_audio_timing.py): the engine's
+    # "queued" (its prefill had its text) and "prefilled", then the serving path's ("started", "cut", "left", live
+    # "text_in")
+    stamps: dict[str, float] = field(default_factory=dict)
     # int16 PCM of the new frames when the Talker decoded the chunk itself (deployments/talker/first_chunk_decoder.py)
     pcm: np.ndarray | None = None
 

@@ -244,7 +244,7 @@ class TalkerServer:
                 async for chunk in self._leaving(stream, started, request.request_id):
                     # the live first audio's `to_talker_text` ends where its first text reached the engine
                     if chunk.seq == 0 and (text_in := pump.first_text_at(request.request_id)) is not None:
-                        chunk = dataclasses.replace(chunk, stamps=(*chunk.stamps, text_in))
+                        chunk = dataclasses.replace(chunk, stamps={**chunk.stamps, "text_in": text_in})
                     yield chunk
         finally:
             self._live_open -= 1
@@ -292,7 +292,7 @@ class TalkerServer:
         cut, decoder, pcm = first_audio_timing.now(), self._first_decoder, None
         if decoder is not None and decoder.takes(chunk, self._engine.stats().running, first):
             pcm = await decoder.decode(chunk)
-        stamps = (started, cut, first_audio_timing.now()) if chunk.seq == 0 else ()
+        stamps = {**chunk.stamps, "started": started, "cut": cut, "left": first_audio_timing.now()} if chunk.seq == 0 else {}
         return dataclasses.replace(chunk, pcm=pcm, stamps=stamps)
 
     def _schedule_for(self, options: GenerateOptions) -> ChunkSchedule:

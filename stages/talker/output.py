@@ -8,6 +8,7 @@ hands the chunks out, releases the finished rows and moves live requests to thei
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -145,3 +146,15 @@ class StepOutputs:
                 seq.first_chunk_at = now
                 counters.first_chunks += 1
                 counters.first_chunk_seconds += now - seq.enqueued_at
+                _stamp_first(seq, chunks)
+
+
+def _stamp_first(seq: Sequence, chunks: list[CodecChunk]) -> None:
+    """The stream's first chunk with frames carries when its request was queued (a live request: when its first
+    prefill had its text) and prefilled, as wall times: the Server-Timing stages `talker_text` and `talker_queue`."""
+    k = next(i for i, c in enumerate(chunks) if c.num_new)
+    to_wall = time.time() - time.monotonic()
+    stamps = {"queued": seq.enqueued_at + to_wall}
+    if seq.admitted_at is not None:
+        stamps["prefilled"] = seq.admitted_at + to_wall
+    chunks[k] = dataclasses.replace(chunks[k], stamps={**chunks[k].stamps, **stamps})

@@ -8,14 +8,17 @@ from deployments.first_audio_timing import STAGES, FirstAudioTiming, parse_serve
 
 
 def full_timing() -> FirstAudioTiming:
-    return FirstAudioTiming(arrived=100.0, talker_called=100.001, talker=(100.003, 100.013, 100.0135),
+    return FirstAudioTiming(arrived=100.0, talker_called=100.001,
+                            talker={"started": 100.003, "queued": 100.0031, "prefilled": 100.005, "cut": 100.013,
+                                    "left": 100.0135},
                             chunk_received=100.0145, code2wav=(100.016, 100.020, 100.025), decoded_received=100.026,
                             responded=100.0265)
 
 
 def test_every_hop_is_the_difference_of_its_stamps():
     stages = full_timing().stages_ms()
-    expected = {"ingress": 1, "to_talker": 2, "talker": 10, "talker_decode": 0.5, "to_ingress": 1, "to_code2wav": 1.5,
+    expected = {"ingress": 1, "to_talker": 2, "talker_queue": 2, "talker": 8, "talker_decode": 0.5, "to_ingress": 1,
+                "to_code2wav": 1.5,
                 "code2wav_queue": 4,
                 "code2wav": 5, "from_code2wav": 1, "respond": 0.5, "total": 26.5}
     assert list(stages) == list(expected)  # path order
@@ -26,7 +29,7 @@ def test_every_hop_is_the_difference_of_its_stamps():
 
 def test_unread_talker_chunks_merge_its_hops():
     timing = full_timing()
-    timing.talker = ()  # object_ref transport: the ingress forwarded a ref
+    timing.talker = {}  # object_ref transport: the ingress forwarded a ref
     stages = timing.stages_ms()
     assert "to_talker" not in stages and stages["talker_and_back"] == pytest.approx(13.5)
     assert stages["to_code2wav"] == pytest.approx(1.5)
@@ -37,7 +40,8 @@ def test_a_first_chunk_decoded_by_the_talker_has_no_code2wav_stages():
     timing.code2wav = ()
     timing.decoded_received = timing.chunk_received
     stages = timing.stages_ms()
-    assert list(stages) == ["ingress", "to_talker", "talker", "talker_decode", "to_ingress", "respond", "total"]
+    assert list(stages) == ["ingress", "to_talker", "talker_queue", "talker", "talker_decode", "to_ingress", "respond",
+                            "total"]
     assert stages["respond"] == pytest.approx(12.0)
 
 
@@ -64,7 +68,7 @@ def test_a_live_contexts_first_audio_runs_from_its_first_text():
     start at the first text's arrival: its way to the engine, then the request's hops from the Talker on."""
     timing = FirstAudioTiming(arrived=0.0, live=True, talker_called=99.0)  # the request started at the open
     timing.arrived = 100.0  # the first text
-    timing.talker = (99.001, 100.150, 100.151, 100.020)  # started, cut, left, first text in the engine
+    timing.talker = {"started": 99.001, "cut": 100.150, "left": 100.151, "text_in": 100.020}
     timing.chunk_received, timing.decoded_received = 100.152, 100.160
     timing.code2wav = (100.154, 100.155, 100.159)
     timing.responded = 100.1605
@@ -75,7 +79,7 @@ def test_a_live_contexts_first_audio_runs_from_its_first_text():
     assert list(stages) == list(expected) and stages == pytest.approx(expected, abs=1e-6)
     assert set(stages) <= set(STAGES)
     # a burst: the request's call started in the Talker 30 ms after its first text reached the ingress
-    timing.talker = (100.030, 100.150, 100.151, 100.040)
+    timing.talker = {"started": 100.030, "cut": 100.150, "left": 100.151, "text_in": 100.040}
     late = timing.stages_ms()
     assert late["ingress_call"] == 0 and late["to_talker_call"] == pytest.approx(30)
     assert late["to_talker_text"] == pytest.approx(10)
@@ -86,6 +90,32 @@ def test_a_live_contexts_first_audio_runs_from_its_first_text():
     assert later["ingress_call"] == pytest.approx(12) and later["to_talker_call"] == pytest.approx(18)
     assert sum(v for k, v in later.items() if k != "total") == pytest.approx(later["total"])
     timing.talker_called = 99.0
-    timing.talker = timing.talker[:3]  # no text stamp (the text came before the pump knew the request)
+    del timing.talker["text_in"]  # no text stamp (the text came before the pump knew the request)
     assert list(timing.stages_ms())[:2] == ["talker", "talker_decode"]
     assert timing.stages_ms()["talker"] == pytest.approx(150)
+
+
+def test_the_engines_stamps_split_the_talker_stage():
+    """The engine's "queued" and "prefilled": a request's wait for its prefill (`talker_queue`) apart from its first
+    chunk's frames (`talker`); a live one's wait for the text that makes its first prefill's text final
+    (`talker_text`) before. Stamps missing or out of order (another engine; a request queued before its first text
+    came) leave `talker` whole."""
+    timing = full_timing()
+    del timing.talker["prefilled"]
+    assert "talker_queue" not in timing.stages_ms() and timing.stages_ms()["talker"] == pytest.approx(10)
+    timing = full_timing()
+    timing.talker["prefilled"] = 100.002  # before its call started there: not this request's
+    assert "talker_queue" not in timing.stages_ms() and timing.stages_ms()["talker"] == pytest.approx(10)
+    live = FirstAudioTiming(arrived=100.0, live=True, talker_called=99.0, chunk_received=100.152, responded=100.16)
+    live.decoded_received = 100.152
+    live.talker = {"started": 99.001, "text_in": 100.020, "queued": 100.120, "prefilled": 100.125, "cut": 100.150,
+                   "left": 100.151}
+    stages = live.stages_ms()
+    assert list(stages)[:6] == ["ingress_call", "to_talker_call", "to_talker_text", "talker_text", "talker_queue",
+                                "talker"]
+    assert [stages[k] for k in ("to_talker_text", "talker_text", "talker_queue", "talker")] == pytest.approx(
+        [20, 100, 5, 25])
+    assert sum(v for k, v in stages.items() if k != "total") == pytest.approx(stages["total"])
+    live.talker["queued"] = 100.010  # queued before its first text reached the engine (text came with the open)
+    stages = live.stages_ms()
+    assert "talker_text" not in stages and "talker_queue" not in stages and stages["talker"] == pytest.approx(130)

@@ -117,7 +117,7 @@ def test_the_response_says_where_its_first_audio_went(http, stream, first_frames
     hops = [name for name in stages if name != "total"]
     by_talker = first_frames == 1
     # every hop of the path stamped its part, in path order (the gRPC transport: the ingress reads the chunks)
-    assert hops == ["ingress", "to_talker", "talker", "talker_decode", "to_ingress",
+    assert hops == ["ingress", "to_talker", "talker_queue", "talker", "talker_decode", "to_ingress",
                     *([] if by_talker else CODE2WAV_HOPS), "respond"]
     assert all(stages[name] >= -0.5 for name in hops), stages  # one machine's clock: no hop runs backwards
     assert stages["talker"] > 0  # the tiny models' work is not free

@@ -129,8 +129,10 @@ def _assert_first_audio_stages(done: dict) -> None:
     stages = done["first_audio_ms"]
     names = list(stages)
     assert set(names) <= set(STAGES), names
-    # the text's way in, then the Talker's hops, (Code2Wav's, unless the Talker decoded the first chunk), the reply
-    assert names[:6] == ["ingress_call", "to_talker_call", "to_talker_text", "talker", "talker_decode", "to_ingress"]
+    # the text's way in, the engine's wait for a final word and for its prefill, then the Talker's hops, (Code2Wav's,
+    # unless the Talker decoded the first chunk), the reply
+    assert names[:8] == ["ingress_call", "to_talker_call", "to_talker_text", "talker_text", "talker_queue", "talker",
+                         "talker_decode", "to_ingress"]
     assert names[-2:] == ["respond", "total"]
     assert all(ms >= 0 for ms in stages.values()), stages
     assert sum(ms for name, ms in stages.items() if name != "total") == pytest.approx(stages["total"], abs=0.05)
@@ -266,7 +268,8 @@ def test_live_benchmark_measures_an_utterance(base_url):
     assert level["audio_s_per_s"] > 0 and level["gap_free_share"] is not None
     # where the first audio went: the server's stages from each context's `done`, then the client's rest
     stages = level["first_audio_stages_ms"]
-    assert list(stages)[:4] == ["ingress_call", "to_talker_call", "to_talker_text", "talker"]
+    assert list(stages)[:6] == ["ingress_call", "to_talker_call", "to_talker_text", "talker_text", "talker_queue",
+                                "talker"]
     assert list(stages)[-3:] == ["total", "client_side", "open"]
     assert stages["total"]["p50"] <= level["first_word_to_audio_ms"]["max"]
     assert all(st["p50"] is not None and st["p50"] >= 0 for st in stages.values()), stages

@@ -194,3 +194,32 @@ def test_prefill_pads_to_the_configured_batches(model):
         engine.shutdown()
     with pytest.raises(ValueError, match="prefill_batches"):
         TalkerEngineConfig(prefill_batches=(0, 4))
+
+
+def test_the_first_chunk_says_when_its_request_was_queued_and_prefilled(model, prompts):
+    """Wall times on the first chunk with frames (the Server-Timing stages `talker_queue`, `talker_text`): queued
+    when added, or for a live request when its first word became final; prefilled after; no later chunk has them."""
+    import time
+
+    from stages.prompts import build_live_prompt
+
+    engine = _engine(model, max_num_seqs=4)
+    try:
+        async def main():
+            added = time.time()
+            chunks = [c async for c in engine.add_request(SynthesisRequest("s", prompts[0], GREEDY, 6))]
+            live = engine.open_request(SynthesisRequest("l", build_live_prompt(model.config, model.tokenizer,
+                                                                               speaker="ryan"), GREEDY, 4))
+            engine.append_text("l", "Hello")  # a word that could still grow: not final yet
+            await asyncio.sleep(0.05)
+            final = time.time()
+            engine.append_text("l", " there")  # "Hello" is final: the request is queued
+            engine.end_text("l")
+            return added, chunks, final, [c async for c in live]
+        added, chunks, final, live_chunks = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    first = chunks[0].stamps
+    assert added <= first["queued"] <= first["prefilled"] <= time.time()
+    assert all(not c.stamps for c in chunks[1:])
+    assert final <= live_chunks[0].stamps["queued"] <= live_chunks[0].stamps["prefilled"]
