@@ -12,7 +12,8 @@ codebook-0 token, repetition mask, sampling parameters, block-table row); its KV
   launched from the engine thread: ~2,500 launches for 128 connections, every word. A step's parks are one gather
   and one scatter per tensor; unparks, which come one text at a time while the engine drains its commands, are
   queued and copied together by `flush`, which the runner calls before any other row operation and every step.
-Indices cross in one staged copy per call (a ring of 8 host buffers: several calls per iteration). No host sync.
+Indices cross in one staged copy per call (a ring of 16 host buffers: a buffer is rewritten only once its copy is
+done, and one iteration may make several calls, e.g. a release per abort). No host sync.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class RowCopies:
     def __init__(self, num_slots: int, device: torch.device):
         self.num_slots = num_slots
         self._slots: list[torch.Tensor] | None = None  # park slots per row tensor, [num_slots, ...] (first park)
-        self._stage = IntStage(device, turns=8)
+        self._stage = IntStage(device, turns=16)
         self._unparks: list[tuple[int, int]] = []  # (slot, row) queued, not yet copied
 
     def move(self, tensors: list[torch.Tensor], trailing: torch.Tensor, moves: list[tuple[int, int, int]]) -> None:
