@@ -65,6 +65,9 @@ def talker_step_figures(before: dict, after: dict) -> dict:
         # of it, until the engine thread took the request from its command queue (the rest: in its queue)
         "engine_command_wait_ms": _mean_ms(before, after, "command_wait_seconds", "admitted"),
         "engine_first_chunk_ms": _mean_ms(before, after, "first_chunk_seconds", "first_chunks"),
+        # the engine's last steps one by one at the later read (stages/talker/step_clock.py, `recent_steps`): launch
+        # intervals and device times (p50, p95, p99, max ms), stalls over 30 ms and the device's share of them
+        "recent_steps": after.get("recent_steps") or {},
     }
 
 

@@ -225,8 +225,9 @@ class TalkerEngine:
         return self._adds_sent - self._adds_drained
 
     def stats(self) -> EngineStats:
-        clock = self.runner.step_clock.stats if self.runner is not None else None
-        return snapshot(self.counters, self.scheduler, self._adds_queued, self.num_slots, clock)
+        clock = self.runner.step_clock if self.runner is not None else None
+        return snapshot(self.counters, self.scheduler, self._adds_queued, self.num_slots, clock and clock.stats,
+                        clock and clock.recent_steps())
 
     # ------------------------------------------------------------------ device thread
     def _main(self, log: Callable[[str], None]) -> None:

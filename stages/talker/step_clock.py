@@ -16,19 +16,31 @@ when the host reads the step, can (`DeviceClockStats`):
   `long_idle_gap_*`: those over LONG_IDLE_GAP_S, the stalls of a host thread held up, e.g. by the GIL or a
   garbage collection).
 
+The last RECENT_STEPS steps are also kept one by one (`recent_steps`): when the host began each and its device time.
+An interval between two launches far longer than a step says the loop stalled; whether the device was busy through
+it (its step ran long: a GPU shared with another process) or idle (the host was late) is the share of the step's
+device time in it, which the sums above cannot tell apart when the stalls come in waves.
+
 Torch-free: the runner passes its event factory (`torch.cuda.Event(enable_timing=True)`); without one (CPU)
 nothing is recorded.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 RING = 4  # steps whose events are alive at once; the engine has at most two launched and unread, and reads them
 # in launch order, so step k's events are slot k % RING: launched and read counts say which slot is which
 LONG_IDLE_GAP_S = 1e-3
+RECENT_STEPS = 2048  # steps kept one by one (`recent_steps`)
+LONG_LAUNCH_INTERVAL_S = 0.03  # a launch this long after the one before: a stall of the loop (`recent_steps`)
 
 
 class TimingEvent(Protocol):
@@ -52,7 +64,7 @@ class DeviceClockStats:
 
 
 class StepClock:
-    def __init__(self, new_event: Callable[[], TimingEvent] | None):
+    def __init__(self, new_event: Callable[[], TimingEvent] | None, host_clock: Callable[[], float] = time.monotonic):
         self._events = [(new_event(), new_event()) for _ in range(RING)] if new_event else []
         self._prefill_events = [(new_event(), new_event()) for _ in range(RING)] if new_event else []
         self._chained = [False] * RING  # slot -> its step queued behind an unread one
@@ -60,6 +72,11 @@ class StepClock:
         self._prefilled = False
         self._launched = self._read = 0
         self.stats = DeviceClockStats()
+        self._host_clock = host_clock
+        self._begun_at = [0.0] * RING  # slot -> host time its step began
+        # (host time it began, device seconds, launched behind an unread step: the engine was busy, not idle)
+        self._recent: collections.deque[tuple[float, float, bool]] = collections.deque(maxlen=RECENT_STEPS)
+        self._recent_lock = threading.Lock()  # appended by the engine thread, read by a stats caller
 
     def prefill_begin(self) -> None:
         """A prefill, staged on the host, is about to be enqueued: it runs between the last launched step and the
@@ -79,6 +96,7 @@ class StepClock:
         slot = self._launched % RING
         self._launched += 1
         if self._events:
+            self._begun_at[slot] = self._host_clock()
             self._chained[slot] = self._launched - 1 > self._read  # the step before it is still unread
             self._after_prefill[slot], self._prefilled = self._prefilled, False
             self._events[slot][0].record()
@@ -96,8 +114,11 @@ class StepClock:
             return
         s = self.stats
         start, end = self._events[slot]
+        step_s = start.elapsed_time(end) * 1e-3
         s.steps += 1
-        s.step_seconds += start.elapsed_time(end) * 1e-3
+        s.step_seconds += step_s
+        with self._recent_lock:
+            self._recent.append((self._begun_at[slot], step_s, self._chained[slot]))
         if not self._chained[slot]:
             return
         gap = self._events[slot - 1][1].elapsed_time(start) * 1e-3
@@ -113,6 +134,28 @@ class StepClock:
         if gap > LONG_IDLE_GAP_S:
             s.long_idle_gaps += 1
             s.long_idle_gap_seconds += gap
+
+    def recent_steps(self) -> dict:
+        """The last RECENT_STEPS steps read: percentiles (p50, p95, p99, max; ms) of the interval between two
+        launches while the engine was busy (a step launched behind an unread one: not after an idle engine) and of
+        a step's device time; how many of those intervals were longer than LONG_LAUNCH_INTERVAL_S and the share of
+        them the step launched first kept the device busy (near 1: the device was slow, e.g. shared; near 0: the
+        host launched late). Empty without a device clock or with fewer than two such steps."""
+        with self._recent_lock:
+            recent = np.array(self._recent, dtype=np.float64).reshape(-1, 3)
+        busy = recent[1:, 2] > 0  # interval k-1 -> k: step k launched behind an unread one
+        if not busy.any():
+            return {}
+        intervals, steps = np.diff(recent[:, 0])[busy], recent[:-1, 1][busy]  # and the step that began it
+        long = intervals > LONG_LAUNCH_INTERVAL_S
+
+        def ms(x: np.ndarray) -> list[float]:
+            return [round(float(v) * 1e3, 3) for v in (*np.percentile(x, [50, 95, 99]), x.max())]
+
+        return {"steps": len(recent), "launch_interval_ms": ms(intervals), "gpu_step_ms": ms(recent[:, 1]),
+                "long_intervals": int(long.sum()),
+                "long_interval_gpu_share": round(float(np.minimum(steps[long], intervals[long]).sum()
+                                                       / intervals[long].sum()), 3) if long.any() else None}
 
 
 def window_ms(before: DeviceClockStats, after: DeviceClockStats) -> dict[str, float]:

@@ -103,4 +103,34 @@ def test_without_a_device_clock_nothing_is_recorded():
     clock.begin()
     clock.end()
     clock.read()
-    assert clock.stats == DeviceClockStats()
+    assert clock.stats == DeviceClockStats() and clock.recent_steps() == {}
+
+
+def test_recent_steps_tell_a_slow_device_from_a_late_host(device):
+    """`recent_steps`: the launch intervals while the engine was busy, and in the long ones (> 30 ms) the share the
+    device spent on the step that began them; an interval after an idle engine (nothing unread) is no stall."""
+    host = [0.0]
+    clock = StepClock(lambda: FakeEvent(device), host_clock=lambda: host[0])
+    assert clock.recent_steps() == {}
+
+    def step(host_ms: float, device_ms: float) -> None:
+        host[0] = host_ms / 1e3
+        _step(clock, device, host_ms, host_ms + device_ms)
+
+    step(0.0, 8.0)
+    step(8.0, 8.0)  # behind the unread first: a busy interval of 8 ms
+    clock.read()
+    step(16.0, 40.0)  # 8 ms after the last
+    clock.read()
+    step(56.0, 8.0)  # 40 ms after: the step before ran 40 ms on the device (a slow device)
+    clock.read()
+    step(106.0, 8.0)  # 50 ms after an 8-ms step: the host launched 42 ms late
+    clock.read()
+    clock.read()
+    step(500.0, 8.0)  # after everything was read: the engine idled, not a stall
+    clock.read()
+    recent = clock.recent_steps()
+    assert recent["steps"] == 6 and recent["long_intervals"] == 2
+    assert recent["launch_interval_ms"][-1] == pytest.approx(50.0)  # the idle interval is not counted
+    assert recent["gpu_step_ms"][-1] == pytest.approx(40.0)
+    assert recent["long_interval_gpu_share"] == pytest.approx((40 + 8) / (40 + 50), abs=1e-3)
