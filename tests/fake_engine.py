@@ -221,6 +221,9 @@ class FakeTalkerEngine:
             if stream in self._running:
                 self._running.remove(stream)
 
+    def recent_steps(self) -> dict:
+        return {}  # no device clock
+
     def stats(self) -> FakeEngineStats:
         with self._lock:
             running, waiting = len(self._running), len(self._waiting)

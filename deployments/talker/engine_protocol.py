@@ -85,3 +85,6 @@ class TalkerEngineProtocol(Protocol):
         """`fn()` on the engine's device thread (voice-clone encoders): one thread owns the device's work."""
 
     def stats(self) -> TalkerEngineCounters: ...
+
+    def recent_steps(self) -> dict:
+        """The last steps one by one (stages/talker/step_clock.py, `StepClock.recent_steps`); {} if not kept."""

@@ -318,7 +318,7 @@ class TalkerServer:
         its forwards share this replica's GPU with the engine's steps) when it has one, and its event loop's lag
         (`event_loop_lag`: deployments/loop_lag.py)."""
         stats = {"replica": this_replica(), **dataclasses.asdict(self._engine.stats()),
-                 "event_loop_lag": self._loop_lag.snapshot()}
+                 "recent_steps": self._engine.recent_steps(), "event_loop_lag": self._loop_lag.snapshot()}
         if self._first_decoder is not None:
             stats["first_chunk_decoder"] = dataclasses.asdict(self._first_decoder.stats())
         return stats

@@ -67,8 +67,7 @@ class TalkerEngine:
         self._seed_counter = itertools.count(int(time.time_ns() % (1 << 31)))
         self.counters = EngineCounters()
         # add commands not yet drained (counted as waiting): one counter per writing thread, so no update is lost
-        self._adds_sent = 0  # event-loop side
-        self._adds_drained = 0  # engine thread
+        self._adds_sent, self._adds_drained = 0, 0  # counted by the event-loop side and by the engine thread
         self._progress_at, self._idle = time.monotonic(), False  # check_health's heartbeat; idle: no work, none owed
         self.num_slots, self.graph_capture_seconds = 0, 0.0
         self._thread: threading.Thread | None = None
@@ -225,9 +224,11 @@ class TalkerEngine:
         return self._adds_sent - self._adds_drained
 
     def stats(self) -> EngineStats:
-        clock = self.runner.step_clock if self.runner is not None else None
-        return snapshot(self.counters, self.scheduler, self._adds_queued, self.num_slots, clock and clock.stats,
-                        clock and clock.recent_steps())
+        clock = self.runner.step_clock.stats if self.runner is not None else None
+        return snapshot(self.counters, self.scheduler, self._adds_queued, self.num_slots, clock)
+
+    def recent_steps(self) -> dict:  # the last steps one by one; apart from `stats`, which the hot path reads
+        return self.runner.step_clock.recent_steps() if self.runner is not None else {}
 
     # ------------------------------------------------------------------ device thread
     def _main(self, log: Callable[[str], None]) -> None:

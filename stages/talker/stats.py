@@ -45,8 +45,6 @@ class EngineStats:
     # the device's clock around the steps (CUDA; stages/talker/step_clock.py): their own GPU time and the gaps
     # between them (prefills, or the device waiting for the host); all zero without a device clock
     device_clock: DeviceClockStats = field(default_factory=DeviceClockStats)
-    # the last steps one by one (StepClock.recent_steps): launch intervals, device times, stalls and whose
-    recent_steps: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -80,7 +78,7 @@ class EngineCounters:
 
 
 def snapshot(counters: EngineCounters, scheduler: Scheduler | None, queued: int, slots: int,
-             device_clock: DeviceClockStats | None, recent_steps: dict | None = None) -> EngineStats:
+             device_clock: DeviceClockStats | None) -> EngineStats:
     """The engine's stats now; `queued`: adds not yet taken by the engine thread (they count as waiting)."""
     if scheduler is None:
         return EngineStats(queued, 0, 0, 0, 0, 0, 0)
@@ -98,5 +96,4 @@ def snapshot(counters: EngineCounters, scheduler: Scheduler | None, queued: int,
         first_chunks=c.first_chunks, first_chunk_seconds=c.first_chunk_seconds,
         # a copy (the engine thread adds on); none while the runner is still being built (graph capture)
         device_clock=replace(device_clock) if device_clock is not None else DeviceClockStats(),
-        recent_steps=recent_steps or {},
     )
