@@ -18,6 +18,8 @@ done, and one iteration may make several calls, e.g. a release per abort). No ho
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -25,18 +27,18 @@ from stages.talker.staging import IntStage
 
 
 class RowCopies:
-    """Moves, parks and unparks over the row tensors the runner passes (dim 0 = row), in call order."""
+    """Moves, parks and unparks over the runner's row tensors (`row_tensors()`, dim 0 = row), in call order."""
 
-    def __init__(self, num_slots: int, device: torch.device):
-        self.num_slots = num_slots
+    def __init__(self, num_slots: int, device: torch.device, row_tensors: Callable[[], list[torch.Tensor]]):
+        self.num_slots, self._row_tensors = num_slots, row_tensors
         self._slots: list[torch.Tensor] | None = None  # park slots per row tensor, [num_slots, ...] (first park)
         self._stage = IntStage(device, turns=16)
         self._unparks: list[tuple[int, int]] = []  # (slot, row) queued, not yet copied
 
-    def move(self, tensors: list[torch.Tensor], trailing: torch.Tensor, moves: list[tuple[int, int, int]]) -> None:
+    def move(self, trailing: torch.Tensor, moves: list[tuple[int, int, int]]) -> None:
         """Each (src, dst, trailing_len): the row's state and its first trailing_len rows of `trailing` (text rows,
         by (row, position) pairs: each request's own length) go to row dst."""
-        self.flush(tensors)
+        self.flush()
         if not moves:
             return
         n = len(moves)
@@ -52,18 +54,19 @@ class RowCopies:
             host[2 * n + 2 * k:] = np.arange(k) - np.repeat(starts, lengths)  # its position in both
         index = self._stage.copy(2 * n + 3 * k)
         src, dst = index[:n], index[n:2 * n]
-        for t in tensors:
+        for t in self._row_tensors():
             t[dst] = t[src]
         if k:
             text_src, text_dst, position = index[2 * n:2 * n + k], index[2 * n + k:2 * n + 2 * k], index[2 * n + 2 * k:]
             trailing[text_dst, position] = trailing[text_src, position]
 
-    def park(self, tensors: list[torch.Tensor], rows: list[int], slots: list[int]) -> None:
+    def park(self, rows: list[int], slots: list[int]) -> None:
         """The state of `rows` goes to park slots `slots` (distinct), after any queued unpark (a request unparked
         and starved again within one iteration parks what it was given back)."""
-        self.flush(tensors)
+        self.flush()
         if not rows:
             return
+        tensors = self._row_tensors()
         if self._slots is None:
             self._slots = [torch.empty_like(t[:self.num_slots]) for t in tensors]
         src, dst = self._pairs(rows, slots)
@@ -75,14 +78,14 @@ class RowCopies:
         assert self._slots is not None, "nothing was parked"
         self._unparks.append((slot, row))
 
-    def flush(self, tensors: list[torch.Tensor]) -> None:
+    def flush(self) -> None:
         """Copy every queued unpark into its row."""
         if not self._unparks:
             return
         slots, rows = zip(*self._unparks, strict=True)
         self._unparks.clear()
         src, dst = self._pairs(list(slots), list(rows))
-        for t, p in zip(tensors, self._slots, strict=True):
+        for t, p in zip(self._row_tensors(), self._slots, strict=True):
             t[dst] = p[src]
 
     def _pairs(self, src: list[int], dst: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -113,7 +113,7 @@ class TalkerRunner:
         # two in turn: one admission per iteration never waits for a copy (a burst of 3+ may)
         self._host_stage = HostRing([Staging(*stage, device="cpu", pin=self.cuda) for _ in range(2)], self.cuda)
         self._stage = Staging(*stage, device=dev, pin=False)
-        self._copies = RowCopies(num_slots, dev)  # row moves, and parked requests' state by park slot
+        self._copies = RowCopies(num_slots, dev, self._row_tensors)  # row moves; parked requests' state by slot
         self._text_stage = IntStage(dev)
         self._init_tts_pad()
         for name, fn in EAGER_STEP_FUNCTIONS.items():
@@ -176,7 +176,7 @@ class TalkerRunner:
     def move_rows(self, moves: list[tuple[int, int, int]]) -> None:
         """Requests continue in other rows, each (src, dst, trailing_len): their small state and first
         trailing_len text rows move, their KV stays in its blocks (stages/talker/row_copies.py). No host sync."""
-        self._copies.move(self._row_tensors(), self.trailing, moves)
+        self._copies.move(self.trailing, moves)
 
     def _new_kv(self, num_blocks: int) -> PagedKVCache:
         layers, block_size, heads, head_dim, rows = self._kv_shape
@@ -192,7 +192,7 @@ class TalkerRunner:
 
     def free_rows(self, start: int, stop: int) -> None:
         """Rows [start, stop) nobody runs in any more point at the scratch block: padding rows write nowhere."""
-        self._copies.flush(self._row_tensors())
+        self._copies.flush()
         if stop > start:
             self.kv.block_table[start:stop] = self.kv.scratch_block
 
@@ -202,7 +202,7 @@ class TalkerRunner:
         passes the requests' tickets), all in one copy per row tensor. Their trailing text is not kept: a request
         parks when it has read all of it, and text arriving later is written to the row it resumes in
         (`write_text`)."""
-        self._copies.park(self._row_tensors(), rows, slots)
+        self._copies.park(rows, slots)
 
     def unpark_row(self, slot: int, row: int) -> None:
         """The request parked in `slot` continues in the free row `row`, where it stopped (copied with this
@@ -213,7 +213,7 @@ class TalkerRunner:
     def write_text(self, writes: list[tuple[int, int, np.ndarray]]) -> None:
         """Text rows that arrived while requests run: for each (row, start, ids), trailing rows start.. of `row`
         become P(ids), and its trailing length start + len(ids). One staged copy for all; no host sync."""
-        self._copies.flush(self._row_tensors())
+        self._copies.flush()
         k = sum(len(ids) for _, _, ids in writes)
         n = len(writes)
         # >= 2 rows: a one-row product takes another kernel (GEMV) whose rounding differs from the prefill's
@@ -247,7 +247,7 @@ class TalkerRunner:
         """
         n = len(batch)
         assert 0 < n <= self.max_prefill_batch
-        self._copies.flush(self._row_tensors())
+        self._copies.flush()
         exact = batch[0].exact is not None
         width = max(a.plan.length for a in batch)  # the transformer's width: prompt rows only
         trailing = max(a.plan.trailing_length for a in batch)
@@ -408,7 +408,7 @@ class TalkerRunner:
         """Enqueue one step for rows [0, b) (b a batch bucket) and the copies of its two halves to the host (the
         frame's codes, then the whole output: stages/talker/step_copies.py); returns a ticket for `step_codes` and
         `step_output`. Does not wait: the host can prepare the next step meanwhile."""
-        self._copies.flush(self._row_tensors())
+        self._copies.flush()
         turn = self.copies.next_turn()
         self.step_clock.begin()
         halves = self.graphs.get((b, attn_len))

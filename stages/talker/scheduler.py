@@ -227,22 +227,22 @@ class Scheduler:
         one prefill batch's) in all, the first always: each gets a row, a ticket and its KV blocks. `one_prefill`:
         no more than one prefill holds (`prefill_fits`, the runner's padded bound)."""
         limit = self.max_prefill_batch if limit is None else limit
-        budget = [self.max_prefill_tokens if tokens is None else tokens]
-        longest = [0]
+        budget = self.max_prefill_tokens if tokens is None else tokens
+        longest = 0
         admitted: list[Sequence] = []
 
         def room(queue: collections.deque[Sequence]) -> bool:  # the head's prompt fits what is left
+            nonlocal budget, longest
             if len(admitted) >= limit:
                 return False
             length = queue[0].prompt_len
-            if admitted and budget[0] is not None and length > budget[0]:
+            if admitted and budget is not None and length > budget:
                 return False
-            if admitted and one_prefill and self.prefill_fits is not None and not self.prefill_fits(
-                    len(admitted) + 1, max(longest[0], length)):
+            if admitted and one_prefill and not self._one_prefill(len(admitted) + 1, max(longest, length)):
                 return False
-            if budget[0] is not None:
-                budget[0] -= length
-            longest[0] = max(longest[0], length)
+            if budget is not None:
+                budget -= length
+            longest = max(longest, length)
             return True
 
         while self.restarts and room(self.restarts):
@@ -300,6 +300,10 @@ class Scheduler:
             admitted.sort(key=lambda s: s.prompt_len)
         return admitted
 
+    def _one_prefill(self, n: int, longest: int) -> bool:
+        """Whether n prompts, the longest `longest` positions, make one prefill."""
+        return self.prefill_fits(n, longest) if self.prefill_fits else n <= self.max_prefill_batch
+
     def prefill_batches(self, admitted: list[Sequence]) -> list[list[Sequence]]:
         """Admitted requests (shortest prompt first) in prefills that `prefill_fits` (each as large as fits, in order;
         without it, `max_prefill_batch` at a time)."""
@@ -308,7 +312,7 @@ class Scheduler:
         width = 0  # the batch's longest prompt
         for seq in admitted:
             n, wider = len(batch) + 1, max(width, seq.prompt_len)
-            if batch and not (self.prefill_fits(n, wider) if self.prefill_fits else n <= self.max_prefill_batch):
+            if batch and not self._one_prefill(n, wider):
                 batches.append(batch)
                 batch, wider = [], seq.prompt_len
             batch.append(seq)
