@@ -164,10 +164,6 @@ class StreamChunker:
         self._flushed = False
 
     @property
-    def frames_pushed(self) -> int:
-        return self._emitted_frames + len(self._pending)
-
-    @property
     def frames_to_next_chunk(self) -> int:
         """Frames still missing before `push` can return the next chunk (>= 1)."""
         return max(1, self.schedule.chunk_frames(self._size_index) - len(self._pending))

@@ -45,10 +45,6 @@ def float_to_pcm16(audio: np.ndarray) -> np.ndarray:  # [n] float in [-1, 1] -> 
     return (np.clip(audio, -1.0, 1.0) * 32767.0).round().astype(np.int16)
 
 
-def pcm16_to_float(pcm: np.ndarray) -> np.ndarray:  # [n] int16 -> [n] float32
-    return pcm.astype(np.float32) / 32767.0
-
-
 def streaming_wav_header(sample_rate: int = SAMPLE_RATE, channels: int = 1, data_bytes: int | None = None) -> bytes:
     """44-byte PCM16 WAV header; its RIFF and data sizes are 0xFFFFFFFF when the length is unknown (streaming)."""
     byte_rate = sample_rate * channels * 2

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from deployments.config import AuthConfig
 from deployments.errors import APIError
-from deployments.ingress.api_keys import ADMIN, SPEECH, VOICES, ApiKey, key_ring
+from deployments.ingress.api_keys import SPEECH, VOICES, ApiKey, key_ring
 
 logger = logging.getLogger("ray.serve")
 
@@ -148,11 +148,6 @@ class AuthGuard:
 def caller(request) -> ApiKey | None:
     """The key `AuthGuard` found for an HTTP request (None when auth is off)."""
     return getattr(request.state, STATE_KEY, None)
-
-
-def is_admin(key: ApiKey | None) -> bool:
-    """Auth off (no key) trusts everyone alike: nobody is more than anybody."""
-    return key is not None and key.allows(ADMIN)
 
 
 # ------------------------------------------------------------------ uploaded voices (owner: the uploader key's id)

@@ -69,7 +69,7 @@ class TalkerEngine:
         # add commands not yet drained (counted as waiting): one counter per writing thread, so no update is lost
         self._adds_sent, self._adds_drained = 0, 0  # counted by the event-loop side and by the engine thread
         self._progress_at, self._idle = time.monotonic(), False  # check_health's heartbeat; idle: no work, none owed
-        self.num_slots, self.graph_capture_seconds = 0, 0.0
+        self.num_slots = 0
         self._thread: threading.Thread | None = None
         self.runner: TalkerRunner | None = None
         self.scheduler: Scheduler | None = None
@@ -278,7 +278,7 @@ class TalkerEngine:
         self._live = LiveTextDriver(model.config, cfg.max_text_rows, self.scheduler, self.runner, self._rows,
                                     self._outputs, self.counters, cfg.live_evict_parked_s, cfg.live_max_lifetime_s)
         if cfg.cuda_graphs and cuda:  # it logs its progress and time
-            self.graph_capture_seconds = cuda_graphs.capture(self.runner, self._buckets, log)
+            cuda_graphs.capture(self.runner, self._buckets, log)
         if compile_cache is not None:
             compile_cache.save(log)
 
