@@ -141,7 +141,7 @@ WAITED_FOR_CHUNKS = 2
 # batch jobs (deployments/ingress/batch_worker.py): items per job, items in flight per ingress replica, the lease
 # of a claimed item, how long a finished job is kept, and how often an idle replica looks for work submitted elsewhere.
 # Items in flight: 2 per replica is what keeps real-time first audio within +10% while a job runs beside it
-# (docs/results.md, "Batch jobs beside real-time"); a deployment for bulk work alone raises it.
+# (docs/results.md, "Long input and batch jobs"); a deployment for bulk work alone raises it.
 DEFAULT_BATCH_MAX_ITEMS = _env_int("QWEN3_TTS_BATCH_MAX_ITEMS", 10000)
 DEFAULT_BATCH_ITEMS_IN_FLIGHT = _env_int("QWEN3_TTS_BATCH_ITEMS_IN_FLIGHT", 2)
 DEFAULT_BATCH_LEASE_S = _env_float("QWEN3_TTS_BATCH_LEASE_S", 30.0)

@@ -9,7 +9,7 @@ from stages.chunking import ChunkSchedule
 
 # graphed prefill widths (prompt positions; a batch pads to the first width that holds its longest prompt). 80 and
 # 96 were chosen on the benchmark's random checkpoints, whose byte-level tokenizer makes prompts ~3x longer than
-# the real vocabulary does (docs/talker_engine.md, "Prefill widths"): re-derive them with real weights
+# the real vocabulary does (docs/talker_engine.md, "Admission without host syncs"): re-derive them with real weights
 PREFILL_WIDTHS = (16, 32, 64, 80, 96, 128)
 # graphed prefill batch sizes, those <= max_prefill_batch; a prefill of n requests pads to the first size >= n
 PREFILL_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -62,7 +62,7 @@ class TalkerEngineConfig:
     prefill_batches: tuple[int, ...] = PREFILL_BATCHES  # the batch buckets of those graphs (<= max_prefill_batch)
     max_prefills_per_step: int = 8  # admissions one loop iteration may launch before its step: more than one only
     # while every running stream's handed-out audio is ahead of its playback by admission_lead_s (a burst of
-    # arrivals is prefilled at once instead of one batch per step; docs/talker_engine.md, "Admission")
+    # arrivals is prefilled at once instead of one batch per step; docs/talker_engine.md, "A burst of arrivals")
     admission_lead_s: float = 0.3
     max_waiting: int = 4096  # queued requests at most; more are refused (overload)
     batch_share: float = 0.5  # batch-job requests (Priority.BATCH) hold at most this share of the rows and of the KV
@@ -73,7 +73,7 @@ class TalkerEngineConfig:
     pdl: bool = False  # compiled CUDA path, H100+: in steps of <= gemv_rows rows the Triton kernels launch with
     # programmatic dependent launch (stages/pdl.py): each starts while the kernel before it ends. For a Talker
     # with its GPU alone (configs/split.yaml); off by default because its kernels then hold the SMs without a gap
-    # and a co-located Code2Wav's first chunks wait (docs/talker_engine.md, "Programmatic dependent launch")
+    # and a co-located Code2Wav's first chunks wait (docs/talker_engine.md, "Kernels per frame, and the compile cache")
     stall_timeout_s: float = 60.0  # check_health fails when work is pending and no step ran for this long
     text_idle_timeout_s: float = 30.0  # live text: a request waiting this long for its next text ends (error)
     # live text cannot hold rows hostage: a request parked for text at least this long gives its slot and KV to
