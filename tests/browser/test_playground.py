@@ -69,7 +69,7 @@ def test_the_page_loads_without_errors_and_lists_models_and_voices(page, served)
     voices = page.eval_on_selector_all("#voice option", "els => els.map(e => e.value)")
     assert "vivian" in voices
     assert page.evaluate("window.playground.errors") == [] and page.errors == []
-    css = httpx.get(served[0] + "/playground/playground.css")
+    css = httpx.get(served[0] + "/playground/playground.css", timeout=60)
     assert css.status_code == 200 and "text/css" in css.headers["content-type"]
 
 
@@ -131,7 +131,7 @@ def test_a_voice_uploads_from_a_file_and_is_offered_for_the_base_model(page, ser
     # the page refreshes its voice list after an upload (a fetch): wait for the option, not for a fixed time
     page.wait_for_function("[...document.querySelectorAll('#voice option')].some(o => o.value === 'browserfile')",
                            timeout=WAIT_MS)
-    listing = httpx.get(served[0] + "/v1/audio/voices").json()
+    listing = httpx.get(served[0] + "/v1/audio/voices", timeout=60).json()
     assert "browserfile" in [v["name"] for v in listing["uploaded_voices"]]
     assert page.errors == []
 
@@ -151,7 +151,7 @@ def test_a_voice_uploads_from_the_microphone(page, served):
                            timeout=WAIT_MS)
     page.click("#upload")
     page.wait_for_function("window.playground.uploads === 1", timeout=WAIT_MS)
-    names = [v["name"] for v in httpx.get(served[0] + "/v1/audio/voices").json()["uploaded_voices"]]
+    names = [v["name"] for v in httpx.get(served[0] + "/v1/audio/voices", timeout=60).json()["uploaded_voices"]]
     assert "browsermic" in names and page.errors == []
 
 

@@ -40,7 +40,10 @@ def test_the_page_speaks_with_the_key_it_was_given(page, served):
     page.type("#live-text", "Typed with a key.", delay=20)
     page.click("#live-end")
     page.wait_for_function("window.playground.liveDone === 1", timeout=WAIT_MS)
-    assert _samples(page) == 16 * 1920  # both utterances' frames on the graph
+    # both utterances' frames on the graph: the spoken 8, and 1-8 typed (random weights may draw EOS sooner, and
+    # where depends on the pieces the typed text reached the Talker in: the machine's load decides)
+    frames, rest = divmod(_samples(page), 1920)
+    assert rest == 0 and 8 + 1 <= frames <= 16, frames
     assert page.evaluate("window.playground.errors") == []
     assert [e for e in page.errors if "401" not in e] == []  # the listing before the key was refused
     logs = "".join(p.read_text(errors="replace") for p in (served[1]).rglob("*.log"))

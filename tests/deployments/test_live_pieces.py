@@ -204,7 +204,7 @@ def test_closing_mid_way_aborts_every_running_piece(engine, info):
         await pieces.append(TEXT)  # no `end`: the last piece waits for more text
         assert ("start", 1) in io.log  # started when piece 0 rolled over
         await anext(chunks)  # piece 0's audio is being sent
-        assert len(engine.live_requests()) == MAX_RUNNING
+        assert io.running() == MAX_RUNNING  # both pieces open (the engine may have finished piece 0 already)
         await chunks.aclose()
         await pieces.aclose()
         await pieces.append("More text after the end. " * 20)  # starts nothing

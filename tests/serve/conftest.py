@@ -119,14 +119,15 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
                                        "upscale_delay_s": 0.5, "downscale_delay_s": 1, "look_back_period_s": 10.5}}),
              "engine_cls": "tests.fake_engine:FakeTalkerEngine",
              "engine_kwargs": {"max_num_seqs": 1, "max_seq_len": 512, "pause_seed": PAUSE_SEED, "pause_after_frames": 4}},
-            # a fake engine (tests/fake_engine.py) whose faults requests inject: health checks every second
+            # a fake engine (tests/fake_engine.py) whose faults requests inject: health checks every second; a
+            # heartbeat stale for 3 s fails them (the stall test's), not a loaded machine's scheduling of its loop
             # 2 streams at once, 1 queued at the handle: the admission test fills it with paused streams
             {**model("fake", tiny_custom_voice, 2, deployment={"health_check_period_s": 1,
                                                                "health_check_timeout_s": 5,
                                                                "max_ongoing_requests": 2, "max_queued_requests": 1}),
              "engine_cls": "tests.fake_engine:FakeTalkerEngine",
              "engine_kwargs": {"max_num_seqs": 2, "max_seq_len": 512, "stall_seed": STALL_SEED,
-                               "stall_timeout_s": 1.0, "pause_seed": PAUSE_SEED, "pause_after_frames": 4}},
+                               "stall_timeout_s": 3.0, "pause_seed": PAUSE_SEED, "pause_after_frames": 4}},
         ],
         # production-like: the serving defaults (stateful Code2Wav, batch fill, one-frame first chunk, the Talkers'
         # first-chunk decoders), with CPU sizes
@@ -274,6 +275,7 @@ class ClientStream:
     status: int | None = None
     error: BaseException | None = None  # what the client raised (raw: a cut-off stream is RemoteProtocolError)
     ended_at: float | None = None  # time.monotonic() when the client saw the end
+    read_timeout_s: float = 120.0  # the longest silence the client takes (a replica restarting: longer)
 
     @property
     def sse(self) -> bool:
@@ -287,7 +289,7 @@ class ClientStream:
         import httpx
 
         try:
-            with httpx.stream("POST", f"{self.url}/v1/audio/speech", json=self.body, timeout=120) as r:
+            with httpx.stream("POST", f"{self.url}/v1/audio/speech", json=self.body, timeout=self.read_timeout_s) as r:
                 self.status = r.status_code
                 if r.status_code != 200:
                     self.events.append(r.read().decode(errors="replace")[:500])
@@ -312,8 +314,9 @@ class ClientStream:
 
 
 def open_streams(url: str, bodies: list[dict], timeout: float = 60) -> list[ClientStream]:
-    """Start one ClientStream per body; return once each has audio in hand (mid-stream for sure)."""
-    streams = [ClientStream(url, body).start() for body in bodies]
+    """Start one ClientStream per body; return once each has audio in hand (mid-stream for sure). `timeout`
+    bounds that wait and each stream's silences (at least 120 s)."""
+    streams = [ClientStream(url, body, read_timeout_s=max(120.0, timeout)).start() for body in bodies]
     for s in streams:
         assert s.started.wait(timeout), "no audio in time"
         assert s.error is None and s.status == 200 and not s.done.is_set(), (s.status, s.error, s.events[-1:])

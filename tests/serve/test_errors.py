@@ -98,7 +98,7 @@ def test_openai_client_raises_typed_errors(openai_client):
 
 def test_deadline_ends_requests(http):
     """A stream of the fake engine paused after 4 frames: mid-way for sure when its deadline passes."""
-    paused = speech(model="fake", seed=PAUSE_SEED, timeout_s=2, response_format="pcm")
+    paused = speech(model="fake", seed=PAUSE_SEED, timeout_s=5, response_format="pcm")  # first audio well within it
     _check_error(http.post("/v1/audio/speech", json={**paused, "stream": False}), 504, None, "deadline")
     with http.stream("POST", "/v1/audio/speech", json={**paused, "stream_format": "sse"}) as r:
         assert r.status_code == 200  # the first audio came before the deadline
@@ -110,17 +110,19 @@ def test_deadline_ends_requests(http):
 
 
 def test_full_model_answers_fast_429_with_retry_after(base_url):
-    """`fake` takes 2 streams and queues 1 at the handle; paused streams hold them until their deadline.
+    """`fake` takes 2 streams and queues 1 at the handle; paused streams hold them until the test closes them.
 
     The two streams are admitted first, one after the other (each one's first audio has arrived), so that the
-    router knows the replica is full; of 4 more concurrent requests, one then waits in the handle's queue and 3
-    are refused, at once. Each refusal is one line in the ingress's log, Serve's access line (the ingress adds
-    none at INFO, and Serve's router warning is dropped)."""
-    body = speech(model="fake", seed=PAUSE_SEED, timeout_s=10, response_format="pcm")
+    router knows the replica is full; of 4 more concurrent requests, one then waits in the handle's queue until
+    its own deadline (504) and 3 are refused, at once. Each refusal is one line in the ingress's log, Serve's access
+    line (the ingress adds none at INFO, and Serve's router warning is dropped)."""
+    body = speech(model="fake", seed=PAUSE_SEED, timeout_s=5, response_format="pcm")
+    # the holders' deadline is far beyond anything a loaded machine takes to admit both and send the burst
+    held_body = {**body, "timeout_s": 300, "stream": True, "stream_format": "sse"}
     logs_before = replica_logs("TTSIngress")
 
     async def hold(client: httpx.AsyncClient, admitted: asyncio.Event) -> str:
-        async with client.stream("POST", "/v1/audio/speech", json={**body, "stream": True, "stream_format": "sse"}) as r:
+        async with client.stream("POST", "/v1/audio/speech", json=held_body) as r:
             assert r.status_code == 200, (r.status_code, (await r.aread())[:300])
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
@@ -142,17 +144,22 @@ def test_full_model_answers_fast_429_with_retry_after(base_url):
                     raise AssertionError(f"a holding stream ended before its first audio: {holder.result()!r}")
             burst = await asyncio.gather(*(client.post("/v1/audio/speech", json={**body, "stream": False})
                                            for _ in range(4)))
-            return burst, await asyncio.gather(*holders)
+            holding = [not h.done() for h in holders]
+            for h in holders:  # their clients leave: the Talker aborts them
+                h.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            return burst, holding
 
-    responses, held = asyncio.run(run())
-    assert held == ["speech.audio.error", "speech.audio.error"]  # both ended by their deadline
+    responses, holding = asyncio.run(run())
+    assert holding == [True, True]  # both slots were held throughout the burst
+    wait_for(lambda: engine_stats("fake")["running"] == 0, 60, 0.05, "the holders aborted")
     statuses = sorted(r.status_code for r in responses)
     assert statuses == [429, 429, 429, 504], statuses
     refused = [r for r in responses if r.status_code == 429]
     for r in refused:
         assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error"
-    # refused without waiting for a slot: sooner than the admitted requests' own deadline
-    assert max(r.elapsed.total_seconds() for r in refused) < 10
+    # refused without waiting for a slot: sooner than the queued request's deadline
+    assert max(r.elapsed.total_seconds() for r in refused) < 5
     access = re.compile(r"POST /v1/audio/speech 429 ")
     logs = wait_for(lambda: len(access.findall(text := logged_since(logs_before, "TTSIngress"))) >= 3 and text,
                     60, 0.2, "Serve's access lines of the 429s")

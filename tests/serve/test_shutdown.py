@@ -38,16 +38,19 @@ INGRESS_GRACE_S = GRACE_S + C.INGRESS_GRACEFUL_SHUTDOWN_MARGIN_S  # the ingress'
 # for a deleted Code2Wav gives up at its next probe (2 s), the client reads the end; generous for a loaded
 # 2-core machine and far below the requests' own deadline (300 s)
 MARGIN_S = 30.0
-ACTIVE_FRAMES = 400  # 20 s at the lc engine's 50 ms per step: still streaming when the lifecycle event comes
+# 60 s at the lc engine's 50 ms per step: still streaming when the lifecycle event comes and its grace has passed,
+# however late a loaded machine lands it
+ACTIVE_FRAMES = 1200
 
 
-def lc_args(checkpoint, voices_dir, *, aliases: tuple[str, ...] = (), pause_after_frames: int = 4) -> dict:
+def lc_args(checkpoint, voices_dir, *, aliases: tuple[str, ...] = (), pause_after_frames: int = 4,
+            pause_seed: int | None = PAUSE_SEED) -> dict:
     return {
         "models": [{
             "name": "fake", "aliases": list(aliases), "model": str(checkpoint), "device": "cpu", "cpu_threads": 1,
             "engine_cls": "tests.fake_engine:FakeTalkerEngine",
-            "engine_kwargs": {"max_num_seqs": 2, "max_seq_len": 512, "step_interval_s": 0.05,
-                              "pause_seed": PAUSE_SEED, "pause_after_frames": pause_after_frames},
+            "engine_kwargs": {"max_num_seqs": 2, "max_seq_len": 2048, "step_interval_s": 0.05,
+                              "pause_seed": pause_seed, "pause_after_frames": pause_after_frames},
             "deployment_config": {**ZERO_CPU, "num_replicas": 2, "max_ongoing_requests": 2,
                                   "max_queued_requests": 4, "graceful_shutdown_timeout_s": GRACE_S},
         }],
@@ -134,7 +137,8 @@ def lc_app(ray_cluster, tiny_custom_voice, tmp_path_factory):
 
 
 def _paused(sse: bool) -> dict:
-    return speech(model="fake", seed=PAUSE_SEED, response_format="pcm", stream=True,
+    # as long as an active stream: still open where a redeployed app pauses nothing (the batch-job test's)
+    return speech(model="fake", seed=PAUSE_SEED, response_format="pcm", stream=True, max_new_tokens=ACTIVE_FRAMES,
                   **({"stream_format": "sse"} if sse else {}))
 
 
@@ -235,9 +239,11 @@ def test_a_batch_job_survives_a_redeploy_of_its_app(lc_app):
     base, args = lc_app
     api = f"{base}/v1/audio/speech/batches"
     wait_for(lambda: _ready(base), 120, 0.25, "/lc/ready")
-    items, frames = 16, 40  # 2 s each at the fake engine's 50 ms a frame, 2 at a time: ~16 s, the redeploy lands mid-job
-    body = {"requests": [speech(model="fake", seed=100 + i, response_format="pcm", max_new_tokens=frames)
-                         for i in range(items)]}
+    # 2 s each at the fake engine's 50 ms a frame, 2 at a time; item 0 pauses on the old replicas (its seed) and
+    # completes only on the new ones, which pause nothing: the redeploy comes mid-job however slow the machine
+    items, frames = 6, 40
+    body = {"requests": [speech(model="fake", seed=PAUSE_SEED if i == 0 else 100 + i, response_format="pcm",
+                                max_new_tokens=frames) for i in range(items)]}
     submitted = httpx.post(api, json=body, timeout=30)
     assert submitted.status_code == 202, submitted.text
     job = submitted.json()["id"]
@@ -245,7 +251,7 @@ def test_a_batch_job_survives_a_redeploy_of_its_app(lc_app):
     old_ingress = replica_pids("TTSIngress", LC)
     assert httpx.get(f"{api}/{job}", timeout=10).json()["completed"] < items  # the redeploy comes mid-job
 
-    _deploy(base, args(aliases=("fake-v3",)), wait=False)
+    _deploy(base, args(aliases=("fake-v3",), pause_seed=None), wait=False)
 
     def ended() -> dict | None:
         try:

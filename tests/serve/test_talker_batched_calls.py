@@ -34,7 +34,7 @@ def talker(ray_cluster, tiny_custom_voice):
     from deployments.talker.server import TalkerServer
 
     config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
-                                    engine_kwargs={"max_num_seqs": 4, "max_seq_len": 128},
+                                    engine_kwargs={"max_num_seqs": 4, "max_seq_len": 1024},
                                     first_chunk_decode_max_running=0)
     server, box = TalkerServer.sync_init(config, STREAMING), new_mailbox()
     yield server, box
@@ -104,7 +104,7 @@ def test_one_call_speaks_a_batch_of_speech_requests_each_on_its_own(talker):
         info = server._info
         prompt = build_prompt(info.config, info.tokenizer, "Hello there.", speaker="vivian", language="english")
         requests = [SynthesisRequest(name, prompt, SamplingParams(suppress_eos=True), max_frames=frames, seed=i)
-                    for i, (name, frames) in enumerate((("s0", 7), ("s1", 7), ("gone", 80), ("over", 7)))]
+                    for i, (name, frames) in enumerate((("s0", 7), ("s1", 7), ("gone", 900), ("over", 7)))]
         server._max_ongoing_requests = 3  # as a deployment with max_ongoing_requests 3
         call = server.generate_many([(r, GenerateOptions()) for r in requests], box)
         items = []
@@ -126,7 +126,8 @@ def test_one_call_speaks_a_batch_of_speech_requests_each_on_its_own(talker):
     for name in ("s0", "s1"):
         assert [c.seq for c in chunks[name]] == list(range(len(chunks[name])))
         assert sum(c.num_new for c in chunks[name]) == 7 and chunks[name][-1].final
-    assert 0 < sum(c.num_new for c in chunks["gone"]) < 80 and not chunks["gone"][-1].final  # aborted mid-stream
+    # aborted mid-stream (900 frames: longer than the abort's way through the mailbox on a loaded machine)
+    assert 0 < sum(c.num_new for c in chunks["gone"]) < 900 and not chunks["gone"][-1].final
     assert server._open == {} and server._text_pumps == {}
 
 

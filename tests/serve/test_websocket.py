@@ -220,8 +220,9 @@ def test_client_disconnect_aborts_everything_it_had_open(base_url):
 
 
 def test_idle_timeout_ends_a_context_whose_text_stops(client):
-    assert client.open("slow", max_new_tokens=100, idle_timeout_s=0.5)["type"] == "opened"
-    client.send(type="append", context_id="slow", text="Only these words and")
+    # the words come with the open: the short idle clock starts only once the Talker has spoken them and waits
+    opened = client.open("slow", max_new_tokens=100, idle_timeout_s=0.5, input="Only these words and")
+    assert opened["type"] == "opened"
     error = client.done("slow")
     assert error["type"] == "error" and error["status"] == 408 and error["error"]["code"] == "text_timeout", error
     assert 0 < client.pcm("slow").size < 100 * SAMPLES_PER_FRAME  # what it spoke before it waited was sent

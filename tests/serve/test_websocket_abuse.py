@@ -94,11 +94,11 @@ class TestIdleSockets:
     INGRESS = {"websocket_idle_timeout_s": 1.0}
 
     def test_a_socket_without_a_context_is_closed_after_the_idle_timeout(self, app):
+        started = time.monotonic()  # before the connect: the server's clock starts at its accept, after this
         ws = _connect(app)
-        started = time.monotonic()
         assert _until_closed(ws) == []
         assert ws.close_code in (1000, 1001) and "no open context" in ws.close_reason, (ws.close_code, ws.close_reason)
-        assert time.monotonic() - started > 0.5  # not at once (its clock starts at the server's accept)
+        assert time.monotonic() - started > 0.9  # not at once: after the 1 s idle timeout
         wait_for(lambda: _stats()["open_websockets"] == 0, 60, message="the closed socket uncounted")
 
     def test_an_open_context_keeps_the_socket_and_the_idle_time_starts_at_its_end(self, app):

@@ -180,7 +180,8 @@ def test_a_waiting_request_costs_the_others_nothing(cv):
     live, whole = _prompts(cv, "cv")
     other = build_prompt(cv.config, cv.tokenizer, "Another request that runs meanwhile.", speaker="ryan",
                          language="english")
-    ref_other = ReferenceGenerator(cv).generate_codes(other, GREEDY, 40)
+    # long enough to still run once the live request has its text again, however late this loop sees the 10 steps
+    ref_other = ReferenceGenerator(cv).generate_codes(other, GREEDY, 150)
     ref_live = ReferenceGenerator(cv).generate_codes(whole(TEXT), GREEDY, 25)
     launches = []  # (rows stepped, live request parked) per launched step
     with _engine(cv, max_num_seqs=2) as engine:
@@ -195,7 +196,7 @@ def test_a_waiting_request_costs_the_others_nothing(cv):
         async def main():
             stream = engine.open_request(SynthesisRequest("live", live, GREEDY, 25), text=TEXT[:13])
             await _until(lambda: "live" in engine.scheduler.parked)  # caught up with "Hello there,"
-            o = asyncio.create_task(_codes(engine.add_request(SynthesisRequest("other", other, GREEDY, 40))))
+            o = asyncio.create_task(_codes(engine.add_request(SynthesisRequest("other", other, GREEDY, 150))))
             steps_at_park = engine.stats().steps
             await _until(lambda: engine.stats().steps >= steps_at_park + 10)  # 10 steps while it waits
             assert "live" in engine.scheduler.parked
