@@ -63,14 +63,15 @@ def talker_deployment_options(config: TalkerDeploymentConfig) -> dict[str, Any]:
     slots = config.max_num_seqs
     defaults = {
         "name": config.deployment_name,
-        "max_ongoing_requests": config.max_ongoing_requests,
         "max_queued_requests": config.max_queued_requests,
         "graceful_shutdown_timeout_s": C.TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S,
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
         "ray_actor_options": {"num_cpus": 1},
     }
-    return _with_policy(deep_merge(defaults, config.deployment_config), TALKER_POLICY, max(1.0, 0.75 * slots))
+    options = _with_policy(deep_merge(defaults, config.deployment_config), TALKER_POLICY, max(1.0, 0.75 * slots))
+    # the config's `max_ongoing_requests` counts requests, which the replica bounds itself; Serve's counts calls
+    return {**options, "max_ongoing_requests": config.max_ongoing_calls}
 
 
 def code2wav_deployment_options(config: Code2WavDeploymentConfig, stream_affinity: bool = False) -> dict[str, Any]:

@@ -58,6 +58,8 @@ ALIGNER_DEPLOYMENT_NAME = "Aligner"
 # the step a slot frees) and requests queued at the caller per slot before a fast 429/503
 TALKER_ONGOING_PER_SLOT = _env_float("QWEN3_TTS_TALKER_ONGOING_PER_SLOT", 1.5)
 TALKER_QUEUED_PER_SLOT = _env_float("QWEN3_TTS_TALKER_QUEUED_PER_SLOT", 1.0)
+# Serve's call bound of a Talker replica per speech request it holds open (`TalkerDeploymentConfig.max_ongoing_calls`)
+TALKER_CALLS_PER_ONGOING_REQUEST = 2
 TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S = _env_float("QWEN3_TTS_TALKER_GRACEFUL_SHUTDOWN_TIMEOUT_S", 120.0)
 # requests (speech, or live WebSocket contexts) an ingress replica sends to a Talker in one call
 # (deployments/ingress/talker_calls.py): a bound, as Serve's router balances calls, not the requests in them; and

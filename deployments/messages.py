@@ -66,9 +66,9 @@ class GenerateOptions:
 
 
 class ReplicaFullError(RuntimeError):
-    """A Talker replica refused a request of a batched call: it already holds its `max_ongoing_requests` (what Serve
-    admits of one-request calls). The ingress sends the request again in a later batch, which Serve may route to
-    another replica (deployments/ingress/talker_calls.py), as Serve queues a one-request call at the caller."""
+    """A Talker replica refused a request of a batched call: it already holds its config's `max_ongoing_requests`
+    speech requests open. The ingress sends the request again in a later batch, which Serve may route to another
+    replica (deployments/ingress/talker_calls.py), as Serve queues a one-request call at the caller."""
 
 
 @dataclass(frozen=True)

@@ -122,10 +122,20 @@ class TalkerDeploymentConfig(_RuntimeOptions):
 
     @property
     def max_ongoing_requests(self) -> int:
-        """Serve's `max_ongoing_requests` of the deployment (set in `deployment_config`, else from the rows); a
-        replica bounds the speech requests of its batched calls by it too."""
+        """Speech requests a replica holds open (set as `deployment_config.max_ongoing_requests`, else from the
+        rows): the replica refuses the next as full (deployments/talker/server.py). Serve's own bound of that name
+        counts calls, each of up to a batch of requests: `max_ongoing_calls`."""
         default = max(1, math.ceil(self.max_num_seqs * C.TALKER_ONGOING_PER_SLOT))
         return int(self.deployment_config.get("max_ongoing_requests", default))
+
+    @property
+    def max_ongoing_calls(self) -> int:
+        """Serve's `max_ongoing_requests` of the deployment: calls, not requests, and set above what requests reach,
+        so that Serve never holds a batched call at the caller while the replica could still refuse its requests
+        one by one: a call queued in Serve's handle waits whole, with every request in it, past the
+        `max_queued_requests` a 429 stands for. A replica's open speech requests hold one call each at most; the
+        rest leaves room for live contexts' calls and for calls being refused."""
+        return C.TALKER_CALLS_PER_ONGOING_REQUEST * self.max_ongoing_requests
 
     @property
     def max_queued_requests(self) -> int:

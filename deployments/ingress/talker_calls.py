@@ -19,10 +19,12 @@ What a batch shares, and what it does not:
 - Refusal and failure: Serve refusing the call (backpressure) or the call failing fails each of its requests that
   had not ended, with that error; a request the Talker refuses (its engine's queue) or that fails there ends alone
   with its error. Serve's `max_ongoing_requests` bounds calls, not the requests in them, so a Talker replica refuses
-  a speech request beyond that many open (`ReplicaFullError`) and the request goes again in a later batch, which
-  Serve's router may send to another replica (a new one, scaling up): as Serve holds a one-request call at the
-  caller while every replica is full. At most `max_retrying` requests wait so (Serve's `max_queued_requests`);
-  beyond, the refusal is the request's answer (an overload: 429 and `Retry-After`).
+  a speech request beyond its config's `max_ongoing_requests` open (`ReplicaFullError`; Serve's own bound is set
+  above it, `TalkerDeploymentConfig.max_ongoing_calls`, so that Serve does not hold a whole batch at the caller)
+  and the request goes again in a later batch, which Serve's router may send to another replica (a new one,
+  scaling up): as Serve holds a one-request call at the caller while every replica is full. At most
+  `max_retrying` requests wait so (the config's `max_queued_requests`), each counted until a replica admits it
+  or it ends; beyond, the refusal is the request's answer (an overload: 429 and `Retry-After`).
 - Cancellation: one request ends early through its box in this replica's `TextMailbox` (closing it makes the
   Talker abort that request alone): a live context closes its own box; a speech request's box is closed here when
   its reader stops (`close_box`), ended or not, so that the mailbox keeps no box of it. When no request of a call
@@ -94,10 +96,13 @@ class CallStream:
         if item.error is not None or item.item is None:  # its error, or its end
             self._end(item.error)
         else:
+            if isinstance(item.item, Admitted):
+                self._calls.slot_found(self)
             self._items.put_nowait(item.item)
 
     def _end(self, error: BaseException | None) -> None:
         self.closed = True
+        self._calls.slot_found(self)
         self._items.put_nowait(error if error is not None else _END)
         if self._call is not None:
             self._call.forget(self)
@@ -153,6 +158,8 @@ class TalkerCalls:
         self._max_batch, self._admission_wait_s, self._max_bytes = max_batch, admission_wait_s, max_bytes
         self._waiting: list[CallStream] = []  # started, not yet in a call
         self._retrying: list[CallStream] = []  # refused by a full replica, to go again after `retry_after_s`
+        # refused by a full replica and neither admitted nor ended since: in `_retrying`, `_waiting` or a call again
+        self._seeking_slot: set[CallStream] = set()
         self._max_retrying, self._retry_after_s = max_retrying, retry_after_s
         self._retry: asyncio.Task | None = None
         self._drainer: asyncio.Task | None = None
@@ -177,10 +184,17 @@ class TalkerCalls:
             # a task of its own context: the calls are not children of the Serve request that made this one
             self._drainer = asyncio.get_running_loop().create_task(self._drain(), context=contextvars.Context())
 
+    def slot_found(self, stream: CallStream) -> None:
+        """`stream` was admitted, or ended: it no longer waits for a slot."""
+        self._seeking_slot.discard(stream)
+
     def _send_again(self, call: _Call, stream: CallStream) -> bool:
-        """A request a full replica refused waits to go in a later batch; False when `max_retrying` already wait."""
-        if len(self._retrying) >= self._max_retrying:
+        """A request a full replica refused waits to go in a later batch; False when `max_retrying` others already
+        wait (counted until they are admitted or end, wherever they are meanwhile: a request refused again keeps
+        its place, and one sent again is still waiting while its call is routed)."""
+        if stream not in self._seeking_slot and len(self._seeking_slot) >= self._max_retrying:
             return False
+        self._seeking_slot.add(stream)
         call.forget(stream)
         stream._call = None
         self._retrying.append(stream)

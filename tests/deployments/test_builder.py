@@ -210,7 +210,11 @@ def test_defaults_derive_admission_from_engine_slots():
                      "code2wav": {"max_batch_size": 4}})
     d = _deployments(app)
     talker = d["Talker:m"]._deployment_config
-    assert (talker.max_ongoing_requests, talker.max_queued_requests) == (15, 10)
+    # the replica holds 15 speech requests open (1.5 per row) and refuses the next; Serve's bound counts calls and
+    # is set above that, so that it never queues a batched call whole; 10 requests wait at each ingress replica
+    (config,) = TTSServingArgs.model_validate({"models": [{"name": "m", "engine_kwargs": {"max_num_seqs": 10}}]}).models
+    assert (config.max_ongoing_requests, config.max_queued_requests) == (15, 10)
+    assert (talker.max_ongoing_requests, talker.max_queued_requests) == (30, 10)
     assert talker.autoscaling_config is None
     assert d["Code2Wav"]._deployment_config.max_ongoing_requests == 4 * C.CODE2WAV_ONGOING_PER_BATCH_SLOT
     assert d["TTSIngress"]._deployment_config.backpressure_config.status_code == 429

@@ -388,3 +388,37 @@ def test_a_request_a_full_replica_refused_goes_again_in_a_later_batch(talker):
     ids, b = asyncio.run(run())
     assert ids == [["a", "b", "c", "d"], ["e"], ["b"]]
     assert b == [("admitted", "b"), ("b", 0, True)]
+
+
+def test_a_request_sent_again_still_counts_as_waiting_until_a_replica_admits_it(talker):
+    """The bound on waiting requests holds while one of them is on its way again: with `max_retrying` 1, a request
+    refused while the first waiter's second call is still unanswered is refused for good (a 429), and the waiter
+    refused again keeps its place."""
+
+    async def run():
+        calls = TalkerCalls(talker, "mailbox", max_batch=32, admission_wait_s=0.01, close_box=lambda _: None,
+                            max_retrying=1, retry_after_s=0.01)
+        talker.hold_admission = True  # every call's answer comes when the test sends it
+        full = ReplicaFullError("full")
+        waiter = calls.open(_request("w"), GenerateOptions())
+        await asyncio.sleep(0)
+        talker.calls[0].messages.put_nowait([CallItem.failed("w", full)])
+        while len(talker.calls) < 2:  # sent again after retry_after_s: that call is not answered yet
+            await asyncio.sleep(0.005)
+        late = calls.open(_request("late"), GenerateOptions())
+        while len(talker.calls) < 3:
+            await asyncio.sleep(0.005)
+        assert [c.request_ids for c in talker.calls] == [["w"], ["w"], ["late"]]
+        talker.calls[2].messages.put_nowait([CallItem.failed("late", full)])
+        with pytest.raises(ReplicaFullError):  # "w" still waits: the bound is full (else "late" waits too)
+            await asyncio.wait_for(anext(late), 30)
+        talker.calls[1].messages.put_nowait([CallItem.failed("w", full)])  # refused again: it keeps waiting
+        while len(talker.calls) < 4:
+            await asyncio.sleep(0.005)
+        talker.calls[3].messages.put_nowait([CallItem("w", Admitted("w")), *_last("w", 0)])
+        items = await _read(waiter)
+        return items, calls._seeking_slot
+
+    items, seeking = asyncio.run(run())
+    assert items == [("admitted", "w"), ("w", 0, True)]
+    assert not seeking  # admitted: it no longer counts

@@ -108,7 +108,7 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
             # cv's Talker decodes first chunks itself (deployments/talker/first_chunk_decoder.py) while <= 8 requests run
             model("cv", tiny_custom_voice, 20, aliases=["tts-1"], first_chunk_decode_max_running=8),
             model("base", tiny_base, 4),
-            # one slot, one queued request: the admission tests fill it
+            # one slot, one request open, one more waiting at the ingress
             model("vd", tiny_voice_design, 1, deployment={"max_ongoing_requests": 1, "max_queued_requests": 1}),
             # the autoscaling test's model: the fake engine (paused streams hold the load for as long as the test
             # needs), one slot per replica, scales 1 -> 2 -> 1 on queue depth. Serve averages the replicas' metrics
@@ -121,7 +121,7 @@ def app_args(tiny_custom_voice, tiny_base, tiny_voice_design, voices_dir, allowe
              "engine_kwargs": {"max_num_seqs": 1, "max_seq_len": 512, "pause_seed": PAUSE_SEED, "pause_after_frames": 4}},
             # a fake engine (tests/fake_engine.py) whose faults requests inject: health checks every second; a
             # heartbeat stale for 3 s fails them (the stall test's), not a loaded machine's scheduling of its loop
-            # 2 streams at once, 1 queued at the handle: the admission test fills it with paused streams
+            # 2 streams open, 1 more waiting at the ingress: the 429 test (test_errors.py) fills it with paused streams
             {**model("fake", tiny_custom_voice, 2, deployment={"health_check_period_s": 1,
                                                                "health_check_timeout_s": 5,
                                                                "max_ongoing_requests": 2, "max_queued_requests": 1}),

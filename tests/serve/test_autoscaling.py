@@ -20,7 +20,7 @@ from tests.serve.conftest import APP, PAUSE_SEED, speech
 pytestmark = pytest.mark.serve
 
 DEPLOYMENT = "Talker:cv-scale"
-STREAMS = 4  # 1 slot + 1 waiting in the engine (max_ongoing_requests 2), 2 queued at the ingress's handle
+STREAMS = 4  # 1 slot + 1 waiting in the engine (max_ongoing_requests 2), 2 waiting for a slot at the ingress
 
 
 def _status():

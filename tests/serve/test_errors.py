@@ -110,12 +110,14 @@ def test_deadline_ends_requests(http):
 
 
 def test_full_model_answers_fast_429_with_retry_after(base_url):
-    """`fake` takes 2 streams and queues 1 at the handle; paused streams hold them until the test closes them.
+    """`fake` holds 2 speech requests open per replica and 1 more waits for a slot at the ingress; paused streams
+    hold the 2 until the test closes them.
 
-    The two streams are admitted first, one after the other (each one's first audio has arrived), so that the
-    router knows the replica is full; of 4 more concurrent requests, one then waits in the handle's queue until
-    its own deadline (504) and 3 are refused, at once. Each refusal is one line in the ingress's log, Serve's access
-    line (the ingress adds none at INFO, and Serve's router warning is dropped)."""
+    The two streams are admitted first, one after the other (each one's first audio has arrived). Of 4 more
+    concurrent requests, however the ingress batches them into calls (Serve's call bound is above the replica's,
+    so no call waits whole in Serve's queue), the replica refuses each; the first refused waits for a slot, sent
+    again until its own deadline (504), and 3 are refused at once. Each refusal is one line in the ingress's log,
+    Serve's access line (the ingress adds none at INFO, and Serve's router warning is dropped)."""
     body = speech(model="fake", seed=PAUSE_SEED, timeout_s=5, response_format="pcm")
     # the holders' deadline is far beyond anything a loaded machine takes to admit both and send the burst
     held_body = {**body, "timeout_s": 300, "stream": True, "stream_format": "sse"}
