@@ -18,6 +18,7 @@ from torch import nn
 
 from stages import gemv_kernels
 from stages.config import TransformerConfig
+from stages.dynamic_compile import compile_dynamic
 from stages.talker.paged_attention import HeadNorm
 
 
@@ -352,11 +353,9 @@ class LayerKernels:
         projections only."""
         if gemv_rows > gemv_kernels.MAX_ROWS:
             raise ValueError(f"gemv_rows {gemv_rows} > {gemv_kernels.MAX_ROWS}")
-        return cls(pre=torch.compile(attention_inputs, dynamic=True, fullgraph=True),
-                   post=torch.compile(attention_output_and_mlp, dynamic=True, fullgraph=True),
-                   norm=torch.compile(_rms, dynamic=True, fullgraph=True),
-                   heads=torch.compile(heads_norm_rope, dynamic=True, fullgraph=True),
-                   project=torch.compile(norm_project, dynamic=True, fullgraph=True),
+        return cls(pre=compile_dynamic(attention_inputs), post=compile_dynamic(attention_output_and_mlp),
+                   norm=compile_dynamic(_rms), heads=compile_dynamic(heads_norm_rope),
+                   project=compile_dynamic(norm_project),
                    gemv_rows=gemv_rows, heads_in_attention=heads_in_attention, pdl=pdl)
 
 

@@ -12,50 +12,24 @@ K/V windows: `stateful_transformer`). Compiled for dynamic shapes, so the engine
 few variants, then captured into its CUDA graphs like the eager kernels. The result equals the eager modules' up to
 rounding (fused fp32 math); the engines' GPU tests hold both to the same tolerance as the fused vocoder kernels.
 
-Traced without duck shaping (`_compile`): by default a dynamic size equal to another input size shares its symbol,
-and the model's fixed sizes are inputs' sizes too (16 codebooks, 8 layers, 16 KV heads, head dim 64, 32 RoPE
-frequencies), so a batch of 8, 16, 32 or 64 or a chunk of 8 or 16 frames was tied to one of them, specialized with
-it, and traced and compiled as a variant of its own (and loaded as one from the compile cache on every start).
-Each batch and length now has a symbol of its own; sizes of 1, which torch.compile specializes, a compiled engine
-pads to 2 (engine.py `min_size`), so each function is traced once. The switch is torch's private
-`torch.fx.experimental._config.use_duck_shape`, used here alone; tests/stages/test_code2wav_stateful.py fails if a
-torch upgrade drops or ignores it.
+Traced through `stages.dynamic_compile.compile_dynamic`: without duck shaping (the model's fixed sizes, 16
+codebooks, 8 layers, 16 KV heads, head dim 64, 32 RoPE frequencies, are inputs' sizes too, so a batch of 8, 16, 32
+or 64 or a chunk of 8 or 16 frames was tied to one of them and traced as a variant of its own) and with views
+passed detached. Sizes of 1, which torch.compile specializes, a compiled engine pads to 2 (engine.py `min_size`),
+so each function is traced once.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
-import torch
-import torch.fx.experimental._config as shape_config
-
-from stages import layers
+from stages import dynamic_compile, layers
 from stages.code2wav import quantizer, stateful, transformer
 from stages.code2wav.model import Code2WavDecoder
+from stages.dynamic_compile import compile_dynamic
 
 # the files whose code is compiled, and how (the compile cache keys their source: stages/compile_cache.py)
-COMPILED_SOURCES = (quantizer.__file__, transformer.__file__, stateful.__file__, layers.__file__, __file__)
+COMPILED_SOURCES = (quantizer.__file__, transformer.__file__, stateful.__file__, layers.__file__,
+                    dynamic_compile.__file__, __file__)
 _MODULES = ("quantizer", "pre_transformer")
-
-
-def _compile(fn: Callable) -> Callable:
-    """`fn` through torch.compile for dynamic shapes, traced without duck shaping (the module docstring). The
-    setting only matters while Dynamo traces; a CUDA graph's replay runs no Python at all."""
-    compiled_fn = None
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        nonlocal compiled_fn
-        if compiled_fn is None:
-            # wrapped at the first call, not here: torch.compile reads Dynamo's caching precompile switch when it
-            # wraps, and the compile cache turns it on when its file is loaded (the engine's warm-up, after this);
-            # wrapped before, the function's Dynamo work was never recorded, so every start traced it again
-            compiled_fn = torch.compile(fn, dynamic=True, fullgraph=True)
-        with shape_config.patch(use_duck_shape=False):
-            return compiled_fn(*args, **kwargs)
-
-    return call
 
 
 def enable(decoder: Code2WavDecoder) -> bool:
@@ -67,7 +41,7 @@ def enable(decoder: Code2WavDecoder) -> bool:
     for name in _MODULES:
         module = getattr(decoder, name)
         if "forward" not in vars(module):  # compile once per instance
-            module.forward = _compile(type(module).forward.__get__(module))
+            module.forward = compile_dynamic(type(module).forward.__get__(module))
     return True
 
 
@@ -84,4 +58,4 @@ def is_enabled(decoder: Code2WavDecoder) -> bool:
 def stateful_transformer():
     """`stateful.windowed_transformer` through torch.compile (for `StatefulDecoder`; call where `enable` compiled:
     CUDA). Its reads and writes of the carried windows stay outside, one gather and one scatter each."""
-    return _compile(stateful.windowed_transformer)
+    return compile_dynamic(stateful.windowed_transformer)

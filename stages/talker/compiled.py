@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from stages import layers, sampling
+from stages import dynamic_compile, layers, sampling
 from stages.compile_cache import CompileCache
 from stages.qwen3_tts import Qwen3TTS
 from stages.sampling import mask_talker_logits, select_tokens
@@ -19,8 +19,10 @@ from stages.talker import model as talker_model
 from stages.talker.engine_config import TalkerEngineConfig
 from stages.talker.frame import advance_rows, record_step, step_talker_input
 
-# the step's glue reads the talker's embedding tables: the model's file is traced into as well
-COMPILED_SOURCES = (layers.__file__, sampling.__file__, frame_module.__file__, talker_model.__file__)
+# the step's glue reads the talker's embedding tables: the model's file is traced into as well; how each function
+# is handed to torch.compile (stages/dynamic_compile.py) decides what it traces
+COMPILED_SOURCES = (layers.__file__, sampling.__file__, frame_module.__file__, talker_model.__file__,
+                    dynamic_compile.__file__)
 
 # the decode step's ~20 kernels of glue outside the layers (runner attributes of these names)
 EAGER_STEP_FUNCTIONS: dict[str, Callable] = {

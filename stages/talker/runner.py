@@ -34,6 +34,7 @@ from stages import gemv_kernels
 from stages import pdl as pdl_module
 from stages import sampling_kernel as sampling_kernel_module
 from stages.contract import NUM_CODEBOOKS
+from stages.dynamic_compile import compile_dynamic
 from stages.layers import LayerKernels
 from stages.qwen3_tts import Qwen3TTS
 from stages.sampling import mask_talker_logits, select_tokens, suppressed_ids_mask
@@ -166,7 +167,7 @@ class TalkerRunner:
         if self.gemv_rows:  # few-row passes look their projected input up instead of a lookup and a GEMV
             self.talker.code_predictor.project_codec_embeddings()
         for name, fn in EAGER_STEP_FUNCTIONS.items():
-            setattr(self, name, torch.compile(fn, dynamic=True, fullgraph=True))
+            setattr(self, name, compile_dynamic(fn))
 
     # ---------------------------------------------------------------- rows
     def _row_tensors(self) -> list[torch.Tensor]:
