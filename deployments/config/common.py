@@ -81,7 +81,9 @@ class _DeploymentOptions(BaseConfig):
     deployment_config: dict[str, Any] = Field(
         default_factory=dict,
         description="Keyword arguments of serve.deployment (ray_actor_options, autoscaling_config, "
-        "max_ongoing_requests, ...), merged over the builder's defaults.",
+        "max_ongoing_requests, ...), merged over the builder's defaults. A Talker's max_ongoing_requests and "
+        "max_queued_requests count speech requests (per replica, and waiting for a slot per ingress replica); "
+        "Serve's own call bound of a Talker is twice its max_ongoing_requests.",
     )
 
     @field_validator("deployment_config")
