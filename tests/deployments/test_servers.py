@@ -1,100 +1,25 @@
-"""The deployment classes without Serve (`sync_init` + `start`), on the real engines and a tiny checkpoint."""
+"""The deployment classes without Serve (`sync_init` + `start`), on the real engines and a tiny checkpoint: the Talker's
+streams, Code2Wav's batches, health and traces (the fixtures: tests/deployments/conftest.py; the Talker's
+first-chunk decoder: test_first_chunk_decoder_server.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 
 import numpy as np
 import pytest
 
 from deployments.code2wav.server import Code2WavServer
-from deployments.config import CheckpointSource, Code2WavDeploymentConfig, StreamingConfig, TalkerDeploymentConfig
+from deployments.config import CheckpointSource, Code2WavDeploymentConfig, TalkerDeploymentConfig
 from deployments.errors import APIError
 from deployments.messages import GenerateOptions
-from stages.contract import SAMPLES_PER_FRAME, FinishReason, SamplingParams, SynthesisRequest
-from stages.prompts import build_prompt
-
-STREAMING = StreamingConfig(first_chunk_frames=2, steady_chunk_frames=5, left_context_frames=3)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    pending = asyncio.all_tasks(loop)
-    for task in pending:
-        task.cancel()
-
-    async def cancelled() -> None:  # gathered on this loop (outside it, gather would take another)
-        await asyncio.gather(*pending, return_exceptions=True)
-
-    loop.run_until_complete(cancelled())
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def talker(loop, tiny_custom_voice):
-    from deployments.talker.server import TalkerServer
-
-    # every chunk leaves undecoded (Code2Wav decodes them): no first-chunk decoder
-    config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
-                                    engine_kwargs={"max_num_seqs": 4, "max_seq_len": 64},
-                                    first_chunk_decode_max_running=0)
-    server = TalkerServer.sync_init(config, STREAMING)
-    loop.run_until_complete(server.start())
-    yield server
-    server.__del__()
-
-
-@pytest.fixture(scope="module")
-def code2wav(loop, tiny_custom_voice):
-    # stateless (every chunk over its left context: the exact comparisons below) and no batch fill (the fill tests
-    # set their own waits); the serving defaults are stateful with batch fill (tests/serve runs them)
-    server = Code2WavServer.sync_init(Code2WavDeploymentConfig(device="cpu", max_batch_size=8, batch_fill_chunks=0,
-                                                               engine_kwargs={"stateful": False}),
-                                      CheckpointSource(model=str(tiny_custom_voice)), STREAMING)
-    loop.run_until_complete(server.start())
-    yield server
-
-
-@pytest.fixture(scope="module")
-def decoding_talker(loop, tiny_custom_voice):
-    """A Talker that decodes first chunks itself while at most one request runs."""
-    from deployments.talker.server import TalkerServer
-
-    config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
-                                    engine_kwargs={"max_num_seqs": 4, "max_seq_len": 64},
-                                    first_chunk_decode_max_running=1)
-    server = TalkerServer.sync_init(config, STREAMING)
-    loop.run_until_complete(server.start())
-    assert loop.run_until_complete(server.first_chunk_decoder_built()) is True  # built beside the ready replica
-    yield server
-    server.__del__()
-
-
-def _longest(talker, rid: str) -> SynthesisRequest:
-    """A request of the most frames that fit the engine's max_seq_len (the KV-fit rule: stages/talker/layout.py)."""
-    from stages.talker.layout import max_frames_that_fit, prefill_length
-
-    request = _request(talker, 1, rid=rid)
-    fit = max_frames_that_fit(prefill_length(request.prompt), talker._info.max_seq_len)
-    return dataclasses.replace(request, max_frames=fit)
-
-
-def _request(talker, frames: int, rid: str = "r1", seed: int = 3) -> SynthesisRequest:
-    info = talker._info
-    prompt = build_prompt(info.config, info.tokenizer, "Hello there.", speaker="vivian")
-    return SynthesisRequest(rid, prompt, SamplingParams(suppress_eos=True), max_frames=frames, seed=seed)
-
-
-async def _collect(agen):
-    return [c async for c in agen]
+from stages.contract import SAMPLES_PER_FRAME, FinishReason
+from tests.deployments.server_requests import STREAMING, collect, longest_request, request_for
 
 
 def test_talker_streams_scheduled_chunks_with_left_context(loop, talker):
-    chunks = loop.run_until_complete(_collect(talker.generate(_request(talker, 13))))
+    chunks = loop.run_until_complete(collect(talker.generate(request_for(talker, 13))))
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     assert [c.num_new for c in chunks] == [2, 4, 5, 2]  # first, ramp (x2), steady, final partial
     assert [c.context for c in chunks] == [0, 2, 3, 3]
@@ -109,20 +34,20 @@ def test_talker_options_first_chunk_and_the_kv_fit_rule(loop, talker):
     ingress fits requests with) and refuses one more."""
     from stages.contract import InvalidRequestError
 
-    request = _longest(talker, "fits")
-    chunks = loop.run_until_complete(_collect(talker.generate(request, GenerateOptions(1))))
+    request = longest_request(talker, "fits")
+    chunks = loop.run_until_complete(collect(talker.generate(request, GenerateOptions(1))))
     assert chunks[0].num_new == 1
     assert sum(c.num_new for c in chunks) == request.max_frames
     with pytest.raises(InvalidRequestError):
         too_long = dataclasses.replace(request, request_id="too-long", max_frames=request.max_frames + 1)
-        loop.run_until_complete(_collect(talker.generate(too_long)))
+        loop.run_until_complete(collect(talker.generate(too_long)))
     info = loop.run_until_complete(talker.info())
     assert info.max_seq_len == 64 and info.speakers[0] == "aiden"
 
 
 def test_closing_the_stream_aborts_the_request_and_frees_the_slot(loop, talker):
     async def first_then_close():
-        agen = talker.generate(_longest(talker, "gone"))
+        agen = talker.generate(longest_request(talker, "gone"))
         first = await anext(agen)
         assert talker.record_autoscaling_stats()["running"] == 1
         await agen.aclose()  # queues the abort on the engine's command queue
@@ -147,7 +72,7 @@ def test_the_servers_hold_engines_of_their_protocols(talker, code2wav):
 
 
 def test_code2wav_decodes_many_streams_in_one_call_like_single_decodes(loop, talker, code2wav):
-    streams = [loop.run_until_complete(_collect(talker.generate(_request(talker, 9, rid=f"s{i}", seed=i))))
+    streams = [loop.run_until_complete(collect(talker.generate(request_for(talker, 9, rid=f"s{i}", seed=i))))
                for i in range(3)]
     chunks = [c for s in streams for c in s]
     before = code2wav._engine.stats().batches
@@ -194,7 +119,7 @@ async def _calls_while_busy(code2wav, entered, gate, first_call, later_calls):
 
 def test_code2wav_decodes_calls_that_arrive_during_a_decode_as_one_batch(loop, talker, code2wav, monkeypatch):
     """Several ingress replicas' calls: those waiting while the decoder thread is busy go into one engine call."""
-    chunks = loop.run_until_complete(_collect(talker.generate(_request(talker, 20, rid="together"))))
+    chunks = loop.run_until_complete(collect(talker.generate(request_for(talker, 20, rid="together"))))
     assert len(chunks) >= 4
     entered, gate, batches = _gate_decoder(code2wav, monkeypatch)
     later = [[c] for c in chunks[1:]]  # all wait together
@@ -208,7 +133,7 @@ def test_code2wav_decodes_calls_that_arrive_during_a_decode_as_one_batch(loop, t
 def test_code2wav_batch_waits_to_fill_but_never_with_a_streams_first_chunks(loop, talker, code2wav, monkeypatch):
     """`batch_fill_chunks`: a batch of later chunks waits for more (here until the third arrives: the wait is far
     longer than the test), while a batch holding a stream's first or second chunk leaves at once."""
-    a = loop.run_until_complete(_collect(talker.generate(_request(talker, 20, rid="fill"))))
+    a = loop.run_until_complete(collect(talker.generate(request_for(talker, 20, rid="fill"))))
     assert len(a) >= 5
     monkeypatch.setattr(code2wav, "_config", code2wav._config.model_copy(
         update={"batch_fill_chunks": 3, "batch_fill_wait_ms": 60_000.0, "batch_fill_idle_wait_ms": 0.0}))
@@ -243,7 +168,7 @@ def test_code2wav_batch_waits_to_fill_but_never_with_a_streams_first_chunks(loop
 def test_code2wav_batch_does_not_wait_when_chunks_arrive_seldom(loop, talker, code2wav, monkeypatch):
     """At light load (here one chunk every 200 ms against a 20 ms wait) no second chunk is expected within the
     wait: a batch of later chunks leaves at once; a burst of arrivals makes the next one wait again."""
-    a = loop.run_until_complete(_collect(talker.generate(_request(talker, 20, rid="seldom"))))
+    a = loop.run_until_complete(collect(talker.generate(request_for(talker, 20, rid="seldom"))))
     assert len(a) >= 5
     now = [1000.0]
     monkeypatch.setattr(code2wav, "_clock", lambda: now[0])
@@ -268,7 +193,7 @@ def test_code2wav_batch_waits_longer_while_the_decoder_is_mostly_idle(loop, talk
     """`batch_fill_idle_wait_ms`: while the decoder was busy less than half of the last second, a batch of later
     chunks waits that long and one with a stream's last chunk leaves at once; once decodes keep it busy, the
     usual `batch_fill_wait_ms` applies again, to a batch with a last chunk too."""
-    a = loop.run_until_complete(_collect(talker.generate(_request(talker, 20, rid="idle"))))
+    a = loop.run_until_complete(collect(talker.generate(request_for(talker, 20, rid="idle"))))
     last = a[-1]
     assert len(a) >= 5 and last.final
     now = [5000.0]
@@ -291,223 +216,13 @@ def test_code2wav_batch_waits_longer_while_the_decoder_is_mostly_idle(loop, talk
     assert code2wav._fill_time([burst]) == pytest.approx(0.060)
 
 
-def test_chunks_the_talker_decodes_continue_exactly_into_code2wavs(loop, decoding_talker, talker, code2wav):
-    """Talker-decoded chunks 0 and 1 + Code2Wav's decode of the rest == Code2Wav decoding the whole stream."""
-    from deployments.ingress.decode_batcher import DecodeBatcher
-
-    before = decoding_talker._first_decoder.decoded
-    stats_before = loop.run_until_complete(decoding_talker.engine_stats())["first_chunk_decoder"]
-    chunks = loop.run_until_complete(_collect(decoding_talker.generate(_request(decoding_talker, 13, rid="fc"))))
-    plain = loop.run_until_complete(_collect(talker.generate(_request(talker, 13, rid="fc-plain"))))
-    assert all(c.pcm is not None and c.pcm.dtype == np.int16 for c in chunks[:2])
-    assert all(c.pcm is None for c in chunks[2:]) and all(c.pcm is None for c in plain)
-    for ours, theirs in zip(chunks, plain, strict=True):  # the same codes (same seed): only the first has PCM
-        np.testing.assert_array_equal(ours.codes, theirs.codes)
-    assert decoding_talker._first_decoder.decoded == before + 2
-    # what the bench's replica stats read: the Talker's own decodes, beside its engine's counters
-    stats_after = loop.run_until_complete(decoding_talker.engine_stats())["first_chunk_decoder"]
-    assert stats_after["chunks"] == stats_before["chunks"] + 2 and stats_after["forwards"] > stats_before["forwards"]
-    assert "first_chunk_decoder" not in loop.run_until_complete(talker.engine_stats())
-
-    async def through_code2wav(stream):
-        # the ingress's path: a chunk with PCM is answered at once, the others decoded by Code2Wav
-        class Handle:
-            def __init__(self):
-                self.decode_many = self
-                self.sent = []
-
-            def remote(self, batch):
-                self.sent += batch
-                return code2wav.decode_many(batch)
-
-        handle = Handle()
-        batcher = DecodeBatcher(handle, max_chunks=8, max_calls_in_flight=1)
-        answers = [await batcher.submit(c) for c in stream]
-        await batcher.close()
-        return answers, handle.sent
-
-    ours, sent = loop.run_until_complete(through_code2wav(chunks))
-    whole, _ = loop.run_until_complete(through_code2wav(plain))
-    assert [c.seq for c in sent] == [c.seq for c in chunks[2:]]  # chunks 0 and 1 never went to Code2Wav
-    # fp32 on CPU: chunks 0 and 1 decoded from zero state over the whole stream before them are the whole
-    # decode's; chunk 2 then decodes over its left context (Code2Wav's `fresh` path), which continues them
-    # (+-1 LSB from batch composition)
-    got, want = np.concatenate([a.pcm for a in ours]), np.concatenate([a.pcm for a in whole])
-    assert got.size == want.size == 13 * SAMPLES_PER_FRAME
-    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
-
-
-def test_pending_first_chunk_decodes_count_as_running_requests_when_asked(loop, decoding_talker, monkeypatch):
-    """`first_chunk_decode_count_pending`: a first chunk is taken while running requests + the decodes pending in
-    the Talker stay within the gate (a burst's first chunks fill it, arrivals one by one do not); off, pending
-    decodes do not count. A stream's chunk 1 follows its Talker-decoded chunk 0 whatever is pending."""
-    import threading
-
-    decoder = decoding_talker._first_decoder  # gate: max_running 1
-    chunks = loop.run_until_complete(_collect(decoding_talker.generate(_request(decoding_talker, 5, rid="cp"))))
-    assert chunks[0].pcm is not None  # (ran alone: decoded here)
-    first = dataclasses.replace(chunks[0], pcm=None, request_id="cp-again")
-    started, release = threading.Event(), threading.Event()
-    real_decode = decoder._engine.decode
-
-    def held_decode(work, **kw):  # the decode stays pending until the test releases it
-        started.set()
-        release.wait()
-        return real_decode(work, **kw)
-
-    monkeypatch.setattr(decoder._engine, "decode", held_decode)
-
-    async def scenario():
-        pending = asyncio.ensure_future(decoder.decode(first))
-        await asyncio.to_thread(started.wait)
-        assert decoder.pending == 1
-        monkeypatch.setattr(decoder, "count_pending", False)
-        assert decoder.takes(first, 1, None)  # 1 running <= 1: pending decodes do not count
-        monkeypatch.setattr(decoder, "count_pending", True)
-        assert not decoder.takes(first, 1, None)  # 1 running + 1 pending > 1
-        assert decoder.takes(first, 0, None)  # 0 + 1 <= 1
-        assert decoder.takes(chunks[1], 1, chunks[0])  # chunk 1 of a stream whose chunk 0 was decoded here
-        release.set()
-        await pending
-        return decoder.pending, decoder.takes(first, 1, None)
-
-    assert loop.run_until_complete(scenario()) == (0, True)
-
-
-def test_first_chunk_decodes_waiting_together_split_into_forwards_of_max_batch(loop, decoding_talker):
-    """`first_chunk_decode_max_batch`: three first chunks waiting together with a batch of 2 take two forwards, each
-    chunk's PCM the same as decoded alone (+-1 LSB from batch composition)."""
-    from deployments.talker.first_chunk_decoder import FirstChunkDecoder
-
-    chunks = loop.run_until_complete(_collect(decoding_talker.generate(_request(decoding_talker, 5, rid="mb"))))
-    first = dataclasses.replace(chunks[0], pcm=None)
-    decoder = FirstChunkDecoder(decoding_talker._model.decoder, decoding_talker._schedule, max_running=4, max_batch=2)
-    assert decoder._engine.config.batch_buckets == (1, 2)
-    engine, forwards = decoder._engine, []
-    real_decode = engine.decode
-    engine.decode = lambda work, **kw: forwards.append(len(work)) or real_decode(work, **kw)
-
-    async def three():
-        return await asyncio.gather(*(decoder.decode(dataclasses.replace(first, request_id=f"mb-{i}")) for i in range(3)))
-
-    try:
-        pcm = loop.run_until_complete(three())
-    finally:
-        decoder.shutdown()
-    assert sorted(forwards) == [1, 2]
-    for p in pcm:
-        assert p.shape == chunks[0].pcm.shape
-        assert np.abs(p.astype(np.int32) - chunks[0].pcm.astype(np.int32)).max() <= 1
-
-
-def test_the_first_chunk_decoder_compiles_where_the_talkers_engine_does(loop, tiny_custom_voice, tmp_path):
-    """`first_chunk_decode_compile` (on by default) with `engine_kwargs.compile`: the Talker's first-chunk decoder is
-    built compiled too, with the engine's compile cache directory (CUDA only: on CPU both stay eager, so the decoder
-    reports not compiled); with the option off it is not."""
-    from deployments.talker.server import TalkerServer
-
-    config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1, warmup=False,
-                                    engine_kwargs={"max_num_seqs": 2, "max_seq_len": 64, "compile": True,
-                                                   "compile_cache_dir": str(tmp_path)},
-                                    first_chunk_decode_max_running=1)
-    assert config.first_chunk_decode_compile is True
-    server = TalkerServer.sync_init(config, STREAMING)
-    loop.run_until_complete(server.start())
-    try:
-        assert loop.run_until_complete(server.first_chunk_decoder_built()) is True
-        engine = server._first_decoder._engine
-        assert engine.config.compile is True and engine.config.compile_cache_dir == str(tmp_path)
-        assert engine.compiled is False and not list(tmp_path.iterdir())
-    finally:
-        server.__del__()
-    off = TalkerServer.sync_init(TalkerDeploymentConfig(**{**config.model_dump(), "first_chunk_decode_compile": False}),
-                                 STREAMING)
-    loop.run_until_complete(off.start())
-    try:
-        assert loop.run_until_complete(off.first_chunk_decoder_built()) is True
-        assert off._first_decoder._engine.config.compile is False
-    finally:
-        off.__del__()
-
-
-def test_the_talker_serves_before_its_first_chunk_decoder_is_built(loop, tiny_custom_voice, monkeypatch):
-    """The first-chunk decoder is built beside the ready replica: until then every chunk leaves undecoded (Code2Wav
-    decodes it), after it the first chunks are decoded here; a build that fails leaves the replica serving."""
-    import threading
-
-    from deployments.talker.first_chunk_decoder import FirstChunkDecoder
-    from deployments.talker.server import TalkerServer
-
-    release, building = threading.Event(), threading.Event()
-    real_start = FirstChunkDecoder._start
-
-    def held_start(self, then):
-        building.set()
-        assert release.wait(60), "the test never released the build"
-        real_start(self, then)
-
-    monkeypatch.setattr(FirstChunkDecoder, "_start", held_start)
-    config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1, warmup=False,
-                                    engine_kwargs={"max_num_seqs": 2, "max_seq_len": 64},
-                                    first_chunk_decode_max_running=1)
-    server = TalkerServer.sync_init(config, STREAMING)
-    frozen = gc.get_freeze_count()
-    try:
-        loop.run_until_complete(server.start())
-        assert loop.run_until_complete(server.ready()) is True
-        assert loop.run_until_complete(asyncio.to_thread(building.wait, 60))  # the build has begun and waits
-        early = loop.run_until_complete(_collect(server.generate(_request(server, 5, rid="early"))))
-        assert len(early) >= 2 and all(c.pcm is None for c in early)  # all to Code2Wav
-        release.set()
-        assert loop.run_until_complete(server.first_chunk_decoder_built()) is True
-        # what the build left is frozen, as Serve freezes what __init__ left: full collections do not walk it; done
-        # before the decoder says it is ready (the collection stops every thread once)
-        assert gc.get_freeze_count() > frozen
-        later = loop.run_until_complete(_collect(server.generate(_request(server, 5, rid="later"))))
-        assert later[0].pcm is not None and later[0].pcm.size == later[0].num_new * SAMPLES_PER_FRAME
-    finally:
-        release.set()
-        server.__del__()
-        gc.unfreeze()  # the test process's objects: collectable again
-
-    def failing_start(self, then):
-        raise RuntimeError("no room for the decoder's graphs")
-
-    collections = []
-    monkeypatch.setattr(FirstChunkDecoder, "_start", failing_start)
-    monkeypatch.setattr("deployments.talker.server._collect_and_freeze", lambda: collections.append(1))
-    failed = TalkerServer.sync_init(config, STREAMING)
-    try:
-        loop.run_until_complete(failed.start())
-        assert loop.run_until_complete(failed.first_chunk_decoder_built()) is False
-        assert collections == [1]  # what a failed build left is collected and frozen too
-        chunks = loop.run_until_complete(_collect(failed.generate(_request(failed, 5, rid="after-failure"))))
-        assert chunks[-1].final and all(c.pcm is None for c in chunks)
-    finally:
-        failed.__del__()
-
-
-def test_a_loaded_talker_leaves_first_chunks_to_code2wav(loop, decoding_talker):
-    async def two_at_once():
-        streams = [decoding_talker.generate(_request(decoding_talker, 20, rid=f"busy-{i}", seed=i)) for i in range(2)]
-        return await asyncio.gather(*(_collect(s) for s in streams))
-
-    before = decoding_talker._first_decoder.decoded
-    a, b = loop.run_until_complete(two_at_once())
-    decoded = decoding_talker._first_decoder.decoded - before
-    # two requests run together: the first to be cut may still see one running (itself), the other sees two
-    # and leaves all its chunks to Code2Wav (its chunk 1 follows its chunk 0)
-    assert decoded <= 2
-    assert all(c.pcm is None for c in a) or all(c.pcm is None for c in b)
-
-
 def test_code2wav_rejects_a_malformed_chunk_alone(loop, talker, code2wav):
     from stages.contract import CodecChunk
 
     bad = CodecChunk("bad", 0, np.full((3, 16), 5000, dtype=np.int64), 0)
     with pytest.raises(ValueError, match="codes outside"):
         loop.run_until_complete(code2wav.decode(bad))
-    good = loop.run_until_complete(_collect(talker.generate(_request(talker, 4, rid="good"))))
+    good = loop.run_until_complete(collect(talker.generate(request_for(talker, 4, rid="good"))))
     answers = loop.run_until_complete(code2wav.decode_many([good[0], bad, *good[1:]]))
     assert isinstance(answers[1], ValueError) and "codes outside" in str(answers[1])
     assert [a.request_id for i, a in enumerate(answers) if i != 1] == ["good"] * len(good)
@@ -568,7 +283,7 @@ def test_talker_health_sees_an_engine_that_stopped_stepping(loop, tiny_custom_vo
     server = TalkerServer.sync_init(config, STREAMING)
     loop.run_until_complete(server.start())
     try:
-        chunks = loop.run_until_complete(_collect(server.generate(_request(server, 6))))
+        chunks = loop.run_until_complete(collect(server.generate(request_for(server, 6))))
         assert sum(c.num_new for c in chunks) == 6
         server.check_health()
         # what the autoscaling policy reads of the fake (test_autoscaling's engine): it failed, and the policy
@@ -576,7 +291,7 @@ def test_talker_health_sees_an_engine_that_stopped_stepping(loop, tiny_custom_vo
         assert server.record_autoscaling_stats() == {"waiting": 0.0, "running": 0.0, "slots": 2.0}
 
         async def stuck():
-            agen = server.generate(_request(server, 50, rid="stuck", seed=666))
+            agen = server.generate(request_for(server, 50, rid="stuck", seed=666))
             task = asyncio.ensure_future(anext(agen))
             while not server._engine.stats().stalled:  # the fault is injected by the request itself
                 await asyncio.sleep(0.01)
@@ -625,7 +340,7 @@ def test_a_request_traces_the_talkers_admission_and_first_chunk_and_code2wavs_de
     spans.clear()
     record = RequestRecord("traced", "speech", 12, True)
     with trace.use_span(record.span, end_on_exit=False):
-        chunks = loop.run_until_complete(_collect(talker.generate(_request(talker, 9, rid="traced"))))
+        chunks = loop.run_until_complete(collect(talker.generate(request_for(talker, 9, rid="traced"))))
         loop.run_until_complete(code2wav.decode_many(chunks[:2]))
     record.first_audio()
     record.end("ok", 200, audio_s=0.72)
