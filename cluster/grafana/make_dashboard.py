@@ -1,7 +1,7 @@
 """Writes cluster/grafana/qwen3_tts_dashboard.json:   python cluster/grafana/make_dashboard.py
 
 The dashboard is generated so that panels stay uniform; edit the panel list here and regenerate.
-tests/deployments/test_cluster_files.py checks the JSON: every metric of deployments/metrics.py in a
+tests/deployments/test_cluster_dashboard.py checks the JSON: every metric of deployments/metrics.py in a
 query under its exported Prometheus name (`ray_` prefix, `_total` on counters, `_bucket` on
 histograms), every `ray_serve_*` / `ray_node_*` name known to the installed Ray.
 """
