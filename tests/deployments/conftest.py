@@ -28,16 +28,23 @@ def loop():
     loop.close()
 
 
-@pytest.fixture(scope="module")
-def talker(loop, tiny_custom_voice):
+def _talker_server(loop, checkpoint, first_chunk_decode_max_running: int):
+    """A started Talker server of 4 rows and 64 positions that decodes first chunks itself while at most
+    `first_chunk_decode_max_running` requests run (0: never)."""
     from deployments.talker.server import TalkerServer
 
-    # every chunk leaves undecoded (Code2Wav decodes them): no first-chunk decoder
-    config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
+    config = TalkerDeploymentConfig(name="cv", model=str(checkpoint), device="cpu", cpu_threads=1,
                                     engine_kwargs={"max_num_seqs": 4, "max_seq_len": 64},
-                                    first_chunk_decode_max_running=0)
+                                    first_chunk_decode_max_running=first_chunk_decode_max_running)
     server = TalkerServer.sync_init(config, STREAMING)
     loop.run_until_complete(server.start())
+    return server
+
+
+@pytest.fixture(scope="module")
+def talker(loop, tiny_custom_voice):
+    """Every chunk leaves undecoded (Code2Wav decodes them): no first-chunk decoder."""
+    server = _talker_server(loop, tiny_custom_voice, 0)
     yield server
     server.__del__()
 
@@ -56,13 +63,7 @@ def code2wav(loop, tiny_custom_voice):
 @pytest.fixture(scope="module")
 def decoding_talker(loop, tiny_custom_voice):
     """A Talker that decodes first chunks itself while at most one request runs."""
-    from deployments.talker.server import TalkerServer
-
-    config = TalkerDeploymentConfig(name="cv", model=str(tiny_custom_voice), device="cpu", cpu_threads=1,
-                                    engine_kwargs={"max_num_seqs": 4, "max_seq_len": 64},
-                                    first_chunk_decode_max_running=1)
-    server = TalkerServer.sync_init(config, STREAMING)
-    loop.run_until_complete(server.start())
+    server = _talker_server(loop, tiny_custom_voice, 1)
     assert loop.run_until_complete(server.first_chunk_decoder_built()) is True  # built beside the ready replica
     yield server
     server.__del__()
