@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 
 from stages import dynamic_compile
 from stages.dynamic_compile import compile_dynamic
-from stages.layers import attention_output_and_mlp
+from stages.layers import attention_output_and_mlp, heads_norm_rope
 from stages.talker.frame import advance_rows, record_step
 
 HIDDEN, HEADS_DIM, INNER = 32, 48, 64
@@ -57,6 +57,26 @@ def test_views_of_any_base_and_fresh_tensors_share_one_trace(traced):
         assert (attn._base is not None) == (base_rows is not None)
         got = post(x, attn, **weights)
         torch.testing.assert_close(got, attention_output_and_mlp(x, attn.clone(), **weights))
+    assert traced() == 1
+
+
+@torch.no_grad()  # as the engines capture (inference mode keeps no `_base`)
+def test_q_k_v_split_from_one_product_share_one_trace_at_every_batch(traced):
+    """The few-row path's q, k and v: three views of one GEMV output (detached: three aliases of one storage), at
+    several batch sizes, one trace, the eager function's result."""
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_dim = 4, 2, 8
+    sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    q_norm, k_norm = torch.nn.Parameter(torch.rand(head_dim, generator=g)), torch.nn.Parameter(
+        torch.rand(head_dim, generator=g))
+    fn = compile_dynamic(heads_norm_rope)
+    for batch in (4, 2, 3):
+        projected = torch.randn(batch, 1, sum(sizes), generator=g)
+        q, k, v = projected.split(sizes, -1)
+        cos, sin = torch.rand(batch, 1, 1, head_dim, generator=g), torch.rand(batch, 1, 1, head_dim, generator=g)
+        args = (q_norm, k_norm, 1e-6, cos, sin, heads, kv_heads, head_dim)
+        for got, want in zip(fn(q, k, v, *args), heads_norm_rope(q.clone(), k.clone(), v.clone(), *args), strict=True):
+            torch.testing.assert_close(got, want)
     assert traced() == 1
 
 
