@@ -37,10 +37,10 @@ import torch.fx.experimental._config as shape_config
 
 
 def _unviewed(value: Any) -> Any:
-    """A view detached (no `_base`; the same memory), in a tuple or list too; anything else as it is."""
+    """A view detached (no `_base`; the same memory), in a plain tuple or list too; anything else as it is."""
     if isinstance(value, torch.Tensor):
         return value.detach() if value._base is not None and not isinstance(value, torch.nn.Parameter) else value
-    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+    if type(value) in (tuple, list):  # not a named tuple's class, which takes its fields one by one
         return type(value)(_unviewed(v) for v in value)
     return value
 
